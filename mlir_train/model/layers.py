@@ -1,0 +1,125 @@
+"""Building blocks of the Qwen3 decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Shape suffixes (nanodo style): B batch, T sequence, S key sequence, D hidden (embed),
+N query heads, K kv heads, G query heads per kv head, H head dim, F MLP width, V vocab.
+
+Parameters carry their logical axis names in the ``logical_axes`` metadata of ``nnx.Param``;
+activations are annotated with :func:`sharding.constrain`. Nothing here names a mesh axis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sharding import constrain
+
+Axes = tuple[str | None, ...]
+
+
+def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Axes, std: float, dtype=jnp.float32) -> nnx.Param:
+    """A normally initialised weight (Megatron's init_method_normal) tagged with logical axes."""
+    assert len(shape) == len(axes), (shape, axes)
+    value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=tuple(axes))
+
+
+def ones_param(shape: Sequence[int], axes: Axes, dtype=jnp.float32) -> nnx.Param:
+    return nnx.Param(jnp.ones(tuple(shape), dtype), logical_axes=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+    """HF Qwen3RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, axis_name: str = "norm", dtype=jnp.float32):
+        self.scale = ones_param((dim,), (axis_name,), dtype)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_tables(positions_BT: jax.Array, head_dim: int, theta: float, scaling_factor: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables ``[B, T, H]`` (HF "default" RoPE; linear interpolation divides positions)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    pos = positions_BT.astype(jnp.float32) / scaling_factor
+    freqs_BTh = pos[..., None] * inv_freq
+    emb_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)
+    return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+
+
+def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+    half = x_BTNH.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BTNH[..., half:], x_BTNH[..., :half]], axis=-1)
+    cos, sin = cos_BTH[:, :, None, :], sin_BTH[:, :, None, :]
+    return (x_BTNH.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x_BTNH.dtype)
+
+
+def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
+    """Causal mask restricted to equal segment ids: packed documents never see each other.
+
+    Padding (segment 0) attends only to padding, which keeps its softmax rows finite.
+    """
+    t = segment_ids_BT.shape[1]
+    causal_TS = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+    same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+    return causal_TS[None] & same_BTS
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        std = cfg.init_std
+        self.q_proj = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), std, dtype)
+        self.k_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std, dtype)
+        self.v_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std, dtype)
+        self.o_proj = param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), out_std, dtype)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", dtype)
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", dtype)
+        self.num_kv_heads = k
+        self.head_dim = h
+
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_BTS) -> jax.Array:
+        dt = x_BTD.dtype
+        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...].astype(dt))
+        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...].astype(dt))
+        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...].astype(dt))
+        q_BTNH = constrain(q_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+        k_BTKH = constrain(k_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        v_BTKH = constrain(v_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        q_BTNH = apply_rope(self.q_norm(q_BTNH), cos_BTH, sin_BTH)
+        k_BTKH = apply_rope(self.k_norm(k_BTKH), cos_BTH, sin_BTH)
+
+        b, t, n, h = q_BTNH.shape
+        g = n // self.num_kv_heads
+        q_BTKGH = q_BTNH.reshape(b, t, self.num_kv_heads, g, h)
+        # Scores and softmax in float32 (Megatron's attention_softmax_in_fp32).
+        s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BTKH, preferred_element_type=jnp.float32)
+        s_BKGTS = s_BKGTS / math.sqrt(h)
+        s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, jnp.finfo(jnp.float32).min)
+        p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(dt)
+        o_BTKGH = jnp.einsum("bkgts,bskh->btkgh", p_BKGTS, v_BTKH)
+        o_BTNH = constrain(o_BTKGH.reshape(b, t, n, h), ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+        return jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-, down row-parallel under TP."""
+
+    def __init__(self, hidden: int, width: int, std: float, out_std: float, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate_proj = param(rngs, (hidden, width), ("embed", "mlp"), std, dtype)
+        self.up_proj = param(rngs, (hidden, width), ("embed", "mlp"), std, dtype)
+        self.down_proj = param(rngs, (width, hidden), ("mlp", "embed"), out_std, dtype)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        dt = x_BTD.dtype
+        g_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_proj[...].astype(dt))
+        u_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_proj[...].astype(dt))
+        h_BTF = constrain(jax.nn.silu(g_BTF) * u_BTF, ("act_batch", "act_seq", "act_mlp"))
+        return jnp.einsum("btf,fd->btd", h_BTF, self.down_proj[...].astype(dt))

@@ -1,0 +1,191 @@
+"""The Qwen3 / Qwen3-MoE causal LM, written once, in Flax NNX.
+
+Decoder layers are built stacked (every layer parameter has a leading ``"layers"`` axis) and
+run with ``jax.lax.scan``, so compile time does not grow with depth and the stack can later be
+split into pipeline stages along that axis. Consecutive layers of the same kind (dense MLP or
+MoE, per HF's ``decoder_sparse_step`` / ``mlp_only_layers``) form one stack; the released
+Qwen3 models are a single stack.
+
+Calling convention::
+
+    logits_BTV = model(input_ids_BT)                         # plain causal LM
+    logits_BTV, stats = model(input_ids_BT, segment_ids=seg_BT, positions=pos_BT,
+                              return_router_stats=True)
+
+``segment_ids`` (int, 1, 2, ... per packed document, 0 = padding) restrict attention to the
+same document; ``positions`` restart RoPE per document (default ``0..T-1``). ``stats`` maps
+names to arrays with a leading MoE-layer axis: ``tokens_per_expert [L, E]``,
+``probs_per_expert [L, E]`` (sums of softmax router probabilities), ``num_tokens [L]``,
+``z_loss_sum [L]``, ``dropped_tokens [L]``, all excluding padding tokens (segment id 0);
+see ``mlir_train.losses`` for the aux / z losses formed from them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlir_train.config import ModelConfig
+from mlir_train.model.layers import MLP, Attention, RMSNorm, attention_mask, param, rope_tables
+from mlir_train.model.moe import MoE
+from sharding import constrain
+
+REMAT_POLICIES = ("none", "full", "selective")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype):
+        # Megatron scales the init of the two output projections by 1/sqrt(2 * num_layers).
+        out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(cfg, rngs, out_std, dtype)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.is_moe = moe
+        if moe:
+            self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=dtype)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype)
+
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_BTS, valid_BT):
+        x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), cos_BTH, sin_BTH, mask_BTS)
+        x_BTD = constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
+        h_BTD = self.post_attn_norm(x_BTD)
+        if self.is_moe:
+            y_BTD, stats = self.mlp(h_BTD, valid_BT)
+        else:
+            y_BTD, stats = self.mlp(h_BTD), {}
+        x_BTD = constrain(x_BTD + y_BTD, ("act_batch", "act_res_seq", "act_embed"))
+        return x_BTD, stats
+
+
+def _stacked(make, n: int, rngs: nnx.Rngs):
+    """Build ``n`` layers as one module whose params have a leading "layers" axis."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def build(r):
+        return make(r)
+
+    stack = build(rngs)
+    for _, var in nnx.iter_graph(stack):
+        if isinstance(var, nnx.Param):
+            var.set_metadata("logical_axes", ("layers",) + tuple(var.get_metadata()["logical_axes"]))
+    return stack
+
+
+class Qwen3(nnx.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+        moe_impl: str = "padded",
+        capacity_factor: float | None = None,
+        drop_policy: str = "probs",
+        remat: str = "none",
+    ):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {remat!r}; choose one of {REMAT_POLICIES}")
+        self.cfg = cfg
+        self.remat = remat
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.embed = param(rngs, (v, d), ("vocab", "embed"), cfg.init_std, param_dtype)
+        layers = []
+        start = 0
+        kinds = []
+        for is_moe, group in itertools.groupby(cfg.layer_kinds()):
+            n = len(list(group))
+            make = lambda r, is_moe=is_moe: DecoderLayer(
+                cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype
+            )
+            layers.append(_stacked(make, n, rngs))
+            kinds.append((start, n, is_moe))
+            start += n
+        self.stack_kinds = tuple(kinds)  # (first layer, count, is_moe) per stack
+        self.layers = nnx.List(layers)
+        self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=param_dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg.init_std, param_dtype)
+
+    # ----- pieces, exposed for the trainer's loss and for pipeline stages ----------------------
+    def embed_tokens(self, input_ids_BT: jax.Array) -> jax.Array:
+        x_BTD = jnp.take(self.embed[...], input_ids_BT, axis=0)
+        return constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
+
+    def unembed_matrix(self) -> jax.Array:
+        """``[D, V]`` LM head (the transposed embedding when tied)."""
+        return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+
+    def logits(self, h_BTD: jax.Array) -> jax.Array:
+        w_DV = self.unembed_matrix().astype(h_BTD.dtype)
+        logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+        return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
+
+    def hidden_states(self, input_ids_BT, *, segment_ids=None, positions=None):
+        """Final-normed hidden states ``[B, T, D]`` and router stats (dict of ``[L_moe, ...]``)."""
+        b, t = input_ids_BT.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        cos_BTH, sin_BTH = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling_factor)
+        mask_BTS = attention_mask(segment_ids)
+        valid_BT = segment_ids != 0
+        x_BTD = self.embed_tokens(input_ids_BT)
+        stats: list[dict[str, jax.Array]] = []
+        for stack in self.layers:
+            x_BTD, s = run_stack(stack, x_BTD, (cos_BTH, sin_BTH, mask_BTS, valid_BT), self.remat)
+            if s:
+                stats.append(s)
+        router_stats = {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]} if stats else {}
+        return self.final_norm(x_BTD), router_stats
+
+    def __call__(self, input_ids_BT, *, segment_ids=None, positions=None, return_router_stats: bool = False):
+        h_BTD, stats = self.hidden_states(input_ids_BT, segment_ids=segment_ids, positions=positions)
+        logits_BTV = self.logits(h_BTD)
+        return (logits_BTV, stats) if return_router_stats else logits_BTV
+
+
+def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: str = "none") -> tuple[jax.Array, dict[str, Any]]:
+    """Scan ``x`` through a stacked layer module; stats come back with a leading layer axis."""
+    graphdef, state = nnx.split(stack)
+
+    def body(x, layer_state):
+        layer = nnx.merge(graphdef, layer_state)
+        return layer(x, *context)
+
+    if remat == "full":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    elif remat == "selective":
+        # Keep matmul outputs, recompute the cheap elementwise work (norms, activations,
+        # softmax): Megatron's "selective" recompute in spirit, at XLA's granularity.
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return jax.lax.scan(body, x_BTD, state)
+
+
+def logical_axes(model: nnx.Module) -> Any:
+    """The model's state as a tree of logical-axis tuples (same structure as ``nnx.state``)."""
+    return jax.tree.map(
+        lambda v: v.get_metadata()["logical_axes"], nnx.state(model, nnx.Param),
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def init_model(cfg: ModelConfig, *, seed: int = 0, shardings: Any = None, **model_kwargs: Any) -> Qwen3:
+    """Fresh model with parameters created by one compiled program, born in ``shardings``.
+
+    ``shardings`` is a tree like ``nnx.state(model)`` of ``jax.sharding.Sharding`` (or None
+    for the default device). Building eagerly would run thousands of tiny ops one at a time
+    and, with a mesh, place every full parameter on one device first.
+    """
+    def build() -> Qwen3:
+        return Qwen3(cfg, rngs=nnx.Rngs(seed), **model_kwargs)
+
+    graphdef, _ = nnx.split(nnx.eval_shape(build))
+    state = jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
