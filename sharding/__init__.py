@@ -3,6 +3,61 @@
 Imports nothing from ``mlir_train``: the model only ever names logical axes.
 """
 
+from sharding.inspect import sharding_rows, sharding_table
 from sharding.logical import Rules, active_rules, constrain, logical_to_spec, tree_shardings, tree_specs, use_rules
+from sharding.mesh import (
+    DATA_AXES,
+    MESH_AXES,
+    ParallelConfig,
+    ParallelConfigError,
+    kv_heads_replicated,
+    make_mesh,
+    validate,
+)
+from sharding.rules import (
+    ACTIVATION_AXES,
+    DATA_PARALLEL,
+    EXPERT_PARALLEL,
+    LOGICAL_AXES,
+    PARAM_AXES,
+    PIPELINE_PARALLEL,
+    TENSOR_PARALLEL,
+    TENSOR_SEQUENCE_PARALLEL,
+    StateSpecs,
+    optimizer_state_specs,
+    rules_for,
+    state_specs,
+    zero_spec,
+)
 
-__all__ = ["Rules", "active_rules", "constrain", "logical_to_spec", "tree_shardings", "tree_specs", "use_rules"]
+__all__ = [
+    "ACTIVATION_AXES",
+    "DATA_AXES",
+    "DATA_PARALLEL",
+    "EXPERT_PARALLEL",
+    "LOGICAL_AXES",
+    "MESH_AXES",
+    "PARAM_AXES",
+    "PIPELINE_PARALLEL",
+    "TENSOR_PARALLEL",
+    "TENSOR_SEQUENCE_PARALLEL",
+    "ParallelConfig",
+    "ParallelConfigError",
+    "Rules",
+    "StateSpecs",
+    "active_rules",
+    "constrain",
+    "kv_heads_replicated",
+    "logical_to_spec",
+    "make_mesh",
+    "optimizer_state_specs",
+    "rules_for",
+    "sharding_rows",
+    "sharding_table",
+    "state_specs",
+    "tree_shardings",
+    "tree_specs",
+    "use_rules",
+    "validate",
+    "zero_spec",
+]

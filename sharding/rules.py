@@ -1,12 +1,39 @@
 """Rule tables: which mesh axes each logical axis is split over, one table per layout.
 
 Tables are plain data so they can be printed, diffed and tested for completeness against
-``LOGICAL_AXES`` (every name the model uses).
+``LOGICAL_AXES`` (every name the model uses). Each layout is a small overlay on
+``DATA_PARALLEL``; :func:`rules_for` stacks the overlays a :class:`~sharding.mesh.ParallelConfig`
+asks for (Levanter-style: the table is a function of a few knobs, not a config file).
+
+Two kinds of placement come out of here:
+
+* the *compute* layout, from the rule tables: how parameters and activations are split while
+  the forward and backward run (tensor, expert and pipeline splits; parameters replicated
+  over the data-parallel ranks);
+* the *storage* layout of the optimizer state and float32 master weights (and, under FSDP,
+  of the parameters themselves): the compute spec plus a split over the data-parallel ranks on
+  one dimension that divides, added per array by :func:`zero_spec`. That is ZeRO-1 (Megatron's
+  ``--use-distributed-optimizer``): XLA turns the gradient all-reduce into a reduce-scatter
+  onto this layout and all-gathers the updated parameters back to the compute layout.
+
+The data-parallel split is added per array rather than through a logical axis because no
+single logical axis is on every parameter and divisible by the data-parallel size (norm
+scales, q/k norms and the router would stay replicated, experts already use "expert").
 """
 
 from __future__ import annotations
 
-from sharding.logical import Rules
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from sharding.logical import MeshAxes, Rules, tree_specs
+from sharding.mesh import DATA_AXES, ParallelConfig, kv_heads_replicated
 
 # Every logical axis name the model may put on a parameter or an activation.
 PARAM_AXES = (
@@ -24,7 +51,9 @@ PARAM_AXES = (
 )
 ACTIVATION_AXES = (
     "act_batch",
-    "act_seq",
+    "act_seq",       # sequence inside attention / MLP / logits (whole on every tensor rank)
+    "act_res_seq",   # sequence of the residual stream and norm inputs/outputs between the
+                     # tensor-parallel regions: split over "tensor" under --sequence-parallel
     "act_embed",
     "act_heads",
     "act_kv_heads",
@@ -37,8 +66,182 @@ ACTIVATION_AXES = (
 )
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
+_BATCH = ("data", "expert")  # every data-like axis: the expert ranks are data ranks outside the experts
+
+
+def _overlay(base: Rules, *overrides: Mapping[str, MeshAxes]) -> Rules:
+    table = dict(base)
+    for override in overrides:
+        unknown = set(override) - set(table)
+        assert not unknown, f"overlay names unknown logical axes {sorted(unknown)}"
+        table.update(override)
+    return tuple((name, table[name]) for name in LOGICAL_AXES)
+
+
 # Pure data parallelism: weights replicated, batch split over every data-like axis.
-DATA_PARALLEL: Rules = tuple((name, None) for name in LOGICAL_AXES if name not in ("act_batch", "act_tokens")) + (
-    ("act_batch", ("data", "expert")),
-    ("act_tokens", ("data", "expert")),
+DATA_PARALLEL: Rules = tuple(
+    (name, {
+        "act_batch": _BATCH,
+        "act_tokens": _BATCH,
+        # The capacity slots are the batch-like dimension of the expert dispatch buffer;
+        # splitting them over the data ranks keeps expert compute data-parallel instead of
+        # replicated (the MoE block rounds capacity up to a multiple of the data-parallel
+        # size). Under expert parallelism "act_exp" claims "expert" first, so the slots are
+        # split over "data" only.
+        "act_capacity": _BATCH,
+    }.get(name))
+    for name in LOGICAL_AXES
 )
+
+# Megatron tensor parallelism: q/k/v and gate/up column-parallel (output features split),
+# o and down row-parallel (input features split, partial sums reduced), embedding and LM head
+# vocab-parallel. Activations inside those regions follow the split features.
+TENSOR_PARALLEL_OVERRIDES: Mapping[str, MeshAxes] = {
+    "vocab": "tensor",
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "moe_mlp": "tensor",
+    "act_heads": "tensor",
+    "act_kv_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+}
+# TP with more ranks than kv heads (see sharding.mesh.kv_heads_replicated).
+REPLICATED_KV_OVERRIDES: Mapping[str, MeshAxes] = {"kv_heads": None, "act_kv_heads": None}
+# Megatron sequence parallelism: what lies between the TP regions (residual adds, RMSNorm)
+# is split along the sequence over the tensor ranks, so the TP all-reduce becomes a
+# reduce-scatter into that layout and an all-gather out of it.
+SEQUENCE_PARALLEL_OVERRIDES: Mapping[str, MeshAxes] = {"act_res_seq": "tensor"}
+EXPERT_PARALLEL_OVERRIDES: Mapping[str, MeshAxes] = {"exp": "expert", "act_exp": "expert"}
+PIPELINE_PARALLEL_OVERRIDES: Mapping[str, MeshAxes] = {"layers": "stage"}
+
+TENSOR_PARALLEL: Rules = _overlay(DATA_PARALLEL, TENSOR_PARALLEL_OVERRIDES)
+TENSOR_SEQUENCE_PARALLEL: Rules = _overlay(TENSOR_PARALLEL, SEQUENCE_PARALLEL_OVERRIDES)
+EXPERT_PARALLEL: Rules = _overlay(DATA_PARALLEL, EXPERT_PARALLEL_OVERRIDES)
+PIPELINE_PARALLEL: Rules = _overlay(DATA_PARALLEL, PIPELINE_PARALLEL_OVERRIDES)
+
+
+def rules_for(cfg: ParallelConfig, model_dims: Mapping[str, int] | None = None) -> Rules:
+    """The compute-layout table for any combination of TP, SP, EP and PP.
+
+    ``model_dims`` is only read for ``num_kv_heads``: when TP exceeds it, k/v heads are
+    replicated over the tensor ranks instead of split. Overlays for axes of size 1 are left
+    out, so the table says what is actually split.
+    """
+    overlays: list[Mapping[str, MeshAxes]] = []
+    if cfg.tensor > 1:
+        overlays.append(TENSOR_PARALLEL_OVERRIDES)
+        kv = (model_dims or {}).get("num_kv_heads")
+        if kv is not None and kv_heads_replicated(cfg.tensor, kv):
+            overlays.append(REPLICATED_KV_OVERRIDES)
+        if cfg.sequence_parallel:
+            overlays.append(SEQUENCE_PARALLEL_OVERRIDES)
+    if cfg.expert > 1:
+        overlays.append(EXPERT_PARALLEL_OVERRIDES)
+    if cfg.pipeline > 1:
+        overlays.append(PIPELINE_PARALLEL_OVERRIDES)
+    return _overlay(DATA_PARALLEL, *overlays)
+
+
+# ----- storage layout: ZeRO-1 / FSDP ------------------------------------------------------
+
+
+def _spec_axes(entry: MeshAxes) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec(entries: list[MeshAxes]) -> PartitionSpec:
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def zero_spec(
+    shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh, axes: tuple[str, ...] = DATA_AXES
+) -> PartitionSpec:
+    """``spec`` plus a split over the data-parallel mesh ``axes`` it does not use yet.
+
+    Picks the largest group of those axes (all of them first) that divides some dimension,
+    preferring dimensions not yet split and, among those, the largest: that keeps the split
+    off the small stacked "layers" axis, which under FSDP would make the layer scan gather
+    every layer at once. A dimension already split (say over "tensor") is split further only
+    if no free one divides. Arrays nothing divides (scalars, odd sizes) keep ``spec``,
+    i.e. stay replicated over the data ranks.
+    """
+    entries: list[MeshAxes] = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for e in entries for a in _spec_axes(e)}
+    free = [a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used]
+    if not free or not shape:
+        return spec
+    groups = sorted(
+        (g for r in range(len(free), 0, -1) for g in itertools.combinations(free, r)),
+        key=lambda g: -math.prod(mesh.shape[a] for a in g),
+    )
+    by_size = sorted(range(len(shape)), key=lambda i: -shape[i])
+    for group in groups:
+        n = math.prod(mesh.shape[a] for a in group)
+        for i in by_size:
+            if entries[i] is None and shape[i] % n == 0:
+                entries[i] = group[0] if len(group) == 1 else group
+                return _spec(entries)
+        for i in by_size:
+            if entries[i] is not None:
+                existing = _spec_axes(entries[i])
+                if shape[i] % (n * math.prod(mesh.shape[a] for a in existing)) == 0:
+                    entries[i] = existing + group
+                    return _spec(entries)
+    return spec
+
+
+def _shape_of(leaf: Any) -> tuple[int, ...]:
+    return tuple(getattr(leaf, "shape", ()))
+
+
+def optimizer_state_specs(param_shapes_tree: Any, param_specs_tree: Any, mesh: Mesh) -> Any:
+    """ZeRO-1 specs: each parameter's compute spec plus a split over the data-parallel ranks.
+
+    ``param_shapes_tree`` has arrays or ``jax.ShapeDtypeStruct`` leaves, ``param_specs_tree``
+    the compute ``PartitionSpec`` of each. Works for any tree of per-parameter arrays: the
+    float32 master weights, Adam's moments (same shapes as the parameters), and the
+    parameters themselves under FSDP.
+    """
+    return jax.tree.map(
+        lambda leaf, spec: zero_spec(_shape_of(leaf), spec, mesh),
+        param_shapes_tree,
+        param_specs_tree,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpecs:
+    """Where the training state lives, as trees of ``PartitionSpec`` shaped like the params."""
+
+    compute: Any  # parameters as the forward/backward uses them
+    params: Any   # parameters as stored between steps (= compute, or data-split under FSDP)
+    optimizer: Any  # optimizer moments and float32 master weights
+
+
+def state_specs(
+    cfg: ParallelConfig,
+    param_shapes_tree: Any,
+    logical_axes_tree: Any,
+    mesh: Mesh,
+    model_dims: Mapping[str, int] | None = None,
+) -> StateSpecs:
+    """Compute, parameter-storage and optimizer-state specs for ``cfg``.
+
+    ``logical_axes_tree`` mirrors the parameters with a tuple of logical names per leaf.
+    Without ``--use-distributed-optimizer`` or FSDP the optimizer state is laid out like the
+    parameters (replicated over the data ranks), as Megatron's plain DDP optimizer is.
+    """
+    compute = tree_specs(logical_axes_tree, rules_for(cfg, model_dims), mesh.axis_names)
+    zero = optimizer_state_specs(param_shapes_tree, compute, mesh)
+    return StateSpecs(
+        compute=compute,
+        params=zero if cfg.fsdp else compute,
+        optimizer=zero if (cfg.distributed_optimizer or cfg.fsdp) else compute,
+    )
