@@ -1,0 +1,43 @@
+"""``DataConfig``: the Megatron/AIAK data and SFT flags the pipeline reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+DEFAULT_DATA = os.path.join(ASSETS, "alpaca_tasks.json")
+DEFAULT_TOKENIZER = os.path.join(ASSETS, "tokenizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    data_path: tuple[str, ...]  # --data-path, incl. the blend syntax "w1 p1 w2 p2"
+    tokenizer_path: str  # --hf-tokenizer-path
+    tokenizer_type: str = "HFTokenizer"  # --tokenizer-type
+    chat_template: str = "alpaca"  # --chat-template: alpaca | qwen | chatml | hf
+    seq_length: int = 2048  # --seq-length
+    packing: bool = False  # --packing-sft-data
+    num_workers: int = 1  # --sft-num-preprocess-workers
+    # --data-cache-path; None -> $XDG_CACHE_HOME/mlir_train/sft_data (~/.cache/mlir_train/sft_data)
+    cache_path: str | None = None
+    dataset_config: str | None = None  # --sft-dataset-config
+    split: str = "100,0,0"  # --split
+    train_on_prompt: bool = False  # --train-on-prompt
+    drop_long: bool = False  # --sft-drop-long-samples: drop (not truncate) samples over a row
+    skip_bad_records: bool = False  # --sft-skip-bad-records
+    seed: int = 1234  # --seed: split assignment, blend sampling (the loader takes its own seed)
+
+    def resolved_cache_path(self) -> str:
+        if self.cache_path:
+            return self.cache_path
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "mlir_train", "sft_data")
+
+
+def default_data_config(seq_length: int = 256, **overrides) -> DataConfig:
+    """The bundled generated alpaca tasks and BPE tokenizer, packed as the seed run packs."""
+    values = dict(data_path=(DEFAULT_DATA,), tokenizer_path=DEFAULT_TOKENIZER,
+                  chat_template="alpaca", seq_length=seq_length, packing=True)
+    values.update(overrides)
+    return DataConfig(**values)

@@ -1,0 +1,369 @@
+"""Preprocessing: read -> render -> tokenise (N processes) -> split -> blend -> pack -> cache.
+
+The cache is a directory of ``.npy`` arrays (memory-mapped on load) named by a hash of
+everything that changes its contents: data file bytes, resolved dataset formats, the tokenizer
+(its serialised pipeline, special tokens and chat template), the template, ``seq_length``,
+packing, truncation, prompt-loss, split, seed and blend weights. The worker count is not part
+of the key: every worker count gives the same arrays. A build writes into a temporary sibling
+directory and renames it into place as its last step, so a killed build leaves nothing that
+loads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from mlir_train.data.config import DataConfig
+from mlir_train.data.dataset import SPLITS, DataStats, SFTDataset, SFTDatasets
+from mlir_train.data.packing import one_per_row, pack_best_fit
+from mlir_train.data.records import (DataError, DatasetFormat, RawRecord, format_for,
+                                     iter_samples, load_dataset_config, parse_data_path,
+                                     parse_split, read_raw_records, resolve_format)
+from mlir_train.data.templates import TemplateSpec, make_spec, render
+from mlir_train.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint
+
+CACHE_VERSION = 1
+_CHUNK = 2048  # records per tokenisation task
+_MAX_BAD_EXAMPLES = 5
+
+
+# ------------------------------------------------------------------------ tokenisation
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeJob:
+    """What a worker needs, picklable: workers never import transformers."""
+
+    tokenizer_json: str
+    spec: TemplateSpec
+    fmt: DatasetFormat
+    seq_length: int
+    train_on_prompt: bool
+    drop_long: bool
+    skip_bad: bool
+
+
+@dataclasses.dataclass
+class Chunk:
+    tokens: np.ndarray  # int32, the kept documents' (possibly truncated) tokens back to back
+    loss: np.ndarray  # uint8, 1 where the token is a loss target
+    lengths: np.ndarray  # int64 tokens per kept document
+    truncated: int
+    truncated_tokens: int
+    dropped: dict[str, int]
+    bad_examples: list[str]
+
+
+_worker: tuple[TokenizeJob, object] | None = None
+
+
+def _init_worker(job: TokenizeJob) -> None:
+    global _worker
+    # N processes each running tokenizers' own thread pool would oversubscribe the cores.
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+    _worker = (job, Tokenizer.from_str(job.tokenizer_json))
+
+
+def _tokenize_in_worker(records: list[RawRecord]) -> Chunk:
+    job, tokenizer = _worker
+    return tokenize_records(records, job, tokenizer)
+
+
+def tokenize_records(records: list[RawRecord], job: TokenizeJob, tokenizer) -> Chunk:
+    dropped: dict[str, int] = {}
+    bad_examples: list[str] = []
+    texts, spans_list = [], []
+    for record, sample in zip(records, iter_samples(records, job.fmt, job.skip_bad, dropped,
+                                                    bad_examples)):
+        if sample is None:
+            continue
+        try:
+            text, spans = render(sample, job.spec, record.where)
+        except DataError as e:
+            if not job.skip_bad:
+                raise
+            dropped[e.reason] = dropped.get(e.reason, 0) + 1
+            if len(bad_examples) < _MAX_BAD_EXAMPLES:
+                bad_examples.append(str(e))
+            continue
+        texts.append(text)
+        spans_list.append(spans)
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
+    limit = job.seq_length + 1  # a row holds n - 1 positions of an n-token document
+    token_parts, loss_parts, lengths = [], [], []
+    truncated = truncated_tokens = 0
+    for encoding, spans in zip(encodings, spans_list):
+        ids = encoding.ids
+        loss = np.zeros(len(ids), np.uint8)
+        if job.train_on_prompt:
+            loss[:] = 1
+        else:
+            for start, end in spans:
+                first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+                if first is not None and last is not None:
+                    loss[first:last + 1] = 1
+        n = len(ids)
+        if n > limit:
+            if job.drop_long:
+                dropped["longer than seq_length"] = dropped.get("longer than seq_length", 0) + 1
+                continue
+            ids, loss = ids[:limit], loss[:limit]
+        if n < 2 or not loss[1:].any():
+            reason = "response truncated away" if n > limit else "no loss tokens"
+            dropped[reason] = dropped.get(reason, 0) + 1
+            continue
+        if n > limit:
+            truncated += 1
+            truncated_tokens += n - limit
+        token_parts.append(np.asarray(ids, np.int32))
+        loss_parts.append(loss)
+        lengths.append(len(ids))
+    return Chunk(
+        tokens=np.concatenate(token_parts) if token_parts else np.zeros(0, np.int32),
+        loss=np.concatenate(loss_parts) if loss_parts else np.zeros(0, np.uint8),
+        lengths=np.asarray(lengths, np.int64),
+        truncated=truncated, truncated_tokens=truncated_tokens, dropped=dropped,
+        bad_examples=bad_examples)
+
+
+def tokenize_all(job: TokenizeJob, records: list[RawRecord], num_workers: int) -> list[Chunk]:
+    """Tokenise inline (1 worker) or in ``num_workers`` spawned processes, chunks in order."""
+    if num_workers <= 1:
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_str(job.tokenizer_json)
+        return [tokenize_records(records[i:i + _CHUNK], job, tokenizer)
+                for i in range(0, len(records), _CHUNK)]
+    size = max(64, min(_CHUNK, -(-len(records) // (4 * num_workers))))
+    pieces = [records[i:i + size] for i in range(0, len(records), size)]
+    # spawn, not fork: the parent may hold JAX's threads, which fork would copy mid-flight.
+    pool = concurrent.futures.ProcessPoolExecutor(
+        num_workers, mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker, initargs=(job,))
+    try:
+        return list(pool.map(_tokenize_in_worker, pieces))
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+# ------------------------------------------------------------------------------- build
+
+def cache_key(cfg: DataConfig, sources, formats: list[DatasetFormat], spec: TemplateSpec,
+              tokenizer) -> str:
+    h = hashlib.sha256()
+
+    def add(value) -> None:
+        h.update(json.dumps(value, sort_keys=True, default=str).encode())
+
+    add(["mlir_train.sft_data", CACHE_VERSION])
+    for source, fmt in zip(sources, formats):
+        with open(source.path, "rb") as f:
+            add([hashlib.file_digest(f, "sha256").hexdigest(), source.weight,
+                 dataclasses.asdict(fmt)])
+    add(dataclasses.asdict(spec))
+    add(tokenizer_fingerprint(tokenizer))
+    add([cfg.seq_length, cfg.packing, cfg.drop_long, cfg.train_on_prompt, cfg.skip_bad_records,
+         parse_split(cfg.split), cfg.seed])
+    return h.hexdigest()[:24]
+
+
+def _split_bounds(n: int, fractions) -> list[tuple[int, int]]:
+    cumulative = np.concatenate([[0.0], np.cumsum(fractions)])
+    edges = np.round(cumulative * n).astype(np.int64)
+    edges[-1] = n
+    return [(int(edges[i]), int(edges[i + 1])) for i in range(3)]
+
+
+def _blend(doc_lists: list[np.ndarray], weights: list[float | None], rng) -> list[np.ndarray]:
+    """Megatron-style weighted blend: source i gets weight_i / sum of the split's documents.
+
+    Sources are repeated whole and then sampled without replacement to reach their share.
+    Without weights every source contributes all of its documents once.
+    """
+    if weights[0] is None:
+        return doc_lists
+    total = sum(len(d) for d in doc_lists)
+    shares = total * np.asarray(weights, np.float64) / sum(weights)
+    targets = np.floor(shares).astype(np.int64)
+    # Largest remainder, so the blended split keeps exactly the split's document count.
+    for i in np.argsort(-(shares - targets), kind="stable")[:total - int(targets.sum())]:
+        targets[i] += 1
+    blended = []
+    for docs, target in zip(doc_lists, targets.tolist()):
+        if not len(docs) or not target:
+            blended.append(np.zeros(0, np.int64))
+            continue
+        repeats, rest = divmod(target, len(docs))
+        extra = np.sort(rng.choice(len(docs), rest, replace=False))
+        blended.append(np.concatenate([np.tile(docs, repeats), docs[extra]]))
+    return blended
+
+
+def _build(cfg: DataConfig, tokenizer, sources, formats, spec, out_dir: str) -> DataStats:
+    fractions = parse_split(cfg.split)
+    tokenizer_json = tokenizer.backend_tokenizer.to_str()
+    token_parts, loss_parts, length_parts = [], [], []
+    records_read = truncated = truncated_tokens = 0
+    dropped: dict[str, int] = {}
+    bad_examples: list[str] = []
+    per_source_docs: list[np.ndarray] = []  # global doc ids per source
+    source_info = []
+    next_doc = 0
+    for source, fmt in zip(sources, formats):
+        bad: dict[str, int] = {}
+        records = read_raw_records(source.path, cfg.skip_bad_records, bad)
+        records_read += len(records) + sum(bad.values())
+        first = next((r for r in records if isinstance(r.value, dict)), None)
+        fmt = resolve_format(fmt, first.value if first else {},
+                             first.where if first else source.path)
+        job = TokenizeJob(tokenizer_json, spec, fmt, cfg.seq_length, cfg.train_on_prompt,
+                          cfg.drop_long, cfg.skip_bad_records)
+        chunks = tokenize_all(job, records, cfg.num_workers)
+        for reason, count in bad.items():
+            dropped[reason] = dropped.get(reason, 0) + count
+        for chunk in chunks:
+            token_parts.append(chunk.tokens)
+            loss_parts.append(chunk.loss)
+            length_parts.append(chunk.lengths)
+            truncated += chunk.truncated
+            truncated_tokens += chunk.truncated_tokens
+            for reason, count in chunk.dropped.items():
+                dropped[reason] = dropped.get(reason, 0) + count
+            bad_examples.extend(chunk.bad_examples[:_MAX_BAD_EXAMPLES - len(bad_examples)])
+        kept = sum(len(c.lengths) for c in chunks)
+        per_source_docs.append(np.arange(next_doc, next_doc + kept, dtype=np.int64))
+        source_info.append(dict(path=source.path, weight=source.weight,
+                                records=len(records) + sum(bad.values()), kept=kept))
+        next_doc += kept
+
+    lengths = np.concatenate(length_parts) if length_parts else np.zeros(0, np.int64)
+    tokens = np.concatenate(token_parts) if token_parts else np.zeros(0, np.int32)
+    loss = np.concatenate(loss_parts) if loss_parts else np.zeros(0, np.uint8)
+    if not len(lengths):
+        raise DataError(f"--data-path {' '.join(s.path for s in sources)}: no usable records "
+                        f"(dropped: {dropped or 'none'})")
+    doc_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    positions = lengths - 1  # positions a document takes in a row
+
+    # Split each source (shuffled by seed) before blending, so upsampling never copies a
+    # document into two splits.
+    # Loss positions per document: its flags after the first token (the shift drops it).
+    doc_loss = (np.add.reduceat(loss.astype(np.int64), doc_offsets[:-1])
+                - loss[doc_offsets[:-1]].astype(np.int64))
+    split_docs = [[], [], []]
+    for i, docs in enumerate(per_source_docs):
+        docs = docs[np.random.default_rng([cfg.seed, i]).permutation(len(docs))]
+        for s, (start, end) in enumerate(_split_bounds(len(docs), fractions)):
+            split_docs[s].append(docs[start:end])
+    arrays = {"tokens": tokens, "loss": loss, "doc_offsets": doc_offsets}
+    rows, split_tokens, split_loss = {}, {}, {}
+    for s, split in enumerate(SPLITS):
+        rng = np.random.default_rng([cfg.seed, 1000 + s])
+        blended = _blend(split_docs[s], [src.weight for src in sources], rng)
+        for info, docs in zip(source_info, blended):
+            info.setdefault("blended", []).append(len(docs))
+        docs = np.concatenate(blended) if blended else np.zeros(0, np.int64)
+        if cfg.packing:
+            row_offsets, local = pack_best_fit(positions[docs], cfg.seq_length)
+            row_docs = docs[local]
+        else:
+            row_offsets, row_docs = one_per_row(len(docs))
+            row_docs = docs[row_docs]
+        arrays[f"{split}_row_offsets"] = row_offsets
+        arrays[f"{split}_row_docs"] = row_docs
+        rows[split] = len(row_offsets) - 1
+        split_tokens[split] = int(positions[row_docs].sum())
+        split_loss[split] = int(doc_loss[row_docs].sum())
+
+    stats = DataStats(
+        records_read=records_read, records_kept=int(len(lengths)), truncated=truncated,
+        truncated_tokens=truncated_tokens, document_tokens=int(positions.sum()), dropped=dropped,
+        rows=rows, tokens=split_tokens, loss_tokens=split_loss, seq_length=cfg.seq_length,
+        packing=cfg.packing, sources=tuple(source_info),
+        bad_record_examples=tuple(bad_examples))
+    for name, array in arrays.items():
+        np.save(os.path.join(out_dir, f"{name}.npy"), array)
+    meta = dict(version=CACHE_VERSION, pad_id=pad_id(tokenizer), stats=stats.as_dict(),
+                config=dataclasses.asdict(cfg), created=time.time())
+    with open(os.path.join(out_dir, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return stats
+
+
+def _load(cache_dir: str, from_cache: bool) -> SFTDatasets:
+    with open(os.path.join(cache_dir, "meta.json")) as f:
+        meta = json.load(f)
+    if meta.get("version") != CACHE_VERSION:
+        raise DataError(f"{cache_dir}: cache version {meta.get('version')}, expected "
+                        f"{CACHE_VERSION}")
+
+    def array(name):
+        return np.load(os.path.join(cache_dir, f"{name}.npy"), mmap_mode="r")
+
+    stats = DataStats.from_dict(meta["stats"])
+    shared = (array("tokens"), array("loss"), array("doc_offsets"))
+    datasets = {split: SFTDataset(split, *shared, array(f"{split}_row_offsets"),
+                                  array(f"{split}_row_docs"), stats.seq_length, meta["pad_id"])
+                for split in SPLITS}
+    return SFTDatasets(**datasets, stats=stats, cache_dir=cache_dir, from_cache=from_cache)
+
+
+def _is_complete(cache_dir: str) -> bool:
+    try:
+        with open(os.path.join(cache_dir, "meta.json")) as f:
+            return json.load(f).get("version") == CACHE_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def _remove_stale_temporaries(root: str, max_age_s: float = 24 * 3600) -> None:
+    now = time.time()
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith(".tmp-") and now - os.path.getmtime(path) > max_age_s:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def build_datasets(cfg: DataConfig, tokenizer=None) -> SFTDatasets:
+    """Preprocess (or reuse the cache of) ``cfg``'s data; returns train/valid/test and stats."""
+    if cfg.seq_length < 1:
+        raise DataError(f"--seq-length {cfg.seq_length}: expected a positive row length")
+    parse_split(cfg.split)
+    sources = parse_data_path(cfg.data_path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg)
+    spec = make_spec(cfg.chat_template, tokenizer)
+    named_formats = load_dataset_config(cfg.dataset_config)
+    # Unresolved ("auto") formats go into the cache key: resolution depends only on the file's
+    # contents, which the key hashes, so a cache hit never has to parse the data files.
+    formats = [format_for(source.path, named_formats, cfg.dataset_config) for source in sources]
+
+    root = cfg.resolved_cache_path()
+    os.makedirs(root, exist_ok=True)
+    cache_dir = os.path.join(root, cache_key(cfg, sources, formats, spec, tokenizer))
+    if _is_complete(cache_dir):
+        return _load(cache_dir, from_cache=True)
+    _remove_stale_temporaries(root)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(cache_dir)}-", dir=root)
+    try:
+        _build(cfg, tokenizer, sources, formats, spec, tmp)
+        if os.path.isdir(cache_dir):  # an incomplete leftover under the final name
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        try:
+            os.rename(tmp, cache_dir)  # the commit point
+        except OSError:
+            if not _is_complete(cache_dir):  # someone else's build won the race otherwise
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _load(cache_dir, from_cache=False)

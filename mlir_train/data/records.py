@@ -1,0 +1,353 @@
+"""Reading SFT records from local files into one normalised form.
+
+Formats (AIAK/LoongForge ``sft_dataset_config`` names):
+
+- ``alpaca``: ``{instruction, input?, output, system?, history?: [[prompt, response], ...]}``,
+  as a JSON list or JSON Lines.
+- ``sharegpt``: ``{conversations: [{from, value}, ...], system?}``.
+- ``openai``: ``{messages: [{role, content}, ...]}``.
+
+Every record becomes a :class:`Sample`: an optional system prompt and a tuple of user/assistant
+turns. Errors name the file, the JSONL line or the record index, and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterator
+
+
+class DataError(ValueError):
+    """Bad SFT input (file, record, config or tokenizer); the message says where and what.
+
+    ``reason`` is the short, countable name under which a skipped record is reported.
+    """
+
+    def __init__(self, message: str, reason: str = "bad record"):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    prompt: str
+    response: str
+    input: str = ""  # alpaca's optional context; the alpaca template renders it as its own section
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    turns: tuple[Turn, ...]
+    system: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetFormat:
+    """How to read one dataset: its format name plus column and tag names (sft_dataset_config)."""
+
+    formatting: str = "auto"  # auto | alpaca | sharegpt | openai
+    prompt: str = "instruction"
+    query: str = "input"
+    response: str = "output"
+    system: str = "system"
+    history: str = "history"
+    messages: str = ""  # "" -> "conversations" for sharegpt, "messages" for openai
+    role_tag: str = ""  # "" -> "from" for sharegpt, "role" for openai
+    content_tag: str = ""  # "" -> "value" for sharegpt, "content" for openai
+    user_tag: str = ""
+    assistant_tag: str = ""
+    system_tag: str = "system"
+
+
+FORMATS = ("alpaca", "sharegpt", "openai")
+_SHAREGPT_DEFAULTS = dict(messages="conversations", role_tag="from", content_tag="value",
+                          user_tag="human", assistant_tag="gpt")
+_OPENAI_DEFAULTS = dict(messages="messages", role_tag="role", content_tag="content",
+                        user_tag="user", assistant_tag="assistant")
+
+
+def resolve_format(fmt: DatasetFormat, first_record: Any, where: str) -> DatasetFormat:
+    """Fill in ``auto`` from the first record and the per-format default column names."""
+    name = fmt.formatting
+    if name == "auto":
+        keys = first_record.keys() if isinstance(first_record, dict) else ()
+        if "conversations" in keys:
+            name = "sharegpt"
+        elif "messages" in keys:
+            name = "openai"
+        elif fmt.prompt in keys or fmt.response in keys:
+            name = "alpaca"
+        else:
+            raise DataError(
+                f"{where}: cannot tell the dataset format from keys {sorted(keys)}: expected "
+                f"'instruction'/'output' (alpaca), 'conversations' (sharegpt) or 'messages' "
+                f"(openai); name the format in --sft-dataset-config")
+    if name not in FORMATS:
+        raise DataError(f"{where}: unknown dataset format {name!r}; expected one of {FORMATS}")
+    defaults = {"sharegpt": _SHAREGPT_DEFAULTS, "openai": _OPENAI_DEFAULTS}.get(name, {})
+    filled = {k: v for k, v in defaults.items() if not getattr(fmt, k)}
+    return dataclasses.replace(fmt, formatting=name, **filled)
+
+
+# ---------------------------------------------------------------------------- data paths
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    path: str
+    weight: float | None  # None: no blend weights given, every file contributes its natural size
+
+
+def parse_data_path(tokens: tuple[str, ...] | list[str] | str) -> tuple[Source, ...]:
+    """Megatron's ``--data-path``: ``p1 [p2 ...]`` or the weighted blend ``w1 p1 w2 p2 ...``."""
+    if isinstance(tokens, str):
+        tokens = [tokens]
+    flat = [t for token in tokens for t in token.split()]
+    if not flat:
+        raise DataError("--data-path is empty: expected one or more files, or 'w1 path1 w2 path2'")
+
+    def is_number(text: str) -> bool:
+        try:
+            float(text)
+        except ValueError:
+            return False
+        return True
+
+    if is_number(flat[0]):
+        if len(flat) % 2 or not all(is_number(w) for w in flat[0::2]):
+            raise DataError(f"--data-path {' '.join(flat)!r}: a weighted blend must alternate "
+                            f"'weight path' pairs")
+        sources = tuple(Source(p, float(w)) for w, p in zip(flat[0::2], flat[1::2]))
+        if any(s.weight < 0 for s in sources) or sum(s.weight for s in sources) <= 0:
+            raise DataError(f"--data-path {' '.join(flat)!r}: blend weights must be >= 0 and "
+                            f"not all zero")
+    else:
+        sources = tuple(Source(p, None) for p in flat)
+    for source in sources:
+        if not os.path.isfile(source.path):
+            raise DataError(f"--data-path: {source.path}: no such file")
+    return sources
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """Megatron's ``--split 98,1,1`` (or ``98/1/1``): normalised train/valid/test fractions."""
+    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"--split {split!r}: expected up to three non-negative weights like "
+                        f"'98,1,1'")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return tuple(w / total for w in weights)
+
+
+# ------------------------------------------------------------------------ dataset config
+
+def load_dataset_config(path: str | None) -> dict[str, DatasetFormat]:
+    """``--sft-dataset-config``: ``{name: {format|formatting, columns: {...}, tags: {...}}}``.
+
+    JSON or YAML. A data file uses the entry named by its path, file name or file stem.
+    """
+    if path is None:
+        return {}
+    if not os.path.isfile(path):
+        raise DataError(f"--sft-dataset-config: {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+            raw = yaml.safe_load(text) or {}
+        else:
+            raw = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parser error is the same user error
+        raise DataError(f"{path}: cannot parse the dataset config: {e}") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{path}: expected a mapping of dataset name -> description")
+    field_names = {f.name for f in dataclasses.fields(DatasetFormat)}
+    formats = {}
+    for name, desc in raw.items():
+        if not isinstance(desc, dict):
+            raise DataError(f"{path}: dataset {name!r}: expected a mapping with 'format', "
+                            f"'columns', 'tags'")
+        formatting = desc.get("format") or desc.get("formatting") or "alpaca"
+        if formatting not in FORMATS:
+            raise DataError(f"{path}: dataset {name!r}: unknown format {formatting!r}; expected "
+                            f"one of {FORMATS}")
+        names = {**(desc.get("columns") or {}), **(desc.get("tags") or {})}
+        unknown = sorted(set(names) - field_names)
+        if unknown:
+            raise DataError(f"{path}: dataset {name!r}: unknown column/tag names {unknown}; "
+                            f"expected some of {sorted(field_names - {'formatting'})}")
+        formats[name] = DatasetFormat(formatting=formatting,
+                                      **{k: v for k, v in names.items() if v is not None})
+    return formats
+
+
+def format_for(path: str, formats: dict[str, DatasetFormat], config_path: str | None
+               ) -> DatasetFormat:
+    if not formats:
+        return DatasetFormat()
+    base = os.path.basename(path)
+    for key in (path, base, os.path.splitext(base)[0]):
+        if key in formats:
+            return formats[key]
+    raise DataError(f"{config_path}: no entry for data file {path}: expected a dataset named "
+                    f"{os.path.splitext(base)[0]!r} (have {sorted(formats)})")
+
+
+# ------------------------------------------------------------------------------ reading
+
+@dataclasses.dataclass(frozen=True)
+class RawRecord:
+    where: str  # "file:line N" (JSONL) or "file record N" (JSON list), for error messages
+    value: Any
+
+
+def read_raw_records(path: str, skip_bad: bool, bad: dict[str, int]) -> list[RawRecord]:
+    """Parse a JSON list or JSON Lines file; malformed lines raise (or are counted in ``bad``)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}): expected JSON or JSON Lines"
+                        ) from None
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}") from None
+        return [RawRecord(f"{path} record {i}", v) for i, v in enumerate(values)]
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            if not skip_bad:
+                raise DataError(f"{path}:{lineno}: malformed JSON line (column {e.colno}): "
+                                f"{e.msg}; expected one JSON object per line") from None
+            bad["malformed JSON"] = bad.get("malformed JSON", 0) + 1
+            continue
+        records.append(RawRecord(f"{path}:{lineno}", value))
+    return records
+
+
+def _string(record: dict, key: str, where: str, *, required: bool) -> str:
+    if key not in record or record[key] is None:
+        if required:
+            raise DataError(f"{where}: missing field {key!r}: expected a string",
+                            reason="missing field")
+        return ""
+    value = record[key]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {key!r} is {type(value).__name__}: expected a string",
+                        reason="non-string field")
+    return value
+
+
+def _nonempty(text: str, what: str, where: str) -> str:
+    if not text.strip():
+        raise DataError(f"{where}: empty {what}: expected non-empty text",
+                        reason=f"empty {what.split()[-1]}")
+    return text
+
+
+def to_sample(record: RawRecord, fmt: DatasetFormat) -> Sample:
+    """Validate one raw record and normalise it; raises :class:`DataError` naming the record."""
+    where, value = record.where, record.value
+    if not isinstance(value, dict):
+        raise DataError(f"{where}: record is {type(value).__name__}: expected a JSON object",
+                        reason="record not an object")
+    if fmt.formatting == "alpaca":
+        return _alpaca_sample(value, fmt, where)
+    return _chat_sample(value, fmt, where)
+
+
+def _alpaca_sample(value: dict, fmt: DatasetFormat, where: str) -> Sample:
+    prompt = _nonempty(_string(value, fmt.prompt, where, required=True), "instruction", where)
+    query = _string(value, fmt.query, where, required=False)
+    response = _nonempty(_string(value, fmt.response, where, required=True), "response", where)
+    system = _string(value, fmt.system, where, required=False) or None
+    turns = []
+    history = value.get(fmt.history) or []
+    if not isinstance(history, list):
+        raise DataError(f"{where}: field {fmt.history!r} is {type(history).__name__}: expected a "
+                        f"list of [prompt, response] pairs", reason="bad history")
+    for i, pair in enumerate(history):
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                or not all(isinstance(x, str) for x in pair)):
+            raise DataError(f"{where}: {fmt.history}[{i}]: expected a [prompt, response] pair "
+                            f"of strings", reason="bad history")
+        turns.append(Turn(_nonempty(pair[0], f"{fmt.history}[{i}] prompt", where),
+                          _nonempty(pair[1], f"{fmt.history}[{i}] response", where)))
+    turns.append(Turn(prompt, response, query))
+    return Sample(tuple(turns), system)
+
+
+def _chat_sample(value: dict, fmt: DatasetFormat, where: str) -> Sample:
+    messages = value.get(fmt.messages)
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: field {fmt.messages!r} is "
+                        f"{'missing' if messages is None else type(messages).__name__}: expected "
+                        f"a non-empty list of {{{fmt.role_tag}, {fmt.content_tag}}} messages",
+                        reason="missing messages")
+    system = _string(value, fmt.system, where, required=False) or None
+    roles = {fmt.user_tag: "user", fmt.assistant_tag: "assistant", fmt.system_tag: "system"}
+    turns, prompt = [], None
+    for i, message in enumerate(messages):
+        at = f"{where}: {fmt.messages}[{i}]"
+        if not isinstance(message, dict):
+            raise DataError(f"{at}: expected an object with {fmt.role_tag!r} and "
+                            f"{fmt.content_tag!r}", reason="bad message")
+        role = roles.get(message.get(fmt.role_tag))
+        if role is None:
+            raise DataError(f"{at}: unsupported {fmt.role_tag!r} {message.get(fmt.role_tag)!r}: "
+                            f"expected one of {sorted(k for k in roles if k)}",
+                            reason="unsupported role")
+        content = _string(message, fmt.content_tag, at, required=True)
+        if role == "system":
+            if i != 0:
+                raise DataError(f"{at}: a system message is only allowed first",
+                                reason="misplaced system message")
+            system = content or None
+        elif role == "user":
+            if prompt is not None:
+                raise DataError(f"{at}: two user messages in a row: expected user/assistant to "
+                                f"alternate", reason="roles do not alternate")
+            prompt = _nonempty(content, "user message", at)
+        else:
+            if prompt is None:
+                raise DataError(f"{at}: assistant message without a user message before it",
+                                reason="roles do not alternate")
+            turns.append(Turn(prompt, _nonempty(content, "response", at)))
+            prompt = None
+    if prompt is not None or not turns:
+        raise DataError(f"{where}: conversation must end with an assistant message",
+                        reason="no final response")
+    return Sample(tuple(turns), system)
+
+
+def iter_samples(records: list[RawRecord], fmt: DatasetFormat, skip_bad: bool,
+                 bad: dict[str, int], examples: list[str], max_examples: int = 5
+                 ) -> Iterator[Sample | None]:
+    """One Sample per record, or None for a skipped bad record (counted in ``bad`` by reason,
+    its message kept in ``examples`` up to ``max_examples``)."""
+    for record in records:
+        try:
+            yield to_sample(record, fmt)
+        except DataError as e:
+            if not skip_bad:
+                raise
+            reason = e.reason
+            bad[reason] = bad.get(reason, 0) + 1
+            if len(examples) < max_examples:
+                examples.append(str(e))
+            yield None

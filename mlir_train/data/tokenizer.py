@@ -1,0 +1,60 @@
+"""``--tokenizer-type HFTokenizer --hf-tokenizer-path DIR``: a local HF tokenizer, offline."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from mlir_train.data.records import DataError
+
+TOKENIZER_TYPES = ("HFTokenizer",)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+def load_tokenizer(cfg_or_path, tokenizer_type: str = "HFTokenizer"):
+    """Load ``transformers.AutoTokenizer`` from a local directory (never the network).
+
+    Accepts a ``DataConfig`` or a directory path. Raises :class:`DataError` for an unknown
+    tokenizer type, a missing directory, or one without tokenizer files.
+    """
+    if isinstance(cfg_or_path, (str, os.PathLike)):
+        path = os.fspath(cfg_or_path)
+    else:
+        path, tokenizer_type = cfg_or_path.tokenizer_path, cfg_or_path.tokenizer_type
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise DataError(f"--tokenizer-type {tokenizer_type!r}: expected one of {TOKENIZER_TYPES}")
+    if not path or not os.path.isdir(path):
+        raise DataError(f"--hf-tokenizer-path {path!r}: no such directory; expected a local HF "
+                        f"tokenizer directory (with tokenizer.json / tokenizer_config.json)")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        raise DataError(f"--hf-tokenizer-path {path}: no tokenizer files; expected one of "
+                        f"{_TOKENIZER_FILES}")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises, the user error is the dir
+        raise DataError(f"--hf-tokenizer-path {path}: cannot load the tokenizer: {e}") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise DataError(f"--hf-tokenizer-path {path}: expected a fast (tokenizers-backed) "
+                        f"tokenizer with a tokenizer.json")
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of what changes token ids: the tokenizer pipeline, special tokens, chat template."""
+    h = hashlib.sha256()
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(json.dumps([tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token,
+                         tokenizer.chat_template if isinstance(tokenizer.chat_template, str)
+                         else None]).encode())
+    return h.hexdigest()
+
+
+def pad_id(tokenizer) -> int:
+    """Padding id: the tokenizer's pad token, else eos (its value never reaches the loss)."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0

@@ -1,0 +1,151 @@
+"""Bad input: one clear error naming the file, the line or record, and what was expected."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlir_train import preprocess
+from mlir_train.data import DataError, build_datasets, default_data_config, load_tokenizer
+
+GOOD = {"instruction": "Say hi.", "input": "", "output": "hi"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(default_data_config())
+
+
+def build(tok, tmp_path, path, **overrides):
+    values = dict(data_path=(str(path),), seq_length=128, cache_path=str(tmp_path / "cache"))
+    values.update(overrides)
+    return build_datasets(default_data_config(**values), tok)
+
+
+def write_jsonl(path, lines):
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line)
+                              for line in lines) + "\n")
+    return path
+
+
+BAD_RECORDS = [  # (record, message fragment, skip reason)
+    ({"instruction": "x"}, "missing field 'output': expected a string", "missing field"),
+    ({"instruction": "x", "output": "  "}, "empty response", "empty response"),
+    ({"instruction": "x", "output": 42}, "field 'output' is int: expected a string",
+     "non-string field"),
+    ({"instruction": ["x"], "output": "y"}, "field 'instruction' is list: expected a string",
+     "non-string field"),
+]
+
+
+@pytest.mark.parametrize("record,message,reason", BAD_RECORDS)
+def test_bad_record_in_jsonl_names_the_line(tok, tmp_path, record, message, reason):
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD, record])
+    with pytest.raises(DataError) as e:
+        build(tok, tmp_path, path)
+    assert str(e.value).startswith(f"{path}:3: ") and message in str(e.value)
+
+
+@pytest.mark.parametrize("record,message,reason", BAD_RECORDS)
+def test_bad_record_in_json_list_names_the_record(tok, tmp_path, record, message, reason):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([GOOD, record]))
+    with pytest.raises(DataError) as e:
+        build(tok, tmp_path, path)
+    assert str(e.value).startswith(f"{path} record 1: ") and message in str(e.value)
+
+
+def test_skip_bad_records_counts_each_reason(tok, tmp_path):
+    lines = [GOOD, "{not json", GOOD] + [r for r, _, _ in BAD_RECORDS] + [[1, 2]]
+    path = write_jsonl(tmp_path / "d.jsonl", lines)
+    data = build(tok, tmp_path, path, skip_bad_records=True)
+    assert data.stats.records_read == len(lines) and data.stats.records_kept == 2
+    assert data.stats.dropped == {"malformed JSON": 1, "missing field": 1, "empty response": 1,
+                                  "non-string field": 2, "record not an object": 1}
+    summary = data.summary()
+    assert "malformed JSON" in summary and f"{path}:4: missing field" in summary
+
+
+def test_malformed_jsonl_line(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, '{"instruction": "x", "output": ', GOOD])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON line .*expected one JSON "
+                                        r"object per line"):
+        build(tok, tmp_path, path)
+
+
+def test_malformed_json_list(tok, tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text('[\n {"instruction": "x", "output": "y"},\n {"instruction": }\n]')
+    with pytest.raises(DataError, match=r"d\.json:3:18: malformed JSON"):
+        build(tok, tmp_path, path)
+
+
+def test_chat_records_must_alternate_and_end_with_a_response(tok, tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [
+        {"messages": [{"role": "user", "content": "a"}]}])
+    with pytest.raises(DataError, match=r"c\.jsonl:1: conversation must end with an assistant"):
+        build(tok, tmp_path, path, chat_template="qwen")
+    write_jsonl(path, [{"conversations": [{"from": "human", "value": "a"},
+                                          {"from": "tool", "value": "b"}]}])
+    with pytest.raises(DataError, match=r"c\.jsonl:1: conversations\[1\]: unsupported 'from' "
+                                        r"'tool'"):
+        build(tok, tmp_path, path, chat_template="qwen")
+
+
+def test_unknown_chat_template(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD])
+    with pytest.raises(DataError, match="--chat-template 'vicuna': unknown template; expected "
+                                        "one of"):
+        build(tok, tmp_path, path, chat_template="vicuna")
+
+
+def test_unknown_dataset_format(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD])
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"d": {"format": "parquet_magic"}}))
+    with pytest.raises(DataError, match=r"cfg\.json: dataset 'd': unknown format "
+                                        r"'parquet_magic'; expected one of"):
+        build(tok, tmp_path, path, dataset_config=str(config))
+    config.write_text(json.dumps({"other": {"format": "alpaca"}}))
+    with pytest.raises(DataError, match=r"no entry for data file .*d\.jsonl"):
+        build(tok, tmp_path, path, dataset_config=str(config))
+    undetectable = write_jsonl(tmp_path / "u.jsonl", [{"text": "plain"}])
+    with pytest.raises(DataError, match=r"u\.jsonl:1: cannot tell the dataset format"):
+        build(tok, tmp_path, undetectable)
+
+
+def test_missing_tokenizer_directory_and_data_file(tmp_path):
+    with pytest.raises(DataError, match="no such directory"):
+        load_tokenizer(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no tokenizer files"):
+        load_tokenizer(str(tmp_path / "empty"))
+    with pytest.raises(DataError, match="--tokenizer-type 'SentencePiece'"):
+        load_tokenizer(default_data_config(tokenizer_type="SentencePiece"))
+    with pytest.raises(DataError, match="missing.json: no such file"):
+        build_datasets(default_data_config(data_path=(str(tmp_path / "missing.json"),)))
+
+
+def test_cli_prints_the_error_and_exits_nonzero(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"instruction": "x"}])
+    code = preprocess.main(["--data-path", str(path), "--data-cache-path", str(tmp_path)])
+    assert code == 1
+    assert capsys.readouterr().err.strip() == (
+        f"error: {path}:2: missing field 'output': expected a string")
+    result = subprocess.run(
+        [sys.executable, "-m", "mlir_train.preprocess", "--hf-tokenizer-path",
+         str(tmp_path / "nope")], capture_output=True, text=True)
+    assert result.returncode == 1 and "no such directory" in result.stderr
+
+
+def test_cli_summary(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 5)
+    code = preprocess.main(["--data-path", str(path), "--data-cache-path", str(tmp_path),
+                            "--seq-length", "64", "--packing-sft-data", "--micro-batch-size", "1"])
+    out = capsys.readouterr()
+    assert code == 0
+    for field in ("records read   5", "records kept   5", "truncated", "dropped", "rows",
+                  "loss tokens", "fill"):
+        assert field in out.out
+    assert "ignoring flags preprocessing does not read: --micro-batch-size 1" in out.err
