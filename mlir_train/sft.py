@@ -1,0 +1,317 @@
+"""``python -m mlir_train.sft``: supervised fine-tuning with a Megatron/AIAK command line.
+
+Reads top to bottom: flags -> model config -> mesh -> data -> state -> compile -> loop
+(log, eval, checkpoint). With no arguments it fine-tunes ``qwen3-moe-tiny`` on the bundled
+alpaca-format tasks and tokenizer on 8 fake CPU devices and shows the loss falling.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Fake CPU devices must be requested before jax is imported. The flag only affects the host
+# platform, so it is harmless where GPUs/TPUs exist; a user's own XLA_FLAGS win.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    _n = "8"
+    for _i, _a in enumerate(sys.argv):
+        if _a == "--cpu-devices" and _i + 1 < len(sys.argv):
+            _n = sys.argv[_i + 1]
+        elif _a.startswith("--cpu-devices="):
+            _n = _a.split("=", 1)[1]
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}").strip()
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from mlir_train import cli  # noqa: E402
+from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER  # noqa: E402
+
+DEFAULT_ARGV = [
+    "--model-name", "qwen3-moe-tiny",
+    "--tokenizer-type", "HFTokenizer", "--hf-tokenizer-path", DEFAULT_TOKENIZER,
+    "--data-path", DEFAULT_DATA, "--split", "98,2,0",
+    "--chat-template", "alpaca", "--packing-sft-data", "--sft-num-preprocess-workers", "2",
+    "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "16",
+    "--train-iters", "40", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "4",
+    "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
+    "--moe-aux-loss-coeff", "1e-2",
+    "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+    "--eval-interval", "20", "--eval-iters", "4", "--log-interval", "1",
+]
+
+
+def _fail(msg: str) -> "SystemExit":
+    print(f"error: {msg}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _require(args, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) is None:
+            raise _fail(f"--{name.replace('_', '-')} is required")
+
+
+def build_model_config(args, vocab_size: int | None):
+    from mlir_train.config import get_model_config
+
+    overrides = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
+        num_kv_heads=args.num_query_groups, intermediate_size=args.ffn_hidden_size,
+        num_experts=args.num_experts, moe_intermediate_size=args.moe_ffn_hidden_size,
+        top_k=args.moe_router_topk, rope_theta=args.rotary_base,
+        rope_scaling_factor=args.rotary_seq_len_interpolation_factor, rms_norm_eps=args.norm_epsilon,
+        max_position_embeddings=args.max_position_embeddings, init_std=args.init_method_std,
+        head_dim=args.kv_channels, vocab_size=vocab_size,
+    )
+    return get_model_config(args.model_name, **overrides)
+
+
+def padded_vocab_size(tokenizer_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron's ``_vocab_size_with_padding``: round up to divisible_by * TP."""
+    multiple = divisible_by * tensor_parallel
+    return int(math.ceil(tokenizer_size / multiple) * multiple)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    embedded_default = not argv
+    args, ignored = cli.parse_args(DEFAULT_ARGV if embedded_default else argv)
+    if embedded_default:
+        print("mlir-train: no arguments given; running the embedded default SFT "
+              "(qwen3-moe-tiny on the bundled alpaca tasks, 8 fake CPU devices).")
+    if ignored:
+        print(f"mlir-train: ignoring flags that mean nothing under JAX/XLA: {' '.join(ignored)}")
+    _require(args, "train_iters", "lr", "seq_length", "micro_batch_size", "data_path", "hf_tokenizer_path")
+
+    import jax
+
+    if args.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+    from mlir_train import flops as flops_lib
+    from mlir_train.data import BatchLoader, DataConfig, DataError, build_datasets, load_tokenizer
+    from mlir_train.metrics import MetricsWriter, Timers, console_line
+    from mlir_train.optim import loss_scaler_from_args, optimizer_from_args
+    from mlir_train.schedule import schedule_from_args
+    from mlir_train.train import StepConfig, Trainer, model_dims
+    from sharding.mesh import ParallelConfig, ParallelConfigError, make_mesh, validate
+
+    # ----- config ---------------------------------------------------------------------------
+    try:
+        tokenizer = load_tokenizer(args.hf_tokenizer_path)
+    except DataError as e:
+        raise _fail(str(e)) from None
+    tp = args.tensor_model_parallel_size
+    hf_load = args.load if args.load and os.path.exists(os.path.join(args.load, "config.json")) else None
+    if args.load and not hf_load:
+        raise _fail(f"--load {args.load}: not an HF model directory (no config.json); "
+                    "resuming mlir-train checkpoints is not implemented yet")
+    if hf_load:
+        from mlir_train.config import ModelConfig
+
+        ckpt_vocab = ModelConfig.from_hf_json(hf_load).vocab_size
+        if len(tokenizer) > ckpt_vocab:
+            raise _fail(f"tokenizer {args.hf_tokenizer_path} has {len(tokenizer)} tokens but the checkpoint "
+                        f"{hf_load} has a vocab of {ckpt_vocab}")
+        model_cfg = ModelConfig.from_hf_json(hf_load)
+        named = build_model_config(args, ckpt_vocab) if args.model_name else None
+        for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k"):
+            if named is not None and getattr(named, field) != getattr(model_cfg, field):
+                raise _fail(f"--model-name {args.model_name} (with overrides) has {field}={getattr(named, field)} "
+                            f"but the checkpoint {hf_load}/config.json has {getattr(model_cfg, field)}")
+    else:
+        model_cfg = build_model_config(args, padded_vocab_size(len(tokenizer), args.make_vocab_size_divisible_by, tp))
+    parallel = ParallelConfig(
+        tensor=tp, pipeline=args.pipeline_model_parallel_size, expert=args.expert_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, distributed_optimizer=args.use_distributed_optimizer,
+    )
+    gbs = args.global_batch_size or args.micro_batch_size * parallel.data_parallel
+    try:
+        parallel = validate(parallel, model_dims(model_cfg), global_batch_size=gbs,
+                            micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
+    except ParallelConfigError as e:
+        raise _fail(str(e)) from None
+    if parallel.pipeline > 1:
+        raise _fail("--pipeline-model-parallel-size > 1 is not implemented yet (the 'stage' mesh axis exists; "
+                    "the pipeline schedule is issue 5/8)")
+    num_micro = gbs // (args.micro_batch_size * parallel.data_parallel)
+    compute_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    remat = {None: "none", "full": "full", "selective": "selective"}[args.recompute_granularity]
+    model_kwargs = dict(
+        moe_impl="padded" if jax.default_backend() == "cpu" else "ragged",
+        capacity_factor=args.moe_expert_capacity_factor, drop_policy=args.moe_token_drop_policy, remat=remat,
+    ) if model_cfg.is_moe else dict(remat=remat)
+
+    # ----- mesh -----------------------------------------------------------------------------
+    mesh = make_mesh(parallel)
+    print(f"mlir-train: {jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}, "
+          f"{model_cfg.name} ({model_cfg.num_params() / 1e6:.1f}M params), {compute_dtype}, "
+          f"global batch {gbs} = {num_micro} micro-batches x {args.micro_batch_size} x DP{parallel.data_parallel}")
+
+    # ----- data -----------------------------------------------------------------------------
+    data_cfg = DataConfig(
+        data_path=tuple(args.data_path), tokenizer_path=args.hf_tokenizer_path,
+        tokenizer_type=args.tokenizer_type or "HFTokenizer", chat_template=args.chat_template or "alpaca",
+        seq_length=args.seq_length, packing=args.packing_sft_data,
+        num_workers=args.sft_num_preprocess_workers or 1, cache_path=args.data_cache_path,
+        dataset_config=args.sft_dataset_config, split=args.split, train_on_prompt=args.train_on_prompt,
+        drop_long=args.drop_long_samples, skip_bad_records=args.sft_skip_bad_records, seed=args.seed,
+    )
+    try:
+        data = build_datasets(data_cfg, tokenizer)
+    except DataError as e:
+        raise _fail(str(e)) from None
+    print(data.summary())
+    pid, nproc = jax.process_index(), jax.process_count()
+    train_loader = BatchLoader(data.train, gbs, seed=args.seed, process_index=pid, process_count=nproc)
+    eval_rows = args.micro_batch_size * parallel.data_parallel
+    valid = data.valid if data.valid.num_rows else None
+
+    # ----- state ----------------------------------------------------------------------------
+    schedule = schedule_from_args(_with_gbs(args, gbs))
+    trainer = Trainer(
+        model_cfg,
+        StepConfig(num_micro_batches=num_micro, compute_dtype=compute_dtype,
+                   aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0),
+        optimizer_from_args(args, schedule), parallel, mesh,
+        loss_scaler=loss_scaler_from_args(args), model_kwargs=model_kwargs,
+    )
+    if hf_load:
+        from mlir_train.hf import load_pretrained
+        from flax import nnx
+
+        print(f"mlir-train: loading HF weights from {hf_load}")
+        model = load_pretrained(hf_load, dtype=np.float32, mesh=mesh, rules=trainer.rules, **model_kwargs)
+        state = trainer.state_from_params(nnx.to_pure_dict(nnx.state(model)))
+        del model
+    else:
+        state = trainer.init_state(args.seed)
+    if args.print_sharding:
+        from sharding.inspect import sharding_table
+
+        print(sharding_table(trainer.param_shapes, trainer.logical, trainer.specs.compute, mesh))
+
+    # ----- loop -----------------------------------------------------------------------------
+    log_dir = args.tensorboard_dir or os.path.join("runs", f"{model_cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    writer = MetricsWriter(log_dir, enabled=pid == 0, wandb_project=args.wandb_project,
+                           wandb_name=args.wandb_exp_name, config=vars(args) | {"model": dataclasses.asdict(model_cfg)})
+    timers = Timers()
+    flops_per_step = flops_lib.num_floating_point_operations(model_cfg, args.seq_length, gbs,
+                                                             recompute_full=remat == "full")
+    peak = flops_lib.device_peak_tflops("bf16" if compute_dtype != "float32" else "fp32", args.peak_tflops)
+    rows_local = gbs // nproc
+
+    def next_batch():
+        timers.start("data-wait")
+        host = next(train_loader)
+        host = {k: v.reshape(num_micro, rows_local // num_micro, *v.shape[1:]) for k, v in host.items()}
+        batch = trainer.shard_batch(host)
+        timers.stop("data-wait")
+        return batch
+
+    def evaluate(iteration: int) -> None:
+        if valid is None:
+            print(f" validation at iteration {iteration}: the valid split is empty (--split {args.split}); skipped")
+            return
+        timers.start("eval")
+        loader = BatchLoader(valid, eval_rows, seed=args.seed, process_index=pid, process_count=nproc)
+        total, count = 0.0, 0.0
+        for _ in range(min(args.eval_iters, max(1, math.ceil(valid.num_rows / eval_rows)))):
+            out = trainer.eval_step(state["params"], trainer.shard_batch(next(loader), micro=False))
+            total, count = total + float(out["ce_sum"]), count + float(out["loss_tokens"])
+        loss = total / max(count, 1.0)
+        timers.stop("eval")
+        ppl = math.exp(min(loss, 20.0))
+        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |")
+        writer.write(iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl})
+        history["valid"].append((iteration, loss))
+
+    history: dict[str, list] = {"lm loss": [], "valid": []}
+    skipped = 0
+    last_done = time.perf_counter()
+    start_time = last_done
+    pending = None  # (iteration, device metrics): read one step late so the host never stalls the device
+
+    def finish(iteration: int, metrics_dev) -> None:
+        nonlocal skipped, last_done
+        m = jax.device_get(metrics_dev)
+        now = time.perf_counter()
+        step_time, last_done = now - last_done, now
+        lm_loss, grad_norm = float(m["lm loss"]), float(m["grad-norm"])
+        skipped += int(m["skipped"])
+        if args.check_for_nan_in_loss_and_grad and not int(m["skipped"]) and not (
+                math.isfinite(lm_loss) and math.isfinite(grad_norm)):
+            writer.close()
+            raise SystemExit(f"error: iteration {iteration}: lm loss {lm_loss} / grad norm {grad_norm} is not finite; "
+                             "stopping before any checkpoint of this state is written "
+                             "(--no-check-for-nan-in-loss-and-grad disables the check)")
+        history["lm loss"].append((iteration, lm_loss))
+        tokens = gbs * args.seq_length
+        scalars = {
+            "lm loss": lm_loss, "grad-norm": grad_norm, "learning-rate": schedule.lr_at(iteration),
+            "batch-size": gbs, "consumed samples": iteration * gbs, "iteration-time": step_time,
+            "loss-scale": float(m["loss-scale"]), "skipped iterations": skipped,
+            "tokens-per-sec": tokens / step_time,
+            "throughput": flops_lib.tflops_per_device(flops_per_step, step_time, jax.device_count()),
+            "mfu": flops_lib.mfu(flops_per_step, step_time, jax.device_count(), peak),
+            "loss tokens": float(m["loss tokens"]),
+        }
+        arrays = {}
+        if "load_balancing_loss" in m:
+            scalars["load_balancing_loss"] = float(m["load_balancing_loss"])
+            scalars["z_loss"] = float(m["z_loss"])
+            scalars["dropped tokens"] = float(m["dropped_tokens"])
+            arrays["expert-load"] = np.asarray(m["tokens_per_expert"]).sum(axis=0)
+        if args.log_timers_to_tensorboard:
+            scalars |= {f"timers/{k}": v for k, v in timers.pop_all().items()}
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            done = iteration
+            eta = (time.perf_counter() - start_time) / max(done, 1) * (args.train_iters - done)
+            print(console_line(iteration, args.train_iters, scalars, eta), flush=True)
+            writer.write(iteration, scalars, arrays)
+
+    print("mlir-train: compiling the training step ...", flush=True)
+    t0 = time.perf_counter()
+    for iteration in range(1, args.train_iters + 1):
+        batch = next_batch()
+        timers.start("step-dispatch")
+        state, metrics = trainer.train_step(state, batch)
+        timers.stop("step-dispatch")
+        if iteration == 1:
+            jax.block_until_ready(metrics)
+            print(f"mlir-train: first step (compile + run) took {time.perf_counter() - t0:.1f}s", flush=True)
+            last_done = t0  # Megatron's first iteration time includes its warm-up too
+            finish(1, metrics)
+            start_time = time.perf_counter()
+            continue
+        if pending is not None:
+            finish(*pending)
+        pending = (iteration, metrics)
+        if args.eval_interval and iteration % args.eval_interval == 0:
+            finish(*pending)
+            pending = None
+            evaluate(iteration)
+    if pending is not None:
+        finish(*pending)
+    if not (args.eval_interval and args.train_iters % args.eval_interval == 0):
+        evaluate(args.train_iters)
+    writer.close()
+    first, last = history["lm loss"][0][1], history["lm loss"][-1][1]
+    print(f"mlir-train: done. lm loss {first:.4f} -> {last:.4f} over {args.train_iters} iterations; "
+          f"logs and metrics.jsonl in {log_dir}")
+    return {"history": history, "log_dir": log_dir, "state": state, "trainer": trainer, "tokenizer": tokenizer}
+
+
+def _with_gbs(args, gbs: int):
+    import argparse
+
+    return argparse.Namespace(**(vars(args) | {"global_batch_size": gbs}))
+
+
+if __name__ == "__main__":
+    main()
