@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+    from mlir_train import checkpoint
     from mlir_train import flops as flops_lib
     from mlir_train.data import BatchLoader, DataConfig, DataError, build_datasets, load_tokenizer
     from mlir_train.metrics import MetricsWriter, Timers, console_line
@@ -108,22 +109,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise _fail(str(e)) from None
     tp = args.tensor_model_parallel_size
     hf_load = args.load if args.load and os.path.exists(os.path.join(args.load, "config.json")) else None
+    ckpt_meta = None  # an mlir-train (Orbax) checkpoint to resume or fine-tune from
     if args.load and not hf_load:
-        raise _fail(f"--load {args.load}: not an HF model directory (no config.json); "
-                    "resuming mlir-train checkpoints is not implemented yet")
-    if hf_load:
+        try:
+            ckpt_meta = checkpoint.CheckpointManager(args.load, read_only=True).read_meta()
+        except checkpoint.CheckpointError as e:
+            raise _fail(f"--load {args.load}: {e} (nor is it an HF model directory: no config.json)") from None
+        if not (args.no_load_rng or args.finetune) and ckpt_meta["rng"]["seed"] != args.seed:
+            print(f"mlir-train: --seed {args.seed} replaced by the checkpoint's {ckpt_meta['rng']['seed']} "
+                  "(--no-load-rng keeps yours)")
+            args.seed = ckpt_meta["rng"]["seed"]
+    if hf_load or ckpt_meta:
         from mlir_train.config import ModelConfig
 
-        ckpt_vocab = ModelConfig.from_hf_json(hf_load).vocab_size
-        if len(tokenizer) > ckpt_vocab:
+        src = f"{hf_load}/config.json" if hf_load else f"{args.load} (iteration {ckpt_meta['iteration']})"
+        model_cfg = ModelConfig.from_hf_json(hf_load) if hf_load else checkpoint.model_config(ckpt_meta)
+        ckpt_vocab = model_cfg.vocab_size
+        if len(tokenizer) > ckpt_vocab or (ckpt_meta and not args.finetune
+                                           and ckpt_meta["tokenizer_size"] != len(tokenizer)):
+            saved = f" (trained with a {ckpt_meta['tokenizer_size']}-token tokenizer)" if ckpt_meta else ""
             raise _fail(f"tokenizer {args.hf_tokenizer_path} has {len(tokenizer)} tokens but the checkpoint "
-                        f"{hf_load} has a vocab of {ckpt_vocab}")
-        model_cfg = ModelConfig.from_hf_json(hf_load)
+                        f"{src} has a vocab of {ckpt_vocab}{saved}")
         named = build_model_config(args, ckpt_vocab) if args.model_name else None
         for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k"):
             if named is not None and getattr(named, field) != getattr(model_cfg, field):
                 raise _fail(f"--model-name {args.model_name} (with overrides) has {field}={getattr(named, field)} "
-                            f"but the checkpoint {hf_load}/config.json has {getattr(model_cfg, field)}")
+                            f"but the checkpoint {src} has {getattr(model_cfg, field)}")
     else:
         model_cfg = build_model_config(args, padded_vocab_size(len(tokenizer), args.make_vocab_size_divisible_by, tp))
     parallel = ParallelConfig(
@@ -189,8 +200,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = load_pretrained(hf_load, dtype=np.float32, mesh=mesh, rules=trainer.rules, **model_kwargs)
         state = trainer.state_from_params(nnx.to_pure_dict(nnx.state(model)))
         del model
+    elif ckpt_meta:
+        what = "weights only, iteration 0 (--finetune)" if args.finetune else "weights" if args.no_load_optim else "full state"
+        print(f"mlir-train: loading {what} from checkpoint {args.load} (iteration {ckpt_meta['iteration']})")
+        try:
+            state, ckpt_meta = checkpoint.load_state(args.load, trainer, load_optim=not args.no_load_optim,
+                                                     finetune=args.finetune, step=ckpt_meta["iteration"])
+        except checkpoint.CheckpointError as e:
+            raise _fail(str(e)) from None
+        if not args.finetune:
+            checkpoint.restore_loader(train_loader, ckpt_meta, exact=ckpt_meta["rng"]["seed"] == args.seed)
     else:
         state = trainer.init_state(args.seed)
+    start_iteration = 0 if args.finetune or not ckpt_meta else ckpt_meta["iteration"]
+    saver = None if not args.save else checkpoint.CheckpointManager(
+        args.save, max_to_keep=args.save_retain, save_interval=args.save_interval)
     if args.print_sharding:
         from sharding.inspect import sharding_table
 
@@ -268,39 +292,77 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             scalars["dropped tokens"] = float(m["dropped_tokens"])
             arrays["expert-load"] = np.asarray(m["tokens_per_expert"]).sum(axis=0)
         if args.log_timers_to_tensorboard:
-            scalars |= {f"timers/{k}": v for k, v in timers.pop_all().items()}
+            totals = timers.pop_all()
+            scalars |= {f"timers/{k}": totals.get(k, 0.0) for k in ("data-wait", "step-dispatch", "eval")}
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             done = iteration
             eta = (time.perf_counter() - start_time) / max(done, 1) * (args.train_iters - done)
             print(console_line(iteration, args.train_iters, scalars, eta), flush=True)
             writer.write(iteration, scalars, arrays)
 
+    def save_checkpoint(iteration: int) -> None:
+        nonlocal pending
+        if pending is not None:  # the NaN check in finish() must pass before this state is written
+            finish(*pending)
+            pending = None
+        timers.start("save-checkpoint")
+        saver.save(iteration, state, checkpoint.run_json(
+            iteration=iteration, global_batch_size=gbs, loader=train_loader, seed=args.seed, model_cfg=model_cfg,
+            tokenizer_size=len(tokenizer), parallel=parallel, args=args), force=True)
+        timers.stop("save-checkpoint")
+
+    stop = checkpoint.StopOnSignal()
     print("mlir-train: compiling the training step ...", flush=True)
     t0 = time.perf_counter()
-    for iteration in range(1, args.train_iters + 1):
+    iteration = start_iteration
+    for iteration in range(start_iteration + 1, args.train_iters + 1):
         batch = next_batch()
         timers.start("step-dispatch")
         state, metrics = trainer.train_step(state, batch)
         timers.stop("step-dispatch")
-        if iteration == 1:
+        if iteration == start_iteration + 1:
             jax.block_until_ready(metrics)
             print(f"mlir-train: first step (compile + run) took {time.perf_counter() - t0:.1f}s", flush=True)
             last_done = t0  # Megatron's first iteration time includes its warm-up too
-            finish(1, metrics)
+            finish(iteration, metrics)
             start_time = time.perf_counter()
-            continue
-        if pending is not None:
-            finish(*pending)
-        pending = (iteration, metrics)
+        else:
+            if pending is not None:
+                finish(*pending)
+            pending = (iteration, metrics)
         if args.eval_interval and iteration % args.eval_interval == 0:
-            finish(*pending)
-            pending = None
+            if pending is not None:
+                finish(*pending)
+                pending = None
             evaluate(iteration)
+        if saver is not None and (saver.should_save(iteration) or stop.requested):
+            save_checkpoint(iteration)
+        if stop.requested:
+            break
+    stop.restore()
     if pending is not None:
         finish(*pending)
+        pending = None
+    if saver is not None:
+        save_checkpoint(iteration)  # no-op if this iteration is already saved
+        saver.close()  # waits for the background writes
+    if stop.requested:
+        writer.close()
+        where = f"checkpoint of iteration {iteration} in {args.save}" if saver else "nothing saved (no --save)"
+        print(f"mlir-train: stopped by {stop.requested} after iteration {iteration}; {where}")
+        return {"history": history, "log_dir": log_dir, "state": state, "trainer": trainer, "tokenizer": tokenizer,
+                "stopped": stop.requested}
     if not (args.eval_interval and args.train_iters % args.eval_interval == 0):
         evaluate(args.train_iters)
+    if args.save_hf:
+        from mlir_train.hf import save_pretrained
+
+        save_pretrained(trainer.model(state["params"]), args.save_hf)
+        print(f"mlir-train: wrote the HF model to {args.save_hf}")
     writer.close()
+    if not history["lm loss"]:
+        print(f"mlir-train: nothing to train: the checkpoint is at iteration {start_iteration} >= --train-iters")
+        return {"history": history, "log_dir": log_dir, "state": state, "trainer": trainer, "tokenizer": tokenizer}
     first, last = history["lm loss"][0][1], history["lm loss"][-1][1]
     print(f"mlir-train: done. lm loss {first:.4f} -> {last:.4f} over {args.train_iters} iterations; "
           f"logs and metrics.jsonl in {log_dir}")

@@ -130,6 +130,19 @@ class Trainer:
             params = jax.jit(build, out_shardings=self.master_shardings)()
         return self._wrap(params)
 
+    def abstract_state(self) -> dict[str, Any]:
+        """The state as ``ShapeDtypeStruct``s carrying their shardings: nothing allocated. For
+        ahead-of-time compilation (memory/FLOP planning) and as a checkpoint restore target."""
+        shapes = {
+            "params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), self.param_shapes),
+            "iteration": jax.ShapeDtypeStruct((), jnp.int32),
+            "loss_scale": None if self.loss_scaler is None else jax.eval_shape(self.loss_scaler.init),
+        }
+        shapes["opt_state"] = jax.eval_shape(self.optimizer.init, shapes["params"])
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+        )
+
     def state_from_params(self, params: Any) -> dict[str, Any]:
         """State around given weights (e.g. from ``load_pretrained``), optimizer fresh."""
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)

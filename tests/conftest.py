@@ -11,4 +11,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
 
+import tempfile  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
+# Many tests compile the same programs (a Trainer per test); XLA:CPU compiles dominate the
+# suite's time on 2 cores, so share them through JAX's persistent compilation cache.
+jax.config.update("jax_compilation_cache_dir", os.environ.get("MLIR_TRAIN_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "mlir_train_test_jax_cache")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
