@@ -5,6 +5,7 @@ Imports nothing from ``mlir_train``: the model only ever names logical axes.
 
 from sharding.inspect import sharding_rows, sharding_table
 from sharding.logical import Rules, active_rules, constrain, logical_to_spec, tree_shardings, tree_specs, use_rules
+from sharding.manual import logical_shard_map, mesh_axes_of
 from sharding.mesh import (
     DATA_AXES,
     MESH_AXES,
@@ -48,8 +49,10 @@ __all__ = [
     "active_rules",
     "constrain",
     "kv_heads_replicated",
+    "logical_shard_map",
     "logical_to_spec",
     "make_mesh",
+    "mesh_axes_of",
     "optimizer_state_specs",
     "rules_for",
     "sharding_rows",

@@ -1,7 +1,8 @@
 """Qwen3-MoE sparse block: float32 top-k router, SwiGLU experts, dropless by default.
 
 Shape suffixes: S flat tokens (batch*seq), D hidden, E experts, K top-k slots, F expert
-width, C per-expert capacity (token slots in the padded dispatch buffer), A = S*K assignments.
+width, C per-expert capacity (token slots in the padded dispatch buffer), A = S*K assignments,
+L local experts (E / EP), M rows of a ragged receive buffer.
 
 Three ways to run the experts, all computing the same function (tests compare them):
 
@@ -17,6 +18,44 @@ Three ways to run the experts, all computing the same function (tests compare th
 With ``capacity_factor`` set (Megatron's ``--moe-expert-capacity-factor``) the padded buffer
 has C = ceil(capacity_factor * S*K/E) and overflowing assignments are dropped, by position
 (later tokens first) or by probability (``--moe-token-drop-policy probs``); drops are counted.
+
+Expert parallelism
+------------------
+When the active sharding rules split ``"exp"`` over mesh axes of total size EP > 1, the
+``"padded"`` and ``"ragged"`` paths run inside :func:`sharding.logical_shard_map`, manual over
+the token axes (``"act_tokens"``, which include the expert axes: EP is carved out of DP) and
+automatic over the rest (``"tensor"`` may still split the expert width F). The router and
+its stats run before the manual region, partitioned by XLA, so the stats are reduced over the
+global batch and are the single-device arrays. Each rank then dispatches its own S_r = S /
+(token ranks) tokens to the ranks holding their experts, runs its L = E / EP local experts, and
+sends the results back; the combine (weights, scatter-add) happens at the token's home rank.
+``"dense"`` stays the plain reference under every layout (XLA partitions it).
+
+* Padded dispatcher (any backend; the one used on CPU, where XLA has no ragged all-to-all):
+  the local padded path's ``[E, C, D]`` buffer, built from the rank's own tokens, *is* the
+  send buffer: a tiled ``all_to_all`` over the expert axes sends expert block r to rank r,
+  the receiver runs its experts on ``[L, EP*C, D]`` with the same batched matmul, and a second
+  ``all_to_all`` returns the ``[E, C, D]`` outputs. Per (rank, expert) the buffer has C slots:
+  dropless guesses C = 2 * S_r*K/E (rounded up to 8) and, when any rank's expert overflows it
+  (a ``pmax`` over the ranks so all take the same branch of the ``lax.cond``), falls back to
+  C = S_r, the most one rank can send one expert. Memory and compute per rank: E*C*D for each
+  of the send and receive buffers and an expert matmul over E*C rows, i.e. 2x the routed
+  work (S_r*K rows) on the guess, E/K x in the rare fallback step (as the dense reference),
+  and the all-to-all moves the padding too. The fallback compiles a second copy of the
+  block; it costs nothing when not taken.
+* Capacity (``capacity_factor`` set): C = ceil(capacity_factor * S_r*K/E) per rank, so each
+  rank keeps at most C of *its own* tokens per expert and drops the rest by its own policy.
+  This is Megatron's semantics (its router drops per rank, before the dispatch), not a global
+  capacity over the whole batch; ``dropped_tokens`` is summed over all ranks.
+* Ragged dispatcher (``impl="ragged"``, dropless, on backends with ``ragged_all_to_all``:
+  GPU, TPU): the rank's assignments, sorted by expert, go as one slice per (destination,
+  local expert) with ``jax.lax.ragged_all_to_all``; slices land grouped by local expert, so
+  ``ragged_dot`` runs on the receive buffer directly and only real rows move. The receive
+  buffer is static and sized for the worst case, EP * S_r * min(K, L) rows (every token of
+  every source sends to this rank's experts), EP times the balanced S_r*K rows when L >= K,
+  in memory only: the traffic carries no padding. On CPU ``impl="ragged"`` uses the padded
+  dispatcher; :func:`ragged_all_to_all_dense` emulates the collective so tests can check the
+  ragged bookkeeping there.
 """
 
 from __future__ import annotations
@@ -28,7 +67,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlir_train.model.layers import param
-from sharding import constrain
+from sharding import constrain, logical_shard_map, mesh_axes_of
 
 MOE_IMPLS = ("dense", "padded", "ragged")
 
@@ -89,14 +128,21 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array):
         b, t, d = x_BTD.shape
         x_SD = constrain(x_BTD.reshape(b * t, d), ("act_tokens", "act_embed"))
-        weights_SK, experts_SK, stats = self.route(x_SD, valid_BT.reshape(-1))
+        valid_S = valid_BT.reshape(-1)
+        # Routing stays outside any manual region: XLA reduces the stats over the whole batch,
+        # so they are the single-device arrays under every layout (Megatron's aux loss is
+        # computed over the global batch too).
+        weights_SK, experts_SK, stats = self.route(x_SD, valid_S)
         weights_SK = weights_SK.astype(x_SD.dtype)
         if self.impl == "dense":
+            # The reference stays plain under every layout; XLA partitions it as it likes.
             y_SD, dropped = self._dense(x_SD, weights_SK, experts_SK), jnp.zeros((), jnp.float32)
+        elif mesh_axes_of("exp")[1] > 1:
+            y_SD, dropped = self._expert_parallel(x_SD, weights_SK, experts_SK, valid_S)
         elif self.impl == "ragged" and self.capacity_factor is None:
             y_SD, dropped = self._ragged(x_SD, weights_SK, experts_SK), jnp.zeros((), jnp.float32)
         else:
-            y_SD, dropped = self._padded(x_SD, weights_SK, experts_SK, valid_BT.reshape(-1))
+            y_SD, dropped = self._padded(x_SD, weights_SK, experts_SK, valid_S)
         stats["dropped_tokens"] = dropped
         return y_SD.reshape(b, t, d), stats
 
@@ -133,6 +179,21 @@ class MoE(nnx.Module):
         return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
 
     def _padded(self, x_SD, weights_SK, experts_SK, valid_S):
+        return self._dispatch_padded(x_SD, weights_SK, experts_SK, valid_S, self._local_experts, lambda n: n)
+
+    def _local_experts(self, buf_ECD):
+        buf_ECD = constrain(buf_ECD, ("act_exp", "act_capacity", "act_embed"))
+        out_ECD = _swiglu_experts(buf_ECD, *self._weights(buf_ECD.dtype))
+        return constrain(out_ECD, ("act_exp", "act_capacity", "act_embed"))
+
+    def _dispatch_padded(self, x_SD, weights_SK, experts_SK, valid_S, experts_fn, global_max):
+        """Scatter assignments into an ``[E, C, D]`` buffer, run ``experts_fn`` on it, combine.
+
+        ``experts_fn`` maps the buffer to the experts' outputs in the same layout: the local
+        batched matmul, or all-to-all -> local experts -> all-to-all under expert parallelism.
+        ``global_max`` makes the dropless overflow test agree across every rank that takes
+        part in ``experts_fn``'s collectives (identity on one device).
+        """
         s, k = experts_SK.shape
         e = self.num_experts
         token_A, expert_A, weight_A = self._sort(weights_SK, experts_SK)
@@ -146,10 +207,7 @@ class MoE(nnx.Module):
             safe_slot_A = jnp.where(keep_A, slot_A, capacity)
             buf_ECD = jnp.zeros((e, capacity, x_SD.shape[1]), x_SD.dtype)
             buf_ECD = buf_ECD.at[expert_A, safe_slot_A].set(x_SD[token_A], mode="drop")
-            buf_ECD = constrain(buf_ECD, ("act_exp", "act_capacity", "act_embed"))
-            wg, wu, wd = self._weights(x_SD.dtype)
-            h_ECF = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf_ECD, wg)) * jnp.einsum("ecd,edf->ecf", buf_ECD, wu)
-            out_ECD = constrain(jnp.einsum("ecf,efd->ecd", h_ECF, wd), ("act_exp", "act_capacity", "act_embed"))
+            out_ECD = experts_fn(buf_ECD)
             y_AD = out_ECD.at[expert_A, safe_slot_A].get(mode="fill", fill_value=0)
             y_SD = jnp.zeros_like(x_SD).at[token_A].add(y_AD * (weight_A * keep_A)[:, None])
             dropped = jnp.sum((~keep_A) & valid_S[token_A].astype(bool)).astype(jnp.float32)
@@ -161,7 +219,126 @@ class MoE(nnx.Module):
         guess = min(s, _round_up(max(1, math.ceil(2 * s * k / e)), 8))
         if guess >= s:
             return run(s)
-        return jax.lax.cond(jnp.max(group_sizes_E) <= guess, lambda: run(guess), lambda: run(s))
+        return jax.lax.cond(global_max(jnp.max(group_sizes_E)) <= guess, lambda: run(guess), lambda: run(s))
+
+    # ----- expert parallelism ------------------------------------------------------------------
+    def _expert_parallel(self, x_SD, weights_SK, experts_SK, valid_S):
+        """Experts split over the mesh axes "exp" maps to; tokens travel by all-to-all.
+
+        Each rank of the manual region holds its tokens (``act_tokens`` is split over the
+        data-like axes, the expert axes among them) and ``E / EP`` experts. See the module
+        docstring for the two dispatchers and their buffers.
+        """
+        ep_axes, ep = mesh_axes_of("exp")
+        token_axes, n_token_ranks = mesh_axes_of("act_tokens")
+        e, s = self.num_experts, x_SD.shape[0]
+        if e % ep:
+            raise ValueError(f"{e} experts cannot be split over {ep} expert-parallel ranks")
+        if not set(ep_axes) <= set(token_axes):
+            raise ValueError(
+                f"expert parallelism needs the tokens split over the expert ranks too (the rules map "
+                f"'exp' to {ep_axes} but 'act_tokens' to {token_axes}): EP is carved out of DP"
+            )
+        if s % n_token_ranks:
+            raise ValueError(f"{s} tokens (batch x sequence) cannot be split over {n_token_ranks} data-parallel ranks")
+        manual_axes = tuple(token_axes)
+        ragged_a2a = _ep_ragged_collective() if self.impl == "ragged" and self.capacity_factor is None else None
+
+        def body(x_SD, weights_SK, experts_SK, valid_S, wg, wu, wd):
+            if ragged_a2a is not None:
+                y_SD = self._ep_ragged(x_SD, weights_SK, experts_SK, (wg, wu, wd), ep_axes, ep, ragged_a2a)
+                return y_SD, jnp.zeros((), jnp.float32)
+
+            def experts_fn(buf_ECD):
+                _, c, d = buf_ECD.shape
+                el = e // ep
+                # Tiled all-to-all: block r of the expert axis (rank r's experts) goes to rank
+                # r; what arrives is indexed (source rank, local expert).
+                recv = jax.lax.all_to_all(buf_ECD, ep_axes, 0, 0, tiled=True)
+                recv_LCD = recv.reshape(ep, el, c, d).swapaxes(0, 1).reshape(el, ep * c, d)
+                out_LCD = _swiglu_experts(recv_LCD, wg, wu, wd)
+                out = out_LCD.reshape(el, ep, c, d).swapaxes(0, 1).reshape(e, c, d)
+                return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
+
+            y_SD, dropped = self._dispatch_padded(
+                x_SD, weights_SK, experts_SK, valid_S, experts_fn, lambda n: jax.lax.pmax(n, manual_axes)
+            )
+            return y_SD, jax.lax.psum(dropped, manual_axes)
+
+        tokens = ("act_tokens", None)
+        w_in, w_out = ("exp", "embed", "moe_mlp"), ("exp", "moe_mlp", "embed")
+        run = logical_shard_map(
+            body,
+            in_names=(tokens, tokens, tokens, ("act_tokens",), w_in, w_in, w_out),
+            out_names=(tokens, ()),
+            manual=("act_tokens", "exp"),
+        )
+        return run(x_SD, weights_SK, experts_SK, valid_S, *self._weights(x_SD.dtype))
+
+    def _ep_ragged(self, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, ragged_a2a):
+        """Dropless dispatch with ``ragged_all_to_all``: one slice per (destination, expert).
+
+        Slices arrive grouped by local expert, then by source rank, so ``ragged_dot`` runs on
+        the receive buffer as it is; the return trip swaps the offsets.
+        """
+        wg, wu, wd = weights
+        s, k = experts_SK.shape
+        e, d = self.num_experts, x_SD.shape[1]
+        el = e // ep
+        token_A, expert_A, weight_A = self._sort(weights_SK, experts_SK)
+
+        def a2a(v):
+            return jax.lax.all_to_all(v, ep_axes, 0, 0, tiled=True)
+
+        send_sizes_E = jnp.bincount(expert_A, length=e).astype(jnp.int32)  # slice (dest, local expert)
+        send_offsets_E = jnp.cumsum(send_sizes_E) - send_sizes_E
+        recv_sizes_E = a2a(send_sizes_E)  # slice (source, local expert)
+        recv_RL = recv_sizes_E.reshape(ep, el)
+        by_expert = recv_RL.T.reshape(-1)
+        recv_offsets_E = (jnp.cumsum(by_expert) - by_expert).reshape(el, ep).T.reshape(-1)
+        # The most a rank can receive: every token of every source, once per local expert.
+        max_rows = ep * s * min(k, el)
+        recv_MD = ragged_a2a(
+            x_SD[token_A], jnp.zeros((max_rows, d), x_SD.dtype), send_offsets_E, send_sizes_E,
+            a2a(recv_offsets_E), recv_sizes_E, axis_name=ep_axes,
+        )
+        group_sizes_L = jnp.sum(recv_RL, axis=0)
+        g_MF = jax.lax.ragged_dot(recv_MD, wg, group_sizes_L)
+        h_MF = jax.nn.silu(g_MF) * jax.lax.ragged_dot(recv_MD, wu, group_sizes_L)
+        out_MD = jax.lax.ragged_dot(h_MF, wd, group_sizes_L)
+        y_AD = ragged_a2a(
+            out_MD, jnp.zeros((s * k, d), x_SD.dtype), recv_offsets_E, recv_sizes_E,
+            a2a(send_offsets_E), send_sizes_E, axis_name=ep_axes,
+        )
+        return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
+
+
+def _swiglu_experts(x_ECD, wg_EDF, wu_EDF, wd_EFD):
+    h_ECF = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x_ECD, wg_EDF)) * jnp.einsum("ecd,edf->ecf", x_ECD, wu_EDF)
+    return jnp.einsum("ecf,efd->ecd", h_ECF, wd_EFD)
+
+
+def _ep_ragged_collective():
+    """``jax.lax.ragged_all_to_all`` where the backend implements it (GPU, TPU), else None:
+    XLA:CPU has no ragged all-to-all, so there the padded dispatcher runs instead."""
+    return jax.lax.ragged_all_to_all if jax.default_backend() in ("gpu", "tpu") else None
+
+
+def ragged_all_to_all_dense(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all``'s documented semantics from a dense ``all_to_all``.
+
+    Every slice is padded to the operand's full length, so this moves N times the operand:
+    a reference for tests of the ragged dispatcher's bookkeeping on CPU, not a fast path.
+    """
+    n, length = input_offsets.shape[0], operand.shape[0]
+    j_L = jnp.arange(length)
+    rows_NL = input_offsets[:, None] + j_L
+    send = operand.at[rows_NL].get(mode="fill", fill_value=0)
+    send = jnp.where((j_L < send_sizes[:, None]).reshape((n, length) + (1,) * (operand.ndim - 1)), send, 0)
+    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
+    offsets_N = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    dest_NL = jnp.where(j_L < recv_sizes[:, None], offsets_N[:, None] + j_L, output.shape[0])
+    return output.at[dest_NL].set(recv, mode="drop")
 
 
 def _round_up(x: int, m: int) -> int:

@@ -1,0 +1,107 @@
+"""Manual (per-device) regions by logical names: ``shard_map`` without naming a mesh axis.
+
+Some computations are not expressible as sharding constraints for XLA to propagate: the
+expert-parallel token dispatch needs an explicit ``all_to_all`` between the ranks that hold
+different experts. The model asks for such a region in logical terms:
+
+* :func:`mesh_axes_of` tells it which mesh axes a logical axis is split over under the active
+  rules and mesh (and their total size), so it can name them to collectives (``psum``,
+  ``all_to_all``) as opaque values without spelling a mesh axis itself;
+* :func:`logical_shard_map` is ``jax.shard_map`` with in/out specs given as logical names,
+  resolved with the active rules exactly as :func:`sharding.constrain` resolves them. Only
+  the mesh axes that the ``manual`` logical axes map to become manual; every other mesh axis
+  (say "tensor" splitting the expert FFN width) stays under XLA's automatic partitioning
+  inside the region, and is dropped from the specs.
+
+Both read the rules installed by :func:`sharding.use_rules` and the mesh set with
+``jax.set_mesh``; without them (or when an axis maps to nothing) the model keeps to its
+single-device code and never calls :func:`logical_shard_map`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from sharding.logical import _as_tuple, active_rules, logical_to_spec
+
+
+def _abstract_mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def mesh_axes_of(logical_name: str) -> tuple[tuple[str, ...], int]:
+    """Mesh axes ``logical_name`` is split over under the active rules and mesh, and their size.
+
+    ``((), 1)`` when no rules or mesh are active or the name maps to nothing. Axes of size 1
+    are left out: they split nothing, and leaving them out keeps the single-device paths for
+    tables that name axes a mesh has at size 1.
+    """
+    rules, mesh = active_rules(), _abstract_mesh()
+    if rules is None or mesh is None:
+        return (), 1
+    table = dict(rules)
+    if logical_name not in table:
+        raise KeyError(f"logical axis {logical_name!r} has no rule in the sharding table {sorted(table)}")
+    sizes = dict(mesh.shape)
+    axes = tuple(a for a in _as_tuple(table[logical_name]) if sizes.get(a, 1) > 1)
+    return axes, math.prod(sizes[a] for a in axes)
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
+
+
+def _keep_axes(spec: PartitionSpec, keep: set[str]) -> PartitionSpec:
+    out = []
+    for entry in spec:
+        axes = tuple(a for a in _as_tuple(entry) if a in keep)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def logical_shard_map(
+    f: Callable[..., Any],
+    in_names: Any,
+    out_names: Any,
+    *,
+    manual: Sequence[str],
+    check_vma: bool = True,
+) -> Callable[..., Any]:
+    """``jax.shard_map(f)`` over the mesh axes the logical axes ``manual`` map to.
+
+    ``in_names`` has one entry per positional argument and ``out_names`` mirrors ``f``'s
+    output; each leaf is a tuple of logical names (``None`` for an unsplit dimension, ``()``
+    for a replicated scalar), applied as a prefix to the matching array(s). A dimension whose
+    logical name maps only to non-manual mesh axes is whole inside ``f`` as far as ``f`` can
+    tell (XLA may still split it over those axes). Must be called under active rules and a
+    mesh.
+    """
+    rules, mesh = active_rules(), _abstract_mesh()
+    if rules is None or mesh is None:
+        raise ValueError("logical_shard_map needs sharding rules (sharding.use_rules) and a mesh (jax.set_mesh)")
+    manual_axes = {a for name in manual for a in mesh_axes_of(name)[0]}
+    if not manual_axes:
+        raise ValueError(f"logical axes {tuple(manual)} map to no mesh axis of size > 1: nothing to make manual")
+
+    def specs(names_tree):
+        return jax.tree.map(
+            lambda names: _keep_axes(logical_to_spec(names, rules, mesh.axis_names), manual_axes),
+            names_tree,
+            is_leaf=_is_names,
+        )
+
+    return jax.shard_map(
+        f,
+        in_specs=specs(tuple(in_names)),
+        out_specs=specs(out_names),
+        axis_names=manual_axes,
+        check_vma=check_vma,
+    )
