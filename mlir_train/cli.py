@@ -365,6 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load weights only and restart the iteration count at 0")
     c.add_argument("--no-save-optim", action="store_true", default=None)
     c.add_argument("--no-save-rng", action="store_true", default=None)
+    c.add_argument("--save-retain", type=int, default=None, metavar="K",
+                   help="keep only the newest K checkpoints in --save (default: keep all)")
+    c.add_argument("--save-hf", default=None, metavar="DIR",
+                   help="at the end, also write the weights as an HF model directory")
 
     # ---- mlir-train extras ---------------------------------------------------------------
     x = g["mlir-train"]

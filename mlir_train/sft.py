@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ckpt_meta = checkpoint.CheckpointManager(args.load, read_only=True).read_meta()
         except checkpoint.CheckpointError as e:
             raise _fail(f"--load {args.load}: {e} (nor is it an HF model directory: no config.json)") from None
-        if not (args.no_load_rng or args.finetune) and ckpt_meta["rng"]["seed"] != args.seed:
-            print(f"mlir-train: --seed {args.seed} replaced by the checkpoint's {ckpt_meta['rng']['seed']} "
-                  "(--no-load-rng keeps yours)")
-            args.seed = ckpt_meta["rng"]["seed"]
+        ckpt_seed = ckpt_meta.get("rng", {}).get("seed", args.seed)  # none in a converted HF model
+        if not (args.no_load_rng or args.finetune) and ckpt_seed != args.seed:
+            print(f"mlir-train: --seed {args.seed} replaced by the checkpoint's {ckpt_seed} (--no-load-rng keeps yours)")
+            args.seed = ckpt_seed
     if hf_load or ckpt_meta:
         from mlir_train.config import ModelConfig
 
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_cfg = ModelConfig.from_hf_json(hf_load) if hf_load else checkpoint.model_config(ckpt_meta)
         ckpt_vocab = model_cfg.vocab_size
         if len(tokenizer) > ckpt_vocab or (ckpt_meta and not args.finetune
-                                           and ckpt_meta["tokenizer_size"] != len(tokenizer)):
-            saved = f" (trained with a {ckpt_meta['tokenizer_size']}-token tokenizer)" if ckpt_meta else ""
+                                           and ckpt_meta.get("tokenizer_size") not in (None, len(tokenizer))):
+            saved = f" (trained with a {ckpt_meta['tokenizer_size']}-token tokenizer)" if ckpt_meta and ckpt_meta.get("tokenizer_size") else ""
             raise _fail(f"tokenizer {args.hf_tokenizer_path} has {len(tokenizer)} tokens but the checkpoint "
                         f"{src} has a vocab of {ckpt_vocab}{saved}")
         named = build_model_config(args, ckpt_vocab) if args.model_name else None
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except checkpoint.CheckpointError as e:
             raise _fail(str(e)) from None
         if not args.finetune:
-            checkpoint.restore_loader(train_loader, ckpt_meta, exact=ckpt_meta["rng"]["seed"] == args.seed)
+            checkpoint.restore_loader(train_loader, ckpt_meta, exact=ckpt_seed == args.seed)
     else:
         state = trainer.init_state(args.seed)
     start_iteration = 0 if args.finetune or not ckpt_meta else ckpt_meta["iteration"]

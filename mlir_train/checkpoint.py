@@ -1,0 +1,297 @@
+"""Training checkpoints: Orbax, asynchronous, restorable into any mesh and parallel layout.
+
+A checkpoint directory holds one Orbax step directory per saved iteration::
+
+    DIR/<iteration>/params      float32 master weights (the model's nnx state as pure arrays)
+    DIR/<iteration>/opt_state   optax state (absent when written with --no-save-optim)
+    DIR/<iteration>/loss_scale  fp16 loss-scaler state (absent without --fp16)
+    DIR/<iteration>/meta        JSON: iteration, consumed samples, data-loader position, seed,
+                                model config, tokenizer size, parallel layout, the run's flags
+
+Arrays are written from each device's own shards and restored straight into an abstract
+target (``jax.ShapeDtypeStruct`` with the *new* run's shardings), so a checkpoint written under
+TP2 x EP2 with the distributed optimizer loads under DP8 or EP4 with no conversion step, and
+nothing is ever gathered onto one device.
+
+``save`` blocks only while the arrays are copied off the devices; the files are written in a
+background thread (``async_save=True``), so training continues. A step directory appears under
+its final name only once it is complete (Orbax writes ``<step>.orbax-checkpoint-tmp`` and
+renames it), so a job killed mid-write leaves the previous checkpoint as the newest; step
+directories that lack Orbax's commit marker anyway (copied or truncated by hand) are set aside
+as ``<step>.partial`` and ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from mlir_train.config import ModelConfig
+
+FORMAT_VERSION = 1
+# Fields that change parameter shapes: a mismatch is an error. Other architecture fields
+# (rope_theta, rms_norm_eps, ...) change numerics only and are reported but allowed.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "intermediate_size", "num_experts", "moe_intermediate_size", "decoder_sparse_step",
+                "mlp_only_layers", "tie_word_embeddings")
+NUMERIC_FIELDS = ("top_k", "norm_topk_prob", "rope_theta", "rope_scaling_factor", "rms_norm_eps")
+ARRAY_ITEMS = ("params", "opt_state", "loss_scale")
+_COMMIT_MARKERS = ("commit_success.txt", "_CHECKPOINT_METADATA")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, or does not fit this run (names what differs)."""
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """True for a directory this module wrote (or an empty/new one): any step directory in it."""
+    return os.path.isdir(path) and any(_is_step_name(n) for n in os.listdir(path))
+
+
+def _is_step_name(name: str) -> bool:
+    return name.isdigit()
+
+
+def _complete(step_dir: str) -> bool:
+    return (any(os.path.exists(os.path.join(step_dir, m)) for m in _COMMIT_MARKERS)
+            and os.path.exists(os.path.join(step_dir, "meta", "metadata")))
+
+
+class CheckpointManager:
+    """A thin wrapper over ``orbax.checkpoint.CheckpointManager`` for the trainer's state dict.
+
+    ``save(iteration, state, extra_json)`` writes ``state``'s array items (``None`` items and
+    ``"iteration"``, which is the step number, are skipped) plus a JSON ``meta`` item;
+    ``restore(target)`` reads the items named in ``target`` into its shapes and shardings.
+    """
+
+    def __init__(self, directory: str, *, max_to_keep: int | None = None, save_interval: int | None = None,
+                 async_save: bool = True, read_only: bool = False):
+        self.directory = os.path.abspath(directory)
+        self.save_interval = save_interval
+        if read_only and not os.path.isdir(self.directory):
+            raise CheckpointError(f"{directory}: no such checkpoint directory")
+        if not read_only and jax.process_index() == 0 and os.path.isdir(self.directory):
+            self._set_aside_partial()
+        handlers = {k: ocp.StandardCheckpointHandler() for k in ARRAY_ITEMS} | {"meta": ocp.JsonCheckpointHandler()}
+        self._mgr = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=not read_only,
+            read_only=read_only, cleanup_tmp_directories=not read_only))
+
+    def _set_aside_partial(self) -> None:
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if _is_step_name(name) and os.path.isdir(path) and not _complete(path):
+                aside = f"{path}.partial-{int(time.time())}"
+                print(f"mlir-train: checkpoint {path} is incomplete (interrupted write?); moved aside to {aside}")
+                os.rename(path, aside)
+
+    # ----- which steps exist ------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Complete checkpoints, oldest first (in-progress and partial writes excluded)."""
+        return sorted(s for s in self._mgr.all_steps() if _complete(os.path.join(self.directory, str(s))))
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # ----- save -------------------------------------------------------------------------------
+    def should_save(self, iteration: int) -> bool:
+        return bool(self.save_interval) and iteration % self.save_interval == 0
+
+    def save(self, iteration: int, state: dict[str, Any], extra_json: dict[str, Any], *, force: bool = False) -> bool:
+        """Start writing ``state`` as step ``iteration``; returns False if not due (and not
+        ``force``) or already saved. Returns once the arrays are off the devices."""
+        if not (force or self.should_save(iteration)) or iteration in self._mgr.all_steps():
+            return False
+        items = {k: v for k, v in state.items() if v is not None and k != "iteration"}
+        meta = {"format": FORMAT_VERSION, "iteration": int(iteration), "items": sorted(items), **extra_json}
+        try:
+            return self._mgr.save(iteration, args=ocp.args.Composite(
+                **{k: ocp.args.StandardSave(v) for k, v in items.items()}, meta=ocp.args.JsonSave(meta)), force=True)
+        except OSError as e:
+            raise CheckpointError(f"writing checkpoint {iteration} to {self.directory} failed: {e}; "
+                                  "the training state in memory is intact") from e
+
+    def wait(self) -> None:
+        """Block until every started save is on disk."""
+        try:
+            self._mgr.wait_until_finished()
+        except OSError as e:
+            raise CheckpointError(f"writing a checkpoint to {self.directory} failed: {e}") from e
+
+    def close(self) -> None:
+        self.wait()
+        self._mgr.close()
+
+    # ----- restore ----------------------------------------------------------------------------
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        step = self._step_or_latest(step)
+        with open(os.path.join(self.directory, str(step), "meta", "metadata")) as f:
+            return json.load(f)
+
+    def _step_or_latest(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"{self.directory}: no complete checkpoint in it")
+        elif step not in self.steps():
+            raise CheckpointError(f"{self.directory}: no complete checkpoint for iteration {step} "
+                                  f"(have {self.steps()})")
+        return step
+
+    def restore(self, target: dict[str, Any], step: int | None = None) -> dict[str, Any]:
+        """Restore the items of ``target`` (trees of ``jax.ShapeDtypeStruct`` with shardings;
+        ``None`` items are skipped) from ``step`` (default: the newest complete one)."""
+        step = self._step_or_latest(step)
+        meta = self.read_meta(step)
+        names = [k for k, v in target.items() if v is not None]
+        missing = [k for k in names if k not in meta["items"]]
+        if missing:
+            raise CheckpointError(f"{self.directory}/{step} has no {', '.join(missing)} "
+                                  f"(it holds {', '.join(meta['items'])})")
+        self._check_shapes(step, target, names)
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(
+                **{k: ocp.args.StandardRestore(target[k]) for k in names}))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{self.directory}/{step} does not fit this run's state: {e}") from e
+        return {k: out[k] for k in names}
+
+    def _check_shapes(self, step: int, target: dict[str, Any], names: list[str]) -> None:
+        try:
+            stored = self._mgr.item_metadata(step)
+        except Exception as e:  # unreadable metadata: corrupt checkpoint
+            raise CheckpointError(f"{self.directory}/{step}: cannot read its metadata ({e}); corrupt checkpoint?") from e
+        for name in names:
+            tree = getattr(stored[name], "tree", stored[name])
+            have = {_path(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]
+                    if hasattr(m, "shape")}
+            want = {_path(p): tuple(s.shape) for p, s in jax.tree_util.tree_flatten_with_path(target[name])[0]}
+            if name != "params" and len(have) == len(want):
+                continue  # optax states flatten to different path spellings; leaf shapes are checked by Orbax
+            diffs = [f"{k}: checkpoint {have.get(k, 'absent')} vs this run {want.get(k, 'absent')}"
+                     for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k)]
+            if diffs:
+                raise CheckpointError(f"{self.directory}/{step} {name} do not match this model: "
+                                      + "; ".join(diffs[:6]) + (f" (and {len(diffs) - 6} more)" if len(diffs) > 6 else ""))
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+# ----- the trainer's state --------------------------------------------------------------------
+def model_config(meta: dict[str, Any]) -> ModelConfig:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    m = {k: v for k, v in meta["model"].items() if k in fields}
+    m["mlp_only_layers"] = tuple(m.get("mlp_only_layers", ()))
+    return ModelConfig(**m)
+
+
+def check_model(meta: dict[str, Any], model_cfg: ModelConfig, where: str) -> None:
+    """Raise naming every shape-changing field that differs; print numeric-only differences."""
+    saved = model_config(meta)
+    diff = lambda fields: [f"{f}: checkpoint {getattr(saved, f)!r} vs this run {getattr(model_cfg, f)!r}"
+                           for f in fields if getattr(saved, f) != getattr(model_cfg, f)]
+    if bad := diff(SHAPE_FIELDS):
+        raise CheckpointError(f"{where} was written for a different model ({saved.name}): " + "; ".join(bad))
+    if soft := diff(NUMERIC_FIELDS):
+        print(f"mlir-train: note: {where} differs from this run in " + "; ".join(soft))
+
+
+def run_json(*, iteration: int, global_batch_size: int, loader, seed: int, model_cfg: ModelConfig,
+             tokenizer_size: int, parallel, args) -> dict[str, Any]:
+    """What besides arrays a checkpoint records to resume exactly and to explain itself."""
+    return {
+        "consumed_samples": int(iteration) * int(global_batch_size),
+        "global_batch_size": int(global_batch_size),
+        "data_loader": {k: int(v) for k, v in loader.state().items()},
+        "rng": {"seed": int(seed)},  # the only randomness: init and data order (no dropout)
+        "model": dataclasses.asdict(model_cfg),
+        "tokenizer_size": int(tokenizer_size),
+        "parallel": dataclasses.asdict(parallel) if dataclasses.is_dataclass(parallel) else dict(parallel),
+        "args": json.loads(json.dumps(vars(args), default=str)),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def load_state(directory: str, trainer, *, load_optim: bool = True, finetune: bool = False,
+               step: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore a trainer state from ``directory`` into the trainer's own shardings.
+
+    Megatron's semantics: ``finetune`` loads the weights only and restarts at iteration 0;
+    ``load_optim=False`` (``--no-load-optim``) keeps the iteration but starts the optimizer
+    (moments, its step count and so the LR schedule) and the loss scaler fresh. A checkpoint
+    written without optimizer state (``--no-save-optim``, or ``mlir_train.convert`` from HF)
+    loads the same way. Returns ``(state, meta)``.
+    """
+    mgr = CheckpointManager(directory, read_only=True)
+    step = mgr._step_or_latest(step)
+    meta = mgr.read_meta(step)
+    target = {k: v for k, v in trainer.abstract_state().items() if k in ARRAY_ITEMS}
+    with_optim = load_optim and not finetune and "opt_state" in meta["items"]
+    if not with_optim:
+        target["opt_state"] = target["loss_scale"] = None
+    restored = mgr.restore(target, step)
+    state = trainer.state_from_params(restored["params"])
+    if with_optim:
+        state["opt_state"] = restored["opt_state"]
+        if restored.get("loss_scale") is not None:
+            state["loss_scale"] = restored["loss_scale"]
+    iteration = 0 if finetune else int(meta["iteration"])
+    state["iteration"] = jax.device_put(jnp.asarray(iteration, jnp.int32), trainer.state_shardings["iteration"])
+    mgr._mgr.close()
+    return state, meta
+
+
+def restore_loader(loader, meta: dict[str, Any], *, exact: bool = True) -> None:
+    """Put ``loader`` where the checkpointed run's loader was. With ``exact=False`` (another
+    seed, --no-load-rng) only the position in the row stream is kept: same number of rows
+    consumed, the new seed's order."""
+    saved = meta.get("data_loader")
+    if saved is None:  # e.g. converted from HF: nothing consumed yet
+        return
+    if exact:
+        loader.restore(saved)
+        return
+    consumed = int(meta["consumed_samples"])
+    loader.restore({**saved, "seed": loader.seed, "num_rows": loader.dataset.num_rows,
+                    "epoch": consumed // loader.dataset.num_rows, "position": consumed % loader.dataset.num_rows})
+
+
+# ----- stopping on a signal -------------------------------------------------------------------
+class StopOnSignal:
+    """SIGTERM/SIGINT set ``requested`` (the loop finishes its step, saves and exits 0); a second
+    signal gets the default behaviour, so a stuck job can still be interrupted."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+        try:
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: no handlers, never requested
+            self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = signal.Signals(signum).name
+        print(f"mlir-train: {self.requested} received; finishing this iteration, then saving and exiting", flush=True)
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+
+    def restore(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous = {}
+
