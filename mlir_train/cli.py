@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute the loss on prompt tokens too (default: responses only)")
     s.add_argument("--sft-skip-bad-records", action="store_true",
                    help="skip malformed records with a warning instead of failing")
-    s.add_argument("--drop-long-samples", action="store_true",
+    s.add_argument("--drop-long-samples", "--sft-drop-long-samples", dest="drop_long_samples", action="store_true",
                    help="drop samples longer than --seq-length instead of truncating them")
 
     # ---- training (TRAINING_ARGS) --------------------------------------------------------
@@ -554,6 +554,22 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
         delattr(ns, _IGNORED_DEST)
     _validate(parser, ns)
     return ns, ignored
+
+
+def data_config(args: argparse.Namespace):
+    """The data pipeline's :class:`~mlir_train.data.DataConfig` from the parsed flags; shared by
+    ``python -m mlir_train.sft`` and ``python -m mlir_train.preprocess`` so both read the same
+    flags the same way (and so hit the same cache)."""
+    from mlir_train.data import DataConfig
+
+    return DataConfig(
+        data_path=tuple(args.data_path), tokenizer_path=args.hf_tokenizer_path,
+        tokenizer_type=args.tokenizer_type or "HFTokenizer", chat_template=args.chat_template or "alpaca",
+        seq_length=args.seq_length, packing=args.packing_sft_data,
+        num_workers=args.sft_num_preprocess_workers or 1, cache_path=args.data_cache_path,
+        dataset_config=args.sft_dataset_config, split=args.split, train_on_prompt=args.train_on_prompt,
+        drop_long=args.drop_long_samples, skip_bad_records=args.sft_skip_bad_records, seed=args.seed,
+    )
 
 
 def parse_data_blend(paths: Sequence[str] | None) -> list[tuple[float, str]]:

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
     from mlir_train import checkpoint
     from mlir_train import flops as flops_lib
-    from mlir_train.data import BatchLoader, DataConfig, DataError, build_datasets, load_tokenizer
+    from mlir_train.data import BatchLoader, DataError, build_datasets, load_tokenizer
     from mlir_train.metrics import MetricsWriter, Timers, console_line
     from mlir_train.optim import loss_scaler_from_args, optimizer_from_args
     from mlir_train.schedule import schedule_from_args
@@ -165,14 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"global batch {gbs} = {num_micro} micro-batches x {args.micro_batch_size} x DP{parallel.data_parallel}")
 
     # ----- data -----------------------------------------------------------------------------
-    data_cfg = DataConfig(
-        data_path=tuple(args.data_path), tokenizer_path=args.hf_tokenizer_path,
-        tokenizer_type=args.tokenizer_type or "HFTokenizer", chat_template=args.chat_template or "alpaca",
-        seq_length=args.seq_length, packing=args.packing_sft_data,
-        num_workers=args.sft_num_preprocess_workers or 1, cache_path=args.data_cache_path,
-        dataset_config=args.sft_dataset_config, split=args.split, train_on_prompt=args.train_on_prompt,
-        drop_long=args.drop_long_samples, skip_bad_records=args.sft_skip_bad_records, seed=args.seed,
-    )
+    data_cfg = cli.data_config(args)
     try:
         data = build_datasets(data_cfg, tokenizer)
     except DataError as e:

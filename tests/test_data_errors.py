@@ -148,4 +148,9 @@ def test_cli_summary(tmp_path, capsys):
     for field in ("records read   5", "records kept   5", "truncated", "dropped", "rows",
                   "loss tokens", "fill"):
         assert field in out.out
-    assert "ignoring flags preprocessing does not read: --micro-batch-size 1" in out.err
+    # The training command line's other flags are accepted (it is the same parser as sft's) ...
+    assert "error" not in out.err
+    # ... and a typo gets the same closest-flag error as training.
+    with pytest.raises(SystemExit) as exc:
+        preprocess.main(["--data-path", str(path), "--seq-lenght", "64"])
+    assert exc.value.code == 2 and "--seq-length" in capsys.readouterr().err
