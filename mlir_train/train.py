@@ -37,7 +37,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mlir_train import losses
+from mlir_train import losses, pipeline
 from mlir_train.config import ModelConfig
 from mlir_train.model import Qwen3, logical_axes
 from mlir_train.optim import LossScaler, global_norm, select_tree
@@ -55,6 +55,7 @@ class StepConfig:
     compute_dtype: str = "float32"  # float32 | bfloat16 | float16
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
+    layers_per_virtual_stage: int | None = None  # --num-layers-per-virtual-pipeline-stage
 
 
 def model_dims(cfg: ModelConfig) -> dict[str, int]:
@@ -84,6 +85,10 @@ class Trainer:
         self.model_kwargs = dict(model_kwargs or {})
         self.rules = rules_for(parallel, model_dims(model_cfg))
         abstract = nnx.eval_shape(lambda: Qwen3(model_cfg, rngs=nnx.Rngs(0), **self.model_kwargs))
+        self.schedule = None if parallel.pipeline == 1 else pipeline.make_schedule(
+            model_cfg.num_layers, parallel.pipeline, layers_per_virtual_stage=step_cfg.layers_per_virtual_stage,
+            num_stacks=len(abstract.stack_kinds), num_micro_batches=step_cfg.num_micro_batches,
+        )
         self.graphdef, abstract_state = nnx.split(abstract)
         self.param_shapes = nnx.to_pure_dict(abstract_state)
         self.logical = nnx.to_pure_dict(logical_axes(abstract))
@@ -174,6 +179,15 @@ class Trainer:
                        dropped_tokens=jnp.sum(stats["dropped_tokens"]))
         return objective * scale, aux
 
+    def _pipeline_loss(self, params, batch, n_loss_tokens, scale):
+        """All micro-batches through the pipeline stages at once (see ``mlir_train.pipeline``)."""
+        sc = self.step_cfg
+        return pipeline.pipeline_loss(
+            self.graphdef, self._to_compute(params), batch, schedule=self.schedule, n_loss_tokens=n_loss_tokens,
+            scale=scale, top_k=self.model_cfg.top_k, aux_loss_coeff=sc.aux_loss_coeff, z_loss_coeff=sc.z_loss_coeff,
+            remat=self.model_kwargs.get("remat", "none"),
+        )
+
     def _step(self, state, batch):
         params = state["params"]
         scaler, ls = self.loss_scaler, state["loss_scale"]
@@ -186,8 +200,11 @@ class Trainer:
             acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
             return acc, aux
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, aux = jax.lax.scan(micro, zeros, batch)
+        if self.schedule is None:
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            grads, aux = jax.lax.scan(micro, zeros, batch)
+        else:
+            (_, aux), grads = jax.value_and_grad(self._pipeline_loss, has_aux=True)(params, batch, n_loss_tokens, scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
         grad_norm = global_norm(grads)
         finite = jnp.isfinite(grad_norm)

@@ -126,6 +126,12 @@ class Qwen3(nnx.Module):
         logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
         return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
+    def layer_context(self, segment_ids_BT, positions_BT) -> tuple[jax.Array, ...]:
+        """What every decoder layer needs besides ``x``: RoPE tables, packed-document causal
+        mask and the non-padding flags, all derived from one micro-batch's ids and positions."""
+        cos_BTH, sin_BTH = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling_factor)
+        return cos_BTH, sin_BTH, attention_mask(segment_ids_BT), segment_ids_BT != 0
+
     def hidden_states(self, input_ids_BT, *, segment_ids=None, positions=None):
         """Final-normed hidden states ``[B, T, D]`` and router stats (dict of ``[L_moe, ...]``)."""
         b, t = input_ids_BT.shape
@@ -133,13 +139,11 @@ class Qwen3(nnx.Module):
             segment_ids = jnp.ones((b, t), jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        cos_BTH, sin_BTH = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling_factor)
-        mask_BTS = attention_mask(segment_ids)
-        valid_BT = segment_ids != 0
+        context = self.layer_context(segment_ids, positions)
         x_BTD = self.embed_tokens(input_ids_BT)
         stats: list[dict[str, jax.Array]] = []
         for stack in self.layers:
-            x_BTD, s = run_stack(stack, x_BTD, (cos_BTH, sin_BTH, mask_BTS, valid_BT), self.remat)
+            x_BTD, s = run_stack(stack, x_BTD, context, self.remat)
             if s:
                 stats.append(s)
         router_stats = {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]} if stats else {}
