@@ -21,6 +21,20 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
             _n = _a.split("=", 1)[1]
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}").strip()
 
+
+def _accelerator_plugin_installed() -> bool:
+    from importlib import metadata
+
+    names = {(d.metadata["Name"] or "").lower() for d in metadata.distributions()}
+    return any(n.startswith(("jax-cuda", "jax_cuda", "libtpu", "jax-rocm", "jax_rocm")) for n in names)
+
+
+# XLA:CPU's all-reduce-promotion pass aborts the process ("Invalid binary instruction opcode
+# copy") on the bf16 all-reduces an expert-parallel step has (seen with jax 0.10.2). CPU-only
+# installs skip that pass; GPU/TPU compiles are left untouched.
+if "all-reduce-promotion" not in os.environ.get("XLA_FLAGS", "") and not _accelerator_plugin_installed():
+    os.environ["XLA_FLAGS"] += " --xla_disable_hlo_passes=all-reduce-promotion"
+
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -91,6 +105,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import jax
 
+    from mlir_train import distributed
+
+    try:
+        processes = distributed.initialize_from_env(args)  # before anything touches a device
+    except distributed.DistributedEnvError as e:
+        raise _fail(str(e)) from None
+    if jax.process_index() != 0:
+        sys.stdout = open(os.devnull, "w")  # console lines from process 0 only, as Megatron's rank 0
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
     from mlir_train import checkpoint
@@ -147,10 +169,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
     except ParallelConfigError as e:
         raise _fail(str(e)) from None
-    if parallel.pipeline > 1:
-        raise _fail("--pipeline-model-parallel-size > 1 is not implemented yet (the 'stage' mesh axis exists; "
-                    "the pipeline schedule is issue 5/8)")
     num_micro = gbs // (args.micro_batch_size * parallel.data_parallel)
+    if parallel.pipeline > 1:
+        from mlir_train.pipeline import make_schedule
+
+        try:
+            make_schedule(model_cfg.num_layers, parallel.pipeline,
+                          layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+                          first_stage_layers=args.decoder_first_pipeline_num_layers,
+                          last_stage_layers=args.decoder_last_pipeline_num_layers,
+                          num_stacks=len({k for k in model_cfg.layer_kinds()}), num_micro_batches=num_micro)
+        except ParallelConfigError as e:
+            raise _fail(str(e)) from None
     compute_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     remat = {None: "none", "full": "full", "selective": "selective"}[args.recompute_granularity]
     model_kwargs = dict(
@@ -167,7 +197,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ----- data -----------------------------------------------------------------------------
     data_cfg = cli.data_config(args)
     try:
+        # Process 0 preprocesses first; the others then find its cache (or, on a host that does
+        # not share the cache directory, build their own without racing it).
+        if jax.process_index() != 0:
+            distributed.barrier("data-cache")
         data = build_datasets(data_cfg, tokenizer)
+        if jax.process_index() == 0:
+            distributed.barrier("data-cache")
     except DataError as e:
         raise _fail(str(e)) from None
     print(data.summary())
@@ -177,11 +213,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     valid = data.valid if data.valid.num_rows else None
 
     # ----- state ----------------------------------------------------------------------------
-    schedule = schedule_from_args(_with_gbs(args, gbs))
+    try:
+        schedule = schedule_from_args(_with_gbs(args, gbs))
+    except ValueError as e:
+        raise _fail(str(e)) from None
     trainer = Trainer(
         model_cfg,
         StepConfig(num_micro_batches=num_micro, compute_dtype=compute_dtype,
-                   aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0),
+                   aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0,
+                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage),
         optimizer_from_args(args, schedule), parallel, mesh,
         loss_scaler=loss_scaler_from_args(args), model_kwargs=model_kwargs,
     )
@@ -209,9 +249,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     saver = None if not args.save else checkpoint.CheckpointManager(
         args.save, max_to_keep=args.save_retain, save_interval=args.save_interval)
     if args.print_sharding:
-        from sharding.inspect import sharding_table
+        from mlir_train.inspect import sharding_report
 
-        print(sharding_table(trainer.param_shapes, trainer.logical, trainer.specs.compute, mesh))
+        print(sharding_report(trainer))  # compute layout, fp32 master weights and optimizer state
 
     # ----- loop -----------------------------------------------------------------------------
     log_dir = args.tensorboard_dir or os.path.join("runs", f"{model_cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -343,6 +383,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         writer.close()
         where = f"checkpoint of iteration {iteration} in {args.save}" if saver else "nothing saved (no --save)"
         print(f"mlir-train: stopped by {stop.requested} after iteration {iteration}; {where}")
+        distributed.shutdown(processes)
         return {"history": history, "log_dir": log_dir, "state": state, "trainer": trainer, "tokenizer": tokenizer,
                 "stopped": stop.requested}
     if not (args.eval_interval and args.train_iters % args.eval_interval == 0):
@@ -355,10 +396,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     writer.close()
     if not history["lm loss"]:
         print(f"mlir-train: nothing to train: the checkpoint is at iteration {start_iteration} >= --train-iters")
+        distributed.shutdown(processes)
         return {"history": history, "log_dir": log_dir, "state": state, "trainer": trainer, "tokenizer": tokenizer}
     first, last = history["lm loss"][0][1], history["lm loss"][-1][1]
     print(f"mlir-train: done. lm loss {first:.4f} -> {last:.4f} over {args.train_iters} iterations; "
           f"logs and metrics.jsonl in {log_dir}")
+    distributed.shutdown(processes)
     return {"history": history, "log_dir": log_dir, "state": state, "trainer": trainer, "tokenizer": tokenizer}
 
 

@@ -174,6 +174,15 @@ def test_cli_run_loss_falls_and_writes_tensorboard_and_metrics(tmp_path, capsys)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
 
 
+def test_cli_bf16_with_expert_parallelism_runs(tmp_path):
+    """Regression: XLA:CPU's all-reduce-promotion pass used to abort bf16 EP steps (sft.py skips it)."""
+    from mlir_train.sft import main
+
+    out = main(_sft_args(tmp_path, "--train-iters", "2", "--eval-interval", "0", "--bf16", "--lr-warmup-iters", "0",
+                         "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"))
+    assert all(np.isfinite(l) for _, l in out["history"]["lm loss"])
+
+
 def test_cli_nan_check_names_the_iteration(tmp_path):
     from mlir_train.sft import main
 
