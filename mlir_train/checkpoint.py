@@ -24,6 +24,7 @@ as ``<step>.partial`` and ignored.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -56,6 +57,24 @@ def is_checkpoint_dir(path: str) -> bool:
     return os.path.isdir(path) and any(_is_step_name(n) for n in os.listdir(path))
 
 
+def _disk_full(e: BaseException | None) -> bool:
+    """ENOSPC/EDQUOT, from Python's file writes (OSError) or from TensorStore's array writes
+    (a ValueError "RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']")."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(s in str(e) for s in ("No space left on device", "Disk quota exceeded",
+                                     f"os_error_code='{errno.ENOSPC}'", f"os_error_code='{errno.EDQUOT}'")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _io_error(e: BaseException) -> bool:
+    """A failed write: OSError, or an OS error that TensorStore reports as another exception."""
+    return isinstance(e, OSError) or "os_error_code=" in str(e) or _disk_full(e)
+
+
 def _is_step_name(name: str) -> bool:
     return name.isdigit()
 
@@ -77,6 +96,7 @@ class CheckpointManager:
                  async_save: bool = True, read_only: bool = False):
         self.directory = os.path.abspath(directory)
         self.save_interval = save_interval
+        self._writing: int | None = None  # the step whose background write may still be running
         if read_only and not os.path.isdir(self.directory):
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         if not read_only and jax.process_index() == 0 and os.path.isdir(self.directory):
@@ -112,25 +132,52 @@ class CheckpointManager:
         ``force``) or already saved. Returns once the arrays are off the devices."""
         if not (force or self.should_save(iteration)) or iteration in self._mgr.all_steps():
             return False
+        self.wait()  # Orbax waits for the previous write anyway; this names it if it failed
         items = {k: v for k, v in state.items() if v is not None and k != "iteration"}
         meta = {"format": FORMAT_VERSION, "iteration": int(iteration), "items": sorted(items), **extra_json}
         try:
-            return self._mgr.save(iteration, args=ocp.args.Composite(
+            started = self._mgr.save(iteration, args=ocp.args.Composite(
                 **{k: ocp.args.StandardSave(v) for k, v in items.items()}, meta=ocp.args.JsonSave(meta)), force=True)
-        except OSError as e:
-            raise CheckpointError(f"writing checkpoint {iteration} to {self.directory} failed: {e}; "
-                                  "the training state in memory is intact") from e
+        except Exception as e:
+            if not _io_error(e):
+                raise
+            raise self._write_error(iteration, e) from e
+        self._writing = iteration if started else None
+        return started
 
     def wait(self) -> None:
-        """Block until every started save is on disk."""
+        """Block until every started save is on disk; a failed background write raises here
+        (or from the next ``save``) as a ``CheckpointError``."""
         try:
             self._mgr.wait_until_finished()
-        except OSError as e:
-            raise CheckpointError(f"writing a checkpoint to {self.directory} failed: {e}") from e
+        except Exception as e:
+            step, self._writing = self._writing, None
+            raise self._write_error(step, e) from e
+        self._writing = None
 
     def close(self) -> None:
         self.wait()
-        self._mgr.close()
+        try:
+            self._mgr.close()
+        except Exception as e:
+            raise self._write_error(None, e) from e
+
+    def _write_error(self, step: int | None, e: BaseException) -> CheckpointError:
+        what = f"checkpoint {step}" if step is not None else "a checkpoint"
+        try:
+            newest = self.latest_step()
+        except Exception:  # noqa: BLE001 - only for the message
+            newest = None
+        kept = (f"the newest complete checkpoint there is still iteration {newest}" if newest is not None
+                else "no complete checkpoint is there yet")
+        if _disk_full(e):
+            return CheckpointError(
+                f"writing {what} to {self.directory} failed: the disk is full (no space left on device). "
+                f"Free space there (or --save to a disk with room) and resume with --load {self.directory}; "
+                f"{kept}, and the training state in memory is intact")
+        reason = str(e).split(" [tensorstore_spec=")[0][:500]
+        return CheckpointError(f"writing {what} to {self.directory} failed: {type(e).__name__}: {reason}; "
+                               f"{kept}, and the training state in memory is intact")
 
     # ----- restore ----------------------------------------------------------------------------
     def read_meta(self, step: int | None = None) -> dict[str, Any]:

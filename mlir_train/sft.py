@@ -339,9 +339,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             finish(*pending)
             pending = None
         timers.start("save-checkpoint")
-        saver.save(iteration, state, checkpoint.run_json(
-            iteration=iteration, global_batch_size=gbs, loader=train_loader, seed=args.seed, model_cfg=model_cfg,
-            tokenizer_size=len(tokenizer), parallel=parallel, args=args), force=True)
+        try:  # e.g. a full disk: a clear message; the previous checkpoint stays the newest
+            saver.save(iteration, state, checkpoint.run_json(
+                iteration=iteration, global_batch_size=gbs, loader=train_loader, seed=args.seed, model_cfg=model_cfg,
+                tokenizer_size=len(tokenizer), parallel=parallel, args=args), force=True)
+        except checkpoint.CheckpointError as e:
+            raise _fail(str(e)) from None
         timers.stop("save-checkpoint")
 
     stop = checkpoint.StopOnSignal()
@@ -378,7 +381,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pending = None
     if saver is not None:
         save_checkpoint(iteration)  # no-op if this iteration is already saved
-        saver.close()  # waits for the background writes
+        try:
+            saver.close()  # waits for the background writes
+        except checkpoint.CheckpointError as e:
+            raise _fail(str(e)) from None
     if stop.requested:
         writer.close()
         where = f"checkpoint of iteration {iteration} in {args.save}" if saver else "nothing saved (no --save)"

@@ -197,3 +197,83 @@ def test_convert_checkpoint_to_hf_and_back(saved, tmp_path):
     for a, b in zip(jax.tree.leaves(saved["state"]["params"]), jax.tree.leaves(state["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert convert.main([hf_dir, back]) == 2  # refuses to mix into an existing checkpoint directory
+
+
+def test_full_disk_gives_a_clear_error_and_keeps_the_state(tmp_path, monkeypatch):
+    """ENOSPC while writing a checkpoint: a CheckpointError that says the disk is full, names the
+    directory and what to do; the arrays in memory are untouched and usable; the previous checkpoint
+    still restores. Orbax writes everything (even the step directory) in background threads, so the
+    failure surfaces from ``wait`` or from the next ``save``: both paths are checked, with both ways a
+    full disk shows up: TensorStore's array writes (a ValueError carrying os_error_code 28, as on a real
+    full tmpfs) and Python's file writes (OSError ENOSPC)."""
+    import errno
+
+    import tensorstore
+    from etils import epath
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    w = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, PartitionSpec("d")))
+    state = {"params": {"w": w, "b": jax.numpy.ones(3)}, "loss_scale": None,
+             "opt_state": ({"mu": jax.numpy.full((8, 8), 0.5)}, jax.numpy.asarray(2, np.int32)),
+             "iteration": jax.numpy.asarray(1, np.int32)}
+    before = jax.tree.map(np.array, state)
+    ck = str(tmp_path / "ck")
+    mgr = checkpoint.CheckpointManager(ck)
+    assert mgr.save(1, state, {"model": {}}, force=True)
+    mgr.wait()
+
+    ts_open, write_text = tensorstore.open, epath.Path.write_text
+
+    def ts_full(spec, *args, **kwargs):
+        where = str(spec.to_json() if hasattr(spec, "to_json") else spec)
+        if ".orbax-checkpoint-tmp" in where:  # writes only; what TensorStore raises on ENOSPC
+            raise ValueError("RESOURCE_EXHAUSTED: Error writing local file: Failed to write 172 bytes to file 19: "
+                             "No space left on device [os_error_code='28']")
+        return ts_open(spec, *args, **kwargs)
+
+    def file_full(self, *args, **kwargs):
+        if ".orbax-checkpoint-tmp" in str(self):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write_text(self, *args, **kwargs)
+
+    def check(err, step):
+        msg = str(err.value)
+        for part in (f"writing checkpoint {step} to {ck} failed: the disk is full", "Free space there",
+                     f"--load {ck}", "newest complete checkpoint there is still iteration 1",
+                     "training state in memory is intact"):
+            assert part in msg, msg
+
+    with monkeypatch.context() as m:  # arrays: the commit fails in the background, wait() reports it
+        m.setattr(tensorstore, "open", ts_full)
+        assert mgr.save(2, state, {"model": {}}, force=True)  # the arrays are off the devices; writing fails later
+        with pytest.raises(checkpoint.CheckpointError) as err:
+            mgr.wait()
+    check(err, 2)
+    with monkeypatch.context() as m:  # JSON/metadata files: the next save reports the earlier write's failure
+        m.setattr(epath.Path, "write_text", file_full)
+        assert mgr.save(3, state, {"model": {}}, force=True)
+        with pytest.raises(checkpoint.CheckpointError) as err:
+            mgr.save(4, state, {"model": {}}, force=True)
+    check(err, 3)
+    cause = err.value.__cause__
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    assert cause is not None and cause.errno == errno.ENOSPC
+
+    # the state in memory: not donated or deleted, same values and shardings, still computes
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
+        assert not a.is_deleted()
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert state["params"]["w"].sharding == w.sharding
+    assert float(jax.jit(lambda s: (s["params"]["w"] * 2).sum())(state)) == 2 * before["params"]["w"].sum()
+
+    # the failed writes left no step directory; the previous checkpoint is the newest and restores
+    reader = checkpoint.CheckpointManager(ck, read_only=True)
+    assert reader.steps() == [1] and reader.read_meta()["iteration"] == 1
+    target = {k: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state[k])
+              for k in ("params", "opt_state")}
+    restored = reader.restore(target)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves({k: before[k] for k in target})):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert restored["params"]["w"].sharding.is_equivalent_to(w.sharding, 2)
