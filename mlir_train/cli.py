@@ -489,14 +489,17 @@ def _config_to_argv(parser: argparse.ArgumentParser, cfg: dict[str, Any], path: 
     return argv
 
 
-def _find_config(argv: Sequence[str]) -> str | None:
-    path = None
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The last value given for ``flag`` (``--flag V`` or ``--flag=V``) before parsing: for the
+    few settings that must be known before jax is imported or the config file is read.
+    (This module imports no jax, so entry points may use it first.)"""
+    value = None
     for i, tok in enumerate(argv):
-        if tok == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
-        elif tok.startswith("--config="):
-            path = tok.split("=", 1)[1]
-    return path
+        if tok == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif tok.startswith(flag + "="):
+            value = tok.split("=", 1)[1]
+    return value
 
 
 def _check_unknown(parser: argparse.ArgumentParser, extras: list[str], where: str = "") -> None:
@@ -539,7 +542,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     file_argv: list[str] = []
-    config_path = _find_config(argv)
+    config_path = flag_value(argv, "--config")
     if config_path is not None:
         file_argv = _config_to_argv(parser, _load_config_file(config_path), config_path)
         # Parse the file's flags alone first so a bad value is reported against the file.

@@ -67,12 +67,9 @@ import sys
 
 def _preset_devices(argv: list[str]) -> None:
     """Fake CPU devices and CPU-only XLA settings, before jax is imported."""
-    n = None
-    for i, a in enumerate(argv):
-        if a == "--num-devices" and i + 1 < len(argv):
-            n = argv[i + 1]
-        elif a.startswith("--num-devices="):
-            n = a.split("=", 1)[1]
+    from mlir_train.cli import flag_value  # imports no jax
+
+    n = flag_value(argv, "--num-devices")
     flags = os.environ.get("XLA_FLAGS", "")
     if n and "--xla_force_host_platform_device_count" not in flags:
         flags += f" --xla_force_host_platform_device_count={n}"

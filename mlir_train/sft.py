@@ -12,13 +12,10 @@ import sys
 
 # Fake CPU devices must be requested before jax is imported. The flag only affects the host
 # platform, so it is harmless where GPUs/TPUs exist; a user's own XLA_FLAGS win.
+from mlir_train.cli import flag_value  # noqa: E402  (imports no jax)
+
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    _n = "8"
-    for _i, _a in enumerate(sys.argv):
-        if _a == "--cpu-devices" and _i + 1 < len(sys.argv):
-            _n = sys.argv[_i + 1]
-        elif _a.startswith("--cpu-devices="):
-            _n = _a.split("=", 1)[1]
+    _n = flag_value(sys.argv, "--cpu-devices") or "8"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}").strip()
 
 
