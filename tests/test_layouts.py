@@ -75,6 +75,7 @@ LAYOUTS = {
     "EP2xDP4": ParallelConfig(expert=2),
     "EP4xTP2": ParallelConfig(tensor=2, expert=4),
     "TP2xEP2xDP2+distopt": ParallelConfig(tensor=2, expert=2, distributed_optimizer=True),
+    "FSDP8": ParallelConfig(fsdp=True),  # weights themselves split over the data ranks
 }
 SINGLE = "1 device"
 # LLVM -O0 for the CPU code: cuts XLA:CPU compile time ~6x, and compiles are most of this module's cost.
@@ -250,6 +251,7 @@ EXPECTED = {
     "EP2xDP4": [("all-to-all", 2), ("all-reduce", 8)],      # token dispatch/combine; dense grads over DP8
     "EP4xTP2": [("all-to-all", 4), ("all-reduce", 2)],
     "TP2xEP2xDP2+distopt": [("all-to-all", 2), ("all-reduce", 2), ("all-gather", 4)],  # ZeRO gathers over DP4
+    "FSDP8": [("all-gather", 8)],  # every weight gathered from its 8 shards for compute
 }
 
 
@@ -324,6 +326,8 @@ def test_parameters_and_optimizer_state_are_split():
     # both moments shrink ~8x against DP8 without the distributed optimizer (norm scales split
     # 4 ways only: they are not tensor-parallel).
     assert params["TP2xEP2xDP2+distopt"] < 0.14 and opt["TP2xEP2xDP2+distopt"] < 0.14, report
+    # FSDP over 8 data ranks: weights and moments both ~1/8 (tiny norm vectors may not divide).
+    assert params["FSDP8"] < 0.2 and opt["FSDP8"] < 0.2, report
     # And each array's shards are what the layout's specs say (no silent replication).
     for name in LAYOUTS:
         state, shardings = run_step("moe", name).state, run_step("moe", name).trainer.state_shardings
