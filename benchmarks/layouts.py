@@ -31,7 +31,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
@@ -44,6 +43,7 @@ from mlir_train.config import ModelConfig, get_model_config  # noqa: E402
 from mlir_train.optim import make_optimizer  # noqa: E402
 from mlir_train.schedule import megatron_lr_schedule  # noqa: E402
 from mlir_train.train import StepConfig, Trainer, model_dims  # noqa: E402
+from sharding.inspect import held_bytes  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh, validate  # noqa: E402
 
 PEER = "DP8"
@@ -89,15 +89,6 @@ def shard_bytes(shapes, shardings) -> int:
     """Bytes per device of a tree laid out by ``shardings`` (largest shard of each array)."""
     return sum(math.prod(sh.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
                for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
-
-
-def held_bytes(tree) -> int:
-    """Bytes the fullest device really holds of ``tree``'s shards."""
-    per_device = collections.Counter()
-    for x in jax.tree.leaves(tree):
-        for shard in x.addressable_shards:
-            per_device[shard.device] += shard.data.nbytes
-    return max(per_device.values())
 
 
 def build(size: Size, layout: str):

@@ -33,6 +33,15 @@ def per_device_bytes(shape: tuple[int, ...], dtype: Any, spec: PartitionSpec, me
     return math.prod(per_device_shape(shape, spec, mesh)) * np.dtype(dtype).itemsize
 
 
+def held_bytes(tree: Any) -> int:
+    """Bytes the fullest device really holds of the live arrays in ``tree`` (their shards)."""
+    per_device: dict[Any, int] = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":

@@ -57,6 +57,7 @@ from mlir_train.config import get_model_config
 from mlir_train.optim import make_optimizer
 from mlir_train.schedule import megatron_lr_schedule
 from mlir_train.train import StepConfig, Trainer, model_dims
+from sharding.inspect import held_bytes
 from sharding.mesh import ParallelConfig, make_mesh, validate
 
 SEED = 3
@@ -303,13 +304,7 @@ def test_distributed_optimizer_gathers_master_weights_to_the_compute_layout():
 # ----- the state is really split ----------------------------------------------------------------
 
 
-def device_bytes(tree) -> int:
-    """Bytes of ``tree``'s shards on its fullest device (what that device really holds)."""
-    per_device = collections.Counter()
-    for x in jax.tree.leaves(tree):
-        for shard in x.addressable_shards:
-            per_device[shard.device] += shard.data.nbytes
-    return max(per_device.values())
+device_bytes = held_bytes  # bytes of a tree's shards on its fullest device
 
 
 def test_parameters_and_optimizer_state_are_split():
