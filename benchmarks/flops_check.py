@@ -10,15 +10,17 @@ ahead of time on one CPU device and reads ``compiled.cost_analysis()["flops"]``.
 * ``XLA``: what the compiled program executes by XLA's count;
 * ``predicted``: ours plus the matmul work the program really does on top of the model
   FLOPs, for the program as built: the full ``s x s`` attention square (the causal mask does
-  not skip work; Megatron counts half) and the expert rows beyond the routed ``S * K`` (the
-  dense reference runs every expert on every token; the padded path runs ``E * C`` buffer
-  rows; ``ragged_dot`` is counted as a dense matmul per expert). XLA / predicted is then within
+  not skip work; Megatron counts half), the score matmul the attention's backward recomputes,
+  and the expert rows beyond the routed ``S * K`` (the dense reference runs every expert on
+  every token; the padded path runs its blocked layout's static row count when dropless and
+  ``E * C`` buffer rows with a capacity; ``ragged_dot`` is counted as a dense matmul per
+  expert). XLA / predicted is then within
   a few percent of 1: the rest is the router, norms, softmax, loss and the optimizer update.
 
 One layer and one micro-batch, because XLA's cost analysis counts a while-loop body once, not
 once per trip: the scanned layer stack and the micro-batch accumulation loop would otherwise be
-under-counted by their trip counts. For a conditional (the dropless padded path's
-``lax.cond`` between the capacity guess and its fallback) it counts the larger branch.
+under-counted by their trip counts. For a conditional (the expert-parallel dropless path's
+``lax.cond`` between the capacity guess and its fallback) it would count the larger branch.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from mlir_train import flops  # noqa: E402
 from mlir_train.config import ModelConfig, get_model_config  # noqa: E402
 from mlir_train.optim import make_optimizer  # noqa: E402
 from mlir_train.train import BATCH_KEYS, StepConfig, Trainer  # noqa: E402
+from mlir_train.model.moe import block_rows  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 
 DENSE = get_model_config("qwen3-tiny", vocab_size=512, num_layers=1, hidden_size=256, intermediate_size=1024,
@@ -77,11 +80,16 @@ def expert_rows_executed(cfg: ModelConfig, tokens: int, model_kwargs: dict) -> i
         return e * tokens * k                      # ragged_dot costed as a dense matmul per group
     if cf is not None:
         return e * max(1, math.ceil(cf * tokens * k / e))  # E * C buffer rows
-    return e * tokens                              # dropless: the fallback branch, C = S, is the larger
+    a = tokens * k                                 # dropless: the blocked grouped matmul's static rows
+    b = block_rows(a, e)
+    blocked = (-(-a // b) + e) * b
+    return blocked if blocked < e * tokens else e * tokens
 
 
 def predicted_flops(cfg: ModelConfig, rows: int, seq: int, model_kwargs: dict) -> float:
     full_square = flops.num_floating_point_operations(cfg, seq, rows, causal=False)
+    # The attention's backward recomputes q k^T (FlashAttention-style): one more score matmul.
+    full_square += 2.0 * rows * seq * seq * cfg.num_heads * cfg.head_dim * cfg.num_layers
     if not cfg.is_moe:
         return full_square
     tokens = rows * seq

@@ -15,8 +15,9 @@ Reported per path:
 * achieved routed FLOP/s, counting only the useful expert work, ``6 * T * K * 3 * D * F``
   (forward + backward of the three SwiGLU expert matmuls for the K experts each token chose;
   the router and the dispatch are not counted, as in Megatron's MFU), and its fraction of the
-  matmul peak. The reference executes ``E / K`` times that work; "padded" about twice it (its
-  static capacity guess is ``2 * T * K / E`` slots per expert).
+  matmul peak. The reference executes ``E / K`` times that work; "padded" (dropless: the
+  blocked grouped matmul) at most ``1 + E * b / (T * K)`` times it for its block size ``b``
+  (``mlir_train.model.moe.block_rows``), under 1.5x.
 
 Sizes: "tiny" is the ``qwen3-moe-tiny`` layer; "30b-a3b-s" is a Qwen3-30B-A3B MoE layer
 (D 2048, F 768, E 128, K 8) with D and F divided by 8 and E and K by 4, which keeps its
