@@ -7,6 +7,8 @@ sum over the whole global batch by the number of loss tokens in it (Megatron's
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -23,6 +25,61 @@ def cross_entropy_sum(logits_BTV: jax.Array, labels_BT: jax.Array, loss_mask_BT:
     label_logit_BT = jnp.einsum("btv,btv->bt", logits, jax.nn.one_hot(labels_BT, logits.shape[-1], dtype=jnp.float32))
     mask = loss_mask_BT.astype(jnp.float32)
     return jnp.sum((lse_BT - label_logit_BT) * mask), jnp.sum(mask)
+
+
+def linear_cross_entropy_sum(
+    h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array, constrain_logits=None
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`cross_entropy_sum` of ``h @ w`` with the LM head fused in ("fused linear
+    cross-entropy").
+
+    The forward pass also forms the gradients of the sum with respect to ``h`` and ``w``
+    (``softmax - onehot`` needs the logits' exponentials, which the forward computes anyway),
+    so the backward pass only scales them: the ``[B, T, V]`` logits and probabilities are
+    never kept for the backward pass and the softmax is not recomputed. Same value and
+    gradients as ``cross_entropy_sum(einsum(h, w), ...)``. ``constrain_logits`` annotates the
+    logits' sharding (the model's, vocab split over the tensor axis under TP).
+    """
+    return _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits)
+
+
+def _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits):
+    logits = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+    if constrain_logits is not None:
+        logits = constrain_logits(logits)
+    m_BT1 = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e_BTV = jnp.exp(logits - m_BT1)
+    z_BT1 = jnp.sum(e_BTV, axis=-1, keepdims=True)
+    lse_BT = (m_BT1 + jnp.log(z_BT1))[..., 0]
+    # The label logit by an iota comparison (one-hot without materialising it): under a
+    # vocab-sharded layout each shard contributes its part and XLA reduces over the shards.
+    is_label_BTV = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == labels_BT[..., None]
+    label_logit_BT = jnp.sum(jnp.where(is_label_BTV, logits, 0.0), axis=-1)
+    mask = loss_mask_BT.astype(jnp.float32)
+    total = jnp.sum((lse_BT - label_logit_BT) * mask)
+    dlogits_BTV = (e_BTV / z_BT1 - is_label_BTV.astype(jnp.float32)) * mask[..., None]
+    dlogits_BTV = dlogits_BTV.astype(h_BTD.dtype)
+    dh_BTD = jnp.einsum("btv,dv->btd", dlogits_BTV, w_DV, preferred_element_type=jnp.float32).astype(h_BTD.dtype)
+    dw_DV = jnp.einsum("btd,btv->dv", h_BTD, dlogits_BTV, preferred_element_type=jnp.float32).astype(w_DV.dtype)
+    return (total, jnp.sum(mask)), (dh_BTD, dw_DV)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits):
+    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits)[0]
+
+
+def _linear_ce_fwd(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits):
+    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits)
+
+
+def _linear_ce_bwd(constrain_logits, grads, cotangents):
+    dh_BTD, dw_DV = grads
+    g = cotangents[0]  # the count has no gradient
+    return (g * dh_BTD).astype(dh_BTD.dtype), (g * dw_DV).astype(dw_DV.dtype), None, None
+
+
+_linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)
 
 
 def switch_aux_loss_per_layer(stats: dict[str, jax.Array], top_k: int) -> jax.Array:

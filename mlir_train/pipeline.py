@@ -173,7 +173,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
 
         @jax.checkpoint
         def head_loss(x_BTD, labels_BT, mask_BT):
-            return losses.cross_entropy_sum(model.logits(model.final_norm(x_BTD)), labels_BT, mask_BT)
+            return model.loss_sums(model.final_norm(x_BTD), labels_BT, mask_BT)
 
         def tick(carry, t):
             received, ring, acc = carry

@@ -167,7 +167,7 @@ class Trainer:
         cfg, sc = self.model_cfg, self.step_cfg
         model = nnx.merge(self.graphdef, self._to_compute(params))
         h, stats = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
-        ce_sum, count = losses.cross_entropy_sum(model.logits(h), mb["labels"], mb["loss_mask"])
+        ce_sum, count = model.loss_sums(h, mb["labels"], mb["loss_mask"])
         objective = ce_sum / n_loss_tokens
         aux = {"ce_sum": ce_sum, "loss_tokens": count}
         if stats:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlir_train.config import ModelConfig
+from mlir_train.losses import linear_cross_entropy_sum
 from mlir_train.model.layers import MLP, Attention, RMSNorm, attention_mask, param, rope_tables
 from mlir_train.model.moe import MoE
 from sharding import constrain
@@ -123,8 +124,14 @@ class Qwen3(nnx.Module):
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         w_DV = self.unembed_matrix().astype(h_BTD.dtype)
-        logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
-        return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
+        return _constrain_logits(jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32))
+
+    def loss_sums(self, h_BTD: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(sum of masked token cross-entropies, number of loss tokens) of the LM head on
+        ``h``: :func:`losses.linear_cross_entropy_sum`, the same numbers as
+        ``cross_entropy_sum(self.logits(h), ...)`` without keeping the logits for the backward."""
+        w_DV = self.unembed_matrix().astype(h_BTD.dtype)
+        return linear_cross_entropy_sum(h_BTD, w_DV, labels_BT, loss_mask_BT, _constrain_logits)
 
     def layer_context(self, segment_ids_BT, positions_BT) -> tuple[jax.Array, ...]:
         """What every decoder layer needs besides ``x``: RoPE tables, packed-document causal
@@ -153,6 +160,10 @@ class Qwen3(nnx.Module):
         h_BTD, stats = self.hidden_states(input_ids_BT, segment_ids=segment_ids, positions=positions)
         logits_BTV = self.logits(h_BTD)
         return (logits_BTV, stats) if return_router_stats else logits_BTV
+
+
+def _constrain_logits(logits_BTV: jax.Array) -> jax.Array:
+    return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
 
 def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: str = "none") -> tuple[jax.Array, dict[str, Any]]:
