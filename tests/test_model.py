@@ -41,9 +41,19 @@ def test_fast_moe_paths_equal_reference(impl):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
 
 
-def test_padded_dropless_fallback_when_an_expert_overflows():
-    # Route everything to one expert: the static capacity guess overflows, lax.cond must
-    # take the C = S branch and still drop nothing.
+def test_padded_dropless_on_a_few_tokens_equals_reference():
+    # Decoding-sized inputs take the [E, S, D] buffer instead of the blocked layout.
+    ids = _tokens(b=1, t=3)
+    ref = _loss_and_grads(init_model(TINY, moe_impl="dense"), ids)
+    got = _loss_and_grads(init_model(TINY, moe_impl="padded"), ids)
+    np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
+
+
+def test_padded_dropless_survives_the_most_unbalanced_routing():
+    # Route every token to the same two experts: the blocked layout's static block count
+    # must still hold them all (nothing dropped) and give the reference's output.
     model = init_model(TINY, moe_impl="padded")
     ref = init_model(TINY, moe_impl="dense")
     for m in (model, ref):
@@ -139,3 +149,70 @@ def test_registry_has_release_values():
     assert get_model_config("qwen3-30b-a3b", num_layers=4, top_k=2).num_layers == 4
     with pytest.raises(ValueError, match="Did you mean 'qwen3-30b-a3b'"):
         get_model_config("qwen3-30b-a3")
+
+
+def _plain_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
+    """Autodiff reference: the textbook masked softmax attention."""
+    s = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    s = jnp.where(mask_BTS[:, None, None], s / np.sqrt(q_BTKGH.shape[-1]), jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bkgts,bskh->btkgh", jax.nn.softmax(s, axis=-1).astype(v_BSKH.dtype), v_BSKH)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 3e-2)])
+def test_attention_custom_gradient_equals_autodiff(dtype, tol):
+    from mlir_train.model.layers import attention_mask, masked_attention
+
+    rng = np.random.default_rng(0)
+    b, t, k, g, h = 2, 24, 2, 3, 16
+    q, do = (jnp.asarray(rng.normal(size=(b, t, k, g, h)), dtype) for _ in range(2))
+    kk, v = (jnp.asarray(rng.normal(size=(b, t, k, h)), dtype) for _ in range(2))
+    # Two packed documents and padding in row 0: the mask is causal within segments.
+    mask = attention_mask(jnp.asarray([[1] * 14 + [2] * 6 + [0] * 4, [1] * 24], jnp.int32))
+
+    def run(fn):
+        out, vjp = jax.vjp(lambda q, kk, v: fn(q, kk, v, mask), q, kk, v)
+        return (out,) + vjp(do)
+
+    for got, want in zip(run(masked_attention), run(_plain_attention)):
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+
+
+def test_fused_linear_cross_entropy_equals_autodiff():
+    from mlir_train import losses
+
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.normal(size=(2, 7, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 50)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 50, (2, 7)), jnp.int32)
+    mask = jnp.asarray(rng.integers(0, 2, (2, 7)), jnp.float32)
+
+    def fused(h, w):
+        total, count = losses.linear_cross_entropy_sum(h, w, labels, mask)
+        return 0.3 * total, count
+
+    def plain(h, w):
+        total, count = losses.cross_entropy_sum(jnp.einsum("btd,dv->btv", h, w), labels, mask)
+        return 0.3 * total, count
+
+    (got, got_n), got_g = jax.value_and_grad(fused, argnums=(0, 1), has_aux=True)(h, w)
+    (want, want_n), want_g = jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)(h, w)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert float(got_n) == float(want_n) == float(mask.sum())
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(64, 8, 2), (4096, 16, 4), (10, 64, 8)])
+def test_blocked_moe_block_count_bounds_any_routing(tokens, experts, top_k):
+    from mlir_train.model.moe import block_rows
+
+    a = tokens * top_k
+    b = block_rows(a, experts)
+    assert 8 <= b <= 128 and b & (b - 1) == 0
+    n_blocks = -(-a // b) + experts
+    # The worst case for block padding: as many experts as possible hold one row each,
+    # the rest go to one expert.
+    for sizes in ([a - (experts - 1)] + [1] * (experts - 1), [a // experts] * experts):
+        sizes[0] += a - sum(sizes)
+        assert sum(-(-n // b) for n in sizes) <= n_blocks
