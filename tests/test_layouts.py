@@ -281,6 +281,17 @@ def test_collectives_of_each_layout(layout):
         assert not any(op.kind == "all-to-all" for op in ops), f"{layout}: all-to-all without expert parallelism"
 
 
+@pytest.mark.parametrize("layout", ["DP8", "TP2xDP4", "TP2xDP4+SP"])
+def test_pure_data_parallel_moe_keeps_tokens_on_their_rank(layout):
+    """Without expert ranks each data rank routes and runs its own tokens: nothing (tokens,
+    routing, replicated expert weights) is all-gathered over the data ranks. Left to XLA,
+    the sort by expert over the global batch gathered everything to every rank."""
+    parallel = LAYOUTS[layout]
+    data = 8 // parallel.tensor
+    ops = collectives(run_step("moe", layout).hlo)
+    assert not _has(ops, "all-gather", data), f"{layout}: all-gather over the {data} data ranks: {_summary(ops)}"
+
+
 def test_sequence_parallel_gathers_the_sequence_over_tensor_ranks():
     """TP without SP keeps the residual stream whole on every tensor rank: no all-gather over
     the 2 tensor ranks at all. SP splits it along the sequence, so each TP region starts with

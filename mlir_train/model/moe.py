@@ -22,14 +22,25 @@ With ``capacity_factor`` set (Megatron's ``--moe-expert-capacity-factor``) the p
 has C = ceil(capacity_factor * S*K/E) and overflowing assignments are dropped, by position
 (later tokens first) or by probability (``--moe-token-drop-policy probs``); drops are counted.
 
+Data parallelism without expert ranks
+-------------------------------------
+When the tokens are split over data ranks (``"act_tokens"``) but the experts are not, each
+rank runs its own S_r tokens through all E experts in a region manual over the token axes
+(:meth:`MoE._data_parallel`), with the weights whole on every rank ("tensor" may still split
+F; under FSDP they are gathered on entry) and their gradients summed over the ranks by the
+region's transpose. The router's ``top_k`` runs manual over the tokens too. Left to XLA, the
+sort by expert over the global batch all-gathered every rank's tokens and routing to every
+rank. Capacity (``capacity_factor`` set) is then per rank, C = ceil(cf * S_r*K/E), as under
+expert parallelism and in Megatron.
+
 Expert parallelism
 ------------------
 When the active sharding rules split ``"exp"`` over mesh axes of total size EP > 1, the
 ``"padded"`` and ``"ragged"`` paths run inside :func:`sharding.logical_shard_map`, manual over
 the token axes (``"act_tokens"``, which include the expert axes: EP is carved out of DP) and
 automatic over the rest (``"tensor"`` may still split the expert width F). The router and
-its stats run before the manual region, partitioned by XLA, so the stats are reduced over the
-global batch and are the single-device arrays. Each rank then dispatches its own S_r = S /
+its stats run before the manual region, partitioned by XLA (``top_k`` manual over the tokens),
+so the stats are reduced over the global batch and are the single-device arrays. Each rank then dispatches its own S_r = S /
 (token ranks) tokens to the ranks holding their experts, runs its L = E / EP local experts, and
 sends the results back; the combine (weights, scatter-add) happens at the token's home rank.
 ``"dense"`` stays the plain reference under every layout (XLA partitions it).
@@ -112,7 +123,7 @@ class MoE(nnx.Module):
             precision=jax.lax.Precision.HIGHEST,
         )
         probs_SE = jax.nn.softmax(logits_SE, axis=-1)
-        weights_SK, experts_SK = jax.lax.top_k(probs_SE, self.top_k)
+        weights_SK, experts_SK = _top_k(probs_SE, self.top_k)
         if self.norm_topk_prob:
             weights_SK = weights_SK / jnp.sum(weights_SK, axis=-1, keepdims=True)
         valid = valid_S.astype(jnp.float32)
@@ -143,10 +154,10 @@ class MoE(nnx.Module):
             y_SD, dropped = self._dense(x_SD, weights_SK, experts_SK), jnp.zeros((), jnp.float32)
         elif mesh_axes_of("exp")[1] > 1:
             y_SD, dropped = self._expert_parallel(x_SD, weights_SK, experts_SK, valid_S)
-        elif self.impl == "ragged" and self.capacity_factor is None:
-            y_SD, dropped = self._ragged(x_SD, weights_SK, experts_SK), jnp.zeros((), jnp.float32)
+        elif mesh_axes_of("act_tokens")[1] > 1:
+            y_SD, dropped = self._data_parallel(x_SD, weights_SK, experts_SK, valid_S)
         else:
-            y_SD, dropped = self._padded(x_SD, weights_SK, experts_SK, valid_S)
+            y_SD, dropped = self._local(x_SD, weights_SK, experts_SK, valid_S, self._weights(x_SD.dtype), self._local_experts)
         stats["dropped_tokens"] = dropped
         return y_SD.reshape(b, t, d), stats
 
@@ -172,8 +183,52 @@ class MoE(nnx.Module):
             order_A = jnp.argsort(experts_A, stable=True)
         return order_A // k, experts_A[order_A], weights_A[order_A]
 
-    def _ragged(self, x_SD, weights_SK, experts_SK):
-        wg, wu, wd = self._weights(x_SD.dtype)
+    def _local(self, x_SD, weights_SK, experts_SK, valid_S, weights, experts_fn=None):
+        """The experts on this rank's tokens, all experts here (one device, or each data rank
+        of a pure data-parallel layout). ``experts_fn`` runs the padded ``[E, C, D]`` buffer
+        (default: the plain batched SwiGLU with ``weights``)."""
+        if self.impl == "ragged" and self.capacity_factor is None:
+            return self._ragged(x_SD, weights_SK, experts_SK, weights), jnp.zeros((), jnp.float32)
+        s, k = experts_SK.shape
+        e = self.num_experts
+        b = block_rows(s * k, e)
+        if self.capacity_factor is None and (-(-s * k // b) + e) * b < e * s:
+            return self._blocked(x_SD, weights_SK, experts_SK, weights), jnp.zeros((), jnp.float32)
+        # Capacity runs, and so few tokens (decoding) that the [E, S, D] buffer, which can
+        # never overflow, is smaller than the blocked layout's bound.
+        experts_fn = experts_fn or (lambda buf_ECD: _swiglu_experts(buf_ECD, *weights))
+        return self._dispatch_padded(x_SD, weights_SK, experts_SK, valid_S, experts_fn, lambda n: n)
+
+    def _data_parallel(self, x_SD, weights_SK, experts_SK, valid_S):
+        """Pure data parallelism (no expert ranks): each data rank runs *its own* tokens through
+        every expert, in a region manual over the token axes, with the expert weights whole on
+        every rank (gathered first under FSDP; "tensor" may still split F). Left to XLA, the
+        sort-by-expert over the whole batch would gather every rank's tokens and routing to
+        every rank. Capacity drops are per rank, as under EP and in Megatron."""
+        token_axes, n_token_ranks = mesh_axes_of("act_tokens")
+        if x_SD.shape[0] % n_token_ranks:
+            raise ValueError(f"{x_SD.shape[0]} tokens (batch x sequence) cannot be split over {n_token_ranks} data-parallel ranks")
+
+        def body(x_SD, weights_SK, experts_SK, valid_S, *weights):
+            # The weights are the same on every rank, their per-rank gradients are not: mark
+            # them varying over the token axes, whose transpose sums the gradients over the
+            # ranks (the custom VJPs inside must see one type for a weight and its gradient).
+            weights = jax.lax.pcast(weights, token_axes, to="varying")
+            y_SD, dropped = self._local(x_SD, weights_SK, experts_SK, valid_S, weights)
+            return y_SD, jax.lax.psum(dropped, token_axes)
+
+        tokens = ("act_tokens", None)
+        w_in, w_out = (None, None, "moe_mlp"), (None, "moe_mlp", None)
+        run = logical_shard_map(
+            body,
+            in_names=(tokens, tokens, tokens, ("act_tokens",), w_in, w_in, w_out),
+            out_names=(tokens, ()),
+            manual=("act_tokens",),
+        )
+        return run(x_SD, weights_SK, experts_SK, valid_S, *self._weights(x_SD.dtype))
+
+    def _ragged(self, x_SD, weights_SK, experts_SK, weights):
+        wg, wu, wd = weights
         token_A, expert_A, weight_A = self._sort(weights_SK, experts_SK)
         group_sizes_E = jnp.bincount(expert_A, length=self.num_experts).astype(jnp.int32)
         x_AD = x_SD[token_A]
@@ -182,17 +237,7 @@ class MoE(nnx.Module):
         y_AD = jax.lax.ragged_dot(jax.nn.silu(g_AF) * u_AF, wd, group_sizes_E)
         return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
 
-    def _padded(self, x_SD, weights_SK, experts_SK, valid_S):
-        s, k = experts_SK.shape
-        e = self.num_experts
-        b = block_rows(s * k, e)
-        if self.capacity_factor is None and (-(-s * k // b) + e) * b < e * s:
-            return self._blocked(x_SD, weights_SK, experts_SK), jnp.zeros((), jnp.float32)
-        # Capacity runs, and so few tokens (decoding) that the [E, S, D] buffer, which can
-        # never overflow, is smaller than the blocked layout's bound.
-        return self._dispatch_padded(x_SD, weights_SK, experts_SK, valid_S, self._local_experts, lambda n: n)
-
-    def _blocked(self, x_SD, weights_SK, experts_SK):
+    def _blocked(self, x_SD, weights_SK, experts_SK, weights):
         """Dropless experts on one rank as a block-grouped matmul (MegaBlocks' layout).
 
         Assignments sorted by expert fill rows of a ``[N*b, D]`` buffer in which each
@@ -220,9 +265,10 @@ class MoE(nnx.Module):
         # Row -> token (s, a zero row, for padding) and row -> routing weight (0 for padding).
         token_R = jnp.full((rows,), s, jnp.int32).at[row_A].set(token_A.astype(jnp.int32), unique_indices=True)
         weight_R = jnp.zeros((rows,), x_SD.dtype).at[row_A].set(weight_A, unique_indices=True)
-        expert_N = jnp.minimum(jnp.searchsorted(block_end_E, jnp.arange(n_blocks), side="right"), e - 1)
+        # Block n belongs to the first expert whose blocks end after it (unused blocks: the last).
+        expert_N = jnp.minimum(jnp.sum(block_end_E[None, :] <= jnp.arange(n_blocks)[:, None], axis=1), e - 1)
         x_NBD = x_SD.at[token_R].get(mode="fill", fill_value=0).reshape(n_blocks, b, -1)
-        out_RD = _block_swiglu(x_NBD, *self._weights(x_SD.dtype), expert_N).reshape(rows, -1)
+        out_RD = _block_swiglu(x_NBD, *weights, expert_N).reshape(rows, -1)
         return jnp.zeros_like(x_SD).at[token_R].add(out_RD * weight_R[:, None], mode="drop")
 
     def _local_experts(self, buf_ECD):
@@ -357,6 +403,17 @@ class MoE(nnx.Module):
         return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
 
 
+def _top_k(probs_SE, k):
+    """``jax.lax.top_k`` per token. With the tokens split over ranks it runs in a region manual
+    over them: left to XLA, the partitioner all-gathers every token's probabilities to every
+    rank for the TopK."""
+    if mesh_axes_of("act_tokens")[1] == 1:
+        return jax.lax.top_k(probs_SE, k)
+    tokens = ("act_tokens", None)
+    return logical_shard_map(lambda p: tuple(jax.lax.top_k(p, k)), in_names=(tokens,), out_names=(tokens, tokens),
+                             manual=("act_tokens",))(probs_SE)
+
+
 def _swiglu_experts(x_ECD, wg_EDF, wu_EDF, wd_EFD):
     h_ECF = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x_ECD, wg_EDF)) * jnp.einsum("ecd,edf->ecf", x_ECD, wu_EDF)
     return jnp.einsum("ecf,efd->ecd", h_ECF, wd_EFD)
@@ -397,7 +454,7 @@ def _block_swiglu_bwd(loop, res, dy_NBD):
             dx_BD, *dw = _swiglu_bwd(x_BD, g_BF, u_BF, dy_BD, *(w[e] for w in weights))
             return tuple(a.at[e].add(d) for a, d in zip(acc, dw)), dx_BD
 
-        zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in weights)
+        zeros = tuple(jnp.zeros_like(w, jnp.float32) for w in weights)  # same varying-ness as w
         dws, dx_NBD = jax.lax.scan(block, zeros, (x_NBD, g_NBF, u_NBF, dy_NBD, expert_N))
     else:
         dx_NBD, *dw_N = jax.vmap(_swiglu_bwd)(x_NBD, g_NBF, u_NBF, dy_NBD, *(w[expert_N] for w in weights))
