@@ -45,13 +45,14 @@ So the planner does not scale the CPU temp figure (none of the three is a consta
 It computes the temporaries from what the step holds: the weight-shaped ones exactly from the
 shardings (compute copy, micro-batch gradients, accumulator), and the activations per
 micro-batch from the model's shapes for the recompute policy -- per decoder layer the
-residual stream, q/k/v/o, the float32 attention scores and the bf16 probabilities (this model
-materialises ``[heads, T, T]``: no flash attention), the router logits and the ragged
-expert buffers (``EP x tokens x top_k`` rows, their upper bound); ``none`` keeps all of it
-for every layer, ``selective`` everything but the attention matrices, ``full`` only each
-layer's input; one layer's working set (twice its activations when recomputing: the
-recomputed forward and its gradients) and the float32 logits twice (logits and their
-gradient) come on top. The CPU temp figure is printed alongside, labelled, as a cross-check.
+residual stream, q/k/v/o and the attention's float32 log-sum-exp (its custom gradient
+recomputes the ``[heads, T, T]`` probabilities, so those live only while one layer runs),
+the router logits and the ragged expert buffers (``EP x tokens x top_k`` rows, their upper
+bound); ``none`` keeps all of it for every layer, ``selective`` the outputs of dots without
+batch dimensions (projections, router, dense MLP: not the attention core or the experts),
+``full`` only each layer's input; one layer's working set (twice its
+activations when recomputing: the recomputed forward and its gradients, plus the float32
+attention matrices) and the float32 logits twice (logits and their gradient) come on top. The CPU temp figure is printed alongside, labelled, as a cross-check.
 
 Pipeline parallelism: layouts with ``PP > 1`` are planned only where ``mlir_train.sft`` runs
 them (otherwise they are reported as not implemented); a device then holds ``L / PP`` layers
@@ -176,28 +177,35 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     hd = cfg.head_dim
     rows = b * t
     residual = 2 * a * rows * d // sp
-    attn_matrices = b * heads * t * t * (4 + a)  # float32 scores/softmax + compute-dtype probabilities
-    attn = a * rows * (d + (heads + 2 * kv) * hd + (heads + kv) * hd + heads * hd) + attn_matrices
+    # The attention's custom gradient keeps q, k, v, its output and a float32 log-sum-exp per
+    # row; the [T, T] matrices (float32 scores/probabilities, their gradients) exist only
+    # while one layer runs, so they count in the working set, not per layer.
+    attn_core = a * rows * heads * hd + 4 * b * heads * t  # output + log-sum-exp
+    attn = a * rows * (d + (heads + 2 * kv) * hd + (heads + kv) * hd) + attn_core
+    attn_matrices = 3 * 4 * b * heads * t * t
     kinds = cfg.layer_kinds()
     if cfg.is_moe:
         s, k = rows // sp, cfg.top_k
         local = cfg.num_experts // layout.expert
         m = layout.expert * s * min(k, local)
         f = cfg.moe_intermediate_size // tp
-        moe = (a * rows * d + 2 * 4 * s * cfg.num_experts + 2 * a * s * k * d
-               + (a * m * d if layout.expert > 1 else 0) + 3 * a * m * f + a * m * d)
+        router = a * rows * d + 2 * 4 * s * cfg.num_experts
+        experts = 2 * a * s * k * d + (a * m * d if layout.expert > 1 else 0) + 3 * a * m * f + a * m * d
     else:
-        moe = 0
+        router = experts = 0
+    moe = router + experts
     dense = a * rows * (d + 3 * cfg.intermediate_size // tp)
     per_layer = [residual + attn + (moe if is_moe else dense) for is_moe in kinds]
     per_layer = per_layer[:max(1, len(per_layer) // layout.pipeline)]  # this stage's layers
     if layout.recompute == "none":
         saved = sum(per_layer)
     elif layout.recompute == "selective":
-        saved = sum(per_layer) - len(per_layer) * attn_matrices
+        # Only dots without batch dimensions are kept (projections, router, dense MLP): the
+        # attention core and the expert matmuls (batched, looped or ragged) are recomputed.
+        saved = sum(per_layer) - len(per_layer) * attn_core - sum(kinds[:len(per_layer)]) * experts
     else:
         saved = len(per_layer) * a * rows * d // sp
-    working = (1 if layout.recompute == "none" else 2) * max(per_layer)
+    working = (1 if layout.recompute == "none" else 2) * max(per_layer) + attn_matrices
     logits = 2 * 4 * rows * (cfg.vocab_size // tp)
     in_flight = num_micro if layout.pipeline > 1 else 1
     return int(in_flight * saved + working + logits)
