@@ -344,6 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--sequence-parallel", action="store_true")
     mp.add_argument("--use-distributed-optimizer", action="store_true",
                     help="shard optimizer state over data-parallel ranks (ZeRO-1)")
+    mp.add_argument("--use-torch-fsdp2", action="store_true",
+                    help="FSDP: shard the parameters too over the data-parallel ranks, gathered for compute "
+                         "(same as --data-parallel-sharding-strategy optim_grads_params)")
+    mp.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                    help="Megatron-FSDP's ZeRO stage: optim / optim_grads shard the optimizer state "
+                         "(= --use-distributed-optimizer), optim_grads_params the parameters too (FSDP)")
+    mp.add_argument("--use-megatron-fsdp", "--use-custom-fsdp", dest="use_megatron_fsdp", action="store_true",
+                    help="accepted for Megatron-FSDP scripts; the sharding follows --data-parallel-sharding-strategy")
     mp.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     mp.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     mp.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)

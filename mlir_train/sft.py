@@ -156,9 +156,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             f"but the checkpoint {src} has {getattr(model_cfg, field)}")
     else:
         model_cfg = build_model_config(args, padded_vocab_size(len(tokenizer), args.make_vocab_size_divisible_by, tp))
+    strategy = args.data_parallel_sharding_strategy
+    fsdp = args.use_torch_fsdp2 or strategy == "optim_grads_params"
+    if fsdp and args.pipeline_model_parallel_size > 1:
+        raise _fail("FSDP (--use-torch-fsdp2 / --data-parallel-sharding-strategy optim_grads_params) is not "
+                    "implemented with pipeline parallelism; use --use-distributed-optimizer with "
+                    "--pipeline-model-parallel-size > 1")
     parallel = ParallelConfig(
         tensor=tp, pipeline=args.pipeline_model_parallel_size, expert=args.expert_model_parallel_size,
-        sequence_parallel=args.sequence_parallel, distributed_optimizer=args.use_distributed_optimizer,
+        sequence_parallel=args.sequence_parallel, fsdp=fsdp,
+        distributed_optimizer=args.use_distributed_optimizer or strategy in ("optim", "optim_grads"),
     )
     gbs = args.global_batch_size or args.micro_batch_size * parallel.data_parallel
     try:

@@ -382,15 +382,29 @@ def test_cli_iterations_agree_across_layouts(tmp_path):
     # Both runs take 2 micro-batches of the same 8 rows (DP8 x 1 and DP4 x 2): the MoE aux loss
     # is formed per micro-batch (as Megatron's), so a different split would change it.
     dp = _cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1"])
-    par = _cli_metrics(tmp_path, "tp-ep-sp-distopt", [
-        "--micro-batch-size", "2", "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-        "--sequence-parallel", "--use-distributed-optimizer",
-    ])
-    assert [r["iteration"] for r in dp] == [r["iteration"] for r in par] == [1, 2, 3]
-    for a, b in zip(dp, par):
-        # Measured <= 2e-7 relative over the 3 iterations; the margin is for Adam's ±lr steps on
-        # near-zero gradients (see the module docstring), which compound over iterations.
-        for key in ("lm loss", "grad-norm", "load_balancing_loss"):
-            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=f"iteration {a['iteration']} {key}")
-        assert a["loss tokens"] == b["loss tokens"]
+    runs = {
+        "tp-ep-sp-distopt": ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+                             "--expert-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"],
+        # Megatron's FSDP spellings: parameters sharded over the data ranks as well.
+        "fsdp2": ["--micro-batch-size", "1", "--use-torch-fsdp2"],
+        "megatron-fsdp-tp": ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2", "--use-megatron-fsdp",
+                             "--data-parallel-sharding-strategy", "optim_grads_params"],
+    }
+    for name, flags in runs.items():
+        par = _cli_metrics(tmp_path, name, flags)
+        assert [r["iteration"] for r in dp] == [r["iteration"] for r in par] == [1, 2, 3]
+        for a, b in zip(dp, par):
+            # Measured <= 2e-7 relative over the 3 iterations; the margin is for Adam's ±lr steps on
+            # near-zero gradients (see the module docstring), which compound over iterations.
+            for key in ("lm loss", "grad-norm", "load_balancing_loss"):
+                np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=f"{name} iteration {a['iteration']} {key}")
+            assert a["loss tokens"] == b["loss tokens"]
     assert dp[-1]["lm loss"] < dp[0]["lm loss"]
+
+
+def test_cli_fsdp_with_pipeline_is_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _cli_metrics(tmp_path, "fsdp-pp", ["--micro-batch-size", "1", "--use-torch-fsdp2",
+                                           "--pipeline-model-parallel-size", "2"])
+    err = capsys.readouterr().err
+    assert "--use-torch-fsdp2" in err and "--pipeline-model-parallel-size" in err
