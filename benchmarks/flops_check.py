@@ -42,7 +42,7 @@ from mlir_train.config import ModelConfig, get_model_config  # noqa: E402
 from mlir_train.optim import make_optimizer  # noqa: E402
 from mlir_train.train import BATCH_KEYS, StepConfig, Trainer  # noqa: E402
 from mlir_train.model import moe  # noqa: E402
-from mlir_train.model.moe import block_rows  # noqa: E402
+from mlir_train.model.moe import block_layout  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 
 DENSE = get_model_config("qwen3-tiny", vocab_size=512, num_layers=1, hidden_size=256, intermediate_size=1024,
@@ -88,8 +88,8 @@ def expert_rows_executed(cfg: ModelConfig, tokens: int, model_kwargs: dict) -> i
     if cf is not None:
         return e * max(1, math.ceil(cf * tokens * k / e))  # E * C buffer rows
     a = tokens * k                                 # dropless: the blocked grouped matmul's static rows
-    b = block_rows(a, e)
-    blocked = (-(-a // b) + e) * b
+    b, n_blocks = block_layout(a, e)
+    blocked = n_blocks * b
     return blocked if blocked < e * tokens else e * tokens
 
 

@@ -209,12 +209,11 @@ def test_fused_linear_cross_entropy_equals_autodiff():
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(64, 8, 2), (4096, 16, 4), (10, 64, 8)])
 def test_blocked_moe_block_count_bounds_any_routing(tokens, experts, top_k):
-    from mlir_train.model.moe import block_rows
+    from mlir_train.model.moe import block_layout
 
     a = tokens * top_k
-    b = block_rows(a, experts)
+    b, n_blocks = block_layout(a, experts)
     assert 8 <= b <= 128 and b & (b - 1) == 0
-    n_blocks = -(-a // b) + experts
     # The worst case for block padding: as many experts as possible hold one row each,
     # the rest go to one expert.
     for sizes in ([a - (experts - 1)] + [1] * (experts - 1), [a // experts] * experts):

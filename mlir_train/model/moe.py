@@ -39,10 +39,10 @@ When the active sharding rules split ``"exp"`` over mesh axes of total size EP >
 ``"padded"`` and ``"ragged"`` paths run inside :func:`sharding.logical_shard_map`, manual over
 the token axes (``"act_tokens"``, which include the expert axes: EP is carved out of DP) and
 automatic over the rest (``"tensor"`` may still split the expert width F). The router and
-its stats run before the manual region, partitioned by XLA (``top_k`` manual over the tokens),
-so the stats are reduced over the global batch and are the single-device arrays. Each rank then dispatches its own S_r = S /
-(token ranks) tokens to the ranks holding their experts, runs its L = E / EP local experts, and
-sends the results back; the combine (weights, scatter-add) happens at the token's home rank.
+its stats run before the manual region, partitioned by XLA (``top_k`` manual over the
+tokens), so the stats are reduced over the global batch and are the single-device arrays.
+Each rank then dispatches its own S_r = S / (token ranks) tokens to the ranks holding their
+experts, runs its L = E / EP local experts, and sends the results back; the combine (weights, scatter-add) happens at the token's home rank.
 ``"dense"`` stays the plain reference under every layout (XLA partitions it).
 
 * Padded dispatcher (any backend; the one used on CPU, where XLA has no ragged all-to-all):
@@ -191,8 +191,8 @@ class MoE(nnx.Module):
             return self._ragged(x_SD, weights_SK, experts_SK, weights), jnp.zeros((), jnp.float32)
         s, k = experts_SK.shape
         e = self.num_experts
-        b = block_rows(s * k, e)
-        if self.capacity_factor is None and (-(-s * k // b) + e) * b < e * s:
+        b, n_blocks = block_layout(s * k, e)
+        if self.capacity_factor is None and n_blocks * b < e * s:
             return self._blocked(x_SD, weights_SK, experts_SK, weights), jnp.zeros((), jnp.float32)
         # Capacity runs, and so few tokens (decoding) that the [E, S, D] buffer, which can
         # never overflow, is smaller than the blocked layout's bound.
@@ -205,9 +205,7 @@ class MoE(nnx.Module):
         every rank (gathered first under FSDP; "tensor" may still split F). Left to XLA, the
         sort-by-expert over the whole batch would gather every rank's tokens and routing to
         every rank. Capacity drops are per rank, as under EP and in Megatron."""
-        token_axes, n_token_ranks = mesh_axes_of("act_tokens")
-        if x_SD.shape[0] % n_token_ranks:
-            raise ValueError(f"{x_SD.shape[0]} tokens (batch x sequence) cannot be split over {n_token_ranks} data-parallel ranks")
+        token_axes = _token_axes(x_SD.shape[0])
 
         def body(x_SD, weights_SK, experts_SK, valid_S, *weights):
             # The weights are the same on every rank, their per-rank gradients are not: mark
@@ -252,8 +250,7 @@ class MoE(nnx.Module):
         """
         s, k = experts_SK.shape
         e, a = self.num_experts, s * k
-        b = block_rows(a, e)
-        n_blocks = -(-a // b) + e
+        b, n_blocks = block_layout(a, e)
         token_A, expert_A, weight_A = self._sort(weights_SK, experts_SK)
         sizes_E = jnp.bincount(expert_A, length=e)
         blocks_E = (sizes_E + b - 1) // b
@@ -320,8 +317,8 @@ class MoE(nnx.Module):
         docstring for the two dispatchers and their buffers.
         """
         ep_axes, ep = mesh_axes_of("exp")
-        token_axes, n_token_ranks = mesh_axes_of("act_tokens")
-        e, s = self.num_experts, x_SD.shape[0]
+        token_axes = _token_axes(x_SD.shape[0])
+        e = self.num_experts
         if e % ep:
             raise ValueError(f"{e} experts cannot be split over {ep} expert-parallel ranks")
         if not set(ep_axes) <= set(token_axes):
@@ -329,8 +326,6 @@ class MoE(nnx.Module):
                 f"expert parallelism needs the tokens split over the expert ranks too (the rules map "
                 f"'exp' to {ep_axes} but 'act_tokens' to {token_axes}): EP is carved out of DP"
             )
-        if s % n_token_ranks:
-            raise ValueError(f"{s} tokens (batch x sequence) cannot be split over {n_token_ranks} data-parallel ranks")
         manual_axes = tuple(token_axes)
         ragged_a2a = _ep_ragged_collective() if self.impl == "ragged" and self.capacity_factor is None else None
 
@@ -524,6 +519,21 @@ def ragged_all_to_all_dense(operand, output, input_offsets, send_sizes, output_o
     offsets_N = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
     dest_NL = jnp.where(j_L < recv_sizes[:, None], offsets_N[:, None] + j_L, output.shape[0])
     return output.at[dest_NL].set(recv, mode="drop")
+
+
+def block_layout(assignments: int, experts: int) -> tuple[int, int]:
+    """(rows per block, static block count) of the dropless blocked layout: each expert's
+    rows fill whole blocks and waste less than one, so ceil(A/b) + E blocks hold any routing."""
+    b = block_rows(assignments, experts)
+    return b, -(-assignments // b) + experts
+
+
+def _token_axes(num_tokens: int) -> tuple[str, ...]:
+    """The mesh axes the MoE's tokens are split over; the token count must divide evenly."""
+    token_axes, n_token_ranks = mesh_axes_of("act_tokens")
+    if num_tokens % n_token_ranks:
+        raise ValueError(f"{num_tokens} tokens (batch x sequence) cannot be split over {n_token_ranks} data-parallel ranks")
+    return token_axes
 
 
 def block_rows(assignments: int, experts: int) -> int:
