@@ -70,7 +70,7 @@ MODELS = {
     "moe": get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2),
     "dense": get_model_config("qwen3-tiny", vocab_size=512, num_layers=2),
 }
-MODELS["moe-loop"] = MODELS["moe"]
+MODELS["moe-loop"] = MODELS["moe-ragged"] = MODELS["moe"]
 # Issue 5's layouts on 8 devices (Megatron sizes: DP = 8 / TP, EP carved out of DP).
 LAYOUTS = {
     "DP8": ParallelConfig(),
@@ -88,7 +88,9 @@ SINGLE = "1 device"
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 # "moe-loop": the same model with the dropless experts' block loop forced (the form larger
 # expert matmuls take; this tiny one would take the batched form), under tensor parallelism.
-CASES = [("moe", name) for name in LAYOUTS] + [("dense", "TP2xDP4+SP"), ("moe-loop", "TP2xDP4")]
+# "moe-ragged": the experts as ``ragged_dot`` groups (the GPU/TPU path) with its custom gradient,
+# inside the pure-DP manual region.
+CASES = [("moe", name) for name in LAYOUTS] + [("dense", "TP2xDP4+SP"), ("moe-loop", "TP2xDP4"), ("moe-ragged", "DP8")]
 
 
 def packed_batch(vocab: int) -> dict[str, np.ndarray]:
@@ -149,7 +151,9 @@ def run_step(model: str, layout: str) -> StepResult:
         mesh = make_mesh(parallel)
     schedule = megatron_lr_schedule(lr=LR, min_lr=LR / 10, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
-    trainer = Trainer(cfg, StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2), optimizer, parallel, mesh)
+    model_kwargs = {"moe_impl": "ragged"} if model == "moe-ragged" else None
+    trainer = Trainer(cfg, StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2), optimizer, parallel, mesh,
+                      model_kwargs=model_kwargs)
     state = trainer.init_state(SEED)
     init_params = jax.device_get(state["params"])
     batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(cfg.vocab_size).items()}
@@ -194,7 +198,7 @@ def _named_leaves(tree) -> list[tuple[str, np.ndarray]]:
 
 @pytest.mark.parametrize("model,layout", CASES, ids=[f"{m}-{l}" for m, l in CASES])
 def test_step_matches_single_device(model, layout):
-    ref, got = run_step("moe" if model == "moe-loop" else model, SINGLE), run_step(model, layout)
+    ref, got = run_step("moe" if model.startswith("moe") else model, SINGLE), run_step(model, layout)
     for (path, a), (_, b) in zip(_named_leaves(got.init_params), _named_leaves(ref.init_params)):
         np.testing.assert_array_equal(a, b, err_msg=f"initial {path}")
     assert got.metrics["loss tokens"] == ref.metrics["loss tokens"]

@@ -226,14 +226,9 @@ class MoE(nnx.Module):
         return run(x_SD, weights_SK, experts_SK, valid_S, *self._weights(x_SD.dtype))
 
     def _ragged(self, x_SD, weights_SK, experts_SK, weights):
-        wg, wu, wd = weights
         token_A, expert_A, weight_A = self._sort(weights_SK, experts_SK)
         group_sizes_E = jnp.bincount(expert_A, length=self.num_experts).astype(jnp.int32)
-        x_AD = x_SD[token_A]
-        g_AF = jax.lax.ragged_dot(x_AD, wg, group_sizes_E)
-        u_AF = jax.lax.ragged_dot(x_AD, wu, group_sizes_E)
-        y_AD = jax.lax.ragged_dot(jax.nn.silu(g_AF) * u_AF, wd, group_sizes_E)
-        return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
+        return _ragged_experts(x_SD, weight_A, *weights, token_A.astype(jnp.int32), group_sizes_E)
 
     def _blocked(self, x_SD, weights_SK, experts_SK, weights):
         """Dropless experts on one rank as a block-grouped matmul (MegaBlocks' layout).
@@ -243,10 +238,10 @@ class MoE(nnx.Module):
         one expert. ``N`` = ceil(A/b) + E bounds the blocks any routing can need (each
         expert wastes less than one block), so the shape is static, nothing is dropped and
         no branch is needed; padding is at most ``E*(b-1)`` rows, which the choice of ``b``
-        (:func:`block_rows`) keeps under half the routed ``A = S*K`` rows (unless the batch is tiny). Each block
-        runs with its expert's weights gathered (``[N, D, F]``), one batched matmul per
-        weight. One gather brings tokens in and one scatter-add takes the weighted outputs
-        home; unused rows read a zero row and add into a discarded one.
+        (:func:`block_rows`) keeps under half the routed ``A = S*K`` rows (unless the batch
+        is tiny). Each block runs with its expert's weights (:func:`_blocked_experts`). One
+        gather brings tokens in and one scatter-add takes the weighted outputs home; unused
+        rows read a zero row and add into a discarded one.
         """
         s, k = experts_SK.shape
         e, a = self.num_experts, s * k
@@ -264,9 +259,7 @@ class MoE(nnx.Module):
         weight_R = jnp.zeros((rows,), x_SD.dtype).at[row_A].set(weight_A, unique_indices=True)
         # Block n belongs to the first expert whose blocks end after it (unused blocks: the last).
         expert_N = jnp.minimum(jnp.sum(block_end_E[None, :] <= jnp.arange(n_blocks)[:, None], axis=1), e - 1)
-        x_NBD = x_SD.at[token_R].get(mode="fill", fill_value=0).reshape(n_blocks, b, -1)
-        out_RD = _block_swiglu(x_NBD, *weights, expert_N, block_end_E[-1]).reshape(rows, -1)
-        return jnp.zeros_like(x_SD).at[token_R].add(out_RD * weight_R[:, None], mode="drop")
+        return _blocked_experts(x_SD, weight_R, *weights, token_R, expert_N, block_end_E[-1])
 
     def _local_experts(self, buf_ECD):
         buf_ECD = constrain(buf_ECD, ("act_exp", "act_capacity", "act_embed"))
@@ -420,19 +413,31 @@ def _swiglu_fwd(x_BD, wg_DF, wu_DF, wd_FD):
     return g_BF, u_BF, (jax.nn.silu(g_BF) * u_BF) @ wd_FD
 
 
-def _swiglu_bwd(x_BD, g_BF, u_BF, dy_BD, wg_DF, wu_DF, wd_FD):
-    """Gradients of ``y = (silu(x wg) * (x wu)) wd`` for the input and the three weights."""
+def _swiglu_bwd(x_BD, g_BF, u_BF, dy_BD, r_B, wg_DF, wu_DF, wd_FD):
+    """Gradients of ``r * y`` for ``y = (silu(x wg) * (x wu)) wd`` scaled per row by ``r``:
+    for the input, the row scales and the three weights. ``d r = dy . y = (dy wd^T) . h``,
+    so the scale's gradient comes from the ``dy wd^T`` product the rest needs anyway: ``y``
+    is neither kept nor recomputed."""
     sig_BF = jax.nn.sigmoid(g_BF)
     silu_BF = g_BF * sig_BF
+    h_BF = silu_BF * u_BF
     dh_BF = dy_BD @ wd_FD.T
+    dr_B = jnp.sum(dh_BF * h_BF, axis=-1)
+    dh_BF = dh_BF * r_B[:, None]
     dg_BF = dh_BF * u_BF * sig_BF * (1 + g_BF * (1 - sig_BF))
     du_BF = dh_BF * silu_BF
     dx_BD = dg_BF @ wg_DF.T + du_BF @ wu_DF.T
-    return dx_BD, x_BD.T @ dg_BF, x_BD.T @ du_BF, (silu_BF * u_BF).T @ dy_BD
+    return dx_BD, dr_B, x_BD.T @ dg_BF, x_BD.T @ du_BF, (h_BF * r_B[:, None]).T @ dy_BD
 
 
-def _block_swiglu_fwd(x_NBD, wg_EDF, wu_EDF, wd_EFD, expert_N, used, loop):
+def _gather_rows(v_SD, token_R, n_blocks):
+    """Rows of ``v`` in block layout ``[N, b, D]``; row index ``S`` (padding) reads zeros."""
+    return v_SD.at[token_R].get(mode="fill", fill_value=0).reshape(n_blocks, -1, v_SD.shape[-1])
+
+
+def _blocked_fwd(x_SD, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, used, loop):
     weights = (wg_EDF, wu_EDF, wd_EFD)
+    x_NBD = _gather_rows(x_SD, token_R, expert_N.shape[0])
     if loop:
         # Only the ``used`` blocks that hold rows run: the static block count is a bound.
         def block(n, carry):
@@ -444,42 +449,100 @@ def _block_swiglu_fwd(x_NBD, wg_EDF, wu_EDF, wd_EFD, expert_N, used, loop):
         g_NBF, u_NBF, y_NBD = jax.lax.fori_loop(0, used, block, zeros)
     else:
         g_NBF, u_NBF, y_NBD = jax.vmap(_swiglu_fwd)(x_NBD, *(w[expert_N] for w in weights))
-    return y_NBD, (x_NBD, g_NBF, u_NBF, wg_EDF, wu_EDF, wd_EFD, expert_N, used)
+    out_RD = y_NBD.reshape(-1, x_SD.shape[-1]) * weight_R[:, None]
+    y_SD = jnp.zeros_like(x_SD).at[token_R].add(out_RD, mode="drop")
+    return y_SD, (x_SD, g_NBF, u_NBF, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, used)
 
 
-def _block_swiglu_bwd(loop, res, dy_NBD):
-    x_NBD, g_NBF, u_NBF, wg_EDF, wu_EDF, wd_EFD, expert_N, used = res
+def _blocked_bwd(loop, res, dy_SD):
+    x_SD, g_NBF, u_NBF, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, used = res
     weights = (wg_EDF, wu_EDF, wd_EFD)
+    n_blocks = expert_N.shape[0]
+    x_NBD = _gather_rows(x_SD, token_R, n_blocks)
+    dy_NBD = _gather_rows(dy_SD, token_R, n_blocks)
+    weight_NB = weight_R.reshape(n_blocks, -1)
     if loop:
         def block(n, carry):
-            dx_NBD, *acc = carry
+            dx_NBD, dweight_NB, *acc = carry
             e = expert_N[n]
-            dx_BD, *dw = _swiglu_bwd(x_NBD[n], g_NBF[n], u_NBF[n], dy_NBD[n], *(w[e] for w in weights))
-            return (dx_NBD.at[n].set(dx_BD), *(a.at[e].add(d) for a, d in zip(acc, dw)))
+            dx_BD, dweight_B, *dw = _swiglu_bwd(x_NBD[n], g_NBF[n], u_NBF[n], dy_NBD[n], weight_NB[n], *(w[e] for w in weights))
+            return (dx_NBD.at[n].set(dx_BD), dweight_NB.at[n].set(dweight_B), *(a.at[e].add(d) for a, d in zip(acc, dw)))
 
         zeros = tuple(jnp.zeros_like(w, jnp.float32) for w in weights)  # same varying-ness as w
-        dx_NBD, *dws = jax.lax.fori_loop(0, used, block, (jnp.zeros_like(x_NBD), *zeros))
+        dx_NBD, dweight_NB, *dws = jax.lax.fori_loop(0, used, block, (jnp.zeros_like(x_NBD), jnp.zeros_like(weight_NB), *zeros))
     else:
-        dx_NBD, *dw_N = jax.vmap(_swiglu_bwd)(x_NBD, g_NBF, u_NBF, dy_NBD, *(w[expert_N] for w in weights))
+        dx_NBD, dweight_NB, *dw_N = jax.vmap(_swiglu_bwd)(x_NBD, g_NBF, u_NBF, dy_NBD, weight_NB, *(w[expert_N] for w in weights))
         dws = [jax.ops.segment_sum(d, expert_N, num_segments=wg_EDF.shape[0], indices_are_sorted=True) for d in dw_N]
-    return (dx_NBD, *(d.astype(w.dtype) for d, w in zip(dws, weights)), None, None)
+    dx_SD = jnp.zeros_like(x_SD).at[token_R].add(dx_NBD.reshape(-1, x_SD.shape[-1]), mode="drop")
+    return (dx_SD, dweight_NB.reshape(-1), *(d.astype(w.dtype) for d, w in zip(dws, weights)), None, None, None)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _block_swiglu_vjp(x_NBD, wg_EDF, wu_EDF, wd_EFD, expert_N, used, loop):
-    return _block_swiglu_fwd(x_NBD, wg_EDF, wu_EDF, wd_EFD, expert_N, used, loop)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _blocked_vjp(x_SD, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, used, loop):
+    return _blocked_fwd(x_SD, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, used, loop)[0]
 
 
-_block_swiglu_vjp.defvjp(_block_swiglu_fwd, _block_swiglu_bwd)
+_blocked_vjp.defvjp(_blocked_fwd, _blocked_bwd)
+
+def _ragged_fwd(x_SD, weight_A, wg_EDF, wu_EDF, wd_EFD, token_A, group_sizes_E):
+    x_AD = x_SD[token_A]
+    g_AF = jax.lax.ragged_dot(x_AD, wg_EDF, group_sizes_E)
+    u_AF = jax.lax.ragged_dot(x_AD, wu_EDF, group_sizes_E)
+    y_AD = jax.lax.ragged_dot(jax.nn.silu(g_AF) * u_AF, wd_EFD, group_sizes_E)
+    y_SD = jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
+    return y_SD, (x_SD, g_AF, u_AF, weight_A, wg_EDF, wu_EDF, wd_EFD, token_A, group_sizes_E)
+
+
+def _ragged_bwd(res, dy_SD):
+    x_SD, g_AF, u_AF, weight_A, wg_EDF, wu_EDF, wd_EFD, token_A, group_sizes_E = res
+
+    def grouped(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes_E)
+
+    dy_AD = dy_SD[token_A]
+    sig_AF = jax.nn.sigmoid(g_AF)
+    silu_AF = g_AF * sig_AF
+    # out = (r * h) wd: the cotangent of (r * h) is dy wd^T, the unweighted dh from which
+    # the routing weight's gradient, (dy wd^T) . h, comes without the expert outputs.
+    _, down_vjp = jax.vjp(grouped, silu_AF * u_AF * weight_A[:, None], wd_EFD)
+    dh_AF, dwd = down_vjp(dy_AD)
+    dweight_A = jnp.sum(dh_AF * silu_AF * u_AF, axis=-1)
+    dh_AF = dh_AF * weight_A[:, None]
+    x_AD = x_SD[token_A]
+    _, gate_vjp = jax.vjp(grouped, x_AD, wg_EDF)
+    dx_g, dwg = gate_vjp(dh_AF * u_AF * sig_AF * (1 + g_AF * (1 - sig_AF)))
+    _, up_vjp = jax.vjp(grouped, x_AD, wu_EDF)
+    dx_u, dwu = up_vjp(dh_AF * silu_AF)
+    dx_SD = jnp.zeros_like(x_SD).at[token_A].add(dx_g + dx_u)
+    return dx_SD, dweight_A, dwg, dwu, dwd, None, None
+
+
+@jax.custom_vjp
+def _ragged_experts(x_SD, weight_A, wg_EDF, wu_EDF, wd_EFD, token_A, group_sizes_E):
+    """``sum over assignments a of token s: weight_A[a] * SwiGLU_{expert}(x_SD[s])`` with the
+    assignments sorted by expert (``group_sizes_E`` of them each) and run as
+    ``jax.lax.ragged_dot`` groups. The custom gradient keeps the tokens, the gate and up
+    activations and the routing, not the gathered rows or the expert outputs (two ``[S*K, D]``
+    buffers per layer that autodiff would keep); the backward gathers the rows again and
+    takes the routing weights' gradient from the ``dy wd^T`` product it needs anyway. The
+    matmuls' transposes are ``ragged_dot``'s own (``jax.vjp``; their forward products are
+    unused and removed by XLA)."""
+    return _ragged_fwd(x_SD, weight_A, wg_EDF, wu_EDF, wd_EFD, token_A, group_sizes_E)[0]
+
+
+_ragged_experts.defvjp(_ragged_fwd, _ragged_bwd)
+
 
 # Which form the blocked experts take: None picks by size (below); True / False force the
 # block loop / the batched form (tests and benchmarks).
 BLOCK_LOOP: bool | None = None
 
 
-def _block_swiglu(x_NBD, wg_EDF, wu_EDF, wd_EFD, expert_N, used):
-    """SwiGLU experts on blocks of rows, block n with expert ``expert_N[n]``'s weights; only
-    the first ``used`` blocks hold rows (the rest are zero padding of the static bound).
+def _blocked_experts(x_SD, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, used):
+    """``sum over rows r of token s: weight_R[r] * SwiGLU_{expert of r}(x_SD[s])``, with the
+    rows in blocks of ``b``: block n runs expert ``expert_N[n]``'s weights, row ``r`` reads token
+    ``token_R[r]`` (``S`` for padding: a zero row, added nowhere), and only the first ``used``
+    blocks hold rows (the rest are padding of the static bound).
 
     Two forms of the same function. *Batched*: gather each block's weights (``[N, D, F]``)
     and run one batched matmul per weight over all ``N`` blocks. *Loop*: a ``fori_loop``
@@ -489,13 +552,16 @@ def _block_swiglu(x_NBD, wg_EDF, wu_EDF, wd_EFD, expert_N, used):
     the vs_hf "small" MoE layer (b*D*F = 128*512*256) ran fwd+bwd 15-25% faster as a loop,
     the tiny one (128*128*64) ran as fast either way.
 
-    The custom gradient keeps the expert weights (not per-block copies) for the backward,
-    which reads them again; autodiff would keep ``[N, D, F]`` copies of all three weights
-    for every layer.
+    The custom gradient keeps only the tokens ``x_SD``, the gate and up activations
+    ``[N, b, F]``, the routing rows and the expert weights. The backward gathers the rows
+    again; the routing weights' gradient comes from the ``dy wd^T`` product
+    (:func:`_swiglu_bwd`). Autodiff would keep the gathered rows and the expert outputs
+    (two ``[N*b, D]`` buffers per layer) and, in the batched form, ``[N, D, F]`` copies
+    of all three weights.
     """
-    _, b, d = x_NBD.shape
+    b, d = token_R.shape[0] // expert_N.shape[0], x_SD.shape[-1]
     loop = BLOCK_LOOP if BLOCK_LOOP is not None else b * d * wg_EDF.shape[-1] >= 4 * 2**20
-    return _block_swiglu_vjp(x_NBD, wg_EDF, wu_EDF, wd_EFD, expert_N, used, loop)
+    return _blocked_vjp(x_SD, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, used, loop)
 
 
 def _ep_ragged_collective():
