@@ -105,7 +105,6 @@ JAX_IGNORED_FLAGS: dict[str, int] = {
     "--auto-detect-ckpt-format": 0,
     "--async-save": 0,
     "--use-checkpoint-args": 0,
-    "--exit-on-missing-checkpoint": 0,
     "--use-checkpoint-opt_param-scheduler": 0,
     "--override-opt_param-scheduler": 0,
     # logging we always do, or do not have
@@ -319,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-interval", type=int, default=None)
     t.add_argument("--eval-interval", type=int, default=1000)
     t.add_argument("--eval-iters", type=int, default=100)
+    t.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="an error if --load holds no checkpoint (default: warn and start from scratch, as Megatron)")
+    t.add_argument("--exit-interval", type=int, default=None,
+                   help="save (with --save) and exit 0 after an iteration divisible by this")
+    t.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit 0 after the iteration that ends this many minutes in")
     t.add_argument("--no-load-optim", action="store_true", default=None)
     t.add_argument("--no-load-rng", action="store_true", default=None)
 

@@ -90,6 +90,7 @@ def padded_vocab_size(tokenizer_size: int, divisible_by: int, tensor_parallel: i
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    launched = time.perf_counter()  # --exit-duration-in-mins counts from here, as Megatron's from its start
     argv = list(sys.argv[1:] if argv is None else argv)
     embedded_default = not argv
     args, ignored = cli.parse_args(DEFAULT_ARGV if embedded_default else argv)
@@ -129,6 +130,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tp = args.tensor_model_parallel_size
     hf_load = args.load if args.load and os.path.exists(os.path.join(args.load, "config.json")) else None
     ckpt_meta = None  # an mlir-train (Orbax) checkpoint to resume or fine-tune from
+    if args.load and not hf_load and _no_checkpoint_at(args.load, checkpoint):
+        # Megatron's behaviour, which lets one script both start and resume a job (--load and
+        # --save naming the same directory): warn and start from scratch, unless told to stop.
+        msg = f"--load {args.load}: no complete checkpoint there, nor an HF model directory (no config.json)"
+        if args.exit_on_missing_checkpoint:
+            raise _fail(f"{msg}; --exit-on-missing-checkpoint is set. Check the path, or drop the flag to start "
+                        "from scratch")
+        print(f"mlir-train: WARNING: {msg}; starting from random initialisation at iteration 0 "
+              "(--exit-on-missing-checkpoint makes this an error)")
+        args.load = None
     if args.load and not hf_load:
         try:
             ckpt_meta = checkpoint.CheckpointManager(args.load, read_only=True).read_meta()
@@ -354,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stop = checkpoint.StopOnSignal()
     print("mlir-train: compiling the training step ...", flush=True)
     t0 = time.perf_counter()
-    iteration = start_iteration
+    iteration, stopped = start_iteration, None
     for iteration in range(start_iteration + 1, args.train_iters + 1):
         batch = next_batch()
         timers.start("step-dispatch")
@@ -375,9 +386,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 finish(*pending)
                 pending = None
             evaluate(iteration)
-        if saver is not None and (saver.should_save(iteration) or stop.requested):
+        stopped = _exit_reason(args, iteration, stop, launched)
+        if saver is not None and (saver.should_save(iteration) or stopped):
             save_checkpoint(iteration)
-        if stop.requested:
+        if stopped:
             break
     stop.restore()
     if pending is not None:
@@ -389,13 +401,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             saver.close()  # waits for the background writes
         except checkpoint.CheckpointError as e:
             raise _fail(str(e)) from None
-    if stop.requested:
+    if stopped:
         writer.close()
         where = f"checkpoint of iteration {iteration} in {args.save}" if saver else "nothing saved (no --save)"
-        print(f"mlir-train: stopped by {stop.requested} after iteration {iteration}; {where}")
+        print(f"mlir-train: stopped by {stopped} after iteration {iteration}; {where}")
         distributed.shutdown(processes)
         return {"history": history, "log_dir": log_dir, "state": state, "trainer": trainer, "tokenizer": tokenizer,
-                "stopped": stop.requested}
+                "stopped": stopped}
     if not (args.eval_interval and args.train_iters % args.eval_interval == 0):
         evaluate(args.train_iters)
     if args.save_hf:
@@ -413,6 +425,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"logs and metrics.jsonl in {log_dir}")
     distributed.shutdown(processes)
     return {"history": history, "log_dir": log_dir, "state": state, "trainer": trainer, "tokenizer": tokenizer}
+
+
+def _exit_reason(args, iteration: int, stop, launched: float) -> str | None:
+    """Why the loop stops after ``iteration`` (then saving with --save and exiting 0), or None:
+    a SIGTERM/SIGINT, ``--exit-interval`` or ``--exit-duration-in-mins``. With several processes
+    they agree first (any one's signal or clock stops all), as Megatron's all-reduce of its
+    exit flags: a process saving alone would wait forever in the checkpoint's collectives."""
+    import jax
+
+    interval = bool(args.exit_interval) and iteration % args.exit_interval == 0
+    minutes = (time.perf_counter() - launched) / 60
+    late = args.exit_duration_in_mins is not None and minutes >= args.exit_duration_in_mins
+    signalled = stop.requested
+    if jax.process_count() > 1:  # a host round trip per iteration, only for multi-process jobs
+        from jax.experimental import multihost_utils
+
+        flags = np.asarray(multihost_utils.process_allgather(np.array([bool(signalled), late], np.int32)))
+        flags = flags.reshape(-1, 2).max(axis=0)
+        signalled = signalled or ("a signal on another process" if flags[0] else None)
+        late = bool(flags[1])
+    if signalled:
+        return signalled
+    if interval:
+        return f"--exit-interval {args.exit_interval}"
+    if late:
+        return f"--exit-duration-in-mins {args.exit_duration_in_mins:g} ({minutes:.1f} min since start)"
+    return None
+
+
+def _no_checkpoint_at(path: str, checkpoint) -> bool:
+    """True when ``path`` is missing or holds no complete checkpoint (partial writes do not count)."""
+    try:
+        return checkpoint.CheckpointManager(path, read_only=True).latest_step() is None
+    except checkpoint.CheckpointError:  # no such directory
+        return True
 
 
 def _with_gbs(args, gbs: int):

@@ -112,6 +112,32 @@ def test_finetune_no_load_optim_and_retain(shared, tmp_path, monkeypatch):
     assert no_optim["history"]["lm loss"][0][1] < base["history"]["lm loss"][0][1]
 
 
+def test_exit_duration_and_missing_checkpoint_start_and_resume_one_script(shared, tmp_path, capsys):
+    """Megatron's restartable-job pattern: the same flags, --load and --save on one directory, run
+    twice. The first run finds no checkpoint (a warning, a fresh start) and stops on
+    --exit-duration-in-mins (0: after its first iteration), saving; the second resumes it. With
+    --exit-on-missing-checkpoint, an empty --load is an error naming the flag."""
+    ckpt = str(tmp_path / "job")
+    argv = ["--load", ckpt, "--save", ckpt, "--save-interval", "100", "--exit-duration-in-mins", "0"]
+    first = sft.main(tiny_argv(shared, tmp_path, "first", *argv))
+    out = capsys.readouterr().out
+    assert f"WARNING: --load {ckpt}: no complete checkpoint there" in out and "starting from random" in out
+    assert first["stopped"].startswith("--exit-duration-in-mins 0") and "stopped by --exit-duration-in-mins" in out
+    assert checkpoint.CheckpointManager(ckpt, read_only=True).steps() == [1]
+    straight = sft.main(tiny_argv(shared, tmp_path, "straight"))
+    resumed = sft.main(tiny_argv(shared, tmp_path, "resumed", *argv[:-2]))
+    assert losses(tmp_path, "first") + losses(tmp_path, "resumed") == losses(tmp_path, "straight")
+    assert [i for i, _ in resumed["history"]["lm loss"]] == [2, 3, 4] and "stopped" not in resumed
+    for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    with pytest.raises(SystemExit) as exc:
+        sft.main(tiny_argv(shared, tmp_path, "strict", "--load", str(tmp_path / "typo"), "--exit-on-missing-checkpoint"))
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert f"--load {tmp_path / 'typo'}: no complete checkpoint there" in err and "--exit-on-missing-checkpoint" in err
+
+
 # ----- resharding and compatibility (no training steps) ------------------------------------
 def make_trainer(tp=1, ep=1, dist=False, vocab=1024, **overrides):
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=vocab, **overrides)

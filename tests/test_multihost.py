@@ -1,4 +1,5 @@
-"""Multi-host: two real JAX processes (4 CPU devices each, gloo collectives) train like one.
+"""Multi-host: two real JAX processes (4 CPU devices each, gloo collectives) train like one,
+and save and resume their checkpoint.
 
 Both runs below are ``python -m mlir_train.sft`` subprocesses with the same flags; the
 two-process one gets torchrun-style variables (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK).
@@ -51,13 +52,8 @@ def _metrics(tmp_path, name: str) -> list[dict]:
     return [r for r in map(json.loads, open(tmp_path / name / "tb" / "metrics.jsonl")) if "lm loss" in r]
 
 
-def test_two_processes_match_one(tmp_path):
-    # All three processes at once: the 1-process reference runs beside the 2-process job.
-    port = str(_free_port())
-    runs = [(_argv(tmp_path, "single", 8), _env())] + [
-        (_argv(tmp_path, "multi", 4), _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(r)))
-        for r in range(2)
-    ]
+def _launch(runs) -> list[str]:
+    """Run the (argv, env) processes at once; their stdouts, after checking they all exit 0."""
     procs = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for argv, env in runs]
     outs = []
@@ -70,13 +66,35 @@ def test_two_processes_match_one(tmp_path):
                 p.kill()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out[-3000:] + err[-3000:]
-    outs = outs[1:]
-    rank0, rank1 = outs[0][0], outs[1][0]
-    assert "8 cpu devices" in rank0 and "iteration        3/       3" in rank0
+    return [out for out, _ in outs]
+
+
+def _two_processes(tmp_path, name: str, *extra: str):
+    port = str(_free_port())
+    return [(_argv(tmp_path, name, 4) + list(extra),
+             _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(r))) for r in range(2)]
+
+
+def test_two_processes_match_one_and_resume_from_their_checkpoint(tmp_path):
+    """The 2-process job runs 2 iterations and stops (--exit-interval 2), saving a checkpoint
+    both processes write their shards of; a second 2-process job resumes it for iteration 3.
+    Together they match the uninterrupted 1-process run."""
+    ckpt = str(tmp_path / "ckpt")
+    # The 1-process reference runs beside the first 2-process job.
+    outs = _launch([(_argv(tmp_path, "single", 8), _env())]
+                   + _two_processes(tmp_path, "multi", "--save", ckpt, "--exit-interval", "2"))
+    rank0, rank1 = outs[1:]
+    assert "8 cpu devices" in rank0 and "iteration        2/       3" in rank0
+    assert "stopped by --exit-interval 2 after iteration 2" in rank0
     # Only process 0 prints (gloo's own connection lines come from C++, on every process).
     assert "mlir-train" not in rank1 and "iteration" not in rank1, rank1
+    assert sorted(os.listdir(ckpt)) == ["2"]
+    rank0 = _launch(_two_processes(tmp_path, "resumed", "--load", ckpt, "--save", ckpt))[0]
+    assert "loading full state from checkpoint" in rank0 and "iteration        3/       3" in rank0
+    assert sorted(os.listdir(ckpt)) == ["2", "3"]
 
-    one, two = _metrics(tmp_path, "single"), _metrics(tmp_path, "multi")
+    one = _metrics(tmp_path, "single")
+    two = _metrics(tmp_path, "multi") + _metrics(tmp_path, "resumed")
     # Process 1's writer is off: one line per iteration in the shared log directory.
     assert [r["iteration"] for r in one] == [r["iteration"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two):
