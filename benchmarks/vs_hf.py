@@ -22,6 +22,12 @@ thread pool uses them all). After warm-up steps (which include our compile), the
 in interleaved rounds (``--steps-per-round`` steps of one, then of the other), so load from
 anything else on the machine falls on both alike; tokens/s is the median over rounds. The first
 step's loss of each is printed as a check that both train the same model on the same data.
+
+Then the *GEMM floor*: every matrix product of the step (forward and both backward products,
+experts as exactly balanced groups, no recompute, no padding; :func:`step_gemms`) timed alone,
+XLA and torch, one pass in each timing round. Its XLA sum is a time no XLA:CPU implementation of the step can beat,
+so ``HF step / XLA GEMMs`` bounds the ratio this benchmark can show; ``XLA/torch speed`` is how
+fast XLA's matmul kernels run against PyTorch's on the same shapes.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ os.environ["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").sp
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -115,6 +122,76 @@ def hf(hf_dir: str, batch_np: dict[str, np.ndarray], experts_impl: str | None):
     return step, model.config._experts_implementation
 
 
+def step_gemms(size: Size) -> list[tuple[str, int, int, int, int, int]]:
+    """The matrix products of one training step, ``(name, batch, M, K, N, count)`` for
+    ``[batch, M, K] @ [batch, K, N]`` run ``count`` times: forward and the two backward products
+    of every projection, of attention's two products per (row, head), of the router, of the
+    experts as exactly balanced groups (``S*K / E`` rows each, no padding) and of the LM head.
+    This is the least GEMM work any implementation of the step does (no recompute, no padding)."""
+    c, t = size.cfg, size.rows * size.seq
+    layers, hq, hkv = c.num_layers, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    group = t * c.top_k // c.num_experts
+    forward = [
+        ("q", 1, t, c.hidden_size, hq, layers),
+        ("k, v", 1, t, c.hidden_size, hkv, 2 * layers),
+        ("o", 1, t, hq, c.hidden_size, layers),
+        ("q k^T", size.rows * c.num_heads, size.seq, c.head_dim, size.seq, layers),
+        ("p v", size.rows * c.num_heads, size.seq, size.seq, c.head_dim, layers),
+        ("router", 1, t, c.hidden_size, c.num_experts, layers),
+        ("experts gate, up", c.num_experts, group, c.hidden_size, c.moe_intermediate_size, 2 * layers),
+        ("experts down", c.num_experts, group, c.moe_intermediate_size, c.hidden_size, layers),
+        ("lm head", 1, t, c.hidden_size, c.vocab_size, 1),
+    ]
+    # C[M,N] = A[M,K] B[K,N]: dA = dC B^T is (M, N) x (N, K), dB = A^T dC is (K, M) x (M, N).
+    return [g for name, b, m, k, n, count in forward
+            for g in ((name, b, m, k, n, count), (name + " dA", b, m, n, k, count), (name + " dB", b, k, m, n, count))]
+
+
+_MATMUL = jax.jit(jnp.matmul)
+_MATMUL_PAIR = jax.jit(lambda a, b, c, d: (a @ b, c @ d))
+
+
+def gemm_floor(size: Size):
+    """(one_pass, GFLOP) for the step's GEMMs (:func:`step_gemms`): ``one_pass()`` times each
+    distinct product alone as a row-major matmul (best of 3 calls in a row; for XLA also as two
+    independent products in one program, per product, if that is faster), XLA (jitted) then
+    torch, and returns the (XLA seconds, torch seconds) of the whole step's products. Called once
+    per timing round, so its medians see the same machine load as the steps'."""
+    import torch
+
+    shapes = {}
+    for _, b, m, k, n, count in step_gemms(size):
+        shapes[(b, m, k, n)] = shapes.get((b, m, k, n), 0) + count
+    rng = np.random.default_rng(0)
+    programs = []
+    for (b, m, k, n), count in shapes.items():
+        a_np, b_np = (rng.standard_normal(s, dtype=np.float32) for s in ((b, m, k), (b, k, n)))
+        xa, xb, ya, yb = jnp.asarray(a_np), jnp.asarray(b_np), jnp.asarray(-a_np), jnp.asarray(b_np[..., ::-1])
+        ta, tb = torch.from_numpy(a_np), torch.from_numpy(b_np)
+        programs.append((count, (
+            (1, lambda xa=xa, xb=xb: _MATMUL(xa, xb).block_until_ready()),
+            # Two independent products in one program, which XLA:CPU may run side by side: a
+            # step has such pairs (q/k/v, gate/up, both gradients of each product).
+            (2, lambda xa=xa, xb=xb, ya=ya, yb=yb: jax.block_until_ready(_MATMUL_PAIR(xa, xb, ya, yb))),
+        ), ((1, lambda ta=ta, tb=tb: torch.matmul(ta, tb)),)))
+
+    def one_pass(reps: int = 3) -> tuple[float, float]:
+        total = [0.0, 0.0]
+        for count, *sides in programs:
+            for i, variants in enumerate(sides):
+                best = math.inf  # per product, the fastest way, warm (back to back, as in a step)
+                for products, fn in variants:
+                    for _ in range(reps):
+                        start = time.perf_counter()
+                        fn()
+                        best = min(best, (time.perf_counter() - start) / products)
+                total[i] += count * best
+        return total[0], total[1]
+
+    one_pass()  # compiles XLA's programs, warms both
+    return one_pass, sum(c * 2 * b * m * k * n for (b, m, k, n), c in shapes.items()) / 1e9
+
+
 def make_batch(size: Size, seed: int = 0) -> dict[str, np.ndarray]:
     """Random tokens; ``labels`` are the next tokens, the last position is masked out, as HF's shift drops it."""
     rng = np.random.default_rng(seed)
@@ -152,7 +229,7 @@ def main(argv=None) -> None:
               f"{'first loss ours / HF':>20}  {'ours ms':>8} {'HF ms':>8} {'ours tok/s':>10} {'HF tok/s':>9} {'ratio':>6}")
     print(header)
     print("-" * len(header))
-    results = []
+    results, floors = [], []
     for size in sizes:
         batch = make_batch(size)
         ours_step, hf_dir = ours(size, batch)
@@ -160,13 +237,16 @@ def main(argv=None) -> None:
         first = (ours_step(), hf_step())
         for _ in range(args.warmup - 1):
             ours_step(), hf_step()
-        times = {"ours": [], "hf": []}
+        gemm_pass, gflop = gemm_floor(size)
+        times = {"ours": [], "hf": [], "xla gemms": [], "torch gemms": []}
         for _ in range(rounds):
             for name, step in (("ours", ours_step), ("hf", hf_step)):
                 start = time.perf_counter()
                 for _ in range(per_round):
                     step()
                 times[name].append((time.perf_counter() - start) / per_round)
+            for name, t in zip(("xla gemms", "torch gemms"), gemm_pass()):
+                times[name].append(t)
         sec = {k: statistics.median(v) for k, v in times.items()}
         tokens = size.rows * size.seq
         ratio = sec["hf"] / sec["ours"]
@@ -176,6 +256,22 @@ def main(argv=None) -> None:
               f"{tokens / sec['ours']:>10,.0f} {tokens / sec['hf']:>9,.0f} {ratio:>5.2f}x   (HF experts: {experts_impl})")
         results.append(f"ratio {size.name}: mlir-train {ratio:.2f}x HF transformers train-step tokens/s "
                        f"({tokens / sec['ours']:,.0f} vs {tokens / sec['hf']:,.0f})")
+        floors.append((size, sec, gflop))
+    print()
+    print("GEMM floor: the step's matrix products alone (forward and backward, experts as exactly balanced groups,")
+    print("no recompute, no padding), each timed as a row-major matmul (XLA: alone or two at once, the faster per product),")
+    print("XLA vs torch, one pass per timing round")
+    header = (f"{'size':<6} {'GFLOP':>7} {'XLA GEMMs ms':>12} {'torch GEMMs ms':>14} {'XLA/torch speed':>15} "
+              f"{'ours step ms':>12} {'HF step ms':>10} {'HF step / XLA GEMMs':>19}")
+    print(header)
+    print("-" * len(header))
+    for size, sec, gflop in floors:
+        xla, tch = sec["xla gemms"], sec["torch gemms"]
+        print(f"{size.name:<6} {gflop:>7.2f} {xla * 1e3:>12.1f} {tch * 1e3:>14.1f} {tch / xla:>14.2f}x "
+              f"{sec['ours'] * 1e3:>12.1f} {sec['hf'] * 1e3:>10.1f} {sec['hf'] / xla:>18.2f}x")
+        results.append(f"ratio {size.name} GEMM bound: at most {sec['hf'] / xla:.2f}x HF if the step were nothing but "
+                       f"its GEMMs on XLA:CPU ({xla * 1e3:.0f} ms vs HF's step {sec['hf'] * 1e3:.0f} ms); XLA's GEMMs run "
+                       f"at {tch / xla:.2f}x torch's on these shapes")
     print()
     print("\n".join(results))
 

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -43,3 +45,40 @@ def test_gpu_h200_smoke():
     assert "qwen3-30b-a3b-shaped stack: 2 layers" in proc.stdout and "bf16 compute" in proc.stdout
     assert re.search(r"^memory per device: .* GiB", proc.stdout, re.MULTILINE), proc.stdout
     assert re.search(r"^result: [\d,]+ tokens/s/device, \d+\.\d+ TFLOP/s/device, MFU n/a", proc.stdout, re.MULTILINE), proc.stdout
+
+
+def test_vs_hf_quick():
+    out = _run("vs_hf.py", "--quick")
+    assert re.search(r"^ratio tiny: mlir-train \d+\.\d+x HF transformers train-step tokens/s", out, re.MULTILINE), out
+    assert re.search(r"^ratio tiny GEMM bound: at most \d+\.\d+x HF .* XLA's GEMMs run at \d+\.\d+x torch's",
+                     out, re.MULTILINE), out
+    # Both sides trained the same model on the same data: equal first-step losses.
+    first = re.search(r"^tiny .* (\d+\.\d+) / (\d+\.\d+) ", out, re.MULTILINE)
+    assert first and first.group(1) == first.group(2), out
+
+
+def test_flops_check_quick():
+    out = _run("flops_check.py", "--quick")
+    for case in ("dense", r"moe padded \(dropless\)", r"moe padded, cf 1\.0"):
+        m = re.search(rf"^ratio {case}: XLA counts \d+\.\d+x our model FLOPs, (\d+\.\d+)x the predicted", out, re.MULTILINE)
+        assert m and abs(float(m.group(1)) - 1) < 0.1, out  # the formula plus known overheads covers XLA's count
+
+
+def test_checkpoint_benchmark_quick(tmp_path):
+    out = _run("checkpoint.py", "--quick", "--dir", str(tmp_path))
+    assert re.search(r"^ratio tiny: sync blocks \d+\.\d+x as long as async", out, re.MULTILINE), out
+
+
+@pytest.mark.slow
+def test_layouts_benchmark_quick():  # ~100 s on 2 cores
+    out = _run("layouts.py", "--quick", timeout=600)
+    for layout in ("DP8", "TP2xDP4", "EP2xDP4", r"TP2xEP2xDP2\+distopt"):
+        assert re.search(rf"^ratio tiny {layout}: \d+\.\d+x DP8 state bytes/device, \d+\.\d+x DP8 step time",
+                         out, re.MULTILINE), out
+
+
+@pytest.mark.slow
+def test_pipeline_benchmark_quick():  # ~250 s on 2 cores
+    out = _run("pipeline.py", "--quick", timeout=900)
+    for schedule in ("gpipe", "circular4"):
+        assert re.search(rf"^ratio {schedule}: bubble at M=2 measured \d+\.\d+ \(theory \d+\.\d+\)", out, re.MULTILINE), out
