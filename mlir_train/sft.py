@@ -224,7 +224,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(data.summary())
     pid, nproc = jax.process_index(), jax.process_count()
     train_loader = BatchLoader(data.train, gbs, seed=args.seed, process_index=pid, process_count=nproc)
-    eval_rows = args.micro_batch_size * parallel.data_parallel
     valid = data.valid if data.valid.num_rows else None
 
     # ----- state ----------------------------------------------------------------------------
@@ -291,10 +290,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f" validation at iteration {iteration}: the valid split is empty (--split {args.split}); skipped")
             return
         timers.start("eval")
-        loader = BatchLoader(valid, eval_rows, seed=args.seed, process_index=pid, process_count=nproc)
+        # As Megatron: each of --eval-iters iterations is one global batch, in the training step's
+        # micro-batches, forward only (pipelined under PP); at most one pass over the valid split.
+        loader = BatchLoader(valid, gbs, seed=args.seed, process_index=pid, process_count=nproc)
         total, count = 0.0, 0.0
-        for _ in range(min(args.eval_iters, max(1, math.ceil(valid.num_rows / eval_rows)))):
-            out = trainer.eval_step(state["params"], trainer.shard_batch(next(loader), micro=False))
+        for _ in range(min(args.eval_iters, max(1, math.ceil(valid.num_rows / gbs)))):
+            host = {k: v.reshape(num_micro, rows_local // num_micro, *v.shape[1:]) for k, v in next(loader).items()}
+            out = trainer.eval_step(state["params"], trainer.shard_batch(host))
             total, count = total + float(out["ce_sum"]), count + float(out["loss_tokens"])
         loss = total / max(count, 1.0)
         timers.stop("eval")

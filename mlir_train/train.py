@@ -114,7 +114,7 @@ class Trainer:
         self.batch_sharding = NamedSharding(mesh, batch_spec)       # [micro, rows, seq]
         self.eval_batch_sharding = NamedSharding(mesh, PartitionSpec(*batch_spec[1:]))  # [rows, seq]
         self._train_step = None
-        self._eval_step = None
+        self._eval_step: dict[bool, Any] = {}  # jitted eval, by whether the batch has a micro axis
 
     # ----- state --------------------------------------------------------------------------
     def _wrap(self, params: Any) -> dict[str, Any]:
@@ -254,19 +254,34 @@ class Trainer:
             return step.lower(state_shapes, batch_shapes)
 
     def _eval(self, params, batch):
+        if batch["input_ids"].ndim == 2:
+            batch = {k: v[None] for k, v in batch.items()}
+        if self.schedule is not None:  # the forward half of the training pipeline
+            one = jnp.float32(1.0)
+            _, aux = self._pipeline_loss(params, batch, one, one)
+            return {"ce_sum": aux["ce_sum"], "loss_tokens": aux["loss_tokens"]}
         model = nnx.merge(self.graphdef, self._to_compute(params))
-        h, _ = model.hidden_states(batch["input_ids"], segment_ids=batch["segment_ids"], positions=batch["positions"])
-        ce_sum, count = losses.cross_entropy_sum(model.logits(h), batch["labels"], batch["loss_mask"])
+
+        def micro(acc, mb):
+            h, _ = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
+            ce_sum, count = losses.cross_entropy_sum(model.logits(h), mb["labels"], mb["loss_mask"])
+            return (acc[0] + ce_sum, acc[1] + count), None
+
+        (ce_sum, count), _ = jax.lax.scan(micro, (jnp.float32(0.0), jnp.float32(0.0)), batch)
         return {"ce_sum": ce_sum, "loss_tokens": count}
 
     def eval_step(self, params, batch):
-        """Summed token loss and loss-token count of one ``[rows, seq]`` batch."""
-        if self._eval_step is None:
-            self._eval_step = jax.jit(
-                self._eval, in_shardings=(self.master_shardings, {k: self.eval_batch_sharding for k in BATCH_KEYS})
+        """Summed token loss and loss-token count, forward only, of a ``[micro, rows, seq]`` batch
+        (as :meth:`train_step` takes; Megatron's evaluation iteration is one global batch in
+        micro-batches, pipelined under PP as here) or of one ``[rows, seq]`` micro-batch."""
+        micro = batch["input_ids"].ndim == 3
+        if self._eval_step.get(micro) is None:
+            sharding = self.batch_sharding if micro else self.eval_batch_sharding
+            self._eval_step[micro] = jax.jit(
+                self._eval, in_shardings=(self.master_shardings, {k: sharding for k in BATCH_KEYS})
             )
         with jax.set_mesh(self.mesh), use_rules(self.rules):
-            return self._eval_step(params, batch)
+            return self._eval_step[micro](params, batch)
 
     def shard_batch(self, batch: dict[str, Any], *, micro: bool = True) -> dict[str, jax.Array]:
         """Host numpy arrays of this process's rows -> global sharded arrays."""

@@ -19,6 +19,7 @@ from mlir_train.optim import make_optimizer
 from mlir_train.pipeline import Schedule, from_stages, make_schedule, to_stages
 from mlir_train.schedule import megatron_lr_schedule
 from mlir_train.train import StepConfig, Trainer
+from sharding import use_rules
 from sharding.mesh import ParallelConfig, ParallelConfigError, make_mesh
 
 CFG = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=4)
@@ -160,3 +161,29 @@ def test_cli_pipeline_run_matches_pp1(tmp_path):
     for a, b in zip(runs[1], runs[2]):
         for key in ("lm loss", "grad-norm"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-4, err_msg=key)
+
+
+@pytest.mark.parametrize("name", ["PP4xTP2", "PP2xDP4-virtual"])
+def test_pipelined_eval_equals_one_device(name):
+    """Evaluation under PP is the forward half of the pipeline (Megatron's forward-only schedule),
+    not a gather of every stage's weights: same summed loss and token count as one device, which
+    in turn equals the sum of its micro-batches evaluated one by one."""
+    parallel, per_virtual = LAYOUTS[name]
+    batch = {k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in _batch().items()}
+    out = {}
+    for key, (par, devices, virtual) in {"one": (ParallelConfig(num_devices=1), jax.devices()[:1], None),
+                                         "pp": (parallel, jax.devices()[:8], per_virtual)}.items():
+        trainer = Trainer(CFG, StepConfig(num_micro_batches=MICRO, layers_per_virtual_stage=virtual),
+                          make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), par, make_mesh(par, devices=devices))
+        params = trainer.init_state(seed=0)["params"]
+        out[key] = jax.device_get(trainer.eval_step(params, trainer.shard_batch(batch)))
+        if key == "one":
+            singles = [jax.device_get(trainer.eval_step(params, trainer.shard_batch(
+                {k: v[i] for k, v in batch.items()}, micro=False))) for i in range(MICRO)]
+        else:
+            with jax.set_mesh(trainer.mesh), use_rules(trainer.rules):
+                hlo = trainer._eval_step[True].lower(params, trainer.shard_batch(batch)).compile().as_text()
+            assert "collective-permute" in hlo and "all-gather" not in hlo  # stages pass activations, keep weights
+    assert out["pp"]["loss_tokens"] == out["one"]["loss_tokens"] == sum(s["loss_tokens"] for s in singles) > 0
+    np.testing.assert_allclose(out["pp"]["ce_sum"], out["one"]["ce_sum"], rtol=1e-5)
+    np.testing.assert_allclose(sum(s["ce_sum"] for s in singles), out["one"]["ce_sum"], rtol=1e-5)
