@@ -320,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-iters", type=int, default=100)
     t.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="an error if --load holds no checkpoint (default: warn and start from scratch, as Megatron)")
+    t.add_argument("--exit-signal-handler", action="store_true",
+                   help="always on here: SIGTERM/SIGINT finish the iteration, save (with --save) and exit 0")
     t.add_argument("--exit-interval", type=int, default=None,
                    help="save (with --save) and exit 0 after an iteration divisible by this")
     t.add_argument("--exit-duration-in-mins", type=float, default=None,

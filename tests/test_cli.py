@@ -124,6 +124,16 @@ def test_megatron_defaults():
     assert ns.moe_router_topk is None and ns.rotary_base is None and ns.norm_epsilon is None
 
 
+def test_restartable_job_flags():
+    ns, ignored = cli.parse_args(["--exit-interval", "500", "--exit-duration-in-mins", "230.5", "--exit-signal-handler",
+                                  "--exit-on-missing-checkpoint"])
+    assert ignored == []  # each has an effect (tests/test_checkpoint.py, tests/test_multihost.py)
+    assert (ns.exit_interval, ns.exit_duration_in_mins) == (500, 230.5)
+    assert ns.exit_signal_handler and ns.exit_on_missing_checkpoint
+    ns, _ = cli.parse_args([])
+    assert ns.exit_interval is None and ns.exit_duration_in_mins is None and not ns.exit_on_missing_checkpoint
+
+
 def test_unknown_flag_suggests_closest(capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse_args(["--global-batch-sise", "8"])
