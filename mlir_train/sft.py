@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tp = args.tensor_model_parallel_size
     hf_load = args.load if args.load and os.path.exists(os.path.join(args.load, "config.json")) else None
     ckpt_meta = None  # an mlir-train (Orbax) checkpoint to resume or fine-tune from
-    if args.load and not hf_load and _no_checkpoint_at(args.load, checkpoint):
+    saved = _checkpoints_at(args.load, checkpoint) if args.load and not hf_load else None
+    if args.load and not hf_load and saved is None:
         # Megatron's behaviour, which lets one script both start and resume a job (--load and
         # --save naming the same directory): warn and start from scratch, unless told to stop.
         msg = f"--load {args.load}: no complete checkpoint there, nor an HF model directory (no config.json)"
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.load = None
     if args.load and not hf_load:
         try:
-            ckpt_meta = checkpoint.CheckpointManager(args.load, read_only=True).read_meta()
+            ckpt_meta = saved.read_meta()
         except checkpoint.CheckpointError as e:
             raise _fail(f"--load {args.load}: {e} (nor is it an HF model directory: no config.json)") from None
         ckpt_seed = ckpt_meta.get("rng", {}).get("seed", args.seed)  # none in a converted HF model
@@ -456,12 +457,14 @@ def _exit_reason(args, iteration: int, stop, launched: float) -> str | None:
     return None
 
 
-def _no_checkpoint_at(path: str, checkpoint) -> bool:
-    """True when ``path`` is missing or holds no complete checkpoint (partial writes do not count)."""
+def _checkpoints_at(path: str, checkpoint):
+    """A read-only manager of ``path``, or None when it is missing or holds no complete checkpoint
+    (partial writes do not count)."""
     try:
-        return checkpoint.CheckpointManager(path, read_only=True).latest_step() is None
+        saved = checkpoint.CheckpointManager(path, read_only=True)
     except checkpoint.CheckpointError:  # no such directory
-        return True
+        return None
+    return saved if saved.latest_step() is not None else None
 
 
 def _with_gbs(args, gbs: int):

@@ -413,21 +413,25 @@ def _swiglu_fwd(x_BD, wg_DF, wu_DF, wd_FD):
     return g_BF, u_BF, (jax.nn.silu(g_BF) * u_BF) @ wd_FD
 
 
-def _swiglu_bwd(x_BD, g_BF, u_BF, dy_BD, r_B, wg_DF, wu_DF, wd_FD):
-    """Gradients of ``r * y`` for ``y = (silu(x wg) * (x wu)) wd`` scaled per row by ``r``:
-    for the input, the row scales and the three weights. ``d r = dy . y = (dy wd^T) . h``,
-    so the scale's gradient comes from the ``dy wd^T`` product the rest needs anyway: ``y``
-    is neither kept nor recomputed."""
+def _swiglu_grads(g_BF, u_BF, dh_BF, r_B):
+    """For rows scaled by ``r`` after ``h = silu(g) * u``, from ``dh`` (the cotangent of ``h``
+    before the scale: ``dy wd^T``): the gradients of ``r``, ``g`` and ``u``. ``d r = dy . y =
+    (dy wd^T) . h`` comes from the product the rest needs anyway, so ``y`` is neither kept nor
+    recomputed."""
     sig_BF = jax.nn.sigmoid(g_BF)
     silu_BF = g_BF * sig_BF
-    h_BF = silu_BF * u_BF
-    dh_BF = dy_BD @ wd_FD.T
-    dr_B = jnp.sum(dh_BF * h_BF, axis=-1)
+    dr_B = jnp.sum(dh_BF * silu_BF * u_BF, axis=-1)
     dh_BF = dh_BF * r_B[:, None]
-    dg_BF = dh_BF * u_BF * sig_BF * (1 + g_BF * (1 - sig_BF))
-    du_BF = dh_BF * silu_BF
+    return dr_B, dh_BF * u_BF * sig_BF * (1 + g_BF * (1 - sig_BF)), dh_BF * silu_BF
+
+
+def _swiglu_bwd(x_BD, g_BF, u_BF, dy_BD, r_B, wg_DF, wu_DF, wd_FD):
+    """Gradients of ``r * y`` for ``y = (silu(x wg) * (x wu)) wd`` scaled per row by ``r``:
+    for the input, the row scales and the three weights."""
+    dr_B, dg_BF, du_BF = _swiglu_grads(g_BF, u_BF, dy_BD @ wd_FD.T, r_B)
     dx_BD = dg_BF @ wg_DF.T + du_BF @ wu_DF.T
-    return dx_BD, dr_B, x_BD.T @ dg_BF, x_BD.T @ du_BF, (h_BF * r_B[:, None]).T @ dy_BD
+    rh_BF = jax.nn.silu(g_BF) * u_BF * r_B[:, None]
+    return dx_BD, dr_B, x_BD.T @ dg_BF, x_BD.T @ du_BF, rh_BF.T @ dy_BD
 
 
 def _gather_rows(v_SD, token_R, n_blocks):
@@ -461,17 +465,20 @@ def _blocked_bwd(loop, res, dy_SD):
     x_NBD = _gather_rows(x_SD, token_R, n_blocks)
     dy_NBD = _gather_rows(dy_SD, token_R, n_blocks)
     weight_NB = weight_R.reshape(n_blocks, -1)
+    per_block = (x_NBD, g_NBF, u_NBF, dy_NBD, weight_NB)
     if loop:
         def block(n, carry):
             dx_NBD, dweight_NB, *acc = carry
             e = expert_N[n]
-            dx_BD, dweight_B, *dw = _swiglu_bwd(x_NBD[n], g_NBF[n], u_NBF[n], dy_NBD[n], weight_NB[n], *(w[e] for w in weights))
-            return (dx_NBD.at[n].set(dx_BD), dweight_NB.at[n].set(dweight_B), *(a.at[e].add(d) for a, d in zip(acc, dw)))
+            dx_BD, dweight_B, *dw = _swiglu_bwd(*(v[n] for v in per_block), *(w[e] for w in weights))
+            return (dx_NBD.at[n].set(dx_BD), dweight_NB.at[n].set(dweight_B),
+                    *(a.at[e].add(d) for a, d in zip(acc, dw)))
 
         zeros = tuple(jnp.zeros_like(w, jnp.float32) for w in weights)  # same varying-ness as w
-        dx_NBD, dweight_NB, *dws = jax.lax.fori_loop(0, used, block, (jnp.zeros_like(x_NBD), jnp.zeros_like(weight_NB), *zeros))
+        init = (jnp.zeros_like(x_NBD), jnp.zeros_like(weight_NB), *zeros)
+        dx_NBD, dweight_NB, *dws = jax.lax.fori_loop(0, used, block, init)
     else:
-        dx_NBD, dweight_NB, *dw_N = jax.vmap(_swiglu_bwd)(x_NBD, g_NBF, u_NBF, dy_NBD, weight_NB, *(w[expert_N] for w in weights))
+        dx_NBD, dweight_NB, *dw_N = jax.vmap(_swiglu_bwd)(*per_block, *(w[expert_N] for w in weights))
         dws = [jax.ops.segment_sum(d, expert_N, num_segments=wg_EDF.shape[0], indices_are_sorted=True) for d in dw_N]
     dx_SD = jnp.zeros_like(x_SD).at[token_R].add(dx_NBD.reshape(-1, x_SD.shape[-1]), mode="drop")
     return (dx_SD, dweight_NB.reshape(-1), *(d.astype(w.dtype) for d, w in zip(dws, weights)), None, None, None)
@@ -483,6 +490,7 @@ def _blocked_vjp(x_SD, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, used
 
 
 _blocked_vjp.defvjp(_blocked_fwd, _blocked_bwd)
+
 
 def _ragged_fwd(x_SD, weight_A, wg_EDF, wu_EDF, wd_EFD, token_A, group_sizes_E):
     x_AD = x_SD[token_A]
@@ -499,20 +507,16 @@ def _ragged_bwd(res, dy_SD):
     def grouped(lhs, rhs):
         return jax.lax.ragged_dot(lhs, rhs, group_sizes_E)
 
-    dy_AD = dy_SD[token_A]
-    sig_AF = jax.nn.sigmoid(g_AF)
-    silu_AF = g_AF * sig_AF
-    # out = (r * h) wd: the cotangent of (r * h) is dy wd^T, the unweighted dh from which
-    # the routing weight's gradient, (dy wd^T) . h, comes without the expert outputs.
-    _, down_vjp = jax.vjp(grouped, silu_AF * u_AF * weight_A[:, None], wd_EFD)
-    dh_AF, dwd = down_vjp(dy_AD)
-    dweight_A = jnp.sum(dh_AF * silu_AF * u_AF, axis=-1)
-    dh_AF = dh_AF * weight_A[:, None]
+    # out = (r * h) wd: the cotangent of (r * h) is dy wd^T, the unweighted dh that
+    # :func:`_swiglu_grads` takes.
+    _, down_vjp = jax.vjp(grouped, jax.nn.silu(g_AF) * u_AF * weight_A[:, None], wd_EFD)
+    dh_AF, dwd = down_vjp(dy_SD[token_A])
+    dweight_A, dg_AF, du_AF = _swiglu_grads(g_AF, u_AF, dh_AF, weight_A)
     x_AD = x_SD[token_A]
     _, gate_vjp = jax.vjp(grouped, x_AD, wg_EDF)
-    dx_g, dwg = gate_vjp(dh_AF * u_AF * sig_AF * (1 + g_AF * (1 - sig_AF)))
+    dx_g, dwg = gate_vjp(dg_AF)
     _, up_vjp = jax.vjp(grouped, x_AD, wu_EDF)
-    dx_u, dwu = up_vjp(dh_AF * silu_AF)
+    dx_u, dwu = up_vjp(du_AF)
     dx_SD = jnp.zeros_like(x_SD).at[token_A].add(dx_g + dx_u)
     return dx_SD, dweight_A, dwg, dwu, dwd, None, None
 
