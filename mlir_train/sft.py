@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"mlir-train: WARNING: {msg}; starting from random initialisation at iteration 0 "
               "(--exit-on-missing-checkpoint makes this an error)")
         args.load = None
-    if args.load and not hf_load:
+    if saved is not None:
         try:
             ckpt_meta = saved.read_meta()
         except checkpoint.CheckpointError as e:
@@ -278,11 +278,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peak = flops_lib.device_peak_tflops("bf16" if compute_dtype != "float32" else "fp32", args.peak_tflops)
     rows_local = gbs // nproc
 
+    def global_batch(loader):
+        """The loader's next rows for this process, as the step's ``[micro, rows, seq]`` batch."""
+        host = {k: v.reshape(num_micro, rows_local // num_micro, *v.shape[1:]) for k, v in next(loader).items()}
+        return trainer.shard_batch(host)
+
     def next_batch():
         timers.start("data-wait")
-        host = next(train_loader)
-        host = {k: v.reshape(num_micro, rows_local // num_micro, *v.shape[1:]) for k, v in host.items()}
-        batch = trainer.shard_batch(host)
+        batch = global_batch(train_loader)
         timers.stop("data-wait")
         return batch
 
@@ -296,8 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         loader = BatchLoader(valid, gbs, seed=args.seed, process_index=pid, process_count=nproc)
         total, count = 0.0, 0.0
         for _ in range(min(args.eval_iters, max(1, math.ceil(valid.num_rows / gbs)))):
-            host = {k: v.reshape(num_micro, rows_local // num_micro, *v.shape[1:]) for k, v in next(loader).items()}
-            out = trainer.eval_step(state["params"], trainer.shard_batch(host))
+            out = trainer.eval_step(state["params"], global_batch(loader))
             total, count = total + float(out["ce_sum"]), count + float(out["loss_tokens"])
         loss = total / max(count, 1.0)
         timers.stop("eval")
