@@ -37,6 +37,7 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
@@ -85,75 +86,47 @@ class LRSchedule:
         return self.warmup_steps / self.samples_per_iter
 
     def lr_at(self, iteration: int) -> float:
-        """Python-float rate after ``iteration`` successful optimizer steps."""
-        n = float(iteration * self.samples_per_iter)
-        if self.warmup_steps > 0 and n <= self.warmup_steps:
-            return self.init_lr + (self.max_lr - self.init_lr) * n / self.warmup_steps
-        if self.decay_style == "constant":
-            return self.max_lr
-        if n > self.decay_steps:
-            return self.min_lr
-        if self.decay_style == "inverse-square-root":
-            lr = self.max_lr * math.sqrt(max(self.warmup_steps, 1)) / math.sqrt(max(n, 1))
-            return max(self.min_lr, lr)
-        ratio = (n - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
-        if self.decay_style == "linear":
-            coeff = 1.0 - ratio
-        elif self.decay_style == "cosine":
-            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        else:  # WSD
-            anneal_start = self.decay_steps - self.wsd_decay_steps
-            if n <= anneal_start:
-                coeff = 1.0
-            else:
-                w = (n - anneal_start) / self.wsd_decay_steps
-                coeff = _wsd_coeff_py(self.wsd_decay_style, w)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        """Python-float rate after ``iteration`` successful optimizer steps (float64 math)."""
+        return float(self._rate(np.float64(iteration * self.samples_per_iter), np))
 
     def __call__(self, count: Any) -> Any:
         """Traceable rate (float32) for optax's step ``count`` (= successful steps so far)."""
-        n = jnp.asarray(count).astype(jnp.float32) * self.samples_per_iter
+        return self._rate(jnp.asarray(count).astype(jnp.float32) * self.samples_per_iter, jnp)
+
+    def _rate(self, n, xp):
+        """Megatron's ``OptimizerParamScheduler.get_lr`` at ``n`` samples, written once for
+        numpy (host logging) and jax.numpy (inside the step)."""
         max_lr, min_lr, warm, decay = self.max_lr, self.min_lr, self.warmup_steps, self.decay_steps
         if self.decay_style == "constant":
-            decayed = jnp.full_like(n, max_lr)
+            decayed = xp.full_like(n, max_lr)
         elif self.decay_style == "inverse-square-root":
-            isr = max_lr * math.sqrt(max(warm, 1)) / jnp.sqrt(jnp.maximum(n, 1.0))
-            decayed = jnp.where(n > decay, min_lr, jnp.maximum(min_lr, isr))
+            isr = max_lr * math.sqrt(max(warm, 1)) / xp.sqrt(xp.maximum(n, 1.0))
+            decayed = xp.where(n > decay, min_lr, xp.maximum(min_lr, isr))
         else:
-            ratio = jnp.clip((n - warm) / (decay - warm), 0.0, 1.0)
+            ratio = xp.clip((n - warm) / (decay - warm), 0.0, 1.0)
             if self.decay_style == "linear":
                 coeff = 1.0 - ratio
             elif self.decay_style == "cosine":
-                coeff = 0.5 * (jnp.cos(jnp.pi * ratio) + 1.0)
+                coeff = 0.5 * (xp.cos(math.pi * ratio) + 1.0)
             else:  # WSD
                 anneal_start = decay - self.wsd_decay_steps
-                w = jnp.clip((n - anneal_start) / max(self.wsd_decay_steps, 1e-30), 0.0, 1.0)
-                coeff = jnp.where(n <= anneal_start, 1.0, _wsd_coeff_jnp(self.wsd_decay_style, w))
-            decayed = jnp.where(n > decay, min_lr, min_lr + coeff * (max_lr - min_lr))
+                w = xp.clip((n - anneal_start) / max(self.wsd_decay_steps, 1e-30), 0.0, 1.0)
+                coeff = xp.where(n <= anneal_start, 1.0, _wsd_coeff(self.wsd_decay_style, w, xp))
+            decayed = xp.where(n > decay, min_lr, min_lr + coeff * (max_lr - min_lr))
         if warm > 0:
             warmup = self.init_lr + (max_lr - self.init_lr) * n / warm
-            return jnp.where(n <= warm, warmup, decayed)
+            return xp.where(n <= warm, warmup, decayed)
         return decayed
 
 
-def _wsd_coeff_py(style: str, w: float) -> float:
+def _wsd_coeff(style: str, w, xp):
     if style == "linear":
         return 1.0 - w
     if style == "cosine":
-        return 0.5 * (math.cos(math.pi * w) + 1.0)
+        return 0.5 * (xp.cos(math.pi * w) + 1.0)
     if style == "exponential":
-        return 2.0 * math.pow(0.5, w) - 1.0
-    return 1.0 - math.sqrt(w)  # minus_sqrt
-
-
-def _wsd_coeff_jnp(style: str, w):
-    if style == "linear":
-        return 1.0 - w
-    if style == "cosine":
-        return 0.5 * (jnp.cos(jnp.pi * w) + 1.0)
-    if style == "exponential":
-        return 2.0 * jnp.power(0.5, w) - 1.0
-    return 1.0 - jnp.sqrt(w)
+        return 2.0 * xp.power(0.5, w) - 1.0
+    return 1.0 - xp.sqrt(w)  # minus_sqrt
 
 
 def megatron_lr_schedule(
@@ -191,23 +164,4 @@ def megatron_lr_schedule(
         wsd_decay_steps=wsd_steps,
         wsd_decay_style=lr_wsd_decay_style,
         samples_per_iter=global_batch_size,
-    )
-
-
-def schedule_from_args(args: Any) -> LRSchedule:
-    """:func:`megatron_lr_schedule` from a namespace of :mod:`mlir_train.cli` flags."""
-    if args.lr is None or args.train_iters is None:
-        raise ValueError("the LR schedule needs --lr and --train-iters")
-    return megatron_lr_schedule(
-        lr=args.lr,
-        train_iters=args.train_iters,
-        min_lr=args.min_lr,
-        lr_decay_iters=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_warmup_fraction=args.lr_warmup_fraction,
-        lr_warmup_init=args.lr_warmup_init,
-        lr_wsd_decay_iters=args.lr_wsd_decay_iters,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
-        global_batch_size=args.global_batch_size or 1,
     )

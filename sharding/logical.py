@@ -42,12 +42,19 @@ def active_rules() -> Rules | None:
     return _ACTIVE_RULES.get()
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
-    if axes is None:
+def axes_tuple(entry: MeshAxes) -> tuple[str, ...]:
+    """A spec entry (None, one mesh axis, or several) as a tuple of mesh axis names."""
+    if entry is None:
         return ()
-    if isinstance(axes, str):
-        return (axes,)
-    return tuple(axes)
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def trimmed_spec(entries: Sequence[MeshAxes]) -> PartitionSpec:
+    """``PartitionSpec(*entries)`` without trailing Nones (the canonical spelling)."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
 def logical_to_spec(
@@ -73,14 +80,12 @@ def logical_to_spec(
             raise KeyError(f"logical axis {name!r} has no rule in the sharding table {sorted(table)}")
         axes = [
             a
-            for a in _as_tuple(table[name])
+            for a in axes_tuple(table[name])
             if a not in used and (mesh_axis_names is None or a in mesh_axis_names)
         ]
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
-    while out and out[-1] is None:
-        out.pop()
-    return PartitionSpec(*out)
+    return trimmed_spec(out)
 
 
 def _current_mesh_axis_names() -> tuple[str, ...] | None:

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from sharding.logical import _as_tuple, active_rules, logical_to_spec
+from sharding.logical import active_rules, axes_tuple, logical_to_spec, trimmed_spec
 
 
 def _abstract_mesh():
@@ -49,7 +49,7 @@ def mesh_axes_of(logical_name: str) -> tuple[tuple[str, ...], int]:
     if logical_name not in table:
         raise KeyError(f"logical axis {logical_name!r} has no rule in the sharding table {sorted(table)}")
     sizes = dict(mesh.shape)
-    axes = tuple(a for a in _as_tuple(table[logical_name]) if sizes.get(a, 1) > 1)
+    axes = tuple(a for a in axes_tuple(table[logical_name]) if sizes.get(a, 1) > 1)
     return axes, math.prod(sizes[a] for a in axes)
 
 
@@ -60,11 +60,9 @@ def _is_names(x: Any) -> bool:
 def _keep_axes(spec: PartitionSpec, keep: set[str]) -> PartitionSpec:
     out = []
     for entry in spec:
-        axes = tuple(a for a in _as_tuple(entry) if a in keep)
+        axes = tuple(a for a in axes_tuple(entry) if a in keep)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    while out and out[-1] is None:
-        out.pop()
-    return PartitionSpec(*out)
+    return trimmed_spec(out)
 
 
 def logical_shard_map(

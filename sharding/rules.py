@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from sharding.logical import MeshAxes, Rules, tree_specs
+from sharding.logical import MeshAxes, Rules, axes_tuple, tree_specs, trimmed_spec
 from sharding.mesh import DATA_AXES, ParallelConfig, kv_heads_replicated
 
 # Every logical axis name the model may put on a parameter or an activation.
@@ -147,19 +147,6 @@ def rules_for(cfg: ParallelConfig, model_dims: Mapping[str, int] | None = None) 
 # ----- storage layout: ZeRO-1 / FSDP ------------------------------------------------------
 
 
-def _spec_axes(entry: MeshAxes) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _spec(entries: list[MeshAxes]) -> PartitionSpec:
-    entries = list(entries)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
-
-
 def zero_spec(
     shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh, axes: tuple[str, ...] = DATA_AXES
 ) -> PartitionSpec:
@@ -173,7 +160,7 @@ def zero_spec(
     i.e. stay replicated over the data ranks.
     """
     entries: list[MeshAxes] = list(spec) + [None] * (len(shape) - len(spec))
-    used = {a for e in entries for a in _spec_axes(e)}
+    used = {a for e in entries for a in axes_tuple(e)}
     free = [a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used]
     if not free or not shape:
         return spec
@@ -187,13 +174,13 @@ def zero_spec(
         for i in by_size:
             if entries[i] is None and shape[i] % n == 0:
                 entries[i] = group[0] if len(group) == 1 else group
-                return _spec(entries)
+                return trimmed_spec(entries)
         for i in by_size:
             if entries[i] is not None:
-                existing = _spec_axes(entries[i])
+                existing = axes_tuple(entries[i])
                 if shape[i] % (n * math.prod(mesh.shape[a] for a in existing)) == 0:
                     entries[i] = existing + group
-                    return _spec(entries)
+                    return trimmed_spec(entries)
     return spec
 
 
