@@ -43,7 +43,7 @@ from mlir_train.config import ModelConfig, get_model_config  # noqa: E402
 from mlir_train.optim import make_optimizer  # noqa: E402
 from mlir_train.schedule import megatron_lr_schedule  # noqa: E402
 from mlir_train.train import StepConfig, Trainer, model_dims  # noqa: E402
-from sharding.inspect import held_bytes  # noqa: E402
+from sharding.table import held_bytes  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh, validate  # noqa: E402
 
 PEER = "DP8"

@@ -27,15 +27,15 @@ import dataclasses
 import errno
 import json
 import os
-import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from mlir_train.config import ModelConfig
+from mlir_train.errors import CheckpointError
 
 FORMAT_VERSION = 1
 # Fields that change parameter shapes: a mismatch is an error. Other architecture fields
@@ -46,15 +46,6 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_
 NUMERIC_FIELDS = ("top_k", "norm_topk_prob", "rope_theta", "rope_scaling_factor", "rms_norm_eps")
 ARRAY_ITEMS = ("params", "opt_state", "loss_scale")
 _COMMIT_MARKERS = ("commit_success.txt", "_CHECKPOINT_METADATA")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, or does not fit this run (names what differs)."""
-
-
-def is_checkpoint_dir(path: str) -> bool:
-    """True for a directory this module wrote (or an empty/new one): any step directory in it."""
-    return os.path.isdir(path) and any(_is_step_name(n) for n in os.listdir(path))
 
 
 def _disk_full(e: BaseException | None) -> bool:
@@ -256,8 +247,9 @@ def check_model(meta: dict[str, Any], model_cfg: ModelConfig, where: str) -> Non
 
 
 def run_json(*, iteration: int, global_batch_size: int, loader, seed: int, model_cfg: ModelConfig,
-             tokenizer_size: int, parallel, args) -> dict[str, Any]:
-    """What besides arrays a checkpoint records to resume exactly and to explain itself."""
+             tokenizer_size: int, parallel, flags: dict[str, Any]) -> dict[str, Any]:
+    """What besides arrays a checkpoint records to resume exactly and to explain itself
+    (``flags``: the run's flags by Megatron dest name, ``RunConfig.flat()``)."""
     return {
         "consumed_samples": int(iteration) * int(global_batch_size),
         "global_batch_size": int(global_batch_size),
@@ -266,7 +258,7 @@ def run_json(*, iteration: int, global_batch_size: int, loader, seed: int, model
         "model": dataclasses.asdict(model_cfg),
         "tokenizer_size": int(tokenizer_size),
         "parallel": dataclasses.asdict(parallel) if dataclasses.is_dataclass(parallel) else dict(parallel),
-        "args": json.loads(json.dumps(vars(args), default=str)),
+        "args": json.loads(json.dumps(flags, default=str)),
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
@@ -315,30 +307,70 @@ def restore_loader(loader, meta: dict[str, Any], *, exact: bool = True) -> None:
                     "epoch": consumed // loader.dataset.num_rows, "position": consumed % loader.dataset.num_rows})
 
 
-# ----- stopping on a signal -------------------------------------------------------------------
-class StopOnSignal:
-    """SIGTERM/SIGINT set ``requested`` (the loop finishes its step, saves and exits 0); a second
-    signal gets the default behaviour, so a stuck job can still be interrupted."""
+# ----- where a run starts -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What ``--load`` points at: ``kind`` is "hf" (a model directory), "ours" (a checkpoint of
+    this trainer, ``meta`` its newest step's JSON) or "scratch" (no --load, or a missing/empty
+    directory: Megatron starts from scratch there with a warning)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    kind: str
+    path: str | None = None
+    meta: dict[str, Any] | None = None
 
-    def __init__(self):
-        self.requested: str | None = None
-        self._previous = {}
+    @property
+    def seed(self) -> int | None:
+        return None if self.meta is None else self.meta.get("rng", {}).get("seed")  # none in a converted HF model
+
+    @property
+    def iteration(self) -> int:
+        return 0 if self.meta is None else int(self.meta["iteration"])
+
+    def describe(self) -> str:
+        return (f"{self.path}/config.json" if self.kind == "hf"
+                else f"{self.path} (iteration {self.iteration})" if self.kind == "ours" else "random initialisation")
+
+
+def resolve_start(load: str | None, *, exit_on_missing: bool = False) -> Start:
+    """Classify ``--load``. A directory with no complete checkpoint and no HF config warns and
+    starts from scratch (one script both starts and resumes a job), unless ``exit_on_missing``
+    (--exit-on-missing-checkpoint) makes that an error."""
+    if not load:
+        return Start("scratch")
+    if os.path.exists(os.path.join(load, "config.json")):
+        return Start("hf", load)
+    try:
+        saved = CheckpointManager(load, read_only=True)
+    except CheckpointError:  # no such directory
+        saved = None
+    if saved is not None and saved.latest_step() is not None:
         try:
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        except ValueError:  # not the main thread: no handlers, never requested
-            self._previous = {}
+            return Start("ours", load, saved.read_meta())
+        except CheckpointError as e:
+            raise CheckpointError(f"--load {load}: {e} (nor is it an HF model directory: no config.json)") from None
+    msg = f"--load {load}: no complete checkpoint there, nor an HF model directory (no config.json)"
+    if exit_on_missing:
+        raise CheckpointError(f"{msg}; --exit-on-missing-checkpoint is set. Check the path, or drop the flag to start "
+                              "from scratch")
+    print(f"mlir-train: WARNING: {msg}; starting from random initialisation at iteration 0 "
+          "(--exit-on-missing-checkpoint makes this an error)")
+    return Start("scratch")
 
-    def _handle(self, signum, frame) -> None:
-        self.requested = signal.Signals(signum).name
-        print(f"mlir-train: {self.requested} received; finishing this iteration, then saving and exiting", flush=True)
-        for sig, prev in self._previous.items():
-            signal.signal(sig, prev)
 
-    def restore(self) -> None:
-        for sig, prev in self._previous.items():
-            signal.signal(sig, prev)
-        self._previous = {}
+class Checkpointer:
+    """The loop's checkpoint hook: saves every ``--save-interval`` and when the loop stops, each
+    with the run's JSON; ``before_save`` runs first (the pending metrics' NaN check must pass
+    before a state is written)."""
 
+    def __init__(self, directory: str, *, save_interval: int | None, retain: int | None, meta: Callable[[int], dict]):
+        self.manager = CheckpointManager(directory, max_to_keep=retain, save_interval=save_interval)
+        self.directory, self._meta = directory, meta
+
+    def should_save(self, iteration: int) -> bool:
+        return self.manager.should_save(iteration)
+
+    def save(self, iteration: int, state: dict[str, Any]) -> None:
+        self.manager.save(iteration, state, self._meta(iteration), force=True)
+
+    def close(self) -> None:
+        self.manager.close()  # waits for the background writes

@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="HF export dtype (default: float32, the master weights)")
     args = p.parse_args(argv)
 
-    from mlir_train.checkpoint import CheckpointError
-    from mlir_train.hf import CheckpointError as HFError
+    from mlir_train.errors import CheckpointError
 
     try:
         if os.path.exists(os.path.join(args.src, "config.json")):
@@ -82,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             checkpoint_to_hf(args.src, args.dst, step=args.step, dtype=args.dtype)
             print(f"mlir-train: wrote HF model to {args.dst}")
-    except (CheckpointError, HFError, FileNotFoundError) as e:
+    except (CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
-    # A CPU-only host converts through fake devices like the trainer does; real accelerators win.
-    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    from mlir_train.platform import configure_platform
+
+    configure_platform(cpu_devices=8)  # a CPU-only host converts through fake devices like the trainer does
     sys.exit(main())

@@ -103,9 +103,9 @@ def layout_from_env(env: Mapping[str, str] | None = None) -> ProcessLayout:
     return ProcessLayout(1, 0, None, "single process")
 
 
-def initialize_from_env(args: Any = None, env: Mapping[str, str] | None = None) -> ProcessLayout:
+def initialize_from_env(*, cpu_devices: int | None = None, env: Mapping[str, str] | None = None) -> ProcessLayout:
     """Call ``jax.distributed.initialize`` as the environment says; must run before anything
-    touches a JAX device. ``args.cpu_devices`` (if set) is the CPU device count per process."""
+    touches a JAX device. ``cpu_devices`` (``--cpu-devices``, if set) is the CPU device count per process."""
     import jax
 
     layout = layout_from_env(env)
@@ -114,7 +114,6 @@ def initialize_from_env(args: Any = None, env: Mapping[str, str] | None = None) 
     # Both settings only concern the CPU client, so they are harmless where GPUs run the job;
     # on CPU they make the processes' collectives (gloo) and per-process device count work.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    cpu_devices = getattr(args, "cpu_devices", None)
     if cpu_devices:
         jax.config.update("jax_num_cpu_devices", int(cpu_devices))
     if layout.coordinator is None:

@@ -35,15 +35,12 @@ import numpy as np
 from flax import nnx
 
 from mlir_train.config import ModelConfig
+from mlir_train.errors import CheckpointError
 from mlir_train.model import Qwen3
 from sharding import Rules
 from sharding.logical import logical_to_spec
 
 __all__ = ["CheckpointError", "load_pretrained", "save_pretrained", "load_hf_config"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing or mis-shaped tensors, bad index, ..."""
 
 
 # ----- the name and layout mapping, defined once for both directions ---------------------------

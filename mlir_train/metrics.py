@@ -20,7 +20,7 @@ class MetricsWriter:
     """TensorBoard + metrics.jsonl (+ wandb when asked). Only process 0 writes."""
 
     def __init__(self, log_dir: str | None, *, enabled: bool = True, wandb_project: str = "", wandb_name: str = "",
-                 config: dict[str, Any] | None = None):
+                 wandb_dir: str = "", config: dict[str, Any] | None = None):
         self.enabled = enabled and log_dir is not None
         self.log_dir = log_dir
         self.tb = None
@@ -43,7 +43,8 @@ class MetricsWriter:
                 print("wandb: --wandb-project given but the wandb package is not installed "
                       "(pip install wandb); logging to TensorBoard and metrics.jsonl only.")
             else:
-                self.wandb = wandb.init(project=wandb_project, name=wandb_name or None, config=config, dir=log_dir)
+                self.wandb = wandb.init(project=wandb_project, name=wandb_name or None, config=config,
+                                        dir=wandb_dir or log_dir)
 
     def write(self, iteration: int, scalars: dict[str, float], arrays: dict[str, Any] | None = None) -> None:
         if not self.enabled:
@@ -118,3 +119,95 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
     if eta_s is not None:
         parts.append(f"ETA: {int(eta_s) // 60:d}:{int(eta_s) % 60:02d}")
     return " | ".join(parts) + " |"
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or grad norm of an iteration is NaN/Inf (Megatron's --check-for-nan-in-loss-and-grad)."""
+
+
+class StepLogger:
+    """The loop's logging hook. ``record(iteration, metrics)`` turns one step's device metrics
+    (read by the host only when asked, one step late) into Megatron's console line every
+    ``--log-interval`` and TensorBoard/metrics.jsonl scalars every ``--tensorboard-log-interval``,
+    stops on a non-finite loss (unless disabled), and keeps the loss history."""
+
+    def __init__(self, writer: MetricsWriter, *, train_iters: int, log_interval: int, tensorboard_log_interval: int,
+                 check_nan: bool, global_batch_size: int, seq_length: int, lr_at, flops_per_step: float,
+                 num_devices: int, peak_tflops: float | None, log_timers: bool, timers: "Timers"):
+        self.writer, self.train_iters, self.lr_at = writer, train_iters, lr_at
+        self.log_interval, self.tb_interval = log_interval, max(1, tensorboard_log_interval)
+        self.check_nan, self.gbs, self.seq_length = check_nan, global_batch_size, seq_length
+        self.flops_per_step, self.num_devices, self.peak = flops_per_step, num_devices, peak_tflops
+        self.log_timers, self.timers = log_timers, timers
+        self.history: dict[str, list] = {"lm loss": [], "valid": []}
+        self.skipped = 0
+        self.pending = None  # (iteration, device metrics): read one step late so the host never stalls the device
+        self.last_done = self.start_time = time.perf_counter()
+        self.first_iteration: int | None = None
+
+    def step_done(self, iteration: int, metrics_dev, *, first: bool = False, started: float | None = None) -> None:
+        """After dispatching ``iteration``: the first step (compile + run) is read at once, with
+        its time counted from ``started``; later ones one step late."""
+        if first:
+            import jax
+
+            jax.block_until_ready(metrics_dev)
+            self.last_done = started  # Megatron's first iteration time includes its warm-up too
+            self.record(iteration, metrics_dev)
+            self.start_time = time.perf_counter()
+            self.first_iteration = iteration
+            return
+        self.flush()
+        self.pending = (iteration, metrics_dev)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.record(*pending)
+
+    def record(self, iteration: int, metrics_dev) -> None:
+        import jax
+
+        m = jax.device_get(metrics_dev)
+        now = time.perf_counter()
+        step_time, self.last_done = now - self.last_done, now
+        lm_loss, grad_norm = float(m["lm loss"]), float(m["grad-norm"])
+        self.skipped += int(m["skipped"])
+        if self.check_nan and not int(m["skipped"]) and not (math.isfinite(lm_loss) and math.isfinite(grad_norm)):
+            raise NonFiniteLoss(
+                f"iteration {iteration}: lm loss {lm_loss} / grad norm {grad_norm} is not finite; stopping before "
+                "any checkpoint of this state is written (--no-check-for-nan-in-loss-and-grad disables the check)")
+        self.history["lm loss"].append((iteration, lm_loss))
+        from mlir_train import flops as flops_lib
+
+        scalars = {
+            "lm loss": lm_loss, "grad-norm": grad_norm, "learning-rate": self.lr_at(iteration),
+            "batch-size": self.gbs, "consumed samples": iteration * self.gbs, "iteration-time": step_time,
+            "loss-scale": float(m["loss-scale"]), "skipped iterations": self.skipped,
+            "tokens-per-sec": self.gbs * self.seq_length / step_time,
+            "throughput": flops_lib.tflops_per_device(self.flops_per_step, step_time, self.num_devices),
+            "mfu": flops_lib.mfu(self.flops_per_step, step_time, self.num_devices, self.peak),
+            "loss tokens": float(m["loss tokens"]),
+        }
+        arrays = {}
+        if "load_balancing_loss" in m:
+            scalars["load_balancing_loss"] = float(m["load_balancing_loss"])
+            scalars["z_loss"] = float(m["z_loss"])
+            scalars["dropped tokens"] = float(m["dropped_tokens"])
+            arrays["expert-load"] = np.asarray(m["tokens_per_expert"]).sum(axis=0)
+        if self.log_timers:
+            totals = self.timers.pop_all()
+            scalars |= {f"timers/{k}": totals.get(k, 0.0) for k in ("data-wait", "step-dispatch", "eval")}
+        last = iteration == self.train_iters
+        if iteration % self.log_interval == 0 or last:
+            done = iteration - (self.first_iteration or 0)
+            eta = (time.perf_counter() - self.start_time) / max(done, 1) * (self.train_iters - iteration)
+            print(console_line(iteration, self.train_iters, scalars, eta), flush=True)
+        if iteration % self.tb_interval == 0 or last:
+            self.writer.write(iteration, scalars, arrays)
+
+    def validation(self, iteration: int, loss: float) -> None:
+        ppl = math.exp(min(loss, 20.0))
+        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |")
+        self.writer.write(iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl})
+        self.history["valid"].append((iteration, loss))

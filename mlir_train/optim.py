@@ -136,20 +136,6 @@ def make_optimizer(
     return optax.chain(*parts)
 
 
-def optimizer_from_args(args: Any, lr_schedule: optax.Schedule) -> optax.GradientTransformation:
-    """:func:`make_optimizer` from a namespace of :mod:`mlir_train.cli` flags."""
-    return make_optimizer(
-        lr_schedule=lr_schedule,
-        weight_decay=args.weight_decay,
-        beta1=args.adam_beta1,
-        beta2=args.adam_beta2,
-        eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        optimizer=args.optimizer,
-        sgd_momentum=args.sgd_momentum,
-    )
-
-
 # ----- fp16 loss scaling -------------------------------------------------------------------
 class LossScaleState(NamedTuple):
     scale: jax.Array  # float32 scalar
@@ -188,14 +174,6 @@ class LossScaler:
             hysteresis_tracker=jnp.asarray(self.hysteresis, jnp.int32),
         )
 
-    def scale_loss(self, state: LossScaleState, loss: jax.Array) -> jax.Array:
-        return loss * state.scale.astype(loss.dtype)
-
-    def unscale(self, state: LossScaleState, grads: Any) -> Any:
-        """Grads of the scaled loss -> float32 grads of the loss."""
-        inv = 1.0 / state.scale
-        return jax.tree_util.tree_map(lambda g: g.astype(jnp.float32) * inv, grads)
-
     def update(self, state: LossScaleState, found_inf: jax.Array) -> LossScaleState:
         if not self.dynamic:
             return state
@@ -228,19 +206,3 @@ def all_finite(tree: Any) -> jax.Array:
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     """Leafwise ``where(pred, a, b)``: keep the old state on a skipped step."""
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
-def loss_scaler_from_args(args: Any) -> LossScaler | None:
-    """The scaler Megatron uses for these flags: constant if ``--loss-scale``, dynamic for
-    ``--fp16``, none otherwise (bf16 and fp32 need no loss scaling; as in Megatron a static
-    ``--loss-scale`` only applies with --fp16 or --bf16)."""
-    if args.loss_scale and (args.fp16 or args.bf16):
-        return LossScaler(initial_scale=args.loss_scale, dynamic=False)
-    if args.fp16:
-        return LossScaler(
-            initial_scale=args.initial_loss_scale,
-            min_scale=args.min_loss_scale,
-            growth_interval=int(args.loss_scale_window),
-            hysteresis=args.hysteresis,
-        )
-    return None

@@ -62,39 +62,29 @@ saved activations.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import math
 import os
 import sys
+import time
+from typing import Any
+
+from mlir_train.run_config import RunConfig, resolve
 
 
 def _preset_devices(argv: list[str]) -> None:
-    """Fake CPU devices and CPU-only XLA settings, before jax is imported."""
+    """Fake CPU devices (``--num-devices``) and CPU-only XLA settings, before any backend starts."""
     from mlir_train.cli import flag_value  # imports no jax
+    from mlir_train.platform import configure_platform
 
     n = flag_value(argv, "--num-devices")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if n and "--xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={n}"
-    # XLA:CPU's all-reduce promotion (bf16 -> f32) aborts on the reducers Shardy emits for the
-    # expert-parallel weight gradients in bf16; the planner never runs the program, and the
-    # float-normalization pass still makes the all-reduces float32.
-    if "all-reduce-promotion" not in flags:
-        flags += " --xla_disable_hlo_passes=all-reduce-promotion"
+    configure_platform(cpu_devices=int(n) if n else None)
     # Nothing compiled here ever runs: skip LLVM's optimisation (buffer sizes come from HLO).
-    if "xla_backend_optimization_level" not in flags:
-        flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    os.environ["XLA_FLAGS"] = flags.strip()
+    if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-if __name__ == "__main__":
-    _preset_devices(sys.argv[1:])
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import inspect  # noqa: E402
-import math  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
 
 GIB = 2**30
 USABLE_FRACTION = 0.95
@@ -146,12 +136,6 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.error is None and self.total_bytes <= USABLE_FRACTION * self.capacity_bytes
-
-
-def _pipeline_supported() -> bool:
-    from mlir_train import sft
-
-    return "pipeline-model-parallel-size > 1 is not implemented" not in inspect.getsource(sft)
 
 
 def _device_bytes(tree: Any) -> int:
@@ -211,42 +195,26 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     return int(in_flight * saved + working + logits)
 
 
-def _trainer(args, layout: Layout, num_devices: int):
-    from mlir_train import sft
+def _trainer(cfg: RunConfig, layout: Layout, num_devices: int):
+    """The real trainer of ``cfg`` with ``layout``'s parallelism, for ``num_devices``; the MoE
+    implementation is the GPU one (the ragged dispatcher), which the plan is for."""
     from mlir_train.config import get_model_config
-    from mlir_train.optim import loss_scaler_from_args, optimizer_from_args
-    from mlir_train.schedule import schedule_from_args
-    from mlir_train.train import StepConfig, Trainer, model_dims
-    from sharding.mesh import ParallelConfig, make_mesh, validate
 
-    vocab = args.vocab_size or get_model_config(args.model_name).vocab_size
-    model_cfg = sft.build_model_config(
-        args, sft.padded_vocab_size(vocab, args.make_vocab_size_divisible_by, layout.tensor))
-    parallel = ParallelConfig(tensor=layout.tensor, pipeline=layout.pipeline, expert=layout.expert,
-                              sequence_parallel=layout.sequence_parallel,
-                              distributed_optimizer=layout.distributed_optimizer, num_devices=num_devices)
-    gbs = args.global_batch_size or args.micro_batch_size * parallel.data_parallel
-    parallel = validate(parallel, model_dims(model_cfg), global_batch_size=gbs,
-                        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
-    num_micro = gbs // (args.micro_batch_size * parallel.data_parallel)
-    compute_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-    # The GPU dispatcher (ragged); under EP on CPU the model falls back to the dense one.
-    model_kwargs = dict(moe_impl="ragged", capacity_factor=args.moe_expert_capacity_factor,
-                        drop_policy=args.moe_token_drop_policy, remat=layout.recompute) \
-        if model_cfg.is_moe else dict(remat=layout.recompute)
-    sched_args = argparse.Namespace(**(vars(args) | {"global_batch_size": gbs, "lr": args.lr or 1e-5,
-                                                     "train_iters": args.train_iters or 1}))
-    trainer = Trainer(
-        model_cfg,
-        StepConfig(num_micro_batches=num_micro, compute_dtype=compute_dtype,
-                   aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0),
-        optimizer_from_args(sched_args, schedule_from_args(sched_args)), parallel, make_mesh(parallel),
-        loss_scaler=loss_scaler_from_args(args), model_kwargs=model_kwargs,
-    )
-    return trainer, model_cfg, gbs, num_micro
+    cfg = cfg.replace(
+        parallel=dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
+                      expert_model_parallel_size=layout.expert, sequence_parallel=layout.sequence_parallel,
+                      use_distributed_optimizer=layout.distributed_optimizer, use_torch_fsdp2=False,
+                      data_parallel_sharding_strategy="no_shard"),
+        training=dict(recompute_granularity=None if layout.recompute == "none" else layout.recompute,
+                      recompute_activations=False, lr=cfg.training.lr or 1e-5,
+                      train_iters=cfg.training.train_iters or 1))
+    vocab = cfg.model.vocab_size or get_model_config(cfg.model.model_name).vocab_size
+    model_cfg = cfg.model.model_config(cfg.model.padded_vocab_size(vocab, layout.tensor))
+    run = resolve(cfg, model_cfg, num_devices=num_devices, platform="gpu")
+    return run.trainer(), model_cfg, run.global_batch_size, run.num_micro_batches
 
 
-def plan_layout(args, layout: Layout, num_devices: int, *, memory_gb: float, peak_tflops: float | None,
+def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: float, peak_tflops: float | None,
                 assumed_mfu: float, compile_step: bool = True) -> Plan:
     """Sizes (and, with ``compile_step``, the AOT-compiled step) of one layout."""
     import jax
@@ -256,17 +224,14 @@ def plan_layout(args, layout: Layout, num_devices: int, *, memory_gb: float, pea
     from mlir_train.train import BATCH_KEYS, DTYPES
 
     plan = Plan(layout, layout.name(num_devices), capacity_bytes=memory_gb * GIB)
-    if layout.pipeline > 1 and not _pipeline_supported():
-        plan.error = "pipeline parallelism is not implemented in mlir_train.sft yet"
-        return plan
     try:
-        trainer, model_cfg, gbs, num_micro = _trainer(args, layout, num_devices)
+        trainer, model_cfg, gbs, num_micro = _trainer(cfg, layout, num_devices)
     except Exception as e:  # an invalid layout for this model / device count
         plan.error = str(e).splitlines()[0]
         return plan
     state = trainer.abstract_state()
     rows = gbs // num_micro
-    batch = {k: jax.ShapeDtypeStruct((num_micro, rows, args.seq_length),
+    batch = {k: jax.ShapeDtypeStruct((num_micro, rows, cfg.data.seq_length),
                                      jnp.float32 if k == "loss_mask" else jnp.int32, sharding=trainer.batch_sharding)
              for k in BATCH_KEYS}
     dtype = DTYPES[trainer.step_cfg.compute_dtype]
@@ -280,15 +245,15 @@ def plan_layout(args, layout: Layout, num_devices: int, *, memory_gb: float, pea
     plan.compute_weight_bytes = _device_bytes(compute) if needs_copy else 0
     plan.gradient_bytes = _device_bytes(compute) + plan.master_bytes
     plan.batch_bytes = _device_bytes(batch)
-    plan.activation_bytes = activation_bytes(model_cfg, layout, micro_batch=args.micro_batch_size,
-                                             seq=args.seq_length, dtype_bytes=jnp.dtype(dtype).itemsize,
+    plan.activation_bytes = activation_bytes(model_cfg, layout, micro_batch=cfg.training.micro_batch_size,
+                                             seq=cfg.data.seq_length, dtype_bytes=jnp.dtype(dtype).itemsize,
                                              num_micro=num_micro)
-    plan.flops_per_step = flops_lib.num_floating_point_operations(model_cfg, args.seq_length, gbs)
+    plan.flops_per_step = flops_lib.num_floating_point_operations(model_cfg, cfg.data.seq_length, gbs)
     if peak_tflops:
         hardware = plan.flops_per_step * (4 / 3 if layout.recompute == "full" else 1.0)
         hardware *= (num_micro + layout.pipeline - 1) / num_micro  # the pipeline bubble
         plan.step_time_s = hardware / (num_devices * peak_tflops * 1e12 * assumed_mfu)
-        plan.tokens_per_s = gbs * args.seq_length / plan.step_time_s
+        plan.tokens_per_s = gbs * cfg.data.seq_length / plan.step_time_s
     if compile_step:
         t0 = time.perf_counter()
         try:
@@ -304,14 +269,14 @@ def plan_layout(args, layout: Layout, num_devices: int, *, memory_gb: float, pea
     return plan
 
 
-def candidate_layouts(args, num_devices: int) -> list[Layout]:
+def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
     """TP (within one 8-device node), EP, PP that divide the model, distributed optimizer on/off,
     recompute none/full; DP is what is left."""
     from mlir_train.config import get_model_config
 
-    cfg = get_model_config(args.model_name)
+    cfg = get_model_config(run_cfg.model.model_name)
     divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
-    pipelines = [p for p in divisors if cfg.num_layers % p == 0] if _pipeline_supported() else [1]
+    pipelines = [p for p in divisors if cfg.num_layers % p == 0]
     out = []
     for pp in pipelines:
         for tp in (d for d in divisors if d <= 8 and num_devices % (d * pp) == 0):
@@ -320,7 +285,7 @@ def candidate_layouts(args, num_devices: int) -> list[Layout]:
             for ep in experts:
                 for distopt in ((True, False) if dp > 1 else (False,)):  # ZeRO needs data ranks
                     for recompute in ("none", "full"):
-                        out.append(Layout(tp, ep, pp, distopt, recompute, args.sequence_parallel and tp > 1))
+                        out.append(Layout(tp, ep, pp, distopt, recompute, run_cfg.parallel.sequence_parallel and tp > 1))
     return out
 
 
@@ -374,37 +339,37 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return []
+    _preset_devices(argv)
     own, rest = _planner_parser().parse_known_args(argv)
     from mlir_train import cli
 
-    args, _ = cli.parse_args(rest)
-    if args.seq_length is None or args.micro_batch_size is None:
+    cfg = cli.parse(rest)
+    if cfg.data.seq_length is None or cfg.training.micro_batch_size is None:
         raise SystemExit("error: --seq-length and --micro-batch-size are required")
     import jax
 
-    num_devices = args.num_devices or jax.device_count()
+    t, par = cfg.training, cfg.parallel
+    num_devices = cfg.extras.num_devices or jax.device_count()
     if num_devices > jax.device_count():
         raise SystemExit(f"error: --num-devices {num_devices} but this process has {jax.device_count()} devices "
                          "(run it as python -m mlir_train.plan, which creates them)")
     memory_gb = own.device_memory_gb or DEVICE_KINDS[own.device_kind][0]
     kind_peak = DEVICE_KINDS[own.device_kind][1]
     # fp32 matmuls run as TF32 on these GPUs: half the bf16 peak.
-    peak = args.peak_tflops or (kind_peak and kind_peak * (1.0 if args.bf16 or args.fp16 else 0.5))
+    peak = cfg.extras.peak_tflops or (kind_peak and kind_peak * (1.0 if t.bf16 or t.fp16 else 0.5))
     common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu)
-    print(f"mlir-train plan: {args.model_name} on {num_devices} x {own.device_kind} ({memory_gb:.0f} GiB), "
-          f"seq {args.seq_length}, micro-batch {args.micro_batch_size}, global batch "
-          f"{args.global_batch_size or 'micro x DP'}, {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
+    print(f"mlir-train plan: {cfg.model.model_name} on {num_devices} x {own.device_kind} ({memory_gb:.0f} GiB), "
+          f"seq {cfg.data.seq_length}, micro-batch {t.micro_batch_size}, global batch "
+          f"{t.global_batch_size or 'micro x DP'}, {t.compute_dtype}")
     if not own.search:
-        remat = {None: "none", "full": "full", "selective": "selective"}[args.recompute_granularity]
-        layout = Layout(args.tensor_model_parallel_size, args.expert_model_parallel_size,
-                        args.pipeline_model_parallel_size, args.use_distributed_optimizer, remat,
-                        args.sequence_parallel)
-        plan = plan_layout(args, layout, num_devices, **common)
+        layout = Layout(par.tensor_model_parallel_size, par.expert_model_parallel_size,
+                        par.pipeline_model_parallel_size, par.distributed_optimizer, t.remat, par.sequence_parallel)
+        plan = plan_layout(cfg, layout, num_devices, **common)
         print(format_plan(plan, own.device_kind, own.assumed_mfu))
         _write_json(own.json, [plan])
         return [plan]
 
-    estimates = [plan_layout(args, l, num_devices, compile_step=False, **common) for l in candidate_layouts(args, num_devices)]
+    estimates = [plan_layout(cfg, l, num_devices, compile_step=False, **common) for l in candidate_layouts(cfg, num_devices)]
     valid = [p for p in estimates if p.error is None]
     fitting = sorted((p for p in valid if p.fits), key=lambda p: (-(p.tokens_per_s or 0), p.total_bytes))
     if own.search_top is not None:
@@ -419,7 +384,7 @@ def main(argv: list[str] | None = None) -> list[Plan]:
             print(f"  not planned: {p.name}: {p.error}")
     ranked = []
     for p in fitting:
-        compiled = plan_layout(args, p.layout, num_devices, **common)
+        compiled = plan_layout(cfg, p.layout, num_devices, **common)
         print(format_plan(compiled, own.device_kind, own.assumed_mfu), flush=True)
         if compiled.error is None:
             ranked.append(compiled)

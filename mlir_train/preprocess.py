@@ -22,11 +22,12 @@ from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, _ = cli.parse_args(argv)
-    args.data_path = args.data_path or [DEFAULT_DATA]
-    args.hf_tokenizer_path = args.hf_tokenizer_path or DEFAULT_TOKENIZER
-    args.seq_length = args.seq_length or 2048
-    cfg = cli.data_config(args)
+    run_cfg = cli.parse(argv)
+    d = run_cfg.data
+    run_cfg = run_cfg.replace(data=dict(data_path=d.data_path or (DEFAULT_DATA,),
+                                        hf_tokenizer_path=d.tokenizer_path or DEFAULT_TOKENIZER,
+                                        seq_length=d.seq_length or 2048))
+    cfg = run_cfg.data.data_config(run_cfg.training.seed)
     start = time.perf_counter()
     try:
         data = build_datasets(cfg)

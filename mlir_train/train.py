@@ -39,13 +39,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mlir_train import losses, pipeline
 from mlir_train.config import ModelConfig
+from mlir_train.data.dataset import BATCH_KEYS
 from mlir_train.model import Qwen3, logical_axes
 from mlir_train.optim import LossScaler, global_norm, select_tree
 from sharding import logical_to_spec, use_rules
 from sharding.mesh import ParallelConfig
 from sharding.rules import StateSpecs, rules_for, state_specs
 
-BATCH_KEYS = ("input_ids", "labels", "loss_mask", "segment_ids", "positions")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -282,6 +282,12 @@ class Trainer:
             )
         with jax.set_mesh(self.mesh), use_rules(self.rules):
             return self._eval_step[micro](params, batch)
+
+    def global_batch(self, rows: dict[str, Any]) -> dict[str, jax.Array]:
+        """This process's rows of one global batch (``[rows, seq]`` host arrays, as the loader
+        yields them) as the step's sharded ``[micro, rows / micro, seq]`` batch."""
+        m = self.step_cfg.num_micro_batches
+        return self.shard_batch({k: v.reshape(m, v.shape[0] // m, *v.shape[1:]) for k, v in rows.items()})
 
     def shard_batch(self, batch: dict[str, Any], *, micro: bool = True) -> dict[str, jax.Array]:
         """Host numpy arrays of this process's rows -> global sharded arrays."""

@@ -3,7 +3,7 @@
 Imports nothing from ``mlir_train``: the model only ever names logical axes.
 """
 
-from sharding.inspect import sharding_rows, sharding_table
+from sharding.table import sharding_rows, sharding_table
 from sharding.logical import Rules, active_rules, constrain, logical_to_spec, tree_shardings, tree_specs, use_rules
 from sharding.manual import logical_shard_map, mesh_axes_of
 from sharding.mesh import (

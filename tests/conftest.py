@@ -2,19 +2,16 @@
 
 import os
 
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
-# As mlir_train/sft.py does on CPU: XLA:CPU's all-reduce-promotion pass aborts on bf16 EP steps.
-if "all-reduce-promotion" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_disable_hlo_passes=all-reduce-promotion"
+from mlir_train.platform import configure_platform
+
+configure_platform(cpu_devices=8)  # as every entry point does, before any jax backend starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import jax  # noqa: E402
-
 import tempfile  # noqa: E402
+
+import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Many tests compile the same programs (a Trainer per test); XLA:CPU compiles dominate the

@@ -69,7 +69,7 @@ def test_exact_resume_after_sigterm_ignoring_a_partial_checkpoint(shared, tmp_pa
     ckpt = str(tmp_path / "b")
     first = sft.main(tiny_argv(shared, tmp_path, "first", "--save", ckpt, "--save-interval", "100"))
     monkeypatch.undo()
-    assert first["stopped"] == "SIGTERM"
+    assert first.stopped == "SIGTERM"
     assert "stopped by SIGTERM after iteration 2" in capsys.readouterr().out
     assert checkpoint.CheckpointManager(ckpt, read_only=True).steps() == [2]
 
@@ -81,9 +81,9 @@ def test_exact_resume_after_sigterm_ignoring_a_partial_checkpoint(shared, tmp_pa
     assert "incomplete" in capsys.readouterr().out
 
     assert losses(tmp_path, "first") + losses(tmp_path, "resumed") == losses(tmp_path, "straight")
-    assert [i for i, _ in straight["history"]["lm loss"]] == [1, 2, 3, 4]
-    assert [i for i, _ in resumed["history"]["lm loss"]] == [3, 4]
-    for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
+    assert [i for i, _ in straight.history["lm loss"]] == [1, 2, 3, 4]
+    assert [i for i, _ in resumed.history["lm loss"]] == [3, 4]
+    for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     steps = checkpoint.CheckpointManager(ckpt, read_only=True).steps()
     assert steps == [2, 4], steps
@@ -98,18 +98,18 @@ def test_finetune_no_load_optim_and_retain(shared, tmp_path, monkeypatch):
     signal_on_step(monkeypatch, 3, signal.SIGINT)
     base = sft.main(tiny_argv(shared, tmp_path, "base", "--save", ckpt, "--save-interval", "1", "--save-retain", "2"))
     monkeypatch.undo()
-    assert base["stopped"] == "SIGINT"
+    assert base.stopped == "SIGINT"
     assert checkpoint.CheckpointManager(ckpt, read_only=True).steps() == [2, 3]
 
     ft = sft.main(tiny_argv(shared, tmp_path, "ft", "--load", ckpt, "--finetune", "--save-hf", str(tmp_path / "hf")))
-    assert [i for i, _ in ft["history"]["lm loss"]] == [1, 2, 3, 4]
+    assert [i for i, _ in ft.history["lm loss"]] == [1, 2, 3, 4]
     assert os.path.exists(tmp_path / "hf" / "config.json")  # logits parity: test_convert_checkpoint_to_hf_and_back
     # iteration 1 of the fine-tune sees the first batch again, now with trained weights
-    assert ft["history"]["lm loss"][0][1] < base["history"]["lm loss"][0][1]
+    assert ft.history["lm loss"][0][1] < base.history["lm loss"][0][1]
 
     no_optim = sft.main(tiny_argv(shared, tmp_path, "no_optim", "--load", ckpt, "--no-load-optim"))
-    assert [i for i, _ in no_optim["history"]["lm loss"]] == [4]
-    assert no_optim["history"]["lm loss"][0][1] < base["history"]["lm loss"][0][1]
+    assert [i for i, _ in no_optim.history["lm loss"]] == [4]
+    assert no_optim.history["lm loss"][0][1] < base.history["lm loss"][0][1]
 
 
 def test_exit_duration_and_missing_checkpoint_start_and_resume_one_script(shared, tmp_path, capsys):
@@ -122,13 +122,13 @@ def test_exit_duration_and_missing_checkpoint_start_and_resume_one_script(shared
     first = sft.main(tiny_argv(shared, tmp_path, "first", *argv))
     out = capsys.readouterr().out
     assert f"WARNING: --load {ckpt}: no complete checkpoint there" in out and "starting from random" in out
-    assert first["stopped"].startswith("--exit-duration-in-mins 0") and "stopped by --exit-duration-in-mins" in out
+    assert first.stopped.startswith("--exit-duration-in-mins 0") and "stopped by --exit-duration-in-mins" in out
     assert checkpoint.CheckpointManager(ckpt, read_only=True).steps() == [1]
     straight = sft.main(tiny_argv(shared, tmp_path, "straight"))
     resumed = sft.main(tiny_argv(shared, tmp_path, "resumed", *argv[:-2]))
     assert losses(tmp_path, "first") + losses(tmp_path, "resumed") == losses(tmp_path, "straight")
-    assert [i for i, _ in resumed["history"]["lm loss"]] == [2, 3, 4] and "stopped" not in resumed
-    for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
+    assert [i for i, _ in resumed.history["lm loss"]] == [2, 3, 4] and resumed.stopped is None
+    for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     with pytest.raises(SystemExit) as exc:

@@ -3,10 +3,18 @@
 import json
 import os
 import re
+from types import SimpleNamespace
 
 import pytest
 
 from mlir_train import cli
+
+
+def parse(argv):
+    """The parsed run configuration as one flat namespace of Megatron dest names, and the
+    accepted no-op flags given."""
+    cfg = cli.parse(argv)
+    return SimpleNamespace(**cfg.flat()), list(cfg.ignored_flags)
 
 SEED_FILE = os.path.join(
     os.path.dirname(__file__), "..", "..", "shared", "seed", "qwen3_30b_a3b_sft_megatron_aiak.txt"
@@ -88,12 +96,12 @@ def test_every_seed_flag_is_in_its_seed_group():
 
 def test_seed_command_line_parses():
     argv = " ".join(_seed_groups().values()).split()
-    ns, ignored = cli.parse_args(argv)
+    ns, ignored = parse(argv)
     assert ignored == ["--distributed-backend"]
     assert ns.model_name == "qwen3-30b-a3b"
     assert ns.rotary_base == 1_000_000 and ns.rotary_seq_len_interpolation_factor == 1
     assert ns.tokenizer_type == "HFTokenizer" and ns.split == "100,0,0"
-    assert ns.data_path == ["/data/dataset/alpaca_data_en_52k.json"]
+    assert ns.data_path == ("/data/dataset/alpaca_data_en_52k.json",)
     assert ns.check_for_nan_in_loss_and_grad is False and ns.packing_sft_data
     assert ns.sft_num_preprocess_workers == 8 and ns.chat_template == "alpaca"
     assert (ns.seq_length, ns.micro_batch_size, ns.global_batch_size) == (2048, 1, 128)
@@ -110,7 +118,7 @@ def test_seed_command_line_parses():
 
 
 def test_megatron_defaults():
-    ns, ignored = cli.parse_args([])
+    ns, ignored = parse([])
     assert ignored == []
     assert ns.weight_decay == 0.01 and ns.adam_beta2 == 0.999 and ns.adam_eps == 1e-8
     assert ns.clip_grad == 1.0 and ns.lr_decay_style == "linear" and ns.lr_warmup_iters == 0
@@ -125,18 +133,18 @@ def test_megatron_defaults():
 
 
 def test_restartable_job_flags():
-    ns, ignored = cli.parse_args(["--exit-interval", "500", "--exit-duration-in-mins", "230.5", "--exit-signal-handler",
+    ns, ignored = parse(["--exit-interval", "500", "--exit-duration-in-mins", "230.5", "--exit-signal-handler",
                                   "--exit-on-missing-checkpoint"])
     assert ignored == []  # each has an effect (tests/test_checkpoint.py, tests/test_multihost.py)
     assert (ns.exit_interval, ns.exit_duration_in_mins) == (500, 230.5)
     assert ns.exit_signal_handler and ns.exit_on_missing_checkpoint
-    ns, _ = cli.parse_args([])
+    ns, _ = parse([])
     assert ns.exit_interval is None and ns.exit_duration_in_mins is None and not ns.exit_on_missing_checkpoint
 
 
 def test_unknown_flag_suggests_closest(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.parse_args(["--global-batch-sise", "8"])
+        parse(["--global-batch-sise", "8"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "unknown flag --global-batch-sise" in err and "did you mean --global-batch-size?" in err
@@ -144,19 +152,19 @@ def test_unknown_flag_suggests_closest(capsys):
 
 def test_underscore_spelling_suggests_dash_flag(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.parse_args(["--micro_batch_size=2"])
+        parse(["--micro_batch_size=2"])
     assert e.value.code == 2
     assert "did you mean --micro-batch-size?" in capsys.readouterr().err
 
 
 def test_no_prefix_abbreviations(capsys):
     with pytest.raises(SystemExit):
-        cli.parse_args(["--lr-warmup", "3"])
+        parse(["--lr-warmup", "3"])
     assert "unknown flag --lr-warmup" in capsys.readouterr().err
 
 
 def test_ignored_flags_with_and_without_values_reported_once():
-    ns, ignored = cli.parse_args(
+    ns, ignored = parse(
         ["--use-flash-attn", "--distributed-backend", "gloo", "--transformer-impl", "local",
          "--use-flash-attn", "--overlap-grad-reduce", "--swiglu", "--normalization", "RMSNorm",
          "--lr", "3e-4"]
@@ -169,7 +177,7 @@ def test_ignored_flags_with_and_without_values_reported_once():
 
 def test_architecture_flag_contradicting_qwen3_fails(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.parse_args(["--normalization", "LayerNorm"])
+        parse(["--normalization", "LayerNorm"])
     assert e.value.code == 2
     assert "RMSNorm" in capsys.readouterr().err
 
@@ -183,10 +191,10 @@ def test_config_file_yaml_with_command_line_override(tmp_path):
         "distributed-backend: nccl\n"
         "lr-decay-style: cosine\n"
     )
-    ns, ignored = cli.parse_args(["--config", str(cfg), "--global-batch-size", "32"])
+    ns, ignored = parse(["--config", str(cfg), "--global-batch-size", "32"])
     assert ns.lr == 1e-5 and ns.bf16 and ns.lr_decay_style == "cosine"
     assert ns.global_batch_size == 32  # the command line wins
-    assert ns.data_path == ["a.json", "b.json"]
+    assert ns.data_path == ("a.json", "b.json")
     assert ns.check_for_nan_in_loss_and_grad is False
     assert ignored == ["--distributed-backend"]
 
@@ -194,7 +202,7 @@ def test_config_file_yaml_with_command_line_override(tmp_path):
 def test_config_file_json_and_dest_names(tmp_path):
     cfg = tmp_path / "run.json"
     cfg.write_text(json.dumps({"check_for_nan_in_loss_and_grad": False, "train_iters": 7, "fp16": False}))
-    ns, _ = cli.parse_args([f"--config={cfg}"])
+    ns, _ = parse([f"--config={cfg}"])
     assert ns.check_for_nan_in_loss_and_grad is False and ns.train_iters == 7 and not ns.fp16
 
 
@@ -202,7 +210,7 @@ def test_config_file_bad_key_names_file_and_closest_flag(tmp_path, capsys):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("global_batch_sise: 8\n")
     with pytest.raises(SystemExit) as e:
-        cli.parse_args(["--config", str(cfg)])
+        parse(["--config", str(cfg)])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert str(cfg) in err and "did you mean --global-batch-size?" in err
@@ -212,14 +220,14 @@ def test_config_file_bad_value_names_file(tmp_path, capsys):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("lr_decay_style: exponential\n")
     with pytest.raises(SystemExit) as e:
-        cli.parse_args(["--config", str(cfg)])
+        parse(["--config", str(cfg)])
     assert e.value.code == 2
     assert str(cfg) in capsys.readouterr().err
 
 
 def test_help_groups_flags_like_the_seed(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.parse_args(["--help"])
+        parse(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
     titles = [cli.GROUP_TITLES[g] for g in cli.SEED_GROUPS]
@@ -240,18 +248,10 @@ def test_help_groups_flags_like_the_seed(capsys):
 )
 def test_megatron_validation(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        cli.parse_args(argv)
+        parse(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_recompute_activations_alias():
-    ns, _ = cli.parse_args(["--recompute-activations"])
-    assert ns.recompute_granularity == "selective"
-
-
-def test_data_blend_and_split():
-    assert cli.parse_data_blend(["0.3", "a", "0.7", "b"]) == [(0.3, "a"), (0.7, "b")]
-    assert cli.parse_data_blend(["a", "b"]) == [(0.5, "a"), (0.5, "b")]
-    assert cli.parse_split("969, 30, 1") == pytest.approx((0.969, 0.030, 0.001))
-    assert cli.parse_split("100,0,0") == (1.0, 0.0, 0.0)
+    assert cli.parse(["--recompute-activations"]).training.remat == "selective"

@@ -59,7 +59,7 @@ from mlir_train.model import moe
 from mlir_train.optim import make_optimizer
 from mlir_train.schedule import megatron_lr_schedule
 from mlir_train.train import StepConfig, Trainer, model_dims
-from sharding.inspect import held_bytes
+from sharding.table import held_bytes
 from sharding.mesh import ParallelConfig, make_mesh, validate
 
 SEED = 3

@@ -12,7 +12,6 @@ from mlir_train.optim import (
     LossScaler,
     all_finite,
     global_norm,
-    loss_scaler_from_args,
     make_optimizer,
     select_tree,
     weight_decay_mask,
@@ -173,9 +172,10 @@ def test_fp16_step_skips_on_overflow_and_keeps_schedule():
     @jax.jit
     def step(params, opt_state, ls_state, x):
         def loss_fn(p):
-            return scaler.scale_loss(ls_state, jnp.sum(p["w"] * x).astype(jnp.float16))
+            return jnp.sum(p["w"] * x).astype(jnp.float16) * ls_state.scale.astype(jnp.float16)
 
-        grads = scaler.unscale(ls_state, jax.grad(loss_fn)(params))
+        # As the trainer does: the gradient of the scaled loss, unscaled in float32.
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / ls_state.scale, jax.grad(loss_fn)(params))
         finite = all_finite(grads)
         upd, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, upd)
@@ -201,10 +201,8 @@ def test_constant_scaler_and_from_args():
     const = LossScaler(initial_scale=128.0, dynamic=False)
     st = const.update(const.init(), jnp.asarray(True))
     assert float(st.scale) == 128.0
-    ns, _ = cli.parse_args(["--bf16", "--initial-loss-scale", "65536"])
-    assert loss_scaler_from_args(ns) is None  # Megatron: no scaler for bf16
-    ns, _ = cli.parse_args(["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "50"])
-    s = loss_scaler_from_args(ns)
+    scaler = lambda argv: cli.parse(argv).training.loss_scaler()
+    assert scaler(["--bf16", "--initial-loss-scale", "65536"]) is None  # Megatron: no scaler for bf16
+    s = scaler(["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "50"])
     assert s.dynamic and s.initial_scale == 65536.0 and s.growth_interval == 50 and s.hysteresis == 2
-    ns, _ = cli.parse_args(["--fp16", "--loss-scale", "4096"])
-    assert not loss_scaler_from_args(ns).dynamic
+    assert not scaler(["--fp16", "--loss-scale", "4096"]).dynamic

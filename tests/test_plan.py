@@ -13,7 +13,7 @@ import pytest
 
 from mlir_train.config import get_model_config
 from mlir_train.plan import GIB, USABLE_FRACTION, Layout, activation_bytes, candidate_layouts
-from mlir_train.sft import padded_vocab_size
+from mlir_train.run_config import padded_vocab_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,10 +88,9 @@ def test_activation_estimate_follows_the_recompute_policy():
 
 
 def test_search_candidates_cover_the_layouts():
-    import argparse
+    from mlir_train import cli
 
-    args = argparse.Namespace(model_name="qwen3-30b-a3b", sequence_parallel=False)
-    layouts = candidate_layouts(args, 8)
+    layouts = candidate_layouts(cli.parse(["--model-name", "qwen3-30b-a3b"]), 8)
     names = {l.name(8) for l in layouts}
     assert "TP2xPP1xEP2xDP4+distopt recompute=full" in names
     assert "TP8xPP1xEP1xDP1 recompute=none" in names

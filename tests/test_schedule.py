@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from mlir_train import cli
-from mlir_train.schedule import LRSchedule, megatron_lr_schedule, schedule_from_args
+from mlir_train.schedule import LRSchedule, megatron_lr_schedule
 
 
 class MegatronScheduler:
@@ -108,11 +108,11 @@ def test_matches_megatron_every_iteration(case, gbs):
 
 def test_seed_warmup_fraction():
     """The seed: --lr-warmup-fraction 0.002 of --lr-decay-iters 5000 -> 10 iterations."""
-    ns, _ = cli.parse_args(
+    cfg = cli.parse(
         "--lr 1.0e-5 --min-lr 1.0e-6 --train-iters 50 --lr-decay-iters 5000 --lr-decay-style cosine "
         "--lr-warmup-fraction 0.002 --global-batch-size 128 --micro-batch-size 1".split()
     )
-    s = schedule_from_args(ns)
+    s = cfg.training.lr_schedule(cfg.training.global_batch_size)
     assert s.warmup_steps == pytest.approx(0.002 * 5000 * 128) and s.warmup_iters == pytest.approx(10)
     assert s.decay_steps == 5000 * 128
     assert s.lr_at(0) == 0.0

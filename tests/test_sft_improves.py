@@ -52,11 +52,11 @@ def test_short_sft_lowers_eval_loss_and_improves_greedy_answers(tmp_path):
             "--eval-interval", "0", "--log-interval", "10", "--seed", "7",
             "--data-cache-path", str(tmp_path / "cache"), "--tensorboard-dir", str(tmp_path / "tb")]
     out = main(args)
-    trainer, tokenizer = out["trainer"], out["tokenizer"]
+    trainer, tokenizer = out.trainer, out.tokenizer
     data = build_datasets(default_data_config(seq_length=256, split="95,5,0", cache_path=str(tmp_path / "cache"), seed=7),
                           tokenizer)
     before = trainer.init_state(seed=7)["params"]  # the same init the run started from
-    after = out["state"]["params"]
+    after = out.state["params"]
     rows = 8
     trainer_params[0] = before
     loss_before = _valid_loss(trainer, data.valid, rows)

@@ -164,7 +164,7 @@ def test_cli_run_loss_falls_and_writes_tensorboard_and_metrics(tmp_path, capsys)
     text = capsys.readouterr().out
     assert "ignoring flags that mean nothing under JAX/XLA: --distributed-backend" in text
     assert "lm loss:" in text and "grad norm:" in text and "validation loss at iteration 12" in text
-    losses_ = [l for _, l in out["history"]["lm loss"]]
+    losses_ = [l for _, l in out.history["lm loss"]]
     assert np.mean(losses_[-3:]) < losses_[0] - 1.0
     records = [json.loads(l) for l in open(tmp_path / "tb" / "metrics.jsonl")]
     assert [r["iteration"] for r in records if "lm loss" in r] == list(range(1, 13))
@@ -180,7 +180,7 @@ def test_cli_bf16_with_expert_parallelism_runs(tmp_path):
 
     out = main(_sft_args(tmp_path, "--train-iters", "2", "--eval-interval", "0", "--bf16", "--lr-warmup-iters", "0",
                          "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"))
-    assert all(np.isfinite(l) for _, l in out["history"]["lm loss"])
+    assert all(np.isfinite(l) for _, l in out.history["lm loss"])
 
 
 def test_cli_nan_check_names_the_iteration(tmp_path):

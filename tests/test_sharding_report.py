@@ -1,4 +1,4 @@
-"""mlir_train.inspect.sharding_report: every array listed, per-device bytes right. Nothing compiles."""
+"""mlir_train.sharding_report.sharding_report: every array listed, per-device bytes right. Nothing compiles."""
 
 import math
 
@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from mlir_train.config import get_model_config
-from mlir_train.inspect import sharding_report
+from mlir_train.sharding_report import sharding_report
 from mlir_train.optim import make_optimizer
 from mlir_train.train import StepConfig, Trainer
 from sharding.mesh import ParallelConfig, make_mesh

@@ -12,7 +12,7 @@ layouts a training step uses:
    ``--use-distributed-optimizer``, replicated over them otherwise;
 
 and a last line with what the state costs each device. Everything is computed from the
-trainer's abstract shapes and specs (``sharding.inspect``): nothing is allocated or compiled,
+trainer's abstract shapes and specs (``sharding.table``): nothing is allocated or compiled,
 so it works for a full-size model on a laptop.
 """
 
@@ -24,7 +24,7 @@ import jax
 import optax
 
 from mlir_train.train import DTYPES, Trainer
-from sharding.inspect import sharding_rows, sharding_table
+from sharding.table import sharding_rows, sharding_table
 
 
 def _specs(shardings: Any) -> Any:

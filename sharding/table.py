@@ -14,18 +14,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+from sharding.logical import axes_tuple
 
 
 def per_device_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> tuple[int, ...]:
     """The largest shard's shape (uneven splits round up, as XLA pads them)."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     return tuple(
-        -(-dim // math.prod(mesh.shape[a] for a in _axes_of(e))) for dim, e in zip(shape, entries)
+        -(-dim // math.prod(mesh.shape[a] for a in axes_tuple(e))) for dim, e in zip(shape, entries)
     )
 
 

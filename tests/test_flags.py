@@ -1,0 +1,158 @@
+"""Every accepted flag is honest: honoured, a listed no-op under XLA, or refused naming itself.
+
+The parser is generated from ``mlir_train.run_config``; these tests walk it, so a flag added
+without a decision fails here.
+"""
+
+import dataclasses
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from mlir_train import cli, run_config
+from mlir_train.run_config import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, REFUSED
+
+# A value of each refused flag that must stop the run (None: a switch).
+REFUSED_VALUES = {
+    "--context-parallel-size": "2",
+    "--expert-tensor-parallel-size": "4",
+    "--moe-router-load-balancing-type": "sinkhorn",
+    "--recompute-method": "block",
+    "--recompute-num-layers": "2",
+    "--no-save-optim": None,
+    "--no-save-rng": None,
+}
+
+
+def _field_flags() -> dict[str, str]:
+    """Every spelling of every field's flag -> the field's primary flag."""
+    return {name: fl.name for _, _, _, fl in run_config.section_fields() for name in fl.names}
+
+
+def test_every_parser_flag_is_in_exactly_one_group():
+    parser = cli.build_parser()
+    options = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    fields = _field_flags()
+    honoured = {o for o in options if o in fields and fields[o] not in REFUSED}
+    refused = {o for o in options if o in fields and fields[o] in REFUSED}
+    noop = options & (set(NOOP_FLAGS) | set(ARCH_IMPLIED_FLAGS))
+    unclassified = options - honoured - refused - noop
+    assert not unclassified, f"flags in no group: {sorted(unclassified)}"
+    assert not (set(NOOP_FLAGS) & set(ARCH_IMPLIED_FLAGS))
+    assert not (noop & set(fields)), f"a no-op flag is also a field: {sorted(noop & set(fields))}"
+    assert set(REFUSED) <= set(fields.values())
+    # The flag table covers the same flags, one row each.
+    table = run_config.flag_table()
+    assert len({row[0] for row in table}) == len(table)
+    assert {row[0] for row in table} == set(fields.values()) | set(NOOP_FLAGS) | set(ARCH_IMPLIED_FLAGS)
+
+
+def test_every_refused_flag_has_a_refusing_value():
+    assert set(REFUSED_VALUES) == set(REFUSED)
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED))
+def test_refused_flag_stops_naming_itself(flag, capsys):
+    value = REFUSED_VALUES[flag]
+    argv = [flag] + ([] if value is None else [value])
+    with pytest.raises(SystemExit) as e:
+        cli.parse(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and REFUSED[flag].message in err, err
+
+
+@pytest.mark.parametrize("value", ["seq_aux_loss", "global_aux_loss", "sinkhorn"])
+def test_load_balancing_types_not_implemented_refuse(value, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse(["--moe-router-load-balancing-type", value])
+    assert "--moe-router-load-balancing-type" in capsys.readouterr().err
+
+
+def test_refusals_accept_the_default_and_megatron_equivalents():
+    cfg = cli.parse(["--context-parallel-size", "1", "--tensor-model-parallel-size", "2",
+                     "--expert-tensor-parallel-size", "2"])  # ETP = TP is Megatron's default and ours
+    assert cfg.parallel.expert_tensor_parallel_size == 2
+
+
+def test_load_balancing_none_drops_the_aux_loss():
+    assert cli.parse(["--moe-aux-loss-coeff", "0.01"]).moe.aux_loss_coeff == 0.01
+    none = cli.parse(["--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type", "none"])
+    assert none.moe.aux_loss_coeff == 0.0
+
+
+def test_pad_expert_input_to_capacity_needs_a_capacity(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse(["--moe-pad-expert-input-to-capacity"])
+    assert "--moe-expert-capacity-factor" in capsys.readouterr().err
+    assert cli.parse(["--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor", "1.0"]).moe.moe_pad_expert_input_to_capacity
+
+
+def test_untie_embeddings_gives_a_separate_lm_head():
+    tied = cli.parse(["--model-name", "qwen3-0.6b"]).model
+    assert tied.model_config(None).tie_word_embeddings
+    untied = cli.parse(["--model-name", "qwen3-0.6b", "--untie-embeddings-and-output-weights"]).model.model_config(None)
+    assert not untied.tie_word_embeddings
+    assert untied.num_params() - tied.model_config(None).num_params() == untied.vocab_size * untied.hidden_size
+
+
+def test_tokenizer_model_is_the_tokenizer_path():
+    assert cli.parse(["--tokenizer-model", "/tok"]).data.tokenizer_path == "/tok"
+    assert cli.parse(["--tokenizer-model", "/tok", "--hf-tokenizer-path", "/hf"]).data.tokenizer_path == "/hf"
+    run_config.require(cli.parse(["--tokenizer-model", "/tok"]), "--hf-tokenizer-path")  # satisfied by its alias
+
+
+def _metrics(loss: float) -> dict:
+    return {"lm loss": np.float32(loss), "grad-norm": np.float32(1.0), "skipped": np.int32(0),
+            "loss-scale": np.float32(1.0), "loss tokens": np.float32(10.0)}
+
+
+def _logger(tmp_path, **kw):
+    from mlir_train.metrics import MetricsWriter, StepLogger, Timers
+
+    writer = MetricsWriter(str(tmp_path), wandb_project=kw.pop("wandb_project", ""), wandb_dir=kw.pop("wandb_dir", ""))
+    args = dict(train_iters=6, log_interval=1, tensorboard_log_interval=1, check_nan=True, global_batch_size=2,
+                seq_length=4, lr_at=lambda i: 1e-3, flops_per_step=1.0, num_devices=1, peak_tflops=None,
+                log_timers=False, timers=Timers())
+    return writer, StepLogger(writer, **(args | kw))
+
+
+def test_tensorboard_log_interval_writes_every_n_iterations(tmp_path, capsys):
+    writer, logger = _logger(tmp_path, tensorboard_log_interval=4)
+    for it in range(1, 7):
+        logger.record(it, _metrics(2.0 - it * 0.1))
+    writer.close()
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [r["iteration"] for r in lines] == [4, 6]  # every 4th, and the last
+    assert sum(l.startswith(" iteration ") for l in capsys.readouterr().out.splitlines()) == 6  # the console still every --log-interval
+
+
+def test_wandb_save_dir_is_wandbs_directory(tmp_path, monkeypatch):
+    seen = {}
+
+    class Run:
+        def log(self, *a, **k):
+            pass
+
+        def finish(self):
+            pass
+
+    def init(**kwargs):
+        seen.update(kwargs)
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    writer, _ = _logger(tmp_path / "tb", wandb_project="p", wandb_dir=str(tmp_path / "wandb"))
+    writer.close()
+    assert seen["dir"] == str(tmp_path / "wandb") and seen["project"] == "p"
+
+
+def test_run_config_is_frozen_and_replace_makes_a_new_one():
+    cfg = cli.parse(["--lr", "1e-4"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.training.lr = 1.0
+    new = cfg.replace(training={"lr": 2e-4})
+    assert (cfg.training.lr, new.training.lr) == (1e-4, 2e-4) and new.model == cfg.model
