@@ -12,7 +12,7 @@ schedule (one layer per virtual stage, R = 8 / P chunks per stage), and reports:
   (DP8, ``M / P`` micro-batches of one row per rank): the same useful work, every device busy
   all the time;
 * ``bubble``: ``1 - ideal / step`` measured, next to the schedule's theoretical
-  ``(P - 1) / (M * R + P - 1)`` (``mlir_train.pipeline``);
+  ``(P - 1) / (M * R + P - 1)`` (``mlir_train.pipeline_parallel``);
 * ``temp MB``: XLA's temporary buffer size per device from the ahead-of-time compile
   (``trainer.lower_train_step(abstract_state, batch_shapes).compile().memory_analysis()``),
   i.e. the activations kept for the backward plus scratch, next to the non-pipelined step's.

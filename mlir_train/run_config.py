@@ -702,7 +702,7 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
                             micro_batch_size=t.micro_batch_size, seq_length=cfg.data.seq_length)
         num_micro = gbs // (t.micro_batch_size * parallel.data_parallel)
         if parallel.pipeline > 1:
-            from mlir_train.pipeline import make_schedule
+            from mlir_train.pipeline_parallel import make_schedule
 
             make_schedule(model_cfg.num_layers, parallel.pipeline,
                           layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,

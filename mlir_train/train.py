@@ -37,7 +37,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mlir_train import losses, pipeline
+from mlir_train import losses, pipeline_parallel
 from mlir_train.config import ModelConfig
 from mlir_train.data.dataset import BATCH_KEYS
 from mlir_train.model import Qwen3, logical_axes
@@ -85,7 +85,7 @@ class Trainer:
         self.model_kwargs = dict(model_kwargs or {})
         self.rules = rules_for(parallel, model_dims(model_cfg))
         abstract = nnx.eval_shape(lambda: Qwen3(model_cfg, rngs=nnx.Rngs(0), **self.model_kwargs))
-        self.schedule = None if parallel.pipeline == 1 else pipeline.make_schedule(
+        self.schedule = None if parallel.pipeline == 1 else pipeline_parallel.make_schedule(
             model_cfg.num_layers, parallel.pipeline, layers_per_virtual_stage=step_cfg.layers_per_virtual_stage,
             num_stacks=len(abstract.stack_kinds), num_micro_batches=step_cfg.num_micro_batches,
         )
@@ -180,9 +180,9 @@ class Trainer:
         return objective * scale, aux
 
     def _pipeline_loss(self, params, batch, n_loss_tokens, scale):
-        """All micro-batches through the pipeline stages at once (see ``mlir_train.pipeline``)."""
+        """All micro-batches through the pipeline stages at once (see ``mlir_train.pipeline_parallel``)."""
         sc = self.step_cfg
-        return pipeline.pipeline_loss(
+        return pipeline_parallel.pipeline_loss(
             self.graphdef, self._to_compute(params), batch, schedule=self.schedule, n_loss_tokens=n_loss_tokens,
             scale=scale, top_k=self.model_cfg.top_k, aux_loss_coeff=sc.aux_loss_coeff, z_loss_coeff=sc.z_loss_coeff,
             remat=self.model_kwargs.get("remat", "none"),

@@ -16,7 +16,7 @@ import pytest
 
 from mlir_train.config import get_model_config
 from mlir_train.optim import make_optimizer
-from mlir_train.pipeline import Schedule, from_stages, make_schedule, to_stages
+from mlir_train.pipeline_parallel import Schedule, from_stages, make_schedule, to_stages
 from mlir_train.schedule import megatron_lr_schedule
 from mlir_train.train import StepConfig, Trainer
 from sharding import use_rules
