@@ -40,7 +40,8 @@ REMAT_POLICIES = ("none", "full", "selective")
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype):
+    def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype,
+                 moe_block_loop: bool | None = None, moe_platform: str | None = None):
         # Megatron scales the init of the two output projections by 1/sqrt(2 * num_layers).
         out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -48,7 +49,8 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.is_moe = moe
         if moe:
-            self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=dtype)
+            self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy,
+                           dtype=dtype, block_loop=moe_block_loop, platform=moe_platform)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype)
 
@@ -90,6 +92,8 @@ class Qwen3(nnx.Module):
         capacity_factor: float | None = None,
         drop_policy: str = "probs",
         remat: str = "none",
+        moe_block_loop: bool | None = None,
+        moe_platform: str | None = None,
     ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat policy {remat!r}; choose one of {REMAT_POLICIES}")
@@ -103,7 +107,8 @@ class Qwen3(nnx.Module):
         for is_moe, group in itertools.groupby(cfg.layer_kinds()):
             n = len(list(group))
             make = lambda r, is_moe=is_moe: DecoderLayer(
-                cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype
+                cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype,
+                moe_block_loop=moe_block_loop, moe_platform=moe_platform,
             )
             layers.append(_stacked(make, n, rngs))
             kinds.append((start, n, is_moe))
