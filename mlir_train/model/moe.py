@@ -16,7 +16,18 @@ Three ways to run the experts, all computing the same function (tests compare th
                 dropped and no branch is taken. With a capacity (or under EP) it scatters
                 into a ``[E, C, D]`` buffer; see below.
 * ``"ragged"``  sort assignments by expert and run ``jax.lax.ragged_dot`` on the groups:
-                dropless by construction; the fast path on GPU/TPU.
+                dropless by construction; the fast path on TPU. (XLA:GPU lowers ragged_dot to
+                a dense padded dot over every expert: E/K times the routed work.)
+* ``"grouped"`` dropless block-grouped experts on block kernels (``moe_experts.BlockKernels``):
+                the blocked layout with 64-row blocks, run by Pallas Mosaic-GPU kernels
+                (``moe_gpu``, Hopper) that compute only the used blocks: the routed rows plus
+                each expert's round-up to a block. The fast path on GPU. Under EP the rows move
+                with ``ragged_all_to_all`` straight into that layout. Off GPU the same wrapper
+                runs ``ragged_dot`` (the reference the CPU tests use). With a capacity it runs
+                the padded path (an ``[E, C, D]`` batched matmul, ``capacity_factor`` x routed).
+
+``DEFAULT_MOE_IMPL`` maps the platform a run compiles for to the implementation it takes.
+
 With ``capacity_factor`` set (Megatron's ``--moe-expert-capacity-factor``) the padded buffer
 has C = ceil(capacity_factor * S*K/E) and overflowing assignments are dropped, by position
 (later tokens first) or by probability (``--moe-token-drop-policy probs``); drops are counted.
@@ -37,11 +48,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlir_train.model.layers import param
-from mlir_train.model.moe_dispatch import MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for
+from mlir_train.model.moe_dispatch import (
+    DEFAULT_MOE_IMPL, MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for,
+)
+from mlir_train.model.moe_experts import BlockKernels, mosaic_block_kernels, xla_block_kernels
+from mlir_train.model.moe_gpu import BLOCK_ROWS as GPU_BLOCK_ROWS
 from mlir_train.model.moe_parallel import run_experts
 from sharding import constrain, logical_shard_map, mesh_axes_of
 
-__all__ = ["MOE_IMPLS", "MoE", "ExpertsPlan", "block_layout", "block_rows", "ragged_all_to_all_dense"]
+__all__ = ["DEFAULT_MOE_IMPL", "MOE_IMPLS", "MoE", "ExpertsPlan", "BlockKernels", "block_layout", "block_rows",
+           "ragged_all_to_all_dense"]
 
 
 class MoE(nnx.Module):
@@ -51,7 +67,8 @@ class MoE(nnx.Module):
     ``"ragged"`` path can use ``jax.lax.ragged_all_to_all``; ``ragged_all_to_all`` overrides
     that collective (tests pass :func:`ragged_all_to_all_dense` to run the ragged dispatcher on
     CPU). ``block_loop`` forces the dropless blocked experts' loop (True) or batched form
-    (False); None picks by size."""
+    (False); None picks by size. ``block_kernels`` are ``impl="grouped"``'s matmuls: by default
+    the Mosaic-GPU kernels when ``platform`` is "gpu", else the ``ragged_dot`` reference."""
 
     def __init__(
         self,
@@ -66,12 +83,16 @@ class MoE(nnx.Module):
         block_loop: bool | None = None,
         platform: str | None = None,
         ragged_all_to_all: Callable | None = None,
+        block_kernels: BlockKernels | None = None,
     ):
-        if ragged_all_to_all is None and impl == "ragged" and capacity_factor is None:
-            ragged_all_to_all = ragged_collective_for(platform or jax.default_backend())
+        platform = platform or jax.default_backend()
+        if ragged_all_to_all is None and impl in ("ragged", "grouped") and capacity_factor is None:
+            ragged_all_to_all = ragged_collective_for(platform)
+        if impl == "grouped" and block_kernels is None:
+            block_kernels = mosaic_block_kernels() if platform in ("gpu", "cuda") else xla_block_kernels(GPU_BLOCK_ROWS)
         self.plan = ExpertsPlan(
             impl=impl, num_experts=cfg.num_experts, capacity_factor=capacity_factor, drop_policy=drop_policy,
-            block_loop=block_loop, ragged_all_to_all=ragged_all_to_all,
+            block_loop=block_loop, ragged_all_to_all=ragged_all_to_all, block_kernels=block_kernels,
         )
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.router = param(rngs, (d, e), ("embed", "router_exp"), cfg.init_std, dtype)

@@ -15,10 +15,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from mlir_train.model.moe_experts import blocked_experts, ragged_experts, swiglu_experts
+from mlir_train.model.moe_experts import BlockKernels, blocked_experts, grouped_experts, ragged_experts, swiglu_experts
 from sharding import constrain
 
-MOE_IMPLS = ("dense", "padded", "ragged")
+MOE_IMPLS = ("dense", "padded", "ragged", "grouped")
+# The implementation a run takes when the user names none, by the platform it compiles for:
+# XLA:CPU runs the padded/blocked path fastest; on GPUs the block-grouped kernels do the routed
+# work (XLA:GPU's ragged_dot is a dense dot over every expert); on TPUs ragged_dot is grouped.
+DEFAULT_MOE_IMPL = {"cpu": "padded", "gpu": "grouped", "tpu": "ragged"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +34,15 @@ class ExpertsPlan:
     where the padded dispatcher runs instead (``impl != "ragged"``, a capacity, or XLA:CPU).
     ``block_loop`` forces the dropless blocked experts' loop (True) or batched form (False);
     None picks by size (:func:`mlir_train.model.moe_experts.blocked_experts`).
+    ``block_kernels`` are the matmuls of ``impl="grouped"`` (Mosaic-GPU or the XLA reference).
     """
 
+    @property
+    def dropless_dispatch(self) -> str | None:
+        """The dropless dispatcher this plan runs ("ragged", "grouped"), None for the padded one."""
+        if self.capacity_factor is None and self.impl in ("ragged", "grouped"):
+            return self.impl
+        return None
 
     impl: str
     num_experts: int
@@ -39,10 +50,13 @@ class ExpertsPlan:
     drop_policy: str = "probs"
     block_loop: bool | None = None
     ragged_all_to_all: Callable | None = None
+    block_kernels: BlockKernels | None = None
 
     def __post_init__(self):
         if self.impl not in MOE_IMPLS:
             raise ValueError(f"unknown MoE implementation {self.impl!r}; choose one of {MOE_IMPLS}")
+        if self.impl == "grouped" and self.block_kernels is None:
+            raise ValueError("the 'grouped' MoE implementation needs its block kernels")
         if self.drop_policy not in ("probs", "position"):
             raise ValueError(f"--moe-token-drop-policy must be 'probs' or 'position', got {self.drop_policy!r}")
 
@@ -81,8 +95,10 @@ def local_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weig
     """The experts on this rank's tokens, all experts here (one device, or each data rank
     of a pure data-parallel layout). ``experts_fn`` runs the padded ``[E, C, D]`` buffer
     (default: the plain batched SwiGLU with ``weights``)."""
-    if plan.impl == "ragged" and plan.capacity_factor is None:
+    if plan.dropless_dispatch == "ragged":
         return ragged(plan, x_SD, weights_SK, experts_SK, weights), jnp.zeros((), jnp.float32)
+    if plan.dropless_dispatch == "grouped":
+        return grouped(plan, x_SD, weights_SK, experts_SK, weights), jnp.zeros((), jnp.float32)
     s, k = experts_SK.shape
     e = plan.num_experts
     b, n_blocks = block_layout(s * k, e)
@@ -130,6 +146,38 @@ def blocked(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights):
     # Block n belongs to the first expert whose blocks end after it (unused blocks: the last).
     expert_N = jnp.minimum(jnp.sum(block_end_E[None, :] <= jnp.arange(n_blocks)[:, None], axis=1), e - 1)
     return blocked_experts(x_SD, weight_R, *weights, token_R, expert_N, block_end_E[-1], block_loop=plan.block_loop)
+
+
+def block_grouping(sizes_E, block_rows: int, n_blocks: int):
+    """Block layout of groups of ``sizes_E`` rows, each rounded up to whole blocks of
+    ``block_rows``: ``(expert_N, used, first_block_E, num_blocks_E)`` as the block kernels take
+    them (spare blocks, from ``used`` on, are attributed to the last expert)."""
+    num_blocks_E = ((sizes_E + block_rows - 1) // block_rows).astype(jnp.int32)
+    block_end_E = jnp.cumsum(num_blocks_E)
+    first_block_E = block_end_E - num_blocks_E
+    e = sizes_E.shape[0]
+    expert_N = jnp.minimum(jnp.sum(block_end_E[None, :] <= jnp.arange(n_blocks)[:, None], axis=1), e - 1)
+    return expert_N.astype(jnp.int32), block_end_E[-1], first_block_E, num_blocks_E
+
+
+def grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights):
+    """Dropless experts on one rank on the block kernels (:class:`BlockKernels`): the
+    assignments, sorted by expert, fill a ``[N*b, D]`` buffer in which each expert's rows start
+    on a block boundary (``N = ceil(A/b) + E`` bounds any routing); the kernels do the work of
+    the used blocks only, i.e. the routed rows plus each expert's round-up to a block."""
+    s, k = experts_SK.shape
+    e, a, d = plan.num_experts, s * k, x_SD.shape[1]
+    b = plan.block_kernels.block_rows
+    n_blocks = -(-a // b) + e
+    token_A, expert_A, weight_A = sort_assignments(plan, weights_SK, experts_SK)
+    sizes_E = jnp.bincount(expert_A, length=e)
+    layout = block_grouping(sizes_E, b, n_blocks)
+    first_assignment_E = jnp.cumsum(sizes_E) - sizes_E
+    row_A = layout[2][expert_A] * b + jnp.arange(a) - first_assignment_E[expert_A]
+    x_RD = jnp.zeros((n_blocks * b, d), x_SD.dtype).at[row_A].set(x_SD[token_A], unique_indices=True)
+    weight_R = jnp.zeros((n_blocks * b,), x_SD.dtype).at[row_A].set(weight_A, unique_indices=True)
+    y_RD = grouped_experts(plan.block_kernels, x_RD, weight_R, *weights, *layout)
+    return jnp.zeros_like(x_SD).at[token_A].add(y_RD[row_A])
 
 
 def dispatch_padded(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, global_max):
@@ -200,6 +248,42 @@ def ep_ragged(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes,
     g_MF = jax.lax.ragged_dot(recv_MD, wg, group_sizes_L)
     h_MF = jax.nn.silu(g_MF) * jax.lax.ragged_dot(recv_MD, wu, group_sizes_L)
     out_MD = jax.lax.ragged_dot(h_MF, wd, group_sizes_L)
+    y_AD = ragged_a2a(
+        out_MD, jnp.zeros((s * k, d), x_SD.dtype), recv_offsets_E, recv_sizes_E,
+        a2a(send_offsets_E), send_sizes_E, axis_name=ep_axes,
+    )
+    return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
+
+
+def ep_grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep):
+    """Dropless expert-parallel dispatch onto the block kernels: as :func:`ep_ragged`, one
+    ``ragged_all_to_all`` slice per (destination, local expert), but each local expert's rows
+    land from a block boundary of the receive buffer, so the buffer is in the block layout as
+    it arrives and the kernels work on its used blocks only. The buffer is sized for the worst
+    case (every token of every source to this rank's experts, plus a block per local expert)
+    in memory only: only real rows move and only used blocks are computed."""
+    s, k = experts_SK.shape
+    e, d = plan.num_experts, x_SD.shape[1]
+    el, b = e // ep, plan.block_kernels.block_rows
+    ragged_a2a = plan.ragged_all_to_all
+    token_A, expert_A, weight_A = sort_assignments(plan, weights_SK, experts_SK)
+
+    def a2a(v):
+        return jax.lax.all_to_all(v, ep_axes, 0, 0, tiled=True)
+
+    send_sizes_E = jnp.bincount(expert_A, length=e).astype(jnp.int32)  # slice (dest, local expert)
+    send_offsets_E = jnp.cumsum(send_sizes_E) - send_sizes_E
+    recv_RL = a2a(send_sizes_E).reshape(ep, el)  # slice (source, local expert)
+    n_blocks = -(-ep * s * min(k, el) // b) + el
+    layout = block_grouping(jnp.sum(recv_RL, axis=0), b, n_blocks)
+    recv_offsets_E = (layout[2][None, :] * b + jnp.cumsum(recv_RL, axis=0) - recv_RL).reshape(-1).astype(jnp.int32)
+    recv_sizes_E = recv_RL.reshape(-1)
+    recv_MD = ragged_a2a(
+        x_SD[token_A], jnp.zeros((n_blocks * b, d), x_SD.dtype), send_offsets_E, send_sizes_E,
+        a2a(recv_offsets_E), recv_sizes_E, axis_name=ep_axes,
+    )
+    ones_M = jnp.ones_like(recv_MD[:, 0])  # the routing weights are applied at home
+    out_MD = grouped_experts(plan.block_kernels, recv_MD, ones_M, *weights, *layout)
     y_AD = ragged_a2a(
         out_MD, jnp.zeros((s * k, d), x_SD.dtype), recv_offsets_E, recv_sizes_E,
         a2a(send_offsets_E), send_sizes_E, axis_name=ep_axes,

@@ -6,6 +6,8 @@ C capacity slots, A assignments (rows sorted by expert), N blocks of b rows, R =
 * :func:`swiglu_experts` the batched ``[E, C, D]`` form (padded buffers, the EP receive buffer).
 * :func:`blocked_experts` the block-grouped form (MegaBlocks' layout) with its custom VJP.
 * :func:`ragged_experts` ``jax.lax.ragged_dot`` groups with their custom VJP.
+* :func:`grouped_experts` rows in the same block layout on pluggable :class:`BlockKernels`
+  (Pallas Mosaic-GPU kernels on Hopper, ``ragged_dot`` as the reference), with its custom VJP.
 
 Nothing here routes, sorts or communicates (:mod:`mlir_train.model.moe_dispatch` and
 :mod:`mlir_train.model.moe_parallel` do).
@@ -13,6 +15,8 @@ Nothing here routes, sorts or communicates (:mod:`mlir_train.model.moe_dispatch`
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -180,3 +184,111 @@ def blocked_experts(x_SD, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, u
     loop = block_loop if block_loop is not None else b * d * wg_EDF.shape[-1] >= 4 * 2**20
     return _blocked_vjp(x_SD, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, used, loop)
 
+
+# ----- block-grouped experts on pluggable kernels ------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BlockKernels:
+    """The two matmuls the block-grouped experts need, on rows in blocks of ``block_rows``
+    (block ``n`` of expert ``expert_N[n]``; blocks from ``used`` on are spare):
+
+    ``matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E) -> [R, N]``
+        each used block times its expert's matrix, spare blocks zero;
+    ``matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E) -> [E, K, N]``
+        float32, per expert the sum over its blocks of ``lhs[:, block] @ rhs[block]``.
+
+    :func:`mosaic_block_kernels` (Hopper GPUs) does only the used blocks' work;
+    :func:`xla_block_kernels` computes the same with ``jax.lax.ragged_dot`` (the reference the
+    CPU tests run the same wrapper with)."""
+
+    name: str
+    block_rows: int
+    matmul: Callable
+    matmul_t: Callable
+
+
+def xla_block_kernels(block_rows: int) -> BlockKernels:
+    def matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E):
+        # Rows past the last group belong to no group: ragged_dot makes them zero.
+        return jax.lax.ragged_dot(lhs_RK, rhs_EKN.astype(lhs_RK.dtype), (num_blocks_E * block_rows).astype(jnp.int32))
+
+    def matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E):
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((1,), (0,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
+        )
+        return jax.lax.ragged_dot_general(
+            lhs_KR, rhs_RN.astype(lhs_KR.dtype), (num_blocks_E * block_rows).astype(jnp.int32), dims,
+            preferred_element_type=jnp.float32,
+        )
+
+    return BlockKernels("xla", block_rows, matmul, matmul_t)
+
+
+def mosaic_block_kernels(interpret=None) -> BlockKernels:
+    """The Pallas Mosaic-GPU kernels of :mod:`mlir_train.model.moe_gpu` (``interpret``: run
+    them in the Mosaic-GPU interpreter, on CPU, for tests)."""
+    from mlir_train.model import moe_gpu
+
+    def matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E):
+        return moe_gpu.block_matmul(lhs_RK, rhs_EKN, expert_N, used, interpret=interpret)
+
+    def matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E):
+        return moe_gpu.block_matmul_t(lhs_KR, rhs_RN, first_block_E, num_blocks_E, interpret=interpret)
+
+    return BlockKernels("mosaic" if interpret is None else "mosaic-interpret", moe_gpu.BLOCK_ROWS, matmul, matmul_t)
+
+
+def _grouped_fwd(kernels, x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD, *layout):
+    g_RF = kernels.matmul(x_RD, wg_EDF, *layout)
+    u_RF = kernels.matmul(x_RD, wu_EDF, *layout)
+    y_RD = kernels.matmul(jax.nn.silu(g_RF) * u_RF, wd_EFD, *layout)
+    return y_RD * weight_R[:, None], (x_RD, g_RF, u_RF, weight_R, wg_EDF, wu_EDF, wd_EFD, layout)
+
+
+def _grouped_bwd(kernels, res, dy_RD):
+    x_RD, g_RF, u_RF, weight_R, wg_EDF, wu_EDF, wd_EFD, layout = res
+
+    def t(w_EXY):
+        return jnp.swapaxes(w_EXY, 1, 2)
+
+    dh_RF = kernels.matmul(dy_RD, t(wd_EFD), *layout)
+    dweight_R, dg_RF, du_RF = _swiglu_grads(g_RF, u_RF, dh_RF, weight_R)
+    dx_RD = kernels.matmul(dg_RF, t(wg_EDF), *layout) + kernels.matmul(du_RF, t(wu_EDF), *layout)
+    rh_RF = jax.nn.silu(g_RF) * u_RF * weight_R[:, None]
+    x_DR = x_RD.T
+    dwg = kernels.matmul_t(x_DR, dg_RF, *layout)
+    dwu = kernels.matmul_t(x_DR, du_RF, *layout)
+    dwd = kernels.matmul_t(rh_RF.T, dy_RD, *layout)
+    grads = tuple(d.astype(w.dtype) for d, w in zip((dwg, dwu, dwd), (wg_EDF, wu_EDF, wd_EFD)))
+    return (dx_RD, dweight_R.astype(weight_R.dtype), *grads) + (None,) * len(layout)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grouped_vjp(kernels, x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD, *layout):
+    return _grouped_fwd(kernels, x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD, *layout)[0]
+
+
+_grouped_vjp.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def grouped_experts(kernels: BlockKernels, x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD, expert_N, used, first_block_E, num_blocks_E):
+    """``weight_R[r] * SwiGLU_{expert of r}(x_RD[r])`` on rows in the block layout (see
+    :class:`BlockKernels`; spare and padding rows are zero and stay zero), every matmul of the
+    forward and backward on ``kernels``. The custom gradient keeps the rows and the gate and up
+    activations; the routing weights' gradient comes from the ``dy wd^T`` product
+    (:func:`_swiglu_grads`); the weight gradients are float32 sums per expert.
+
+    Inside a manual region the float operands are first marked varying over every mesh axis
+    any of them varies over (a tensor rank's routing-weight gradient, say, is a partial sum
+    over its F shard): the custom VJP needs an input and its gradient to have one type, and
+    the marks' transposes sum the gradients where they are partial."""
+    x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD = _common_vma(x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD)
+    return _grouped_vjp(kernels, x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD, expert_N, used, first_block_E, num_blocks_E)
+
+
+def _common_vma(*arrays):
+    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(axes - set(jax.typeof(a).manual_axis_type.varying)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return tuple(out)

@@ -67,9 +67,33 @@ def run_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weight
     rank, as the sharding rules split "exp" and "act_tokens". ``(y_SD, dropped assignments)``."""
     if mesh_axes_of("exp")[1] > 1:
         return expert_parallel(plan, x_SD, weights_SK, experts_SK, valid_S, weights)
-    if mesh_axes_of("act_tokens")[1] > 1:
+    if mesh_axes_of("act_tokens")[1] > 1 or _kernel_tp_axes(plan):
         return data_parallel(plan, x_SD, weights_SK, experts_SK, valid_S, weights)
     return moe_dispatch.local_experts(plan, x_SD, weights_SK, experts_SK, valid_S, weights, constrained_swiglu(weights))
+
+
+def _kernel_tp_axes(plan: ExpertsPlan) -> tuple[str, ...]:
+    """The mesh axes splitting the expert width F that the region must make manual: XLA cannot
+    split a kernel's custom call (it would gather the weights and do every rank's work on each),
+    so with the grouped kernels each tensor rank runs its F shard and the down projection's
+    partial sums are added over those axes."""
+    axes, size = mesh_axes_of("moe_mlp")
+    return tuple(axes) if size > 1 and plan.dropless_dispatch == "grouped" else ()
+
+
+def _tensor_manual(plan: ExpertsPlan, tp_axes, experts):
+    """``experts(x_SD, ...)`` run on this tensor rank's F shard of the weights (``tp_axes``
+    manual): the tokens are marked varying over ``tp_axes`` (so their gradient is summed over
+    them) and the outputs summed over them."""
+    if not tp_axes:
+        return experts
+
+    def run(x_SD, *args):
+        (x_SD,) = _varying((x_SD,), tp_axes)
+        y_SD, dropped = experts(x_SD, *args)
+        return jax.lax.psum(y_SD, tp_axes), dropped
+
+    return run
 
 
 def data_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weights):
@@ -79,14 +103,16 @@ def data_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weig
     sort-by-expert over the whole batch would gather every rank's tokens and routing to
     every rank. Capacity drops are per rank, as under EP and in Megatron."""
     axes = token_axes(x_SD.shape[0])
+    tp_axes = _kernel_tp_axes(plan)
 
     def body(x_SD, weights_SK, experts_SK, valid_S, *weights):
         # The weights are the same on every rank, their per-rank gradients are not: mark
         # them varying over the token axes, whose transpose sums the gradients over the
         # ranks (the custom VJPs inside must see one type for a weight and its gradient).
-        weights = jax.lax.pcast(weights, axes, to="varying")
-        y_SD, dropped = moe_dispatch.local_experts(plan, x_SD, weights_SK, experts_SK, valid_S, weights)
-        return y_SD, jax.lax.psum(dropped, axes)
+        weights = _varying(weights, axes)
+        experts = _tensor_manual(plan, tp_axes, lambda x_SD, *a: moe_dispatch.local_experts(plan, x_SD, *a, weights))
+        y_SD, dropped = experts(x_SD, weights_SK, experts_SK, valid_S)
+        return y_SD, (jax.lax.psum(dropped, axes) if axes else dropped)
 
     tokens = ("act_tokens", None)
     w_in, w_out = (None, None, "moe_mlp"), (None, "moe_mlp", None)
@@ -94,7 +120,7 @@ def data_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weig
         body,
         in_names=(tokens, tokens, tokens, ("act_tokens",), w_in, w_in, w_out),
         out_names=(tokens, ()),
-        manual=("act_tokens",),
+        manual=("act_tokens",) + (("moe_mlp",) if tp_axes else ()),
     )
     return run(x_SD, weights_SK, experts_SK, valid_S, *weights)
 
@@ -116,12 +142,20 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
             f"expert parallelism needs the tokens split over the expert ranks too (the rules map "
             f"'exp' to {ep_axes} but 'act_tokens' to {manual_axes}): EP is carved out of DP"
         )
-    use_ragged = plan.impl == "ragged" and plan.capacity_factor is None and plan.ragged_all_to_all is not None
+    dispatcher = plan.dropless_dispatch if plan.ragged_all_to_all is not None else None
+    tp_axes = _kernel_tp_axes(plan) if dispatcher == "grouped" else ()
 
     def body(x_SD, weights_SK, experts_SK, valid_S, wg, wu, wd):
-        if use_ragged:
+        if dispatcher == "ragged":
             y_SD = moe_dispatch.ep_ragged(plan, x_SD, weights_SK, experts_SK, (wg, wu, wd), ep_axes, ep)
             return y_SD, jnp.zeros((), jnp.float32)
+        if dispatcher == "grouped":
+            # The kernels' custom VJP needs a weight and its gradient (summed over the token
+            # ranks by the region's transpose) to have one type.
+            weights = _varying((wg, wu, wd), manual_axes)
+            experts = _tensor_manual(plan, tp_axes, lambda x_SD: (
+                moe_dispatch.ep_grouped(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep), jnp.zeros((), jnp.float32)))
+            return experts(x_SD)
 
         def experts_fn(buf_ECD):
             _, c, d = buf_ECD.shape
@@ -145,9 +179,18 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
         body,
         in_names=(tokens, tokens, tokens, ("act_tokens",), w_in, w_in, w_out),
         out_names=(tokens, ()),
-        manual=("act_tokens", "exp"),
+        manual=("act_tokens", "exp") + (("moe_mlp",) if tp_axes else ()),
     )
     return run(x_SD, weights_SK, experts_SK, valid_S, *weights)
+
+
+def _varying(arrays, axes):
+    """``arrays`` marked varying over those of ``axes`` they do not vary over yet."""
+    out = []
+    for a in arrays:
+        missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return tuple(out)
 
 
 def token_axes(num_tokens: int) -> tuple[str, ...]:
