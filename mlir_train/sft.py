@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from mlir_train.optim import loss_scaler_from_args, optimizer_from_args
     from mlir_train.schedule import schedule_from_args
     from mlir_train.train import StepConfig, Trainer, model_dims
+    from mlir_train.model import platform_model_kwargs
     from sharding.mesh import ParallelConfig, ParallelConfigError, make_mesh, validate
 
     # ----- config ---------------------------------------------------------------------------
@@ -199,10 +200,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise _fail(str(e)) from None
     compute_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     remat = {None: "none", "full": "full", "selective": "selective"}[args.recompute_granularity]
-    model_kwargs = dict(
-        moe_impl="padded" if jax.default_backend() == "cpu" else "ragged",
-        capacity_factor=args.moe_expert_capacity_factor, drop_policy=args.moe_token_drop_policy, remat=remat,
-    ) if model_cfg.is_moe else dict(remat=remat)
+    # Kernels by the platform the devices are (GPU: block-grouped MoE kernels, flash attention).
+    model_kwargs = platform_model_kwargs(jax.devices()[0].platform, is_moe=model_cfg.is_moe) | dict(remat=remat)
+    if model_cfg.is_moe:
+        model_kwargs |= dict(capacity_factor=args.moe_expert_capacity_factor, drop_policy=args.moe_token_drop_policy)
 
     # ----- mesh -----------------------------------------------------------------------------
     mesh = make_mesh(parallel)

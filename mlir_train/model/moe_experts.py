@@ -228,11 +228,15 @@ def mosaic_block_kernels(interpret=None) -> BlockKernels:
     them in the Mosaic-GPU interpreter, on CPU, for tests)."""
     from mlir_train.model import moe_gpu
 
+    # A Pallas call's result is typed invariant over every manual mesh axis: give it the
+    # variance of its operands, as any other op's result would have.
     def matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E):
-        return moe_gpu.block_matmul(lhs_RK, rhs_EKN, expert_N, used, interpret=interpret)
+        out = moe_gpu.block_matmul(lhs_RK, rhs_EKN, expert_N, used, interpret=interpret)
+        return _common_vma(out, lhs_RK, rhs_EKN)[0]
 
     def matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E):
-        return moe_gpu.block_matmul_t(lhs_KR, rhs_RN, first_block_E, num_blocks_E, interpret=interpret)
+        out = moe_gpu.block_matmul_t(lhs_KR, rhs_RN, first_block_E, num_blocks_E, interpret=interpret)
+        return _common_vma(out, lhs_KR, rhs_RN)[0]
 
     return BlockKernels("mosaic" if interpret is None else "mosaic-interpret", moe_gpu.BLOCK_ROWS, matmul, matmul_t)
 
