@@ -41,7 +41,6 @@ from mlir_train import flops  # noqa: E402
 from mlir_train.config import ModelConfig, get_model_config  # noqa: E402
 from mlir_train.optim import make_optimizer  # noqa: E402
 from mlir_train.train import BATCH_KEYS, StepConfig, Trainer  # noqa: E402
-from mlir_train.model import moe  # noqa: E402
 from mlir_train.model.moe import block_layout  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 
@@ -63,17 +62,14 @@ QUICK_CASES = CASES[:3]
 def xla_flops(cfg: ModelConfig, rows: int, seq: int, model_kwargs: dict) -> float:
     parallel = ParallelConfig(num_devices=1)
     mesh = make_mesh(parallel, devices=jax.devices()[:1])
+    # The dropless experts' block loop (the form wide experts take) is a while loop, which XLA
+    # counts once: count the batched form of the same blocks instead.
+    model_kwargs = dict(model_kwargs, moe_block_loop=False)
     trainer = Trainer(cfg, StepConfig(num_micro_batches=1, aux_loss_coeff=1e-2),
                       make_optimizer(lr_schedule=1e-3, weight_decay=0.1), parallel, mesh, model_kwargs=model_kwargs)
     batch = {k: jax.ShapeDtypeStruct((1, rows, seq), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding) for k in BATCH_KEYS}
-    # The dropless experts' block loop (the form wide experts take) is a while loop, which XLA
-    # counts once: count the batched form of the same blocks instead.
-    saved, moe.BLOCK_LOOP = moe.BLOCK_LOOP, False
-    try:
-        cost = trainer.lower_train_step(trainer.abstract_state(), batch).compile().cost_analysis()
-    finally:
-        moe.BLOCK_LOOP = saved
+    cost = trainer.lower_train_step(trainer.abstract_state(), batch).compile().cost_analysis()
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 

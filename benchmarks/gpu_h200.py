@@ -1,15 +1,16 @@
 """Qwen3-30B-A3B-shaped training on one H200: tokens/s and MFU as Megatron counts them.
 
     python benchmarks/gpu_h200.py [--layers 8] [--seq-length 4096] [--micro-batch-size 1] [--iters 10]
-                                  [--recompute selective] [--moe-impl ragged] [--peak-tflops 989]
+                                  [--recompute selective] [--moe-impl grouped] [--peak-tflops 989]
     python benchmarks/gpu_h200.py --smoke      # tiny sizes on CPU: checks the script still runs
 
 The model is Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 kv heads of 128, 128 experts of
 width 768, top-8, vocab 151936) with as many layers as fit one device (``--layers``; the full
 model has 48). It trains with :class:`mlir_train.train.Trainer` on a 1-device mesh exactly as
 ``mlir_train.sft`` would: bf16 forward/backward, float32 master weights and AdamW moments,
-gradient clipping, the MoE aux loss; experts by ``jax.lax.ragged_dot`` (``--moe-impl ragged``,
-the GPU path; ``padded`` on CPU). The batch is random tokens, ``micro-batch-size x seq-length``.
+gradient clipping, the MoE aux loss; the kernels ``mlir_train.model.platform_model_kwargs``
+picks for the device's platform (GPU: the block-grouped Mosaic-GPU expert kernels,
+``--moe-impl grouped``, and flash attention; CPU: ``padded`` experts, XLA attention). The batch is random tokens, ``micro-batch-size x seq-length``.
 
 Before anything is allocated the step is compiled ahead of time and XLA's memory analysis is
 checked against the device's memory, so a too-large ``--layers`` fails in seconds with a hint.
@@ -34,6 +35,7 @@ import numpy as np
 
 from mlir_train import flops
 from mlir_train.config import get_model_config
+from mlir_train.model import platform_model_kwargs
 from mlir_train.optim import make_optimizer
 from mlir_train.train import BATCH_KEYS, StepConfig, Trainer
 from sharding.mesh import ParallelConfig, make_mesh
@@ -66,7 +68,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles)")
     parser.add_argument("--recompute", default="selective", choices=("none", "selective", "full"),
                         help="activation recomputation (Megatron's --recompute-granularity)")
-    parser.add_argument("--moe-impl", default=None, choices=("ragged", "padded", "dense"),
+    parser.add_argument("--moe-impl", default=None, choices=("grouped", "ragged", "padded", "dense"),
                         help="expert path (default ragged on GPU/TPU, padded on CPU)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="device bf16 peak for MFU (default: the device table; 989 on an H200)")
@@ -77,7 +79,8 @@ def main(argv=None) -> None:
     iters = args.iters or (2 if args.smoke else 10)
 
     device = jax.devices()[0]
-    moe_impl = args.moe_impl or ("padded" if device.platform == "cpu" else "ragged")
+    kernels = platform_model_kwargs(device.platform, is_moe=True)
+    moe_impl = args.moe_impl or kernels["moe_impl"]
     cfg = model_config(args)
     peak = flops.device_peak_tflops("bf16", args.peak_tflops)
     if peak is None and "h200" in device.device_kind.lower():
@@ -93,7 +96,7 @@ def main(argv=None) -> None:
     trainer = Trainer(
         cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16", aux_loss_coeff=1e-3),
         make_optimizer(lr_schedule=1e-5, weight_decay=0.1, beta2=0.95, clip_grad=1.0), parallel, mesh,
-        model_kwargs=dict(moe_impl=moe_impl, remat=args.recompute),
+        model_kwargs=kernels | dict(moe_impl=moe_impl, remat=args.recompute),
     )
 
     # ----- compile ahead of time and check the memory before allocating anything ------------

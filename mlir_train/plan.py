@@ -196,8 +196,9 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
 
 
 def _trainer(cfg: RunConfig, layout: Layout, num_devices: int):
-    """The real trainer of ``cfg`` with ``layout``'s parallelism, for ``num_devices``; the MoE
-    implementation is the GPU one (the ragged dispatcher), which the plan is for."""
+    """The real trainer of ``cfg`` with ``layout``'s parallelism, for ``num_devices`` fake CPU
+    devices; the MoE experts use the ragged dispatcher (the closest to the GPU path that XLA:CPU
+    compiles)."""
     from mlir_train.config import get_model_config
 
     cfg = cfg.replace(
@@ -210,8 +211,9 @@ def _trainer(cfg: RunConfig, layout: Layout, num_devices: int):
                       train_iters=cfg.training.train_iters or 1))
     vocab = cfg.model.vocab_size or get_model_config(cfg.model.model_name).vocab_size
     model_cfg = cfg.model.model_config(cfg.model.padded_vocab_size(vocab, layout.tensor))
-    run = resolve(cfg, model_cfg, num_devices=num_devices, platform="gpu")
-    return run.trainer(), model_cfg, run.global_batch_size, run.num_micro_batches
+    run = resolve(cfg, model_cfg, num_devices=num_devices, platform="cpu")
+    overrides = dict(moe_impl="ragged") if model_cfg.is_moe else {}
+    return run.trainer(**overrides), model_cfg, run.global_batch_size, run.num_micro_batches
 
 
 def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: float, peak_tflops: float | None,

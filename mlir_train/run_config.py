@@ -641,7 +641,7 @@ class Run:
     parallel: Any               # sharding.mesh.ParallelConfig, validated
     global_batch_size: int
     num_micro_batches: int
-    moe_impl: str               # dense | padded | ragged: from the mesh's platform
+    platform: str               # the mesh devices' platform (cpu, gpu, tpu): picks the kernels
 
     @property
     def compute_dtype(self) -> str:
@@ -660,11 +660,15 @@ class Run:
         return self.config.data.seq_length
 
     def model_kwargs(self) -> dict[str, Any]:
-        if not self.model.is_moe:
-            return dict(remat=self.remat)
-        m = self.config.moe
-        return dict(moe_impl=self.moe_impl, capacity_factor=m.moe_expert_capacity_factor,
-                    drop_policy=m.moe_token_drop_policy, remat=self.remat)
+        """The model's constructor arguments: the platform's kernels (attention, MoE experts),
+        the recompute policy and, for MoE, the capacity and drop policy."""
+        from mlir_train.model import platform_model_kwargs
+
+        kwargs = platform_model_kwargs(self.platform, is_moe=self.model.is_moe) | dict(remat=self.remat)
+        if self.model.is_moe:
+            m = self.config.moe
+            kwargs |= dict(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy)
+        return kwargs
 
     def step_config(self):
         from mlir_train.train import StepConfig
@@ -677,15 +681,16 @@ class Run:
     def lr_schedule(self):
         return self.config.training.lr_schedule(self.global_batch_size)
 
-    def trainer(self, mesh=None):
-        """The :class:`~mlir_train.train.Trainer` of this run on ``mesh`` (default: its own)."""
+    def trainer(self, mesh=None, **model_overrides):
+        """The :class:`~mlir_train.train.Trainer` of this run on ``mesh`` (default: its own),
+        with ``model_overrides`` on top of :meth:`model_kwargs`."""
         from mlir_train.train import Trainer
         from sharding.mesh import make_mesh
 
         t = self.config.training
         return Trainer(self.model, self.step_config(), t.optimizer_for(self.lr_schedule()), self.parallel,
                        mesh if mesh is not None else make_mesh(self.parallel),
-                       loss_scaler=t.loss_scaler(), model_kwargs=self.model_kwargs())
+                       loss_scaler=t.loss_scaler(), model_kwargs=self.model_kwargs() | model_overrides)
 
 
 def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platform: str | None = None) -> Run:
@@ -711,13 +716,8 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
                           num_stacks=len(set(model_cfg.layer_kinds())), num_micro_batches=num_micro)
     except ParallelConfigError as e:
         raise ConfigError(str(e)) from None
-    return Run(cfg, model_cfg, parallel, gbs, num_micro, moe_impl=moe_impl_for(platform))
-
-
-def moe_impl_for(platform: str | None) -> str:
-    """The MoE expert implementation for a device platform (the mesh's, not the host's)."""
     if platform is None:
         import jax
 
         platform = jax.devices()[0].platform
-    return "padded" if platform == "cpu" else "ragged"
+    return Run(cfg, model_cfg, parallel, gbs, num_micro, platform=platform)

@@ -149,7 +149,7 @@ def test_capacity_is_per_rank_as_in_megatron():
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5, rtol=1e-5)
 
 
-def test_dropless_fallback_and_ragged_dispatch(monkeypatch):
+def test_dropless_fallback_and_ragged_dispatch():
     """Padded dispatch with every token routed to the experts of rank 0 (the capacity guess
     overflows, the lax.cond takes the worst-case buffer), and the ragged_all_to_all dispatcher
     (run here through a dense emulation of ragged_all_to_all, which XLA:CPU lacks), both equal
@@ -167,8 +167,8 @@ def test_dropless_fallback_and_ragged_dispatch(monkeypatch):
     assert float(stats["dropped_tokens"]) == 0
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5, rtol=1e-5)
 
-    monkeypatch.setattr(moe_lib, "_ep_ragged_collective", lambda: moe_lib.ragged_all_to_all_dense)
-    ((_, (y, _)), grads), hlo = _run_block(_block(impl="ragged"), x, valid, cfg, grads=True)
+    ragged = _block(impl="ragged", ragged_all_to_all=moe_lib.ragged_all_to_all_dense)
+    ((_, (y, _)), grads), hlo = _run_block(ragged, x, valid, cfg, grads=True)
     ((_, (ref_y, _)), ref_grads), _ = _run_block(_block(impl="dense"), x, valid, grads=True)
     assert "all-to-all" in hlo
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5, rtol=1e-5)

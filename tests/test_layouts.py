@@ -42,7 +42,6 @@ see ``COMPILER_OPTIONS``; 171 s with the default -O2), ~20-40 s for the two CLI 
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import json
 import math
@@ -55,7 +54,6 @@ import optax
 import pytest
 
 from mlir_train.config import get_model_config
-from mlir_train.model import moe
 from mlir_train.optim import make_optimizer
 from mlir_train.schedule import megatron_lr_schedule
 from mlir_train.train import StepConfig, Trainer, model_dims
@@ -151,14 +149,13 @@ def run_step(model: str, layout: str) -> StepResult:
         mesh = make_mesh(parallel)
     schedule = megatron_lr_schedule(lr=LR, min_lr=LR / 10, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
-    model_kwargs = {"moe_impl": "ragged"} if model == "moe-ragged" else None
+    model_kwargs = {"moe-ragged": {"moe_impl": "ragged"}, "moe-loop": {"moe_block_loop": True}}.get(model)
     trainer = Trainer(cfg, StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2), optimizer, parallel, mesh,
                       model_kwargs=model_kwargs)
     state = trainer.init_state(SEED)
     init_params = jax.device_get(state["params"])
     batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(cfg.vocab_size).items()}
-    with _block_loop(model == "moe-loop"):
-        compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)
+    compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)
     state, metrics = compiled(state, batch)
     return StepResult(
         trainer=trainer,
@@ -169,16 +166,6 @@ def run_step(model: str, layout: str) -> StepResult:
         adam_mu=jax.device_get(_adam_mu(state["opt_state"])),
         state=state,
     )
-
-
-@contextlib.contextmanager
-def _block_loop(force: bool):
-    saved = moe.BLOCK_LOOP
-    moe.BLOCK_LOOP = True if force else saved
-    try:
-        yield
-    finally:
-        moe.BLOCK_LOOP = saved
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -31,15 +31,13 @@ def _loss_and_grads(model: Qwen3, ids, segment_ids=None):
 
 
 @pytest.mark.parametrize("impl", ["padded", "padded-loop", "ragged"])
-def test_fast_moe_paths_equal_reference(impl, monkeypatch):
-    from mlir_train.model import moe
-
-    if impl == "padded-loop":  # the dropless block loop, which larger expert matmuls take
-        monkeypatch.setattr(moe, "BLOCK_LOOP", True)
+def test_fast_moe_paths_equal_reference(impl):
+    # "padded-loop": the dropless block loop, which larger expert matmuls take.
+    extra = {"moe_block_loop": True} if impl == "padded-loop" else {}
     ids = _tokens()
     seg = jnp.asarray(np.array([[1] * 20 + [2] * 8 + [0] * 4, [1] * 32]), jnp.int32)
     ref = _loss_and_grads(init_model(TINY, moe_impl="dense"), ids, seg)
-    got = _loss_and_grads(init_model(TINY, moe_impl=impl.split("-")[0]), ids, seg)
+    got = _loss_and_grads(init_model(TINY, moe_impl=impl.split("-")[0], **extra), ids, seg)
     np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)

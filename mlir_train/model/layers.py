@@ -16,7 +16,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sharding import constrain
+from sharding import constrain, logical_shard_map, mesh_axes_of
+
+# How attention runs: "xla" is masked_attention below (any platform; it computes the whole
+# [T, S] score matrix, masked half included); "flash" is the Pallas (Triton) FlashAttention
+# kernel of jax.experimental.pallas.ops.gpu.attention, GPU only, which takes the packed
+# documents' segment ids, skips the key blocks above the causal diagonal in the forward and
+# both backward passes, and never materialises the scores.
+ATTENTION_IMPLS = ("xla", "flash")
+DEFAULT_ATTENTION_IMPL = {"cpu": "xla", "gpu": "flash", "tpu": "xla"}
 
 Axes = tuple[str | None, ...]
 
@@ -135,8 +143,57 @@ def masked_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
     return o_BKMH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
 
 
+def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool = False):
+    """Causal GQA attention within packed documents (equal segment ids; padding, segment 0,
+    attends to padding) with the Pallas FlashAttention kernel: the same function as
+    :func:`masked_attention` of ``attention_mask(segment_ids_BT)``. The kernel wants as many
+    kv heads as query heads, so each kv head is repeated for its G query heads (its gradient
+    sums them back). XLA cannot split a kernel call, so it runs in a region manual over the
+    batch and head axes; ``interpret`` runs the kernel in Pallas' interpreter (CPU tests)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    n, h = q_BTNH.shape[2], q_BTNH.shape[3]
+    g = n // k_BSKH.shape[2]
+    t = q_BTNH.shape[1]
+    block = flash_block_sizes(t)
+    if block is None:
+        raise ValueError(f"flash attention needs a sequence length (--seq-length) that is a multiple of 16, got {t}")
+
+    def run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+        k_BSNH, v_BSNH = (jnp.repeat(a, g, axis=2) for a in (k_BSKH, v_BSKH))
+        return pallas_attention.mha(
+            q_BTNH, k_BSNH, v_BSNH, segment_ids_BT, sm_scale=1.0 / math.sqrt(h), causal=True,
+            block_sizes=block, interpret=interpret,
+        )
+
+    if mesh_axes_of("act_batch")[1] == 1 and mesh_axes_of("act_heads")[1] == 1:
+        return run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+    heads, kv = ("act_batch", None, "act_heads", None), ("act_batch", None, "act_kv_heads", None)
+    return logical_shard_map(run, in_names=(heads, kv, kv, ("act_batch", None)), out_names=heads,
+                             manual=("act_batch", "act_heads"))(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+
+
+def flash_block_sizes(t: int):
+    """The kernel's tiles for sequence length ``t``: 128-row forward tiles, 32-row backward
+    tiles (its defaults), smaller when ``t`` is short; None if ``t`` is not a multiple of 16."""
+    from jax.experimental.pallas.ops.gpu.attention import BlockSizes
+
+    if t % 16:
+        return None
+    fwd = math.gcd(t, 128)
+    bwd = math.gcd(t, 32)
+    return BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd)
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32):
+    """``impl`` (:data:`ATTENTION_IMPLS`) decides what ``mask`` the call takes: the
+    ``[B, T, S]`` boolean mask of :func:`attention_mask` for "xla", the ``[B, T]`` segment
+    ids for "flash" (``Qwen3.layer_context`` builds the right one)."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32, impl: str = "xla"):
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention implementation {impl!r}; choose one of {ATTENTION_IMPLS}")
+        self.impl = impl
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         std = cfg.init_std
         self.q_proj = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), std, dtype)
@@ -148,7 +205,7 @@ class Attention(nnx.Module):
         self.num_kv_heads = k
         self.head_dim = h
 
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_BTS) -> jax.Array:
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask) -> jax.Array:
         dt = x_BTD.dtype
         q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...].astype(dt))
         k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...].astype(dt))
@@ -160,10 +217,13 @@ class Attention(nnx.Module):
         k_BTKH = apply_rope(self.k_norm(k_BTKH), cos_BTH, sin_BTH)
 
         b, t, n, h = q_BTNH.shape
-        g = n // self.num_kv_heads
-        q_BTKGH = q_BTNH.reshape(b, t, self.num_kv_heads, g, h)
-        o_BTKGH = masked_attention(q_BTKGH, k_BTKH, v_BTKH, mask_BTS)
-        o_BTNH = constrain(o_BTKGH.reshape(b, t, n, h), ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+        if self.impl == "flash":
+            o_BTNH = flash_attention(q_BTNH, k_BTKH, v_BTKH, mask)
+        else:
+            g = n // self.num_kv_heads
+            o_BTKGH = masked_attention(q_BTNH.reshape(b, t, self.num_kv_heads, g, h), k_BTKH, v_BTKH, mask)
+            o_BTNH = o_BTKGH.reshape(b, t, n, h)
+        o_BTNH = constrain(o_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         return jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))
 
 

@@ -32,23 +32,25 @@ from flax import nnx
 
 from mlir_train.config import ModelConfig
 from mlir_train.losses import linear_cross_entropy_sum
-from mlir_train.model.layers import MLP, Attention, RMSNorm, attention_mask, param, rope_tables
-from mlir_train.model.moe import MoE
+from mlir_train.model.layers import DEFAULT_ATTENTION_IMPL, MLP, Attention, RMSNorm, attention_mask, param, rope_tables
+from mlir_train.model.moe import DEFAULT_MOE_IMPL, MoE
 from sharding import constrain
 
 REMAT_POLICIES = ("none", "full", "selective")
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype):
+    def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype,
+                 moe_block_loop: bool | None = None, moe_platform: str | None = None, attention_impl: str = "xla"):
         # Megatron scales the init of the two output projections by 1/sqrt(2 * num_layers).
         out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, rngs, out_std, dtype)
+        self.attn = Attention(cfg, rngs, out_std, dtype, impl=attention_impl)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.is_moe = moe
         if moe:
-            self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=dtype)
+            self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy,
+                           dtype=dtype, block_loop=moe_block_loop, platform=moe_platform)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype)
 
@@ -90,11 +92,15 @@ class Qwen3(nnx.Module):
         capacity_factor: float | None = None,
         drop_policy: str = "probs",
         remat: str = "none",
+        moe_block_loop: bool | None = None,
+        moe_platform: str | None = None,
+        attention_impl: str = "xla",
     ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat policy {remat!r}; choose one of {REMAT_POLICIES}")
         self.cfg = cfg
         self.remat = remat
+        self.attention_impl = attention_impl
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed = param(rngs, (v, d), ("vocab", "embed"), cfg.init_std, param_dtype)
         layers = []
@@ -103,7 +109,8 @@ class Qwen3(nnx.Module):
         for is_moe, group in itertools.groupby(cfg.layer_kinds()):
             n = len(list(group))
             make = lambda r, is_moe=is_moe: DecoderLayer(
-                cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype
+                cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype,
+                moe_block_loop=moe_block_loop, moe_platform=moe_platform, attention_impl=attention_impl,
             )
             layers.append(_stacked(make, n, rngs))
             kinds.append((start, n, is_moe))
@@ -135,9 +142,11 @@ class Qwen3(nnx.Module):
 
     def layer_context(self, segment_ids_BT, positions_BT) -> tuple[jax.Array, ...]:
         """What every decoder layer needs besides ``x``: RoPE tables, packed-document causal
-        mask and the non-padding flags, all derived from one micro-batch's ids and positions."""
+        mask (the segment ids themselves for the flash kernel, which masks as it goes) and the
+        non-padding flags, all derived from one micro-batch's ids and positions."""
         cos_BTH, sin_BTH = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling_factor)
-        return cos_BTH, sin_BTH, attention_mask(segment_ids_BT), segment_ids_BT != 0
+        mask = segment_ids_BT if self.attention_impl == "flash" else attention_mask(segment_ids_BT)
+        return cos_BTH, sin_BTH, mask, segment_ids_BT != 0
 
     def hidden_states(self, input_ids_BT, *, segment_ids=None, positions=None):
         """Final-normed hidden states ``[B, T, D]`` and router stats (dict of ``[L_moe, ...]``)."""
@@ -189,6 +198,16 @@ def logical_axes(model: nnx.Module) -> Any:
         lambda v: v.get_metadata()["logical_axes"], nnx.state(model, nnx.Param),
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
+
+
+def platform_model_kwargs(platform: str, *, is_moe: bool) -> dict[str, Any]:
+    """The kernels a model compiled for ``platform`` ("cpu", "gpu", "tpu": the mesh devices'
+    ``.platform``) runs: attention (:data:`~mlir_train.model.layers.DEFAULT_ATTENTION_IMPL`)
+    and, for MoE models, the experts (:data:`~mlir_train.model.moe.DEFAULT_MOE_IMPL`)."""
+    kwargs: dict[str, Any] = {"attention_impl": DEFAULT_ATTENTION_IMPL.get(platform, "xla")}
+    if is_moe:
+        kwargs |= {"moe_impl": DEFAULT_MOE_IMPL.get(platform, "padded"), "moe_platform": platform}
+    return kwargs
 
 
 def init_model(cfg: ModelConfig, *, seed: int = 0, shardings: Any = None, **model_kwargs: Any) -> Qwen3:

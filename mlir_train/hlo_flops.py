@@ -1,0 +1,184 @@
+"""Matmul FLOPs of a compiled program, read from its optimized HLO text.
+
+``compiled.cost_analysis()`` is None for deviceless XLA:GPU compiles and counts custom calls as
+nothing, so this counts the matmuls themselves:
+
+* ``dot`` instructions (top level or inside fusions, e.g. Triton GEMM fusions):
+  2 x (output elements) x (contracted elements), from the operands' shapes;
+* cuBLAS GEMM custom calls (``__cublas$gemm``, ``__cublas$lt$matmul``): the same from their
+  operands and the ``dot_dimension_numbers`` of their backend config;
+* the MoE block kernels of :mod:`mlir_train.model.moe_gpu` (``mosaic_gpu_v2`` custom calls
+  whose ``op_name`` names the kernel): their static bound, 2 x R x K x N for R block rows,
+  from the operand shapes. The kernels compute only the used blocks, so the work a step does
+  is that bound times (used block rows / R), which depends on the routing: see
+  :func:`MatmulFlops.kernel_flops_for_rows`. Other ``mosaic_gpu`` calls are listed, uncounted;
+* the Pallas FlashAttention kernels (``__gpu$xla.gpu.triton`` calls under ``mha_forward`` /
+  ``mha_backward``, :func:`mlir_train.model.layers.flash_attention`): from q's shape
+  ``[B, T, N, H]`` and the kernel's causal loop structure (key tiles up to the diagonal, with
+  the tile sizes of :func:`~mlir_train.model.layers.flash_block_sizes`): the forward does
+  2 matmuls per visited (query tile, key tile) pair, the backward 7 (the dK/dV loop
+  recomputes the scores and dP, then dV and dK; the dQ loop recomputes both again, then dQ).
+
+Instructions inside a ``while`` body are counted once (XLA does not know the trip count);
+programs audited with this should have none on the matmul path, and ``while_loops`` says
+how many there are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+_SHAPE = r"[a-z0-9]+\[[0-9,]*\]"
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+_PARAMS = re.compile(r"(?:%?)([\w.\-]+):\s*(" + _SHAPE + r")")
+_DIMS = re.compile(r"(lhs|rhs)_(contracting|batch)_dims=\{([0-9,]*)\}")
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    inner = shape[shape.index("[") + 1:shape.index("]")]
+    return tuple(int(d) for d in inner.split(",") if d)
+
+
+@dataclasses.dataclass
+class KernelCall:
+    name: str  # moe_block_matmul | moe_block_matmul_t
+    rows: int  # R: block rows of the buffer (the static bound's rows)
+    flops_bound: float  # 2 R K N
+
+    def flops_for_rows(self, used_rows: float) -> float:
+        return self.flops_bound * used_rows / self.rows
+
+
+@dataclasses.dataclass
+class MatmulFlops:
+    dot_flops: float = 0.0  # dots and cuBLAS GEMMs
+    batched_dot_flops: float = 0.0  # the part with batch dimensions (expert-batched matmuls)
+    kernels: list[KernelCall] = dataclasses.field(default_factory=list)
+    attention_flops: float = 0.0  # flash attention kernels
+    other_custom_calls: list[str] = dataclasses.field(default_factory=list)
+    while_loops: int = 0
+
+    @property
+    def total_flops(self) -> float:
+        """Dots, GEMMs and attention kernels, with the block kernels at their static bound."""
+        return self.dot_flops + self.attention_flops + self.kernel_flops_bound
+
+    @property
+    def kernel_flops_bound(self) -> float:
+        return sum(k.flops_bound for k in self.kernels)
+
+    def kernel_flops_for_rows(self, used_rows_by_buffer: dict[int, float]) -> float:
+        """Kernel work when a buffer of R rows has ``used_rows_by_buffer[R]`` used block rows."""
+        return sum(k.flops_for_rows(used_rows_by_buffer.get(k.rows, k.rows)) for k in self.kernels)
+
+
+def matmul_flops(hlo_text: str) -> MatmulFlops:
+    shapes: dict[str, tuple[int, ...]] = {}
+    lines = hlo_text.splitlines()
+    for line in lines:
+        if "{" in line and "->" in line and "(" in line and "=" not in line.split("(")[0]:
+            for name, shape in _PARAMS.findall(line.split("->")[0]):
+                shapes[name] = _dims(shape)
+        m = _INSTR.match(line)
+        if m and re.match(_SHAPE, m.group(2).lstrip("(")):
+            shapes[m.group(1)] = _dims(re.match(_SHAPE, m.group(2).lstrip("(")).group(0))
+    out = MatmulFlops()
+    for line in lines:
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, result, op, rest = m.groups()
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+        if op == "while":
+            out.while_loops += 1
+        elif op == "dot":
+            dims = {(s, kind): [int(d) for d in v.split(",") if d] for s, kind, v in _DIMS.findall(rest)}
+            lhs = shapes.get(operands[0]) if operands else None
+            if lhs is None:
+                continue
+            contracted = math.prod(lhs[d] for d in dims.get(("lhs", "contracting"), []))
+            flops = 2.0 * math.prod(shapes[name]) * contracted
+            out.dot_flops += flops
+            if dims.get(("lhs", "batch")):
+                out.batched_dot_flops += flops
+        elif op == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', rest)
+            target = target.group(1) if target else ""
+            if target.startswith("__cublas") and ("gemm" in target or "matmul" in target):
+                flops, batched = _gemm_flops(rest, [shapes.get(o) for o in operands[:2]])
+                out.dot_flops += flops
+                out.batched_dot_flops += flops if batched else 0.0
+            elif target == "__gpu$xla.gpu.triton" and _flash_flops(rest) is not None:
+                out.attention_flops += _flash_flops(rest)
+            elif target.startswith("mosaic_gpu"):
+                kernel = _block_kernel(rest)
+                if kernel is None:
+                    out.other_custom_calls.append(name)
+                else:
+                    out.kernels.append(kernel)
+    return out
+
+
+def _gemm_flops(rest: str, operand_shapes) -> tuple[float, bool]:
+    config = re.search(r"backend_config=(\{.*\})", rest)
+    if config is None or None in operand_shapes:
+        return 0.0, False
+    try:
+        dnums = json.loads(config.group(1))["gemm_backend_config"]["dot_dimension_numbers"]
+    except (ValueError, KeyError):
+        return 0.0, False
+    lhs, rhs = operand_shapes
+    lc = [int(d) for d in dnums.get("lhs_contracting_dimensions", [])]
+    lb = [int(d) for d in dnums.get("lhs_batch_dimensions", [])]
+    rc = [int(d) for d in dnums.get("rhs_contracting_dimensions", [])]
+    rb = [int(d) for d in dnums.get("rhs_batch_dimensions", [])]
+    batch = math.prod(lhs[d] for d in lb)
+    m = math.prod(s for d, s in enumerate(lhs) if d not in lc and d not in lb)
+    n = math.prod(s for d, s in enumerate(rhs) if d not in rc and d not in rb)
+    k = math.prod(lhs[d] for d in lc)
+    return 2.0 * batch * m * n * k, bool(lb)
+
+
+def _block_kernel(rest: str) -> KernelCall | None:
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", rest)
+    if op_name is None or layouts is None:
+        return None
+    shapes = [_dims(s) for s in re.findall(_SHAPE, layouts.group(1))]
+    path = op_name.group(1).split("/")
+    if "moe_block_matmul_t" in path:
+        (k, r), (_, n) = shapes[2], shapes[3]  # lhs [K, R], rhs [R, N]
+        return KernelCall("moe_block_matmul_t", r, 2.0 * r * k * n)
+    if "moe_block_matmul" in path:
+        (r, k), (_, _, n) = shapes[2], shapes[3]  # lhs [R, K], rhs [E, K, N]
+        return KernelCall("moe_block_matmul", r, 2.0 * r * k * n)
+    return None
+
+
+def _causal_tile_pairs(t: int, tile_q: int, tile_k: int) -> int:
+    """(query tile, key tile) pairs a causal loop visits: key tiles up to each query tile's end."""
+    return sum(-(-((i + 1) * tile_q) // tile_k) for i in range(t // tile_q))
+
+
+def _flash_flops(rest: str) -> float | None:
+    from mlir_train.model.layers import flash_block_sizes
+
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", rest)
+    if op_name is None or layouts is None:
+        return None
+    path = op_name.group(1)
+    forward = "mha_forward/" in path
+    if not forward and "(mha_backward)" not in path:
+        return None
+    b, t, n, h = _dims(re.findall(_SHAPE, layouts.group(1))[0])
+    blocks = flash_block_sizes(t)
+    if forward:
+        pairs = _causal_tile_pairs(t, blocks.block_q, blocks.block_k) * blocks.block_q * blocks.block_k
+        return 2 * 2.0 * b * n * h * pairs
+    dkdv = _causal_tile_pairs(t, blocks.block_q_dkv, blocks.block_kv_dkv) * blocks.block_q_dkv * blocks.block_kv_dkv
+    dq = _causal_tile_pairs(t, blocks.block_q_dq, blocks.block_kv_dq) * blocks.block_q_dq * blocks.block_kv_dq
+    return 2.0 * b * n * h * (4 * dkdv + 3 * dq)

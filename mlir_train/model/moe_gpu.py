@@ -1,0 +1,154 @@
+"""Pallas Mosaic-GPU kernels (Hopper, sm_90a) for the block-grouped MoE experts.
+
+The experts' rows are laid out in blocks of ``BLOCK_ROWS`` rows, each block holding rows of one
+expert (``moe_dispatch.block_grouped``): block ``n`` belongs to expert ``expert_N[n]`` and only
+the first ``used`` blocks hold rows, the rest being the static bound's spare. Both kernels do
+the work of the used blocks only, so a step's matmul work is the routed rows plus, per expert,
+the round-up of its rows to a whole block:
+
+* :func:`block_matmul`   ``out[block n] = lhs[block n] @ rhs[expert_N[n]]`` (``[R, K] x [E, K, N]
+  -> [R, N]``), one CTA per (block, N tile); a spare block stores zeros and computes nothing.
+  The forward matmuls and the input gradients (with the weights' two last axes swapped).
+* :func:`block_matmul_t` ``out[e] = lhs[:, rows of e] @ rhs[rows of e]`` (``[K, R] x [R, N] ->
+  [E, K, N]``, float32), one CTA per (expert, K tile, N tile) looping over that expert's
+  blocks only: the weight gradients.
+
+XLA's own ``ragged_dot`` on GPU is a dense padded dot over every expert (E/K times the routed
+work), which is why these exist. Their operands are plain (no transposed SMEM views): the
+Mosaic-GPU interpreter runs them on CPU (tests), and it cannot run transposed views.
+``moe_experts.xla_block_kernels`` computes the same two functions with ``jax.lax.ragged_dot``.
+
+In the optimized HLO each kernel is a ``mosaic_gpu_v2`` custom call whose ``op_name`` ends in
+the kernel body's name (``moe_block_matmul``, ``moe_block_matmul_t``): ``mlir_train.hlo_flops``
+counts their work from the operand shapes (the static bound) and the block counts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# wgmma's M is 64 rows per warpgroup: the smallest block, and the least padding per expert.
+BLOCK_ROWS = 64
+TILE_N = 128
+TILE_K = 64
+STAGES = 4
+KERNEL_NAMES = ("moe_block_matmul", "moe_block_matmul_t")
+
+
+def _check(what: str, size: int, tile: int):
+    if size % tile:
+        raise ValueError(
+            f"Mosaic-GPU MoE kernel: {what} = {size} is not a multiple of {tile}; use --moe-impl padded "
+            f"(or ragged) for this model, or expert widths that are multiples of {tile}"
+        )
+
+
+def block_matmul(lhs_RK, rhs_EKN, expert_N, used, *, block_rows: int = BLOCK_ROWS, interpret=None):
+    """``out[n*b:(n+1)*b] = lhs[n*b:(n+1)*b] @ rhs[expert_N[n]]`` for blocks ``n < used``, zero
+    rows after. ``interpret``: a ``InterpretGPUParams`` to run it on CPU (tests)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    r, k = lhs_RK.shape
+    n = rhs_EKN.shape[2]
+    b, tile_k, tile_n = block_rows, min(TILE_K, k), min(TILE_N, n)
+    _check("rows", r, b)
+    _check("contracting width", k, tile_k)
+    _check("output width", n, tile_n)
+    dtype = lhs_RK.dtype
+
+    def moe_block_matmul(expert_ref, used_ref, lhs_ref, rhs_ref, out_ref):
+        ni, blk = lax.axis_index("n"), lax.axis_index("m")
+        live = blk < used_ref[0]
+
+        def store(value):
+            def scope(o_smem):
+                o_smem[...] = value
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(blk * b, b), pl.ds(ni * tile_n, tile_n)])
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.run_scoped(scope, plgpu.SMEM((b, tile_n), dtype))
+
+        @pl.when(live)
+        def _():
+            def acc_scope(acc_ref):
+                plgpu.emit_pipeline(
+                    lambda _, lhs_smem, rhs_smem: plgpu.wgmma(acc_ref, lhs_smem, rhs_smem),
+                    grid=(k // tile_k,),
+                    in_specs=[plgpu.BlockSpec((b, tile_k), lambda kk: (blk, kk)),
+                              plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, ni))],
+                    max_concurrent_steps=STAGES,
+                )(lhs_ref, rhs_ref.at[expert_ref[blk]])
+                return acc_ref[...]
+
+            store(pl.run_scoped(acc_scope, plgpu.ACC((b, tile_n))).astype(dtype))
+
+        @pl.when(jnp.logical_not(live))
+        def _():
+            store(jnp.zeros((b, tile_n), dtype))
+
+    kernel = plgpu.kernel(
+        moe_block_matmul,
+        out_type=jax.ShapeDtypeStruct((r, n), dtype),
+        grid=(n // tile_n, r // b),
+        grid_names=("n", "m"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )
+    return kernel(expert_N.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), lhs_RK, rhs_EKN.astype(dtype))
+
+
+def block_matmul_t(lhs_KR, rhs_RN, first_block_E, num_blocks_E, *, block_rows: int = BLOCK_ROWS, interpret=None):
+    """``out[e] = lhs[:, rows of e] @ rhs[rows of e]`` in float32, expert ``e``'s rows being
+    blocks ``first_block_E[e]`` to ``first_block_E[e] + num_blocks_E[e]`` (an expert without
+    blocks gets zeros)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, r = lhs_KR.shape
+    n = rhs_RN.shape[1]
+    e = first_block_E.shape[0]
+    b, tile_m, tile_n = block_rows, min(64, m), min(TILE_N, n)
+    _check("rows", r, b)
+    _check("weight input width", m, tile_m)
+    _check("weight output width", n, tile_n)
+
+    def moe_block_matmul_t(first_ref, count_ref, lhs_ref, rhs_ref, out_ref):
+        mi, ni, ei = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("e")
+        first, count = first_ref[ei], count_ref[ei]
+
+        def acc_scope(acc_ref):
+            @pl.when(count > 0)
+            def _():
+                plgpu.emit_pipeline(
+                    lambda _, lhs_smem, rhs_smem: plgpu.wgmma(acc_ref, lhs_smem, rhs_smem),
+                    grid=(count,),
+                    in_specs=[plgpu.BlockSpec((tile_m, b), lambda kk: (mi, first + kk)),
+                              plgpu.BlockSpec((b, tile_n), lambda kk: (first + kk, ni))],
+                    max_concurrent_steps=STAGES,
+                )(lhs_ref, rhs_ref)
+
+            return acc_ref[...]
+
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_m, tile_n)))
+
+        def scope(o_smem):
+            o_smem[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[ei, pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scope, plgpu.SMEM((tile_m, tile_n), jnp.float32))
+
+    kernel = plgpu.kernel(
+        moe_block_matmul_t,
+        out_type=jax.ShapeDtypeStruct((e, m, n), jnp.float32),
+        grid=(m // tile_m, n // tile_n, e),
+        grid_names=("m", "n", "e"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )
+    return kernel(first_block_E.astype(jnp.int32), num_blocks_E.astype(jnp.int32), lhs_KR, rhs_RN.astype(lhs_KR.dtype))

@@ -1,0 +1,78 @@
+"""Deviceless XLA:GPU compiles for 8 x H200 (benchmarks/targets/h200.txtpb): the MoE layer's
+expert matmul FLOPs against the routed FLOPs, and the flash attention's FLOPs against the causal
+count, read from the optimized HLO (mlir_train.hlo_flops). Skipped, with the reason, where
+jax-cuda12-plugin (and -pjrt, nvidia-cuda-nvcc-cu12) is not installed."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mlir_train.config import get_model_config
+from mlir_train.hlo_flops import matmul_flops
+from mlir_train.moe_audit import audit_moe_layer, gpu_topology_devices
+from sharding import ParallelConfig
+
+H200 = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "targets" / "h200.txtpb"
+
+
+@pytest.fixture(scope="module")
+def h200_devices():
+    try:
+        return gpu_topology_devices(H200.read_text())
+    except Exception as e:  # noqa: BLE001 - any failure to build the topology means no GPU compiler here
+        pytest.skip(f"no deviceless XLA:GPU compiler (install jax-cuda12-plugin, jax-cuda12-pjrt, "
+                    f"nvidia-cuda-nvcc-cu12): {type(e).__name__}: {str(e)[:200]}")
+
+
+# A quarter-size Qwen3-30B-A3B MoE layer: same top-k, E/K = 4 (the real one: 16).
+SMALL = get_model_config("qwen3-30b-a3b", num_layers=1).replace(hidden_size=256, moe_intermediate_size=128, num_experts=32)
+
+
+@pytest.mark.parametrize("layout, parallel", [
+    ("DP8", ParallelConfig(num_devices=8)),
+    ("EP8", ParallelConfig(expert=8, num_devices=8)),
+    ("TP2xEP4", ParallelConfig(tensor=2, expert=4, num_devices=8)),
+])
+def test_grouped_moe_does_the_routed_work_on_h200(h200_devices, layout, parallel):
+    a = audit_moe_layer(SMALL, parallel, h200_devices, impl="grouped", tokens_per_rank=1024, layout=layout)
+    assert a.kernel_calls == 9  # 3 forward, 3 input-gradient, 3 weight-gradient matmuls
+    assert a.while_loops == 0
+    assert a.ratio <= 1.3, a
+    # XLA's own ragged_dot on GPU: a dense dot over every expert.
+    if layout == "DP8":
+        ragged = audit_moe_layer(SMALL, parallel, h200_devices, impl="ragged", tokens_per_rank=1024)
+        assert ragged.ratio > 0.9 * SMALL.num_experts / SMALL.top_k
+
+
+def test_capacity_moe_flops_on_h200(h200_devices):
+    a = audit_moe_layer(SMALL, ParallelConfig(expert=8, num_devices=8), h200_devices, impl="grouped",
+                        capacity_factor=1.0, tokens_per_rank=1024)
+    assert a.kernel_calls == 0 and 0.99 <= a.ratio <= 1.3, a
+
+
+def test_flash_attention_compiles_and_skips_the_masked_half(h200_devices):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from mlir_train.model.layers import attention_mask, flash_attention, masked_attention
+
+    b, t, kv, g, h = 1, 1024, 2, 4, 128
+    mesh = Mesh(np.array(h200_devices[:1]), ("d",))
+    rep = NamedSharding(mesh, P())
+    q = jax.ShapeDtypeStruct((b, t, kv * g, h), jnp.bfloat16, sharding=rep)
+    k = jax.ShapeDtypeStruct((b, t, kv, h), jnp.bfloat16, sharding=rep)
+    seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rep)
+
+    def grads(attend):
+        return jax.jit(jax.grad(lambda q, k, v, s: jnp.sum(attend(q, k, v, s).astype(jnp.float32)), argnums=(0, 1, 2)))
+
+    flash = matmul_flops(grads(flash_attention).lower(q, k, k, seg).compile().as_text())
+    xla = matmul_flops(grads(lambda q, k, v, s: masked_attention(
+        q.reshape(b, t, kv, g, h), k, v, attention_mask(s))).lower(q, k, k, seg).compile().as_text())
+    full = 2.0 * b * kv * g * t * t * h  # one [T, S] matmul over every position pair
+    assert xla.attention_flops == 0 and xla.dot_flops == pytest.approx(6 * full, rel=0.01)  # fwd 2 + bwd 4, unmasked
+    # Causal: about half of the pairs; the kernel's backward does 7 matmuls (fwd 2).
+    assert flash.dot_flops == 0
+    assert 0.5 * 9 * full / 2 <= flash.attention_flops <= 1.1 * 9 * full / 2
