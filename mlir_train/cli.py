@@ -73,7 +73,6 @@ JAX_IGNORED_FLAGS: dict[str, int] = {
     "--moe-permute-fusion": 0,
     "--moe-use-legacy-grouped-gemm": 0,
     "--moe-token-dispatcher-type": 1,
-    "--moe-router-dtype": 1,  # the router always runs in float32
     # torch.distributed / NCCL / DDP plumbing: XLA inserts and schedules the collectives
     "--distributed-timeout-minutes": 1,
     "--overlap-grad-reduce": 0,
@@ -133,7 +132,6 @@ ARCH_IMPLIED_FLAGS: dict[str, tuple[int, tuple[str, ...] | None]] = {
     "--normalization": (1, ("RMSNorm",)),
     "--position-embedding-type": (1, ("rope",)),
     "--rotary-percent": (1, ("1", "1.0")),
-    "--moe-router-score-function": (1, ("softmax",)),
 }
 
 
@@ -157,6 +155,14 @@ class _IgnoredAction(argparse.Action):
             setattr(namespace, _IGNORED_DEST, seen)
         if option_string not in seen:
             seen.append(option_string)
+
+
+class _OneOrList(argparse.Action):
+    """``nargs="+"`` that stores one value as itself and several as a list (Megatron's reading of
+    ``--moe-router-load-balancing-type`` and ``--moe-aux-loss-coeff``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else list(values))
 
 
 def _hidden_default(action: argparse.Action) -> bool:
@@ -331,11 +337,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     # ---- moe (MOE_ARGS) ------------------------------------------------------------------
     e = g["moe"]
-    e.add_argument("--moe-router-load-balancing-type", default="aux_loss",
-                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    e.add_argument("--moe-router-load-balancing-type", default="aux_loss", nargs="+", action=_OneOrList,
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+                   help="one type, or a list combined with one --moe-aux-loss-coeff each (sinkhorn is refused "
+                        "at start-up: not implemented) (default: aux_loss)")
     e.add_argument("--moe-router-topk", type=int, default=None, help="default: from --model-name")
-    e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, nargs="+", action=_OneOrList,
+                   help="one coefficient, or one per --moe-router-load-balancing-type (default: 0.0)")
     e.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    e.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    e.add_argument("--moe-router-pre-softmax", action="store_true", default=None,
+                   help="softmax before the top-k, weights not renormalised (default: from --model-name's "
+                        "norm_topk_prob: Qwen3-MoE renormalises, which is Megatron's default)")
+    e.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="multiply the top-k routing weights by this")
+    e.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="expert groups for group-limited (device-limited) routing")
+    e.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="groups each token may route to (with --moe-router-num-groups)")
+    e.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing (DeepSeek-V3): a per-expert bias, updated from each step's "
+                        "load, picks the experts (needs --moe-router-score-function sigmoid)")
+    e.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    e.add_argument("--moe-router-dtype", default=None, choices=["fp32", "fp64"],
+                   help="the router always runs in fp32 here; fp64 is refused at start-up")
+    e.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="also log each MoE layer's aux / z losses to TensorBoard (moe/<name>_layer_<i>)")
     e.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="tokens per expert = factor * tokens * topk / experts (default: no dropping)")
     e.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])

@@ -92,6 +92,25 @@ class Timers:
         return out
 
 
+ROUTER_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
+
+
+def router_scalars(m: dict[str, Any], model_cfg, *, per_layer: bool = False) -> dict[str, float]:
+    """A step's MoE router numbers under Megatron's tag names: each load-balancing loss in use
+    and the z-loss (times their coefficients, averaged over the MoE layers), dropped tokens, and
+    with ``per_layer`` (``--moe-per-layer-logging``) Megatron's ``moe/<name>_layer_<i>`` for each
+    MoE layer ``i`` (its decoder-layer index): the raw, coefficient-free value averaged over the
+    step's micro-batches, as Megatron's tracker logs it."""
+    out = {name: float(m[name]) for name in ROUTER_LOSSES if name in m}
+    out["dropped tokens"] = float(m["dropped_tokens"])
+    if per_layer and "router_layers" in m:
+        moe_layers = [i for i, is_moe in enumerate(model_cfg.layer_kinds()) if is_moe]
+        for name, values in m["router_layers"].items():
+            for i, v in zip(moe_layers, np.asarray(values).tolist()):
+                out[f"moe/{name}_layer_{i}"] = float(v)
+    return out
+
+
 def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: float | None) -> str:
     """A log line shaped like Megatron's ``training_log``."""
     parts = [
@@ -104,6 +123,9 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
     ]
     if "load_balancing_loss" in m:
         parts.append(f"load_balancing_loss: {m['load_balancing_loss']:.6E}")
+    for name in ("seq_load_balancing_loss", "global_load_balancing_loss"):
+        if name in m:
+            parts.append(f"{name}: {m[name]:.6E}")
     if m.get("z_loss"):
         parts.append(f"z_loss: {m['z_loss']:.6E}")
     parts += [

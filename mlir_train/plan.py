@@ -231,15 +231,16 @@ def _trainer(args, layout: Layout, num_devices: int):
     num_micro = gbs // (args.micro_batch_size * parallel.data_parallel)
     compute_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     # The GPU dispatcher (ragged); under EP on CPU the model falls back to the dense one.
+    router, balancing = sft.router_settings(args, model_cfg)
     model_kwargs = dict(moe_impl="ragged", capacity_factor=args.moe_expert_capacity_factor,
-                        drop_policy=args.moe_token_drop_policy, remat=layout.recompute) \
+                        drop_policy=args.moe_token_drop_policy, remat=layout.recompute, router=router) \
         if model_cfg.is_moe else dict(remat=layout.recompute)
     sched_args = argparse.Namespace(**(vars(args) | {"global_batch_size": gbs, "lr": args.lr or 1e-5,
                                                      "train_iters": args.train_iters or 1}))
     trainer = Trainer(
         model_cfg,
         StepConfig(num_micro_batches=num_micro, compute_dtype=compute_dtype,
-                   aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0),
+                   balancing=balancing, expert_bias_update_rate=args.moe_router_bias_update_rate),
         optimizer_from_args(sched_args, schedule_from_args(sched_args)), parallel, make_mesh(parallel),
         loss_scaler=loss_scaler_from_args(args), model_kwargs=model_kwargs,
     )

@@ -83,6 +83,38 @@ def build_model_config(args, vocab_size: int | None):
     return get_model_config(args.model_name, **overrides)
 
 
+def router_settings(args, model_cfg):
+    """``(RouterConfig or None for a dense model, LoadBalancing)`` from the MoE router flags,
+    checked as Megatron checks them; a bad combination exits naming the flag."""
+    from mlir_train.losses import LoadBalancing, LoadBalancingError
+    from mlir_train.model.router import RouterConfig, RouterConfigError
+
+    try:
+        balancing = LoadBalancing.from_flags(args.moe_router_load_balancing_type, args.moe_aux_loss_coeff,
+                                             args.moe_z_loss_coeff)
+    except LoadBalancingError as e:
+        raise _fail(str(e)) from None
+    if not model_cfg.is_moe:
+        return None, balancing
+    if args.moe_router_dtype == "fp64":
+        raise _fail("--moe-router-dtype fp64 is not implemented (it would need JAX's x64 mode for the whole "
+                    "program); the router runs in fp32 here: use --moe-router-dtype fp32 or drop the flag")
+    router = RouterConfig(
+        score_function=args.moe_router_score_function, pre_softmax=args.moe_router_pre_softmax,
+        topk_scaling_factor=args.moe_router_topk_scaling_factor, num_groups=args.moe_router_num_groups,
+        group_topk=args.moe_router_group_topk, enable_expert_bias=args.moe_router_enable_expert_bias,
+        per_sequence_stats=balancing.per_sequence,
+    )
+    try:
+        router.check(model_cfg.num_experts, model_cfg.top_k, model_cfg.norm_topk_prob)
+    except RouterConfigError as e:
+        raise _fail(str(e)) from None
+    if args.moe_router_num_groups and not args.moe_router_group_topk:
+        print("mlir-train: --moe-router-num-groups without --moe-router-group-topk routes without groups "
+              "(as in Megatron)")
+    return router, balancing
+
+
 def padded_vocab_size(tokenizer_size: int, divisible_by: int, tensor_parallel: int) -> int:
     """Megatron's ``_vocab_size_with_padding``: round up to divisible_by * TP."""
     multiple = divisible_by * tensor_parallel
@@ -116,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from mlir_train import checkpoint
     from mlir_train import flops as flops_lib
     from mlir_train.data import BatchLoader, DataError, build_datasets, load_tokenizer
-    from mlir_train.metrics import MetricsWriter, Timers, console_line
+    from mlir_train.metrics import MetricsWriter, Timers, console_line, router_scalars
     from mlir_train.optim import loss_scaler_from_args, optimizer_from_args
     from mlir_train.schedule import schedule_from_args
     from mlir_train.train import StepConfig, Trainer, model_dims
@@ -199,9 +231,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise _fail(str(e)) from None
     compute_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     remat = {None: "none", "full": "full", "selective": "selective"}[args.recompute_granularity]
+    router, balancing = router_settings(args, model_cfg)
     model_kwargs = dict(
         moe_impl="padded" if jax.default_backend() == "cpu" else "ragged",
         capacity_factor=args.moe_expert_capacity_factor, drop_policy=args.moe_token_drop_policy, remat=remat,
+        router=router,
     ) if model_cfg.is_moe else dict(remat=remat)
 
     # ----- mesh -----------------------------------------------------------------------------
@@ -235,8 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trainer = Trainer(
         model_cfg,
         StepConfig(num_micro_batches=num_micro, compute_dtype=compute_dtype,
-                   aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0,
-                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage),
+                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+                   balancing=balancing, expert_bias_update_rate=args.moe_router_bias_update_rate),
         optimizer_from_args(args, schedule), parallel, mesh,
         loss_scaler=loss_scaler_from_args(args), model_kwargs=model_kwargs,
     )
@@ -340,9 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         arrays = {}
         if "load_balancing_loss" in m:
-            scalars["load_balancing_loss"] = float(m["load_balancing_loss"])
-            scalars["z_loss"] = float(m["z_loss"])
-            scalars["dropped tokens"] = float(m["dropped_tokens"])
+            scalars |= router_scalars(m, model_cfg, per_layer=args.moe_per_layer_logging)
             arrays["expert-load"] = np.asarray(m["tokens_per_expert"]).sum(axis=0)
         if args.log_timers_to_tensorboard:
             totals = timers.pop_all()

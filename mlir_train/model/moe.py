@@ -82,6 +82,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlir_train.model.layers import param
+from mlir_train.model.router import RouterConfig, route, router_logits
 from sharding import constrain, logical_shard_map, mesh_axes_of
 
 MOE_IMPLS = ("dense", "padded", "ragged")
@@ -98,6 +99,7 @@ class MoE(nnx.Module):
         capacity_factor: float | None = None,
         drop_policy: str = "probs",
         dtype=jnp.float32,
+        router: RouterConfig | None = None,
     ):
         if impl not in MOE_IMPLS:
             raise ValueError(f"unknown MoE implementation {impl!r}; choose one of {MOE_IMPLS}")
@@ -114,40 +116,30 @@ class MoE(nnx.Module):
         self.impl = impl
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
+        self.router_cfg = router or RouterConfig()
+        self.router_cfg.check(e, cfg.top_k, cfg.norm_topk_prob)
+        if self.router_cfg.enable_expert_bias:
+            # Aux-loss-free balancing state: float32, no gradient (the router stops it), moved by
+            # the trainer from each step's load (``mlir_train.losses.updated_expert_bias``).
+            self.expert_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("router_exp",))
 
-    # ----- routing -----------------------------------------------------------------------
-    def route(self, x_SD: jax.Array, valid_S: jax.Array):
+    # ----- routing (mlir_train.model.router) ------------------------------------------------
+    def route(self, x_SD: jax.Array, valid_S: jax.Array, segment_ids_BT: jax.Array | None = None):
         """Router in float32 (Megatron and HF both softmax in fp32; we also matmul in fp32)."""
-        logits_SE = jnp.einsum(
-            "sd,de->se", x_SD.astype(jnp.float32), self.router[...].astype(jnp.float32),
-            precision=jax.lax.Precision.HIGHEST,
-        )
-        probs_SE = jax.nn.softmax(logits_SE, axis=-1)
-        weights_SK, experts_SK = _top_k(probs_SE, self.top_k)
-        if self.norm_topk_prob:
-            weights_SK = weights_SK / jnp.sum(weights_SK, axis=-1, keepdims=True)
-        valid = valid_S.astype(jnp.float32)
-        counts_E = jnp.sum(jax.nn.one_hot(experts_SK, self.num_experts, dtype=jnp.float32) * valid[:, None, None], axis=(0, 1))
-        lse_S = jax.nn.logsumexp(logits_SE, axis=-1)
-        stats = {
-            # Everything the trainer needs for Megatron's aux loss / z-loss and load logging,
-            # with padding tokens excluded.
-            "tokens_per_expert": counts_E,
-            "probs_per_expert": jnp.sum(probs_SE * valid[:, None], axis=0),
-            "num_tokens": jnp.sum(valid),
-            "z_loss_sum": jnp.sum(jnp.square(lse_S) * valid),
-        }
-        return weights_SK, experts_SK, stats
+        logits_SE = router_logits(x_SD, self.router[...])
+        bias = self.expert_bias[...] if self.router_cfg.enable_expert_bias else None
+        return route(logits_SE, valid_S, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, cfg=self.router_cfg,
+                     expert_bias_E=bias, segment_ids_BT=segment_ids_BT)
 
     # ----- experts -------------------------------------------------------------------------
-    def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array):
+    def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
         b, t, d = x_BTD.shape
         x_SD = constrain(x_BTD.reshape(b * t, d), ("act_tokens", "act_embed"))
         valid_S = valid_BT.reshape(-1)
         # Routing stays outside any manual region: XLA reduces the stats over the whole batch,
         # so they are the single-device arrays under every layout (Megatron's aux loss is
         # computed over the global batch too).
-        weights_SK, experts_SK, stats = self.route(x_SD, valid_S)
+        weights_SK, experts_SK, stats = self.route(x_SD, valid_S, segment_ids_BT)
         weights_SK = weights_SK.astype(x_SD.dtype)
         if self.impl == "dense":
             # The reference stays plain under every layout; XLA partitions it as it likes.
@@ -389,17 +381,6 @@ class MoE(nnx.Module):
             a2a(send_offsets_E), send_sizes_E, axis_name=ep_axes,
         )
         return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
-
-
-def _top_k(probs_SE, k):
-    """``jax.lax.top_k`` per token. With the tokens split over ranks it runs in a region manual
-    over them: left to XLA, the partitioner all-gathers every token's probabilities to every
-    rank for the TopK."""
-    if mesh_axes_of("act_tokens")[1] == 1:
-        return jax.lax.top_k(probs_SE, k)
-    tokens = ("act_tokens", None)
-    return logical_shard_map(lambda p: tuple(jax.lax.top_k(p, k)), in_names=(tokens,), out_names=(tokens, tokens),
-                             manual=("act_tokens",))(probs_SE)
 
 
 def _swiglu_experts(x_ECD, wg_EDF, wu_EDF, wd_EFD):
