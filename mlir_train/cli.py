@@ -73,6 +73,7 @@ JAX_IGNORED_FLAGS: dict[str, int] = {
     "--moe-permute-fusion": 0,
     "--moe-use-legacy-grouped-gemm": 0,
     "--moe-token-dispatcher-type": 1,
+    "--moe-router-fusion": 0,  # Transformer Engine's fused top-k / aux-loss kernels: XLA fuses
     # torch.distributed / NCCL / DDP plumbing: XLA inserts and schedules the collectives
     "--distributed-timeout-minutes": 1,
     "--overlap-grad-reduce": 0,
@@ -355,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert groups for group-limited (device-limited) routing")
     e.add_argument("--moe-router-group-topk", type=int, default=None,
                    help="groups each token may route to (with --moe-router-num-groups)")
+    e.add_argument("--moe-router-topk-limited-devices", type=int, default=None,
+                   help="deprecated Megatron spelling of --moe-router-group-topk N with "
+                        "--moe-router-num-groups = --expert-model-parallel-size")
     e.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="aux-loss-free balancing (DeepSeek-V3): a per-expert bias, updated from each step's "
                         "load, picks the experts (needs --moe-router-score-function sigmoid)")

@@ -99,10 +99,17 @@ def router_settings(args, model_cfg):
     if args.moe_router_dtype == "fp64":
         raise _fail("--moe-router-dtype fp64 is not implemented (it would need JAX's x64 mode for the whole "
                     "program); the router runs in fp32 here: use --moe-router-dtype fp32 or drop the flag")
+    num_groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
+    if args.moe_router_topk_limited_devices:
+        if group_topk:
+            raise _fail("--moe-router-topk-limited-devices is the deprecated spelling of --moe-router-group-topk "
+                        "with --moe-router-num-groups: give only the new flags")
+        # Megatron's translation: device-limited routing over the expert-parallel ranks.
+        num_groups, group_topk = args.expert_model_parallel_size, args.moe_router_topk_limited_devices
     router = RouterConfig(
         score_function=args.moe_router_score_function, pre_softmax=args.moe_router_pre_softmax,
-        topk_scaling_factor=args.moe_router_topk_scaling_factor, num_groups=args.moe_router_num_groups,
-        group_topk=args.moe_router_group_topk, enable_expert_bias=args.moe_router_enable_expert_bias,
+        topk_scaling_factor=args.moe_router_topk_scaling_factor, num_groups=num_groups,
+        group_topk=group_topk, enable_expert_bias=args.moe_router_enable_expert_bias,
         per_sequence_stats=balancing.per_sequence,
     )
     try:
