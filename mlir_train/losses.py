@@ -104,6 +104,9 @@ def switch_aux_loss_per_layer(stats: dict[str, jax.Array], top_k: int, counts_LE
 def seq_aux_loss_per_layer(stats: dict[str, jax.Array]) -> jax.Array:
     """Megatron's ``seq_aux_loss`` per MoE layer, no coefficient: the mean over the packed
     documents of each document's own switch loss (see :mod:`mlir_train.model.router`)."""
+    if "seq_aux_sum" not in stats:
+        raise ValueError("seq_aux_loss needs per-document router statistics: build the model with "
+                         "RouterConfig(per_sequence_stats=True)")
     return stats["seq_aux_sum"] / jnp.maximum(stats["num_sequences"], 1.0)
 
 
