@@ -97,6 +97,19 @@ def test_expert_bias_moves_against_the_load_and_is_checkpointed(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored["params"]["layers"][0]["mlp"]["expert_bias"]), bias)
 
 
+def test_per_layer_logging_tags_are_megatrons():
+    from mlir_train.metrics import router_scalars
+
+    cfg = MODELS["moe"].replace(num_layers=3, mlp_only_layers=(0,))  # MoE layers 1 and 2
+    m = {"load_balancing_loss": 0.02, "z_loss": 0.001, "dropped_tokens": 0.0,
+         "router_layers": {"load_balancing_loss": np.array([1.5, 2.5]), "z_loss": np.array([3.0, 4.0])}}
+    assert router_scalars(m, cfg) == {"load_balancing_loss": 0.02, "z_loss": 0.001, "dropped tokens": 0.0}
+    tags = router_scalars(m, cfg, per_layer=True)
+    assert tags["moe/load_balancing_loss_layer_1"] == 1.5 and tags["moe/load_balancing_loss_layer_2"] == 2.5
+    assert tags["moe/z_loss_layer_2"] == 4.0 and "moe/z_loss_layer_0" not in tags
+
+
+@pytest.mark.slow  # ~100 s on 2 busy cores: data preprocessing and a bf16 step compile
 def test_cli_router_flags_train_in_bf16_and_log_per_layer(tmp_path, capsys):
     """The Megatron flags end to end: a list of balancing types with one coefficient each, sigmoid
     group-limited routing with the expert bias, in bf16 (the bias stays float32), per-layer logs."""
