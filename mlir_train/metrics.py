@@ -100,13 +100,13 @@ def router_scalars(m: dict[str, Any], model_cfg, *, per_layer: bool = False) -> 
     and the z-loss (times their coefficients, averaged over the MoE layers), dropped tokens, and
     with ``per_layer`` (``--moe-per-layer-logging``) Megatron's ``moe/<name>_layer_<i>`` for each
     MoE layer ``i`` (its decoder-layer index): the raw, coefficient-free value averaged over the
-    step's micro-batches, as Megatron's tracker logs it."""
+    step's micro-batches (the step's ``"<name> per layer"`` arrays), as Megatron's tracker logs it."""
     out = {name: float(m[name]) for name in ROUTER_LOSSES if name in m}
     out["dropped tokens"] = float(m["dropped_tokens"])
-    if per_layer and "router_layers" in m:
+    if per_layer:
         moe_layers = [i for i, is_moe in enumerate(model_cfg.layer_kinds()) if is_moe]
-        for name, values in m["router_layers"].items():
-            for i, v in zip(moe_layers, np.asarray(values).tolist()):
+        for name in ROUTER_LOSSES:
+            for i, v in zip(moe_layers, np.asarray(m.get(f"{name} per layer", [])).tolist()):
                 out[f"moe/{name}_layer_{i}"] = float(v)
     return out
 

@@ -11,10 +11,15 @@ Megatron semantics matched here (see the tests for each):
 * gradient accumulation over ``num_micro_batches`` micro-batches inside the step (a scan);
 * loss = sum of token losses over the *whole global batch* / number of loss tokens in it, so
   micro-batches with more loss tokens weigh more (Megatron's per-token loss normalisation);
-* MoE aux loss: ``coeff * sum over layers of switch_aux_loss(layer)`` per micro-batch,
-  averaged over micro-batches (Megatron scales its aux-loss gradient by 1/num_microbatches);
-  z-loss likewise. Logged ``load_balancing_loss`` is ``coeff * mean over layers`` as Megatron's
-  tracker reports it;
+* MoE load balancing (``losses.router_losses``, one ``losses.LoadBalancing``): each of
+  ``aux_loss`` / ``seq_aux_loss`` / ``global_aux_loss`` in use, ``coeff * sum over layers`` per
+  micro-batch, averaged over micro-batches (Megatron scales its aux-loss gradient by
+  1/num_microbatches); z-loss likewise. Logged ``load_balancing_loss`` (and
+  ``seq_/global_load_balancing_loss``) is ``coeff * mean over layers``; ``"<name> per layer"``
+  holds the raw per-layer values (``--moe-per-layer-logging``);
+* aux-loss-free balancing (``--moe-router-enable-expert-bias``): after the optimizer update each
+  MoE layer's ``expert_bias`` (a float32 parameter with no gradient, never cast to the compute
+  dtype) moves by ``expert_bias_update_rate`` against the step's routed load;
 * ``bf16``/``fp16``: float32 master weights and optimizer state, the forward/backward in the
   low precision (router, attention softmax, logits and loss stay float32 inside the model);
   fp16 adds dynamic loss scaling, skipping the update on overflow;
@@ -274,7 +279,7 @@ class Trainer:
             lb = self.step_cfg.load_balancing()
             # Raw (coefficient-free) per-layer values, the mean over micro-batches: [L_moe] each.
             layers = {k: jnp.mean(v, axis=0) for k, v in aux["router_layers"].items()}
-            metrics["router_layers"] = layers
+            metrics.update({f"{name} per layer": v for name, v in layers.items()})
             metrics["load_balancing_loss"] = lb.coeff("aux_loss") * jnp.mean(layers["load_balancing_loss"])
             metrics["aux_loss_raw"] = jnp.mean(layers["load_balancing_loss"])
             metrics["z_loss"] = lb.z_loss_coeff * jnp.mean(layers["z_loss"])
