@@ -282,6 +282,12 @@ def load_pretrained(
         callback = _shard_reader(ckpt, cfg, entry, first, shape, np_dtype)
         value = jax.make_array_from_callback(shape, sharding_for(var), callback)
         new_flat[our_path] = var.replace(value)
+    for our_path, var in flat.items():
+        if our_path[-1] == "expert_bias" and our_path not in new_flat:
+            # Aux-loss-free balancing state (--moe-router-enable-expert-bias): Qwen3-MoE's HF format
+            # has no such tensor; training starts it at zero, as Megatron does.
+            value = jax.jit(lambda: jnp.zeros(var.shape, var.dtype), out_shardings=sharding_for(var))()
+            new_flat[our_path] = var.replace(value)
     missing = set(flat) - set(new_flat)
     if missing:  # a param our model has that the mapping does not cover: a bug here, not in the file
         raise AssertionError(f"no HF mapping for parameters {sorted(missing)}")
@@ -347,6 +353,11 @@ def save_pretrained(model: Qwen3, path: str, *, dtype=None, max_shard_bytes: int
         arr = _to_numpy(x)
         return arr if out_dtype is None else arr.astype(out_dtype)
 
+    for our_path, var in flat.items():
+        if our_path[-1] == "expert_bias" and np.any(_to_numpy(var.get_value()) != 0):
+            print(f"mlir-train: WARNING: {path}: the expert bias of {'/'.join(map(str, our_path[:-1]))} "
+                  "(--moe-router-enable-expert-bias) has no place in the HF Qwen3-MoE format and is not written; "
+                  "the exported model routes without it")
     for our_path, entry, first, _ in _walk_params(model, cfg):
         value = flat[our_path].get_value()
         if first is None:

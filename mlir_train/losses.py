@@ -1,4 +1,5 @@
-"""Losses as Megatron forms them: token cross-entropy sums, switch aux loss, router z-loss.
+"""Losses as Megatron forms them: token cross-entropy sums, the router's load-balancing losses
+(``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``) and z-loss.
 
 Everything is float32. Cross-entropy returns a (sum, count) pair so the trainer can divide the
 sum over the whole global batch by the number of loss tokens in it (Megatron's
@@ -7,6 +8,7 @@ sum over the whole global batch by the number of loss tokens in it (Megatron's
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -82,18 +84,137 @@ def _linear_ce_bwd(constrain_logits, grads, cotangents):
 _linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)
 
 
-def switch_aux_loss_per_layer(stats: dict[str, jax.Array], top_k: int) -> jax.Array:
+def switch_aux_loss_per_layer(stats: dict[str, jax.Array], top_k: int, counts_LE: jax.Array | None = None) -> jax.Array:
     """Megatron's ``switch_load_balancing_loss_func`` per MoE layer, without the coefficient.
 
-    ``E / (k * N^2) * sum_e P_e * c_e`` with ``P_e`` the summed softmax probabilities and
-    ``c_e`` the routed-token counts of expert ``e`` over the N non-padding tokens, i.e.
-    ``E * sum_e f_e * P̄_e`` with ``f_e = c_e / (k N)`` and ``P̄_e = P_e / N``. A perfectly
-    balanced router gives 1.0.
+    ``E / (k * N^2) * sum_e P_e * c_e`` with ``P_e`` the summed router scores (softmax
+    probabilities, or normalised sigmoid scores) and ``c_e`` the top-k assignments of expert
+    ``e`` over the N non-padding tokens, i.e. ``E * sum_e f_e * P̄_e`` with ``f_e = c_e / (k N)``
+    and ``P̄_e = P_e / N``. A perfectly balanced router gives 1.0. ``counts_LE`` replaces the
+    micro-batch's own counts (``global_aux_loss`` passes its running average).
     """
-    counts_LE, probs_LE = stats["tokens_per_expert"], stats["probs_per_expert"]
+    if counts_LE is None:
+        counts_LE = stats.get("aux_tokens_per_expert", stats["tokens_per_expert"])
+    probs_LE = stats["probs_per_expert"]
     n_L = jnp.maximum(stats["num_tokens"], 1.0)
     num_experts = counts_LE.shape[-1]
     return num_experts * jnp.sum(counts_LE * probs_LE, axis=-1) / (top_k * n_L * n_L)
+
+
+def seq_aux_loss_per_layer(stats: dict[str, jax.Array]) -> jax.Array:
+    """Megatron's ``seq_aux_loss`` per MoE layer, no coefficient: the mean over the packed
+    documents of each document's own switch loss (see :mod:`mlir_train.model.router`)."""
+    if "seq_aux_sum" not in stats:
+        raise ValueError("seq_aux_loss needs per-document router statistics: build the model with "
+                         "RouterConfig(per_sequence_stats=True)")
+    return stats["seq_aux_sum"] / jnp.maximum(stats["num_sequences"], 1.0)
+
+
+# ----- --moe-router-load-balancing-type ---------------------------------------------------------
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+LOAD_BALANCING_TYPES = AUX_LOSS_TYPES + ("sinkhorn", "none")
+# Megatron's tracker names, for logging.
+TRACKER_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                 "global_aux_loss": "global_load_balancing_loss"}
+
+
+class LoadBalancingError(ValueError):
+    """A load-balancing setting that cannot run; the message names the Megatron flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadBalancing:
+    """Which router losses the objective carries, with their coefficients.
+
+    ``coeffs`` pairs each of ``aux_loss`` / ``seq_aux_loss`` / ``global_aux_loss`` the run uses
+    with its ``--moe-aux-loss-coeff`` (Megatron's ``get_aux_loss_coeff``: a type that is not
+    listed weighs 0). Every loss is formed per micro-batch as Megatron forms it on one rank whose
+    micro-batch is the step's whole micro-batch (all data-parallel rows), so the objective does
+    not depend on the layout:
+
+    * ``aux_loss``: the switch loss of the micro-batch;
+    * ``seq_aux_loss``: the mean over its packed documents of each document's switch loss;
+    * ``global_aux_loss``: the switch loss with the expert counts averaged over this and the
+      step's earlier micro-batches (Megatron's ``global_tokens_per_expert / ga_steps``);
+    * z-loss: ``mean logsumexp(logits)^2`` over the micro-batch's tokens.
+
+    Each is summed over the MoE layers, times its coefficient, divided by the number of
+    micro-batches (Megatron scales the aux-loss gradient by 1/num_microbatches).
+    """
+
+    coeffs: tuple[tuple[str, float], ...] = ()
+    z_loss_coeff: float = 0.0
+
+    @classmethod
+    def from_flags(cls, types, coeffs, z_loss_coeff: float | None = None) -> "LoadBalancing":
+        """From ``--moe-router-load-balancing-type`` (one type or a list) and
+        ``--moe-aux-loss-coeff`` (one coefficient, or one per listed type), as Megatron pairs them."""
+        types = [types] if isinstance(types, str) else list(types)
+        coeffs = [0.0 if coeffs is None else coeffs] if isinstance(coeffs, (int, float)) or coeffs is None else list(coeffs)
+        if len(types) > 1 and len(coeffs) != len(types):
+            raise LoadBalancingError(
+                f"--moe-router-load-balancing-type lists {len(types)} types ({' '.join(types)}) but "
+                f"--moe-aux-loss-coeff gives {len(coeffs)} coefficient(s): give one per type, in the same order")
+        if len(types) == 1 and len(coeffs) != 1:
+            raise LoadBalancingError(
+                f"--moe-aux-loss-coeff gives {len(coeffs)} coefficients for the one --moe-router-load-balancing-type "
+                f"{types[0]}")
+        for t in types:
+            if t not in LOAD_BALANCING_TYPES:
+                raise LoadBalancingError(f"--moe-router-load-balancing-type {t}: choose from {LOAD_BALANCING_TYPES}")
+        if len(set(types)) != len(types):
+            raise LoadBalancingError(f"--moe-router-load-balancing-type {' '.join(types)} names a type twice")
+        if "sinkhorn" in types:
+            raise LoadBalancingError(
+                "--moe-router-load-balancing-type sinkhorn (S-BASE) is not implemented in mlir-train; use aux_loss, "
+                "seq_aux_loss, global_aux_loss, a list of them, or none (with --moe-router-enable-expert-bias for "
+                "aux-loss-free balancing)")
+        for c in coeffs:
+            if c < 0:
+                raise LoadBalancingError(f"--moe-aux-loss-coeff {c}: must not be negative")
+        pairs = tuple((t, float(c)) for t, c in zip(types, coeffs) if t in AUX_LOSS_TYPES and c > 0)
+        return cls(coeffs=pairs, z_loss_coeff=float(z_loss_coeff or 0.0))
+
+    def coeff(self, kind: str) -> float:
+        return dict(self.coeffs).get(kind, 0.0)
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether the router must collect per-document statistics (``seq_aux_loss`` on)."""
+        return self.coeff("seq_aux_loss") > 0
+
+    @property
+    def uses_global(self) -> bool:
+        return self.coeff("global_aux_loss") > 0
+
+
+def router_losses(stats: dict[str, jax.Array], balancing: LoadBalancing, top_k: int,
+                  global_counts_LE: jax.Array | None = None, micro_index=None):
+    """One micro-batch's router losses, from the stats of its MoE layers (leaves ``[L, ...]``).
+
+    Returns ``(objective, per_layer, global_counts_LE)``: the weighted sum to add to the
+    micro-batch's objective before the division by the number of micro-batches; the raw
+    (coefficient-free) per-layer values by Megatron tracker name, for logging (the aux loss is
+    always there, as is the z-loss); and, under ``global_aux_loss``, the running sum of the
+    expert counts including this micro-batch (``global_counts_LE`` is the sum over the
+    ``micro_index`` micro-batches before it; both are ignored otherwise).
+    """
+    aux_l = switch_aux_loss_per_layer(stats, top_k)
+    z_l = z_loss_per_layer(stats)
+    per_layer = {"load_balancing_loss": aux_l, "z_loss": z_l}
+    objective = balancing.coeff("aux_loss") * jnp.sum(aux_l) + balancing.z_loss_coeff * jnp.sum(z_l)
+    if balancing.per_sequence:
+        seq_l = seq_aux_loss_per_layer(stats)
+        per_layer["seq_load_balancing_loss"] = seq_l
+        objective = objective + balancing.coeff("seq_aux_loss") * jnp.sum(seq_l)
+    if balancing.uses_global:
+        counts = jax.lax.stop_gradient(stats.get("aux_tokens_per_expert", stats["tokens_per_expert"]))
+        global_counts_LE = counts if global_counts_LE is None else global_counts_LE + counts
+        seen = 1.0 if micro_index is None else jnp.asarray(micro_index, jnp.float32) + 1.0
+        glob_l = switch_aux_loss_per_layer(stats, top_k, counts_LE=global_counts_LE / seen)
+        per_layer["global_load_balancing_loss"] = glob_l
+        objective = objective + balancing.coeff("global_aux_loss") * jnp.sum(glob_l)
+    return objective, per_layer, global_counts_LE
 
 
 def hf_aux_loss(stats: dict[str, jax.Array]) -> jax.Array:

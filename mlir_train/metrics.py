@@ -93,6 +93,25 @@ class Timers:
         return out
 
 
+ROUTER_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
+
+
+def router_scalars(m: dict[str, Any], model_cfg, *, per_layer: bool = False) -> dict[str, float]:
+    """A step's MoE router numbers under Megatron's tag names: each load-balancing loss in use
+    and the z-loss (times their coefficients, averaged over the MoE layers), dropped tokens, and
+    with ``per_layer`` (``--moe-per-layer-logging``) Megatron's ``moe/<name>_layer_<i>`` for each
+    MoE layer ``i`` (its decoder-layer index): the raw, coefficient-free value averaged over the
+    step's micro-batches (the step's ``"<name> per layer"`` arrays), as Megatron's tracker logs it."""
+    out = {name: float(m[name]) for name in ROUTER_LOSSES if name in m}
+    out["dropped tokens"] = float(m["dropped_tokens"])
+    if per_layer:
+        moe_layers = [i for i, is_moe in enumerate(model_cfg.layer_kinds()) if is_moe]
+        for name in ROUTER_LOSSES:
+            for i, v in zip(moe_layers, np.asarray(m.get(f"{name} per layer", [])).tolist()):
+                out[f"moe/{name}_layer_{i}"] = float(v)
+    return out
+
+
 def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: float | None) -> str:
     """A log line shaped like Megatron's ``training_log``."""
     parts = [
@@ -105,6 +124,9 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
     ]
     if "load_balancing_loss" in m:
         parts.append(f"load_balancing_loss: {m['load_balancing_loss']:.6E}")
+    for name in ("seq_load_balancing_loss", "global_load_balancing_loss"):
+        if name in m:
+            parts.append(f"{name}: {m[name]:.6E}")
     if m.get("z_loss"):
         parts.append(f"z_loss: {m['z_loss']:.6E}")
     parts += [
@@ -133,8 +155,10 @@ class StepLogger:
 
     def __init__(self, writer: MetricsWriter, *, train_iters: int, log_interval: int, tensorboard_log_interval: int,
                  check_nan: bool, global_batch_size: int, seq_length: int, lr_at, flops_per_step: float,
-                 num_devices: int, peak_tflops: float | None, log_timers: bool, timers: "Timers"):
+                 num_devices: int, peak_tflops: float | None, log_timers: bool, timers: "Timers",
+                 model_cfg=None, per_layer_router: bool = False):
         self.writer, self.train_iters, self.lr_at = writer, train_iters, lr_at
+        self.model_cfg, self.per_layer_router = model_cfg, per_layer_router  # --moe-per-layer-logging
         self.log_interval, self.tb_interval = log_interval, max(1, tensorboard_log_interval)
         self.check_nan, self.gbs, self.seq_length = check_nan, global_batch_size, seq_length
         self.flops_per_step, self.num_devices, self.peak = flops_per_step, num_devices, peak_tflops
@@ -191,9 +215,7 @@ class StepLogger:
         }
         arrays = {}
         if "load_balancing_loss" in m:
-            scalars["load_balancing_loss"] = float(m["load_balancing_loss"])
-            scalars["z_loss"] = float(m["z_loss"])
-            scalars["dropped tokens"] = float(m["dropped_tokens"])
+            scalars |= router_scalars(m, self.model_cfg, per_layer=self.per_layer_router)
             arrays["expert-load"] = np.asarray(m["tokens_per_expert"]).sum(axis=0)
         if self.log_timers:
             totals = self.timers.pop_all()

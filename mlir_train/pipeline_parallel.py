@@ -143,7 +143,8 @@ def from_stages(x_PRV: jax.Array) -> jax.Array:
 
 
 def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
-                  n_loss_tokens, scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: str):
+                  n_loss_tokens, scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: str,
+                  balancing: losses.LoadBalancing | None = None):
     """The scaled training objective of all ``M`` micro-batches of ``batch`` (leaves
     ``[M, B, T]``) through the pipeline, and the same ``aux`` the non-pipelined step collects.
 
@@ -155,6 +156,9 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
         raise ValueError(f"'layers' is split over {p} devices but the schedule has {schedule.stages} stages")
     r_chunks = schedule.virtual
     m = batch["input_ids"].shape[0]
+    if balancing is None:
+        balancing = losses.LoadBalancing(coeffs=(("aux_loss", aux_loss_coeff),) if aux_loss_coeff else (),
+                                         z_loss_coeff=z_loss_coeff)
     layers = jax.tree.map(lambda x: to_stages(x, schedule), params["layers"][0])
     rest = {k: v for k, v in params.items() if k != "layers"}
 
@@ -197,13 +201,18 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
             acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum, loss_tokens=acc["loss_tokens"] + count)
             if stats:
                 keep = valid.astype(jnp.float32)
-                aux_l = losses.switch_aux_loss_per_layer(stats, top_k) * keep
-                z_l = losses.z_loss_per_layer(stats) * keep
-                objective = objective + (aux_loss_coeff * jnp.sum(aux_l) + z_loss_coeff * jnp.sum(z_l)) / m
                 add = lambda a, v: a.at[chunk].add(v)
-                acc = dict(acc, aux_layers=add(acc["aux_layers"], aux_l), z_layers=add(acc["z_layers"], z_l),
+                # global_aux_loss: this chunk's running counts over the micro-batches before item w.
+                counts = acc["global_counts"][chunk] if "global_counts" in acc else None
+                router_objective, per_layer, counts = losses.router_losses(
+                    stats, balancing, top_k, counts, jnp.clip(w - chunk * m, 0, m - 1))
+                objective = objective + router_objective * keep / m
+                acc = dict(acc, router_layers={k: add(acc["router_layers"][k], v * keep) for k, v in per_layer.items()},
                            tokens_per_expert=add(acc["tokens_per_expert"], stats["tokens_per_expert"] * keep),
                            dropped_tokens=acc["dropped_tokens"] + jnp.sum(stats["dropped_tokens"]) * keep)
+                if counts is not None:
+                    acc["global_counts"] = acc["global_counts"].at[chunk].set(
+                        jnp.where(valid, counts, acc["global_counts"][chunk]))
             acc = dict(acc, objective=acc["objective"] + objective)
             shift = [(i, (i + 1) % p) for i in range(p if r_chunks > 1 else p - 1)]
             sent = jax.lax.ppermute(dict(cur, x=x), stage_axes, shift)
@@ -213,8 +222,12 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
         acc = {"objective": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0}
         if model.layers[0].is_moe:
             e = model.layers[0].mlp.num_experts
-            acc.update(aux_layers=jnp.zeros((r_chunks, v)), z_layers=jnp.zeros((r_chunks, v)),
+            names = ["load_balancing_loss", "z_loss"] + [
+                losses.TRACKER_NAMES[k] for k in ("seq_aux_loss", "global_aux_loss") if balancing.coeff(k) > 0]
+            acc.update(router_layers={k: jnp.zeros((r_chunks, v)) for k in names},
                        tokens_per_expert=jnp.zeros((r_chunks, v, e)), dropped_tokens=0.0)
+            if balancing.uses_global:
+                acc["global_counts"] = jnp.zeros((r_chunks, v, e))
         acc = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), acc)
         ring = jax.tree.map(lambda x: jnp.zeros((m,) + x.shape, x.dtype), empty) if r_chunks > 1 else None
         (_, _, acc), _ = jax.lax.scan(tick, (empty, ring, acc), jnp.arange(m * r_chunks + p - 1))
@@ -235,10 +248,10 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
     acc = run(layers, rest, batch, n_loss_tokens)
     objective = jnp.sum(acc.pop("objective"))
     aux = {"ce_sum": jnp.sum(acc["ce_sum"]), "loss_tokens": jnp.sum(acc["loss_tokens"])}
-    if "aux_layers" in acc:
+    if "router_layers" in acc:
         # Per-layer sums over micro-batches, back in layer order; /M gives the per-micro mean the
         # non-pipelined step logs, and a leading axis of 1 stands for its micro-batch axis.
-        aux.update(aux_layers=from_stages(acc["aux_layers"]) / m, z_layers=from_stages(acc["z_layers"]) / m,
+        aux.update(router_layers={k: (from_stages(v) / m)[None] for k, v in acc["router_layers"].items()},
                    tokens_per_expert=from_stages(acc["tokens_per_expert"])[None],
                    dropped_tokens=jnp.sum(acc["dropped_tokens"]))
     return objective * scale, aux

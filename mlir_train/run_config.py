@@ -25,6 +25,7 @@ This module imports no jax at import time, so entry points can read flags first.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from typing import Any, Callable, ClassVar
@@ -65,6 +66,14 @@ class Flag:
 def flag(*names: str, default: Any = None, group: str | None = None, **kwargs) -> Any:
     """A dataclass field spelled ``names`` on the command line."""
     return dataclasses.field(default=default, metadata={"flag": Flag(tuple(names), group, kwargs)})
+
+
+class OneOrList(argparse.Action):
+    """``nargs="+"`` that stores one value as itself and several as a list (Megatron's reading of
+    ``--moe-router-load-balancing-type`` and ``--moe-aux-loss-coeff``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else list(values))
 
 
 def switch(*names: str, help: str = "", group: str | None = None, default: bool = False) -> Any:
@@ -291,11 +300,39 @@ class TrainingFlags:
 @dataclasses.dataclass(frozen=True)
 class MoEFlags:
     GROUP: ClassVar[str] = "moe"
-    moe_router_load_balancing_type: str = flag(
-        "--moe-router-load-balancing-type", default="aux_loss",
-        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
-    moe_aux_loss_coeff: float = flag("--moe-aux-loss-coeff", default=0.0, type=float)
+    moe_router_load_balancing_type: str | list = flag(
+        "--moe-router-load-balancing-type", default="aux_loss", nargs="+", action=OneOrList,
+        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+        help="one type, or a list combined with one --moe-aux-loss-coeff each (sinkhorn is refused at start-up: "
+             "not implemented) (default: aux_loss)")
+    moe_aux_loss_coeff: float | list = flag("--moe-aux-loss-coeff", default=0.0, type=float, nargs="+", action=OneOrList,
+                                            help="one coefficient, or one per --moe-router-load-balancing-type "
+                                                 "(default: 0.0)")
     moe_z_loss_coeff: float | None = flag("--moe-z-loss-coeff", type=float)
+    moe_router_score_function: str = flag("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool | None = flag(
+        "--moe-router-pre-softmax", action="store_true",
+        help="softmax before the top-k, weights not renormalised (default: from --model-name's norm_topk_prob: "
+             "Qwen3-MoE renormalises, which is Megatron's default)")
+    moe_router_topk_scaling_factor: float | None = flag("--moe-router-topk-scaling-factor", type=float,
+                                                        help="multiply the top-k routing weights by this")
+    moe_router_num_groups: int | None = flag("--moe-router-num-groups", type=int,
+                                             help="expert groups for group-limited (device-limited) routing")
+    moe_router_group_topk: int | None = flag("--moe-router-group-topk", type=int,
+                                             help="groups each token may route to (with --moe-router-num-groups)")
+    moe_router_topk_limited_devices: int | None = flag(
+        "--moe-router-topk-limited-devices", type=int,
+        help="deprecated Megatron spelling of --moe-router-group-topk N with --moe-router-num-groups = "
+             "--expert-model-parallel-size")
+    moe_router_enable_expert_bias: bool = switch(
+        "--moe-router-enable-expert-bias",
+        help="aux-loss-free balancing (DeepSeek-V3): a per-expert bias, updated from each step's load, picks the "
+             "experts (needs --moe-router-score-function sigmoid)")
+    moe_router_bias_update_rate: float = flag("--moe-router-bias-update-rate", default=1e-3, type=float)
+    moe_router_dtype: str | None = flag("--moe-router-dtype", choices=["fp32", "fp64"],
+                                        help="the router always runs in fp32 here; fp64 is refused at start-up")
+    moe_per_layer_logging: bool = switch(
+        "--moe-per-layer-logging", help="also log each MoE layer's aux / z losses to TensorBoard (moe/<name>_layer_<i>)")
     moe_expert_capacity_factor: float | None = flag(
         "--moe-expert-capacity-factor", type=float,
         help="tokens per expert = factor * tokens * topk / experts (default: no dropping)")
@@ -305,9 +342,41 @@ class MoEFlags:
         help="needs --moe-expert-capacity-factor; our capacity buffers are always padded to capacity, so "
              "it changes nothing else (as in Megatron, where it only pads)")
 
-    @property
-    def aux_loss_coeff(self) -> float:
-        return 0.0 if self.moe_router_load_balancing_type == "none" else self.moe_aux_loss_coeff or 0.0
+    def load_balancing(self):
+        """The router losses and their coefficients (``mlir_train.losses.LoadBalancing``)."""
+        from mlir_train.losses import LoadBalancing, LoadBalancingError
+
+        try:
+            return LoadBalancing.from_flags(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff,
+                                            self.moe_z_loss_coeff)
+        except LoadBalancingError as e:
+            raise ConfigError(str(e)) from None
+
+    def router(self, model_cfg, expert_parallel: int):
+        """The router's settings (``mlir_train.model.router.RouterConfig``), checked as Megatron
+        checks them, or None for a dense model."""
+        from mlir_train.model.router import RouterConfig, RouterConfigError
+
+        if not model_cfg.is_moe:
+            return None
+        num_groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if self.moe_router_topk_limited_devices:
+            if group_topk:
+                raise ConfigError("--moe-router-topk-limited-devices is the deprecated spelling of "
+                                  "--moe-router-group-topk with --moe-router-num-groups: give only the new flags")
+            # Megatron's translation: device-limited routing over the expert-parallel ranks.
+            num_groups, group_topk = expert_parallel, self.moe_router_topk_limited_devices
+        router = RouterConfig(
+            score_function=self.moe_router_score_function, pre_softmax=self.moe_router_pre_softmax,
+            topk_scaling_factor=self.moe_router_topk_scaling_factor, num_groups=num_groups, group_topk=group_topk,
+            enable_expert_bias=self.moe_router_enable_expert_bias,
+            per_sequence_stats=self.load_balancing().per_sequence,
+        )
+        try:
+            router.check(model_cfg.num_experts, model_cfg.top_k, model_cfg.norm_topk_prob)
+        except RouterConfigError as e:
+            raise ConfigError(str(e)) from None
+        return router
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,7 +523,7 @@ NOOP_FLAGS: dict[str, tuple[int, str]] = {
         "--apply-query-key-layer-scaling": 0, "--moe-grouped-gemm": 0, "--moe-permute-fusion": 0,
         "--moe-use-legacy-grouped-gemm": 0, "--moe-token-dispatcher-type": 1}.items()},
     "--attention-softmax-in-fp32": (0, "the attention softmax is always float32 here"),
-    "--moe-router-dtype": (1, "the router always runs in float32 here"),
+    "--moe-router-fusion": (0, "Transformer Engine's fused top-k / aux-loss kernels: XLA fuses the same ops"),
     # torch.distributed / NCCL / DDP plumbing: XLA inserts and schedules the collectives
     **{f: (n, "torch.distributed/NCCL plumbing: XLA inserts and schedules the collectives") for f, n in {
         "--distributed-backend": 1, "--distributed-timeout-minutes": 1, "--overlap-grad-reduce": 0,
@@ -498,7 +567,6 @@ ARCH_IMPLIED_FLAGS: dict[str, tuple[int, tuple[str, ...] | None]] = {
     "--normalization": (1, ("RMSNorm",)),
     "--position-embedding-type": (1, ("rope",)),
     "--rotary-percent": (1, ("1", "1.0")),
-    "--moe-router-score-function": (1, ("softmax",)),
 }
 
 
@@ -522,9 +590,13 @@ REFUSED: dict[str, Refusal] = {
         "the expert width is split over the tensor-parallel ranks (Megatron's default, ETP = TP); an expert "
         "tensor-parallel size different from --tensor-model-parallel-size is not implemented yet: drop the flag"),
     "--moe-router-load-balancing-type": Refusal(
-        lambda v, c: v in ("aux_loss", "none"),
-        "only aux_loss (Megatron's switch load-balancing loss over the global batch) and none are "
-        "implemented; seq_aux_loss, global_aux_loss and sinkhorn are not yet"),
+        lambda v, c: "sinkhorn" not in ([v] if isinstance(v, str) else v),
+        "sinkhorn (S-BASE) is not implemented; use aux_loss, seq_aux_loss, global_aux_loss, a list of them, or "
+        "none (with --moe-router-enable-expert-bias for aux-loss-free balancing)"),
+    "--moe-router-dtype": Refusal(
+        lambda v, c: v in (None, "fp32"),
+        "fp64 is not implemented (it would need JAX's x64 mode for the whole program); the router runs in fp32 "
+        "here: use --moe-router-dtype fp32 or drop the flag"),
     "--recompute-method": Refusal(
         lambda v, c: v is None,
         "recomputing only some layers is not implemented yet: --recompute-granularity full/selective applies "
@@ -667,16 +739,17 @@ class Run:
         kwargs = platform_model_kwargs(self.platform, is_moe=self.model.is_moe) | dict(remat=self.remat)
         if self.model.is_moe:
             m = self.config.moe
-            kwargs |= dict(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy)
+            kwargs |= dict(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy,
+                           router=m.router(self.model, self.parallel.expert))
         return kwargs
 
     def step_config(self):
         from mlir_train.train import StepConfig
 
+        m = self.config.moe
         return StepConfig(num_micro_batches=self.num_micro_batches, compute_dtype=self.compute_dtype,
-                          aux_loss_coeff=self.config.moe.aux_loss_coeff,
-                          z_loss_coeff=self.config.moe.moe_z_loss_coeff or 0.0,
-                          layers_per_virtual_stage=self.config.parallel.num_layers_per_virtual_pipeline_stage)
+                          layers_per_virtual_stage=self.config.parallel.num_layers_per_virtual_pipeline_stage,
+                          balancing=m.load_balancing(), expert_bias_update_rate=m.moe_router_bias_update_rate)
 
     def lr_schedule(self):
         return self.config.training.lr_schedule(self.global_batch_size)
@@ -716,6 +789,10 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
                           num_stacks=len(set(model_cfg.layer_kinds())), num_micro_batches=num_micro)
     except ParallelConfigError as e:
         raise ConfigError(str(e)) from None
+    cfg.moe.router(model_cfg, parallel.expert)  # Megatron's router checks, before anything compiles
+    if model_cfg.is_moe and cfg.moe.moe_router_num_groups and not cfg.moe.moe_router_group_topk:
+        print("mlir-train: --moe-router-num-groups without --moe-router-group-topk routes without groups "
+              "(as in Megatron)")
     if platform is None:
         import jax
 

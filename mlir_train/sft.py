@@ -135,7 +135,8 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
                                                                recompute_full=run.remat == "full"),
         num_devices=jax.device_count(), peak_tflops=flops_lib.device_peak_tflops(
             "bf16" if run.compute_dtype != "float32" else "fp32", cfg.extras.peak_tflops),
-        log_timers=lg.log_timers_to_tensorboard, timers=timers)
+        log_timers=lg.log_timers_to_tensorboard, timers=timers, model_cfg=model_cfg,
+        per_layer_router=cfg.moe.moe_per_layer_logging)
     evaluate = Evaluator(trainer, data.valid if data.valid.num_rows else None, global_batch_size=gbs,
                          eval_iters=t.eval_iters, seed=seed, split=cfg.data.split, process_index=pid,
                          process_count=nproc, logger=logger, timers=timers)

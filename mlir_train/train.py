@@ -11,10 +11,15 @@ Megatron semantics matched here (see the tests for each):
 * gradient accumulation over ``num_micro_batches`` micro-batches inside the step (a scan);
 * loss = sum of token losses over the *whole global batch* / number of loss tokens in it, so
   micro-batches with more loss tokens weigh more (Megatron's per-token loss normalisation);
-* MoE aux loss: ``coeff * sum over layers of switch_aux_loss(layer)`` per micro-batch,
-  averaged over micro-batches (Megatron scales its aux-loss gradient by 1/num_microbatches);
-  z-loss likewise. Logged ``load_balancing_loss`` is ``coeff * mean over layers`` as Megatron's
-  tracker reports it;
+* MoE load balancing (``losses.router_losses``, one ``losses.LoadBalancing``): each of
+  ``aux_loss`` / ``seq_aux_loss`` / ``global_aux_loss`` in use, ``coeff * sum over layers`` per
+  micro-batch, averaged over micro-batches (Megatron scales its aux-loss gradient by
+  1/num_microbatches); z-loss likewise. Logged ``load_balancing_loss`` (and
+  ``seq_/global_load_balancing_loss``) is ``coeff * mean over layers``; ``"<name> per layer"``
+  holds the raw per-layer values (``--moe-per-layer-logging``);
+* aux-loss-free balancing (``--moe-router-enable-expert-bias``): after the optimizer update each
+  MoE layer's ``expert_bias`` (a float32 parameter with no gradient, never cast to the compute
+  dtype) moves by ``expert_bias_update_rate`` against the step's routed load;
 * ``bf16``/``fp16``: float32 master weights and optimizer state, the forward/backward in the
   low precision (router, attention softmax, logits and loss stay float32 inside the model);
   fp16 adds dynamic loss scaling, skipping the update on overflow;
@@ -41,10 +46,15 @@ from mlir_train import losses, pipeline_parallel
 from mlir_train.config import ModelConfig
 from mlir_train.data.dataset import BATCH_KEYS
 from mlir_train.model import Qwen3, logical_axes
+from mlir_train.model.router import updated_expert_bias
 from mlir_train.optim import LossScaler, global_norm, select_tree
 from sharding import logical_to_spec, use_rules
 from sharding.mesh import ParallelConfig
 from sharding.rules import StateSpecs, rules_for, state_specs
+
+def _is_expert_bias(path) -> bool:
+    return bool(path) and getattr(path[-1], "key", None) == "expert_bias"
+
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -56,6 +66,16 @@ class StepConfig:
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     layers_per_virtual_stage: int | None = None  # --num-layers-per-virtual-pipeline-stage
+    # --moe-router-load-balancing-type with --moe-aux-loss-coeff / --moe-z-loss-coeff; None: an
+    # ``aux_loss`` of ``aux_loss_coeff`` and a z-loss of ``z_loss_coeff``.
+    balancing: losses.LoadBalancing | None = None
+    expert_bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate (with an expert bias)
+
+    def load_balancing(self) -> losses.LoadBalancing:
+        if self.balancing is not None:
+            return self.balancing
+        return losses.LoadBalancing(coeffs=(("aux_loss", self.aux_loss_coeff),) if self.aux_loss_coeff else (),
+                                    z_loss_coeff=self.z_loss_coeff)
 
 
 def model_dims(cfg: ModelConfig) -> dict[str, int]:
@@ -90,6 +110,9 @@ class Trainer:
             num_stacks=len(abstract.stack_kinds), num_micro_batches=step_cfg.num_micro_batches,
         )
         self.graphdef, abstract_state = nnx.split(abstract)
+        self.stack_kinds = abstract.stack_kinds
+        router_cfg = self.model_kwargs.get("router")
+        self.expert_bias = bool(model_cfg.is_moe and router_cfg is not None and router_cfg.enable_expert_bias)
         self.param_shapes = nnx.to_pure_dict(abstract_state)
         self.logical = nnx.to_pure_dict(logical_axes(abstract))
         self.specs: StateSpecs = state_specs(parallel, self.param_shapes, self.logical, mesh, model_dims(model_cfg))
@@ -159,11 +182,13 @@ class Trainer:
     # ----- the step -------------------------------------------------------------------------
     def _to_compute(self, params: Any) -> Any:
         dtype = DTYPES[self.step_cfg.compute_dtype]
-        return jax.tree.map(
-            lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), params, self.compute_shardings
+        # The expert bias stays float32 (Megatron keeps it so too): it only compares scores.
+        return jax.tree_util.tree_map_with_path(
+            lambda path, p, s: jax.lax.with_sharding_constraint(p if _is_expert_bias(path) else p.astype(dtype), s),
+            params, self.compute_shardings,
         )
 
-    def _micro_loss(self, params, mb, n_loss_tokens, scale):
+    def _micro_loss(self, params, mb, n_loss_tokens, scale, global_counts=None, micro_index=None):
         cfg, sc = self.model_cfg, self.step_cfg
         model = nnx.merge(self.graphdef, self._to_compute(params))
         h, stats = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
@@ -171,13 +196,29 @@ class Trainer:
         objective = ce_sum / n_loss_tokens
         aux = {"ce_sum": ce_sum, "loss_tokens": count}
         if stats:
-            aux_l = losses.switch_aux_loss_per_layer(stats, cfg.top_k)
-            z_l = losses.z_loss_per_layer(stats)
-            m = sc.num_micro_batches
-            objective = objective + (sc.aux_loss_coeff * jnp.sum(aux_l) + sc.z_loss_coeff * jnp.sum(z_l)) / m
-            aux.update(aux_layers=aux_l, z_layers=z_l, tokens_per_expert=stats["tokens_per_expert"],
+            router_objective, per_layer, counts = losses.router_losses(
+                stats, sc.load_balancing(), cfg.top_k, global_counts, micro_index)
+            objective = objective + router_objective / sc.num_micro_batches
+            aux.update(router_layers=per_layer, tokens_per_expert=stats["tokens_per_expert"],
                        dropped_tokens=jnp.sum(stats["dropped_tokens"]))
+            if global_counts is not None:
+                aux["global_counts"] = counts
         return objective * scale, aux
+
+    def _update_expert_bias(self, params, tokens_LE):
+        """``params`` with every MoE stack's ``expert_bias`` moved by Megatron's
+        ``get_updated_expert_bias`` from ``tokens_LE`` (the step's routed load, MoE layers in order)."""
+        layers, first = dict(params["layers"]), 0
+        for i, (_, n, is_moe) in enumerate(self.stack_kinds):
+            if not is_moe:
+                continue
+            stack = dict(layers[i])
+            mlp = dict(stack["mlp"])
+            mlp["expert_bias"] = updated_expert_bias(mlp["expert_bias"], tokens_LE[first:first + n],
+                                                     self.step_cfg.expert_bias_update_rate)
+            stack["mlp"], layers[i] = mlp, stack
+            first += n
+        return {**params, "layers": layers}
 
     def _pipeline_loss(self, params, batch, n_loss_tokens, scale):
         """All micro-batches through the pipeline stages at once (see ``mlir_train.pipeline_parallel``)."""
@@ -185,7 +226,7 @@ class Trainer:
         return pipeline_parallel.pipeline_loss(
             self.graphdef, self._to_compute(params), batch, schedule=self.schedule, n_loss_tokens=n_loss_tokens,
             scale=scale, top_k=self.model_cfg.top_k, aux_loss_coeff=sc.aux_loss_coeff, z_loss_coeff=sc.z_loss_coeff,
-            remat=self.model_kwargs.get("remat", "none"),
+            remat=self.model_kwargs.get("remat", "none"), balancing=sc.load_balancing(),
         )
 
     def _step(self, state, batch):
@@ -195,14 +236,20 @@ class Trainer:
         n_loss_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
-        def micro(acc, mb):
-            (_, aux), g = grad_fn(params, mb, n_loss_tokens, scale)
+        def micro(carry, xs):
+            acc, counts = carry  # counts: global_aux_loss's running expert counts, or None
+            mb, i = xs
+            (_, aux), g = grad_fn(params, mb, n_loss_tokens, scale, counts, i)
             acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-            return acc, aux
+            return (acc, aux.pop("global_counts", None)), aux
 
         if self.schedule is None:
             zeros = jax.tree.map(jnp.zeros_like, params)
-            grads, aux = jax.lax.scan(micro, zeros, batch)
+            counts = None
+            if self.model_cfg.is_moe and self.step_cfg.load_balancing().uses_global:
+                counts = jnp.zeros((sum(self.model_cfg.layer_kinds()), self.model_cfg.num_experts), jnp.float32)
+            m = batch["input_ids"].shape[0]
+            (grads, _), aux = jax.lax.scan(micro, (zeros, counts), (batch, jnp.arange(m)))
         else:
             (_, aux), grads = jax.value_and_grad(self._pipeline_loss, has_aux=True)(params, batch, n_loss_tokens, scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
@@ -216,6 +263,11 @@ class Trainer:
             new_state["params"] = select_tree(finite, new_params, params)
             new_state["opt_state"] = select_tree(finite, opt_state, state["opt_state"])
             new_state["loss_scale"] = scaler.update(ls, ~finite)
+        if self.expert_bias:
+            # Aux-loss-free balancing, outside the gradient: each layer's bias moves by the update
+            # rate against its load over the whole global batch. Megatron does this in
+            # finalize_model_grads, before the optimizer step, so an fp16-skipped step moves it too.
+            new_state["params"] = self._update_expert_bias(new_state["params"], jnp.sum(aux["tokens_per_expert"], axis=0))
         metrics = {
             "lm loss": jnp.sum(aux["ce_sum"]) / n_loss_tokens,
             "grad-norm": grad_norm,
@@ -223,10 +275,18 @@ class Trainer:
             "skipped": (~finite).astype(jnp.int32) if scaler is not None else jnp.int32(0),
             "loss-scale": scale,
         }
-        if "aux_layers" in aux:
-            metrics["load_balancing_loss"] = self.step_cfg.aux_loss_coeff * jnp.mean(aux["aux_layers"])
-            metrics["aux_loss_raw"] = jnp.mean(aux["aux_layers"])
-            metrics["z_loss"] = self.step_cfg.z_loss_coeff * jnp.mean(aux["z_layers"])
+        if "router_layers" in aux:
+            lb = self.step_cfg.load_balancing()
+            # Raw (coefficient-free) per-layer values, the mean over micro-batches: [L_moe] each.
+            layers = {k: jnp.mean(v, axis=0) for k, v in aux["router_layers"].items()}
+            metrics.update({f"{name} per layer": v for name, v in layers.items()})
+            metrics["load_balancing_loss"] = lb.coeff("aux_loss") * jnp.mean(layers["load_balancing_loss"])
+            metrics["aux_loss_raw"] = jnp.mean(layers["load_balancing_loss"])
+            metrics["z_loss"] = lb.z_loss_coeff * jnp.mean(layers["z_loss"])
+            for kind in ("seq_aux_loss", "global_aux_loss"):
+                name = losses.TRACKER_NAMES[kind]
+                if name in layers:
+                    metrics[name] = lb.coeff(kind) * jnp.mean(layers[name])
             metrics["tokens_per_expert"] = jnp.sum(aux["tokens_per_expert"], axis=0)  # [L_moe, E]
             metrics["dropped_tokens"] = jnp.sum(aux["dropped_tokens"])
         return new_state, metrics

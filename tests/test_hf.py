@@ -219,3 +219,21 @@ def test_misshaped_tensor_is_named(hf_moe, tmp_path):
 def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
         load_pretrained(str(tmp_path / "nope"))
+
+
+def test_expert_bias_starts_at_zero_and_is_not_exported(hf_moe, tmp_path, capsys):
+    """--moe-router-enable-expert-bias on an HF model: the bias (no HF tensor) starts at zero, and
+    save_pretrained warns that a non-zero bias cannot be written (the HF model routes without it)."""
+    from mlir_train.model.router import RouterConfig
+
+    hf, path = hf_moe
+    model = load_pretrained(path, dtype=jnp.float32,
+                            router=RouterConfig(score_function="sigmoid", enable_expert_bias=True))
+    stack = model.layers[1]  # layer 0 is dense
+    assert stack.mlp.expert_bias[...].shape == (2, 4) and not np.any(np.asarray(stack.mlp.expert_bias[...]))
+    stack.mlp.expert_bias[...] = jnp.full((2, 4), 0.01)
+    save_pretrained(model, str(tmp_path / "out"))
+    assert "expert bias" in capsys.readouterr().out
+    reloaded = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "out"))  # no unexpected tensor
+    np.testing.assert_array_equal(reloaded.model.layers[1].mlp.gate.weight.detach().numpy(),
+                                  hf.model.layers[1].mlp.gate.weight.detach().numpy())

@@ -32,7 +32,7 @@ With ``capacity_factor`` set (Megatron's ``--moe-expert-capacity-factor``) the p
 has C = ceil(capacity_factor * S*K/E) and overflowing assignments are dropped, by position
 (later tokens first) or by probability (``--moe-token-drop-policy probs``); drops are counted.
 
-The code is split by concern: routing here (:meth:`MoE.route`, :func:`_top_k`); the expert
+The code is split by concern: routing in :mod:`mlir_train.model.router` (called by :meth:`MoE.route`); the expert
 kernels in :mod:`mlir_train.model.moe_experts`; sorting, block layout and padded/ragged
 dispatch on one rank in :mod:`mlir_train.model.moe_dispatch`; the data- and
 expert-parallel manual regions in :mod:`mlir_train.model.moe_parallel`. How a block runs its
@@ -54,7 +54,8 @@ from mlir_train.model.moe_dispatch import (
 from mlir_train.model.moe_experts import BlockKernels, mosaic_block_kernels, xla_block_kernels
 from mlir_train.model.moe_gpu import BLOCK_ROWS as GPU_BLOCK_ROWS
 from mlir_train.model.moe_parallel import run_experts
-from sharding import constrain, logical_shard_map, mesh_axes_of
+from mlir_train.model.router import RouterConfig, route, router_logits
+from sharding import constrain
 
 __all__ = ["DEFAULT_MOE_IMPL", "MOE_IMPLS", "MoE", "ExpertsPlan", "BlockKernels", "block_layout", "block_rows",
            "ragged_all_to_all_dense"]
@@ -84,6 +85,7 @@ class MoE(nnx.Module):
         platform: str | None = None,
         ragged_all_to_all: Callable | None = None,
         block_kernels: BlockKernels | None = None,
+        router: RouterConfig | None = None,
     ):
         platform = platform or jax.default_backend()
         if ragged_all_to_all is None and impl in ("ragged", "grouped") and capacity_factor is None:
@@ -105,33 +107,23 @@ class MoE(nnx.Module):
         self.impl = impl
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
+        self.router_cfg = router or RouterConfig()
+        self.router_cfg.check(e, cfg.top_k, cfg.norm_topk_prob)
+        if self.router_cfg.enable_expert_bias:
+            # Aux-loss-free balancing state: float32, no gradient (the router stops it), moved by
+            # the trainer from each step's load (``mlir_train.model.router.updated_expert_bias``).
+            self.expert_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("router_exp",))
 
-    # ----- routing -----------------------------------------------------------------------
-    def route(self, x_SD: jax.Array, valid_S: jax.Array):
+    # ----- routing (mlir_train.model.router) ------------------------------------------------
+    def route(self, x_SD: jax.Array, valid_S: jax.Array, segment_ids_BT: jax.Array | None = None):
         """Router in float32 (Megatron and HF both softmax in fp32; we also matmul in fp32)."""
-        logits_SE = jnp.einsum(
-            "sd,de->se", x_SD.astype(jnp.float32), self.router[...].astype(jnp.float32),
-            precision=jax.lax.Precision.HIGHEST,
-        )
-        probs_SE = jax.nn.softmax(logits_SE, axis=-1)
-        weights_SK, experts_SK = _top_k(probs_SE, self.top_k)
-        if self.norm_topk_prob:
-            weights_SK = weights_SK / jnp.sum(weights_SK, axis=-1, keepdims=True)
-        valid = valid_S.astype(jnp.float32)
-        counts_E = jnp.sum(jax.nn.one_hot(experts_SK, self.num_experts, dtype=jnp.float32) * valid[:, None, None], axis=(0, 1))
-        lse_S = jax.nn.logsumexp(logits_SE, axis=-1)
-        stats = {
-            # Everything the trainer needs for Megatron's aux loss / z-loss and load logging,
-            # with padding tokens excluded.
-            "tokens_per_expert": counts_E,
-            "probs_per_expert": jnp.sum(probs_SE * valid[:, None], axis=0),
-            "num_tokens": jnp.sum(valid),
-            "z_loss_sum": jnp.sum(jnp.square(lse_S) * valid),
-        }
-        return weights_SK, experts_SK, stats
+        logits_SE = router_logits(x_SD, self.router[...])
+        bias = self.expert_bias[...] if self.router_cfg.enable_expert_bias else None
+        return route(logits_SE, valid_S, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, cfg=self.router_cfg,
+                     expert_bias_E=bias, segment_ids_BT=segment_ids_BT)
 
     # ----- experts -------------------------------------------------------------------------
-    def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array):
+    def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
         b, t, d = x_BTD.shape
         x_SD = constrain(x_BTD.reshape(b * t, d), ("act_tokens", "act_embed"))
         valid_S = valid_BT.reshape(-1)
@@ -158,14 +150,3 @@ class MoE(nnx.Module):
         u_SEF = jnp.einsum("sd,edf->sef", x_SD, wu)
         y_SED = jnp.einsum("sef,efd->sed", jax.nn.silu(g_SEF) * u_SEF, wd)
         return jnp.einsum("sed,se->sd", y_SED, combine_SE)
-
-
-def _top_k(probs_SE, k):
-    """``jax.lax.top_k`` per token. With the tokens split over ranks it runs in a region manual
-    over them: left to XLA, the partitioner all-gathers every token's probabilities to every
-    rank for the TopK."""
-    if mesh_axes_of("act_tokens")[1] == 1:
-        return jax.lax.top_k(probs_SE, k)
-    tokens = ("act_tokens", None)
-    return logical_shard_map(lambda p: tuple(jax.lax.top_k(p, k)), in_names=(tokens,), out_names=(tokens, tokens),
-                             manual=("act_tokens",))(probs_SE)

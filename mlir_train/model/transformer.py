@@ -14,10 +14,12 @@ Calling convention::
 
 ``segment_ids`` (int, 1, 2, ... per packed document, 0 = padding) restrict attention to the
 same document; ``positions`` restart RoPE per document (default ``0..T-1``). ``stats`` maps
-names to arrays with a leading MoE-layer axis: ``tokens_per_expert [L, E]``,
-``probs_per_expert [L, E]`` (sums of softmax router probabilities), ``num_tokens [L]``,
-``z_loss_sum [L]``, ``dropped_tokens [L]``, all excluding padding tokens (segment id 0);
-see ``mlir_train.losses`` for the aux / z losses formed from them.
+names to arrays with a leading MoE-layer axis: ``tokens_per_expert [L, E]`` (routed),
+``aux_tokens_per_expert [L, E]`` and ``probs_per_expert [L, E]`` (what the aux losses count
+and sum), ``num_tokens [L]``, ``z_loss_sum [L]``, ``dropped_tokens [L]`` (and per-document
+sums for ``seq_aux_loss``), all excluding padding tokens (segment id 0); see
+``mlir_train.model.router`` for their definitions and ``mlir_train.losses`` for the aux / z
+losses formed from them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from mlir_train.config import ModelConfig
 from mlir_train.losses import linear_cross_entropy_sum
 from mlir_train.model.layers import DEFAULT_ATTENTION_IMPL, MLP, Attention, RMSNorm, attention_mask, param, rope_tables
 from mlir_train.model.moe import DEFAULT_MOE_IMPL, MoE
+from mlir_train.model.router import RouterConfig
 from sharding import constrain
 
 REMAT_POLICIES = ("none", "full", "selective")
@@ -41,7 +44,8 @@ REMAT_POLICIES = ("none", "full", "selective")
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype,
-                 moe_block_loop: bool | None = None, moe_platform: str | None = None, attention_impl: str = "xla"):
+                 moe_block_loop: bool | None = None, moe_platform: str | None = None, attention_impl: str = "xla",
+                 router: RouterConfig | None = None):
         # Megatron scales the init of the two output projections by 1/sqrt(2 * num_layers).
         out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -50,16 +54,16 @@ class DecoderLayer(nnx.Module):
         self.is_moe = moe
         if moe:
             self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy,
-                           dtype=dtype, block_loop=moe_block_loop, platform=moe_platform)
+                           dtype=dtype, block_loop=moe_block_loop, platform=moe_platform, router=router)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype)
 
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_BTS, valid_BT):
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_BTS, segment_ids_BT):
         x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), cos_BTH, sin_BTH, mask_BTS)
         x_BTD = constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
         h_BTD = self.post_attn_norm(x_BTD)
         if self.is_moe:
-            y_BTD, stats = self.mlp(h_BTD, valid_BT)
+            y_BTD, stats = self.mlp(h_BTD, segment_ids_BT != 0, segment_ids_BT)
         else:
             y_BTD, stats = self.mlp(h_BTD), {}
         x_BTD = constrain(x_BTD + y_BTD, ("act_batch", "act_res_seq", "act_embed"))
@@ -95,6 +99,7 @@ class Qwen3(nnx.Module):
         moe_block_loop: bool | None = None,
         moe_platform: str | None = None,
         attention_impl: str = "xla",
+        router: RouterConfig | None = None,
     ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat policy {remat!r}; choose one of {REMAT_POLICIES}")
@@ -111,6 +116,7 @@ class Qwen3(nnx.Module):
             make = lambda r, is_moe=is_moe: DecoderLayer(
                 cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype,
                 moe_block_loop=moe_block_loop, moe_platform=moe_platform, attention_impl=attention_impl,
+                router=router,
             )
             layers.append(_stacked(make, n, rngs))
             kinds.append((start, n, is_moe))
@@ -143,10 +149,11 @@ class Qwen3(nnx.Module):
     def layer_context(self, segment_ids_BT, positions_BT) -> tuple[jax.Array, ...]:
         """What every decoder layer needs besides ``x``: RoPE tables, packed-document causal
         mask (the segment ids themselves for the flash kernel, which masks as it goes) and the
-        non-padding flags, all derived from one micro-batch's ids and positions."""
+        segment ids (0 = padding; the router counts per document), all derived from one
+        micro-batch's ids and positions."""
         cos_BTH, sin_BTH = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling_factor)
         mask = segment_ids_BT if self.attention_impl == "flash" else attention_mask(segment_ids_BT)
-        return cos_BTH, sin_BTH, mask, segment_ids_BT != 0
+        return cos_BTH, sin_BTH, mask, segment_ids_BT
 
     def hidden_states(self, input_ids_BT, *, segment_ids=None, positions=None):
         """Final-normed hidden states ``[B, T, D]`` and router stats (dict of ``[L_moe, ...]``)."""
