@@ -118,8 +118,6 @@ JAX_IGNORED_FLAGS: dict[str, int] = {
     "--timing-log-level": 1,
     "--timing-log-option": 1,
     "--tensorboard-queue-size": 1,
-    # our loss is already sum(token losses) / number of loss tokens over the global batch
-    "--calculate-per-token-loss": 0,
 }
 
 # Flags that restate the Qwen3 architecture: flag -> (arity, accepted values or None).
@@ -276,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="init std for fresh weights (default: from --model-name, 0.02)")
     t.add_argument("--micro-batch-size", type=int, default=None, help="rows per data-parallel rank per micro-step")
     t.add_argument("--global-batch-size", type=int, default=None, help="rows per optimizer step")
+    t.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="normalise the loss by all loss tokens of the global batch (default, as Megatron: "
+                        "each data-parallel micro-batch's loss by its own loss tokens, then averaged)")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate")
     t.add_argument("--min-lr", type=float, default=0.0)
     t.add_argument("--lr-decay-style", default="linear",

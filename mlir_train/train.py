@@ -9,8 +9,13 @@ state is a plain pytree::
 Megatron semantics matched here (see the tests for each):
 
 * gradient accumulation over ``num_micro_batches`` micro-batches inside the step (a scan);
-* loss = sum of token losses over the *whole global batch* / number of loss tokens in it, so
-  micro-batches with more loss tokens weigh more (Megatron's per-token loss normalisation);
+* the LM objective as Megatron normalises it, one per-token weight computed once per step
+  (:func:`losses.loss_token_weights`): by default the mean over every data-parallel rank's
+  micro-batch (``--micro-batch-size`` consecutive rows) of its summed token loss / its loss
+  tokens; with ``--calculate-per-token-loss`` the sum of token losses over the whole global
+  batch / the number of loss tokens in it. Logged ``lm loss`` is the latter in both modes, as
+  Megatron's ``train_step`` reports it (summed loss and token counts over micro-batches and
+  data-parallel ranks); evaluation likewise;
 * MoE aux loss: ``coeff * sum over layers of switch_aux_loss(layer)`` per micro-batch,
   averaged over micro-batches (Megatron scales its aux-loss gradient by 1/num_microbatches);
   z-loss likewise. Logged ``load_balancing_loss`` is ``coeff * mean over layers`` as Megatron's
@@ -56,6 +61,8 @@ class StepConfig:
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     layers_per_virtual_stage: int | None = None  # --num-layers-per-virtual-pipeline-stage
+    micro_batch_size: int = 1  # --micro-batch-size: rows of one data-parallel rank's micro-batch
+    per_token_loss: bool = False  # --calculate-per-token-loss
 
 
 def model_dims(cfg: ModelConfig) -> dict[str, int]:
@@ -163,12 +170,11 @@ class Trainer:
             lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), params, self.compute_shardings
         )
 
-    def _micro_loss(self, params, mb, n_loss_tokens, scale):
+    def _micro_loss(self, params, mb, scale):
         cfg, sc = self.model_cfg, self.step_cfg
         model = nnx.merge(self.graphdef, self._to_compute(params))
         h, stats = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
-        ce_sum, count = model.loss_sums(h, mb["labels"], mb["loss_mask"])
-        objective = ce_sum / n_loss_tokens
+        objective, ce_sum, count = model.weighted_loss_sums(h, mb["labels"], mb["loss_mask"], mb["loss_weight"])
         aux = {"ce_sum": ce_sum, "loss_tokens": count}
         if stats:
             aux_l = losses.switch_aux_loss_per_layer(stats, cfg.top_k)
@@ -179,11 +185,11 @@ class Trainer:
                        dropped_tokens=jnp.sum(stats["dropped_tokens"]))
         return objective * scale, aux
 
-    def _pipeline_loss(self, params, batch, n_loss_tokens, scale):
+    def _pipeline_loss(self, params, batch, scale):
         """All micro-batches through the pipeline stages at once (see ``mlir_train.pipeline``)."""
         sc = self.step_cfg
         return pipeline.pipeline_loss(
-            self.graphdef, self._to_compute(params), batch, schedule=self.schedule, n_loss_tokens=n_loss_tokens,
+            self.graphdef, self._to_compute(params), batch, schedule=self.schedule,
             scale=scale, top_k=self.model_cfg.top_k, aux_loss_coeff=sc.aux_loss_coeff, z_loss_coeff=sc.z_loss_coeff,
             remat=self.model_kwargs.get("remat", "none"),
         )
@@ -193,10 +199,13 @@ class Trainer:
         scaler, ls = self.loss_scaler, state["loss_scale"]
         scale = ls.scale if scaler is not None else jnp.float32(1.0)
         n_loss_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        sc = self.step_cfg
+        batch = dict(batch, loss_weight=losses.loss_token_weights(
+            batch["loss_mask"], micro_batch_size=sc.micro_batch_size, per_token=sc.per_token_loss))
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
         def micro(acc, mb):
-            (_, aux), g = grad_fn(params, mb, n_loss_tokens, scale)
+            (_, aux), g = grad_fn(params, mb, scale)
             acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
             return acc, aux
 
@@ -204,7 +213,7 @@ class Trainer:
             zeros = jax.tree.map(jnp.zeros_like, params)
             grads, aux = jax.lax.scan(micro, zeros, batch)
         else:
-            (_, aux), grads = jax.value_and_grad(self._pipeline_loss, has_aux=True)(params, batch, n_loss_tokens, scale)
+            (_, aux), grads = jax.value_and_grad(self._pipeline_loss, has_aux=True)(params, batch, scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
         grad_norm = global_norm(grads)
         finite = jnp.isfinite(grad_norm)
@@ -257,8 +266,7 @@ class Trainer:
         if batch["input_ids"].ndim == 2:
             batch = {k: v[None] for k, v in batch.items()}
         if self.schedule is not None:  # the forward half of the training pipeline
-            one = jnp.float32(1.0)
-            _, aux = self._pipeline_loss(params, batch, one, one)
+            _, aux = self._pipeline_loss(params, dict(batch, loss_weight=batch["loss_mask"]), jnp.float32(1.0))
             return {"ce_sum": aux["ce_sum"], "loss_tokens": aux["loss_tokens"]}
         model = nnx.merge(self.graphdef, self._to_compute(params))
 
