@@ -266,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # ---- training (TRAINING_ARGS) --------------------------------------------------------
     t = g["training"]
-    t.add_argument("--training-phase", default="sft", choices=["sft", "pretrain"])
+    t.add_argument("--training-phase", default="sft", choices=["sft", "pretrain"],
+                   help="sft: lm loss logged as AIAK's SFT phase (the normalised objective); "
+                        "pretrain: as Megatron-LM (global token mean)")
     t.add_argument("--seq-length", type=int, default=None, help="tokens per sample row")
     t.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default: from --model-name")

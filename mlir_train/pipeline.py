@@ -195,7 +195,8 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
             last = valid & (stage == p - 1) & (chunk == r_chunks - 1)
             objective, ce_sum, count = head_loss(x, cur["labels"], cur["loss_mask"] * last.astype(cur["loss_mask"].dtype),
                                                  cur["loss_weight"] * last.astype(cur["loss_weight"].dtype))
-            acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum, loss_tokens=acc["loss_tokens"] + count)
+            acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum, loss_tokens=acc["loss_tokens"] + count,
+                       lm_objective=acc["lm_objective"] + objective)
             if stats:
                 keep = valid.astype(jnp.float32)
                 aux_l = losses.switch_aux_loss_per_layer(stats, top_k) * keep
@@ -211,7 +212,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
             return (sent, ring, acc), None
 
         v = jax.tree.leaves(layers_RV)[0].shape[1]
-        acc = {"objective": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0}
+        acc = {"objective": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0, "lm_objective": 0.0}
         if model.layers[0].is_moe:
             e = model.layers[0].mlp.num_experts
             acc.update(aux_layers=jnp.zeros((r_chunks, v)), z_layers=jnp.zeros((r_chunks, v)),
@@ -235,7 +236,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
     )
     acc = run(layers, rest, batch)
     objective = jnp.sum(acc.pop("objective"))
-    aux = {"ce_sum": jnp.sum(acc["ce_sum"]), "loss_tokens": jnp.sum(acc["loss_tokens"])}
+    aux = {k: jnp.sum(acc[k]) for k in ("ce_sum", "loss_tokens", "lm_objective")}
     if "aux_layers" in acc:
         # Per-layer sums over micro-batches, back in layer order; /M gives the per-micro mean the
         # non-pipelined step logs, and a leading axis of 1 stands for its micro-batch axis.

@@ -240,7 +240,8 @@ def _trainer(args, layout: Layout, num_devices: int):
         model_cfg,
         StepConfig(num_micro_batches=num_micro, compute_dtype=compute_dtype,
                    aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0,
-                   micro_batch_size=args.micro_batch_size, per_token_loss=args.calculate_per_token_loss),
+                   micro_batch_size=args.micro_batch_size, per_token_loss=args.calculate_per_token_loss,
+                   lm_loss_report="objective" if args.training_phase == "sft" else "token-mean"),
         optimizer_from_args(sched_args, schedule_from_args(sched_args)), parallel, make_mesh(parallel),
         loss_scaler=loss_scaler_from_args(args), model_kwargs=model_kwargs,
     )

@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         StepConfig(num_micro_batches=num_micro, compute_dtype=compute_dtype,
                    aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0,
                    micro_batch_size=args.micro_batch_size, per_token_loss=args.calculate_per_token_loss,
+                   lm_loss_report="objective" if args.training_phase == "sft" else "token-mean",
                    layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage),
         optimizer_from_args(args, schedule), parallel, mesh,
         loss_scaler=loss_scaler_from_args(args), model_kwargs=model_kwargs,

@@ -13,9 +13,12 @@ Megatron semantics matched here (see the tests for each):
   (:func:`losses.loss_token_weights`): by default the mean over every data-parallel rank's
   micro-batch (``--micro-batch-size`` consecutive rows) of its summed token loss / its loss
   tokens; with ``--calculate-per-token-loss`` the sum of token losses over the whole global
-  batch / the number of loss tokens in it. Logged ``lm loss`` is the latter in both modes, as
-  Megatron's ``train_step`` reports it (summed loss and token counts over micro-batches and
-  data-parallel ranks); evaluation likewise;
+  batch / the number of loss tokens in it. Logged ``lm loss``, as AIAK's SFT phase reports it
+  (``--training-phase sft``, its ``train_step``): that objective's value, i.e. the mean of the
+  micro-batch means by default and the global token mean with ``--calculate-per-token-loss``;
+  under ``--training-phase pretrain`` Megatron-LM's report, the global token mean in both
+  modes. Evaluation reports the global token mean (Megatron-LM's ``evaluate``, which AIAK
+  calls);
 * MoE aux loss: ``coeff * sum over layers of switch_aux_loss(layer)`` per micro-batch,
   averaged over micro-batches (Megatron scales its aux-loss gradient by 1/num_microbatches);
   z-loss likewise. Logged ``load_balancing_loss`` is ``coeff * mean over layers`` as Megatron's
@@ -63,6 +66,9 @@ class StepConfig:
     layers_per_virtual_stage: int | None = None  # --num-layers-per-virtual-pipeline-stage
     micro_batch_size: int = 1  # --micro-batch-size: rows of one data-parallel rank's micro-batch
     per_token_loss: bool = False  # --calculate-per-token-loss
+    # logged "lm loss": "objective" (AIAK's SFT phase: the normalised LM objective) or
+    # "token-mean" (Megatron-LM: global CE sum / global loss tokens, whatever the normalisation)
+    lm_loss_report: str = "objective"
 
 
 def model_dims(cfg: ModelConfig) -> dict[str, int]:
@@ -87,6 +93,8 @@ class Trainer:
         loss_scaler: LossScaler | None = None,
         model_kwargs: dict[str, Any] | None = None,
     ):
+        if step_cfg.lm_loss_report not in ("objective", "token-mean"):
+            raise ValueError(f"StepConfig.lm_loss_report {step_cfg.lm_loss_report!r}: 'objective' or 'token-mean'")
         self.model_cfg, self.step_cfg, self.optimizer = model_cfg, step_cfg, optimizer
         self.parallel, self.mesh, self.loss_scaler = parallel, mesh, loss_scaler
         self.model_kwargs = dict(model_kwargs or {})
@@ -175,7 +183,7 @@ class Trainer:
         model = nnx.merge(self.graphdef, self._to_compute(params))
         h, stats = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
         objective, ce_sum, count = model.weighted_loss_sums(h, mb["labels"], mb["loss_mask"], mb["loss_weight"])
-        aux = {"ce_sum": ce_sum, "loss_tokens": count}
+        aux = {"ce_sum": ce_sum, "loss_tokens": count, "lm_objective": objective}
         if stats:
             aux_l = losses.switch_aux_loss_per_layer(stats, cfg.top_k)
             z_l = losses.z_loss_per_layer(stats)
@@ -226,7 +234,8 @@ class Trainer:
             new_state["opt_state"] = select_tree(finite, opt_state, state["opt_state"])
             new_state["loss_scale"] = scaler.update(ls, ~finite)
         metrics = {
-            "lm loss": jnp.sum(aux["ce_sum"]) / n_loss_tokens,
+            "lm loss": (jnp.sum(aux["lm_objective"]) if self.step_cfg.lm_loss_report == "objective"
+                        else jnp.sum(aux["ce_sum"]) / n_loss_tokens),
             "grad-norm": grad_norm,
             "loss tokens": jnp.sum(aux["loss_tokens"]),
             "skipped": (~finite).astype(jnp.int32) if scaler is not None else jnp.int32(0),

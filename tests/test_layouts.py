@@ -231,8 +231,8 @@ def test_step_matches_single_device(model, layout, per_token):
 def test_the_two_loss_normalisations_differ_on_this_batch():
     """Otherwise the per-token cases above would only repeat the default ones."""
     default, per_token = run_step("moe", SINGLE, False), run_step("moe", SINGLE, True)
-    assert default.metrics["lm loss"] == pytest.approx(per_token.metrics["lm loss"], rel=1e-6)  # same report
-    assert abs(default.metrics["grad-norm"] / per_token.metrics["grad-norm"] - 1) > 1e-3
+    for key in ("lm loss", "grad-norm"):  # lm loss: each mode reports its own objective
+        assert abs(default.metrics[key] / per_token.metrics[key] - 1) > 1e-4, key
 
 
 # ----- collectives in the compiled step --------------------------------------------------------

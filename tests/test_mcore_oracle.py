@@ -371,8 +371,11 @@ def _megatron_run(per_token: bool, aux_coeff: float, batches) -> list[dict]:
         ok, grad_norm, _ = optimizer.step()
         assert ok
         scheduler.step(increment=gbs)
-        total = torch.vstack([r["lm loss"] for r in reported]).sum(0)  # training.train_step's report
-        records.append({"lm loss": float(total[0] / total[1]), "grad-norm": float(grad_norm)})
+        # the report of AIAK's train_step in its SFT phase (one data-parallel rank here): the
+        # global token mean with --calculate-per-token-loss, else the mean of micro-batch means
+        sums = torch.vstack([r["lm loss"] for r in reported])
+        report = sums[:, 0].sum() / sums[:, 1].sum() if per_token else (sums[:, 0] / sums[:, 1]).mean()
+        records.append({"lm loss": float(report), "grad-norm": float(grad_norm)})
     return initial, records
 
 
