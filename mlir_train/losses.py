@@ -1,9 +1,10 @@
 """Losses as Megatron forms them: token cross-entropy sums, the router's load-balancing losses
 (``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``) and z-loss.
 
-Everything is float32. Cross-entropy returns a (sum, count) pair so the trainer can divide the
-sum over the whole global batch by the number of loss tokens in it (Megatron's
-``calculate_per_token_loss``-style normalisation), however the batch was split.
+Everything is float32. Cross-entropy returns a (sum, count) pair; the training objective
+weights each token by :func:`loss_token_weights`, Megatron's loss normalisation turned into one
+per-token weight computed once per step from the loss mask, so the non-pipelined step and the
+pipeline form the same objective however the batch is split or sharded.
 """
 
 from __future__ import annotations
@@ -42,10 +43,24 @@ def linear_cross_entropy_sum(
     gradients as ``cross_entropy_sum(einsum(h, w), ...)``. ``constrain_logits`` annotates the
     logits' sharding (the model's, vocab split over the tensor axis under TP).
     """
-    return _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits)
+    total, _, count = _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, loss_mask_BT, constrain_logits)
+    return total, count
 
 
-def _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits):
+def weighted_linear_cross_entropy(
+    h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array, weight_BT: jax.Array,
+    constrain_logits=None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(sum(ce * weight), sum(ce * loss_mask), sum(loss_mask))`` of ``h @ w`` in one fused pass.
+
+    The first is the training objective (its gradients are those of
+    :func:`linear_cross_entropy_sum` with ``weight`` as the mask); the other two are for
+    reporting ``lm loss`` and carry no gradient.
+    """
+    return _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits)
+
+
+def _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits):
     logits = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
     if constrain_logits is not None:
         logits = constrain_logits(logits)
@@ -57,31 +72,66 @@ def _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits):
     # vocab-sharded layout each shard contributes its part and XLA reduces over the shards.
     is_label_BTV = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == labels_BT[..., None]
     label_logit_BT = jnp.sum(jnp.where(is_label_BTV, logits, 0.0), axis=-1)
+    ce_BT = lse_BT - label_logit_BT
     mask = loss_mask_BT.astype(jnp.float32)
-    total = jnp.sum((lse_BT - label_logit_BT) * mask)
-    dlogits_BTV = (e_BTV / z_BT1 - is_label_BTV.astype(jnp.float32)) * mask[..., None]
+    weight = weight_BT.astype(jnp.float32)
+    sums = (jnp.sum(ce_BT * weight), jnp.sum(ce_BT * mask), jnp.sum(mask))
+    dlogits_BTV = (e_BTV / z_BT1 - is_label_BTV.astype(jnp.float32)) * weight[..., None]
     dlogits_BTV = dlogits_BTV.astype(h_BTD.dtype)
     dh_BTD = jnp.einsum("btv,dv->btd", dlogits_BTV, w_DV, preferred_element_type=jnp.float32).astype(h_BTD.dtype)
     dw_DV = jnp.einsum("btd,btv->dv", h_BTD, dlogits_BTV, preferred_element_type=jnp.float32).astype(w_DV.dtype)
-    return (total, jnp.sum(mask)), (dh_BTD, dw_DV)
+    return sums, (dh_BTD, dw_DV)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits):
-    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits):
+    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits)[0]
 
 
-def _linear_ce_fwd(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits):
-    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, constrain_logits)
+def _linear_ce_fwd(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits):
+    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits)
 
 
 def _linear_ce_bwd(constrain_logits, grads, cotangents):
     dh_BTD, dw_DV = grads
-    g = cotangents[0]  # the count has no gradient
-    return (g * dh_BTD).astype(dh_BTD.dtype), (g * dw_DV).astype(dw_DV.dtype), None, None
+    g = cotangents[0]  # only the weighted sum is differentiated; the reported sums and count are not
+    return (g * dh_BTD).astype(dh_BTD.dtype), (g * dw_DV).astype(dw_DV.dtype), None, None, None
 
 
 _linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)
+
+
+def loss_token_weights(loss_mask_MBT: jax.Array, *, micro_batch_size: int, per_token: bool) -> jax.Array:
+    """Per-token weights ``w`` such that Megatron's training objective is ``sum(w * token_ce)``.
+
+    ``loss_mask_MBT`` is the step's whole global batch ``[M, B, T]``: ``M`` micro-batches whose
+    ``B = --micro-batch-size x DP`` rows are the data-parallel ranks' micro-batches side by side
+    (rank ``d`` holds rows ``d*mbs : (d+1)*mbs``, as ``Trainer.shard_batch`` places them and as
+    Megatron's sampler hands them out).
+
+    * Megatron's default (no ``--calculate-per-token-loss``): each rank divides a micro-batch's
+      summed token loss by that micro-batch's loss tokens (at least 1) and by the number of
+      micro-batches, and the data-parallel ranks average their gradients
+      (``schedules.forward_step_calc_loss`` and DDP's ``1 / dp_size`` gradient scaling). That
+      is the mean over the ``M x B / mbs`` groups of ``micro_batch_size`` consecutive rows of
+      (group's CE sum / group's loss tokens): ``w = mask / group_tokens / num_groups``. A
+      grouping fixed by ``micro_batch_size`` alone, so any layout equals one device with the
+      same ``--micro-batch-size``.
+    * ``--calculate-per-token-loss``: the sum over all loss tokens of the global batch divided
+      by their number (``finalize_model_grads`` scales by ``1 / num_tokens``):
+      ``w = mask / global_tokens``; then how the batch is split does not matter at all.
+    """
+    mask = loss_mask_MBT.astype(jnp.float32)
+    if per_token:
+        return mask / jnp.maximum(jnp.sum(mask), 1.0)
+    m, b = mask.shape[:2]
+    if micro_batch_size < 1 or b % micro_batch_size:
+        raise ValueError(f"a micro-batch slice of {b} rows does not split into data-parallel micro-batches of "
+                         f"--micro-batch-size {micro_batch_size} rows")
+    groups = b // micro_batch_size
+    grouped = mask.reshape(m, groups, micro_batch_size, *mask.shape[2:])
+    tokens = jnp.sum(grouped, axis=tuple(range(2, grouped.ndim)), keepdims=True)
+    return (grouped / jnp.maximum(tokens, 1.0) / (m * groups)).reshape(mask.shape)
 
 
 def switch_aux_loss_per_layer(stats: dict[str, jax.Array], top_k: int, counts_LE: jax.Array | None = None) -> jax.Array:

@@ -70,7 +70,7 @@ from mlir_train.model.transformer import run_stack
 from sharding import logical_shard_map, mesh_axes_of
 from sharding.mesh import ParallelConfigError
 
-TRAVELLING = ("segment_ids", "positions", "labels", "loss_mask")
+TRAVELLING = ("segment_ids", "positions", "labels", "loss_mask", "loss_weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +143,11 @@ def from_stages(x_PRV: jax.Array) -> jax.Array:
 
 
 def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
-                  n_loss_tokens, scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: str,
+                  scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: str,
                   balancing: losses.LoadBalancing | None = None):
     """The scaled training objective of all ``M`` micro-batches of ``batch`` (leaves
-    ``[M, B, T]``) through the pipeline, and the same ``aux`` the non-pipelined step collects.
+    ``[M, B, T]``, with the per-token ``loss_weight`` of :func:`losses.loss_token_weights`)
+    through the pipeline, and the same ``aux`` the non-pipelined step collects.
 
     ``params`` are the compute-layout weights as a pure dict with one layer stack,
     ``params["layers"][0]`` (leaves ``[L, ...]``). Must run under the trainer's mesh and rules.
@@ -162,7 +163,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
     layers = jax.tree.map(lambda x: to_stages(x, schedule), params["layers"][0])
     rest = {k: v for k, v in params.items() if k != "layers"}
 
-    def body(layers_1RV, rest, batch, n_loss_tokens):
+    def body(layers_1RV, rest, batch):
         stage = jax.lax.axis_index(stage_axes)
         layers_RV = jax.tree.map(lambda x: x[0], layers_1RV)
         model = nnx.merge(graphdef, {**rest, "layers": {0: jax.tree.map(lambda x: x[0], layers_RV)}})
@@ -176,8 +177,8 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
         empty = jax.tree.map(jnp.zeros_like, jax.eval_shape(inject, 0))
 
         @jax.checkpoint
-        def head_loss(x_BTD, labels_BT, mask_BT):
-            return model.loss_sums(model.final_norm(x_BTD), labels_BT, mask_BT)
+        def head_loss(x_BTD, labels_BT, mask_BT, weight_BT):
+            return model.weighted_loss_sums(model.final_norm(x_BTD), labels_BT, mask_BT, weight_BT)
 
         def tick(carry, t):
             received, ring, acc = carry
@@ -196,9 +197,10 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
             context = model.layer_context(cur["segment_ids"], cur["positions"])
             x, stats = run_stack(nnx.merge(stack_graph, chunk_state), cur["x"], context, remat)
             last = valid & (stage == p - 1) & (chunk == r_chunks - 1)
-            ce_sum, count = head_loss(x, cur["labels"], cur["loss_mask"] * last.astype(cur["loss_mask"].dtype))
-            objective = ce_sum / n_loss_tokens
-            acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum, loss_tokens=acc["loss_tokens"] + count)
+            objective, ce_sum, count = head_loss(x, cur["labels"], cur["loss_mask"] * last.astype(cur["loss_mask"].dtype),
+                                                 cur["loss_weight"] * last.astype(cur["loss_weight"].dtype))
+            acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum, loss_tokens=acc["loss_tokens"] + count,
+                       lm_objective=acc["lm_objective"] + objective)
             if stats:
                 keep = valid.astype(jnp.float32)
                 add = lambda a, v: a.at[chunk].add(v)
@@ -219,7 +221,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
             return (sent, ring, acc), None
 
         v = jax.tree.leaves(layers_RV)[0].shape[1]
-        acc = {"objective": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0}
+        acc = {"objective": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0, "lm_objective": 0.0}
         if model.layers[0].is_moe:
             e = model.layers[0].mlp.num_experts
             names = ["load_balancing_loss", "z_loss"] + [
@@ -237,7 +239,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
     run = logical_shard_map(
         body,
         in_names=(jax.tree.map(lambda _: per_stage, layers), jax.tree.map(lambda _: (), rest),
-                  jax.tree.map(lambda _: (), batch), ()),
+                  jax.tree.map(lambda _: (), batch)),
         out_names=per_stage,
         manual=("layers",),
         # jax 0.10's transpose of a shard_map nested in a vma-checked one (the expert-parallel
@@ -245,9 +247,9 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
         # which Shardy rejects; unchecked, the outer region transposes cleanly.
         check_vma=False,
     )
-    acc = run(layers, rest, batch, n_loss_tokens)
+    acc = run(layers, rest, batch)
     objective = jnp.sum(acc.pop("objective"))
-    aux = {"ce_sum": jnp.sum(acc["ce_sum"]), "loss_tokens": jnp.sum(acc["loss_tokens"])}
+    aux = {k: jnp.sum(acc[k]) for k in ("ce_sum", "loss_tokens", "lm_objective")}
     if "router_layers" in acc:
         # Per-layer sums over micro-batches, back in layer order; /M gives the per-micro mean the
         # non-pipelined step logs, and a leading axis of 1 stands for its micro-batch axis.

@@ -200,9 +200,15 @@ class TrainingFlags:
     """The loop, precision, optimizer and LR schedule."""
 
     GROUP: ClassVar[str] = "training"
-    training_phase: str = flag("--training-phase", default="sft", choices=["sft", "pretrain"])
+    training_phase: str = flag("--training-phase", default="sft", choices=["sft", "pretrain"],
+                               help="sft: lm loss logged as AIAK's SFT phase (the normalised objective); "
+                                    "pretrain: as Megatron-LM (global token mean)")
     micro_batch_size: int | None = flag("--micro-batch-size", type=int, help="rows per data-parallel rank per micro-step")
     global_batch_size: int | None = flag("--global-batch-size", type=int, help="rows per optimizer step")
+    calculate_per_token_loss: bool = switch(
+        "--calculate-per-token-loss",
+        help="normalise the loss by all loss tokens of the global batch (default, as Megatron: each data-parallel "
+             "micro-batch's loss by its own loss tokens, then averaged)")
     train_iters: int | None = flag("--train-iters", type=int)
     seed: int = flag("--seed", default=1234, type=int)
     lr: float | None = flag("--lr", type=float, help="peak learning rate")
@@ -550,7 +556,6 @@ NOOP_FLAGS: dict[str, tuple[int, str]] = {
         "--log-memory-to-tensorboard": 0, "--log-validation-ppl-to-tensorboard": 0,
         "--log-world-size-to-tensorboard": 0, "--timing-log-level": 1, "--timing-log-option": 1,
         "--tensorboard-queue-size": 1}.items()},
-    "--calculate-per-token-loss": (0, "the loss is already sum(token losses) / loss tokens of the global batch"),
 }
 
 # --help group of a no-op flag the seed script puts in one of its arrays (default: "ignored").
@@ -749,7 +754,10 @@ class Run:
         m = self.config.moe
         return StepConfig(num_micro_batches=self.num_micro_batches, compute_dtype=self.compute_dtype,
                           layers_per_virtual_stage=self.config.parallel.num_layers_per_virtual_pipeline_stage,
-                          balancing=m.load_balancing(), expert_bias_update_rate=m.moe_router_bias_update_rate)
+                          balancing=m.load_balancing(), expert_bias_update_rate=m.moe_router_bias_update_rate,
+                          micro_batch_size=self.micro_batch_size,
+                          per_token_loss=self.config.training.calculate_per_token_loss,
+                          lm_loss_report="objective" if self.config.training.training_phase == "sft" else "token-mean")
 
     def lr_schedule(self):
         return self.config.training.lr_schedule(self.global_batch_size)

@@ -9,8 +9,16 @@ state is a plain pytree::
 Megatron semantics matched here (see the tests for each):
 
 * gradient accumulation over ``num_micro_batches`` micro-batches inside the step (a scan);
-* loss = sum of token losses over the *whole global batch* / number of loss tokens in it, so
-  micro-batches with more loss tokens weigh more (Megatron's per-token loss normalisation);
+* the LM objective as Megatron normalises it, one per-token weight computed once per step
+  (:func:`losses.loss_token_weights`): by default the mean over every data-parallel rank's
+  micro-batch (``--micro-batch-size`` consecutive rows) of its summed token loss / its loss
+  tokens; with ``--calculate-per-token-loss`` the sum of token losses over the whole global
+  batch / the number of loss tokens in it. Logged ``lm loss``, as AIAK's SFT phase reports it
+  (``--training-phase sft``, its ``train_step``): that objective's value, i.e. the mean of the
+  micro-batch means by default and the global token mean with ``--calculate-per-token-loss``;
+  under ``--training-phase pretrain`` Megatron-LM's report, the global token mean in both
+  modes. Evaluation reports the global token mean (Megatron-LM's ``evaluate``, which AIAK
+  calls);
 * MoE load balancing (``losses.router_losses``, one ``losses.LoadBalancing``): each of
   ``aux_loss`` / ``seq_aux_loss`` / ``global_aux_loss`` in use, ``coeff * sum over layers`` per
   micro-batch, averaged over micro-batches (Megatron scales its aux-loss gradient by
@@ -76,6 +84,11 @@ class StepConfig:
             return self.balancing
         return losses.LoadBalancing(coeffs=(("aux_loss", self.aux_loss_coeff),) if self.aux_loss_coeff else (),
                                     z_loss_coeff=self.z_loss_coeff)
+    micro_batch_size: int = 1  # --micro-batch-size: rows of one data-parallel rank's micro-batch
+    per_token_loss: bool = False  # --calculate-per-token-loss
+    # logged "lm loss": "objective" (AIAK's SFT phase: the normalised LM objective) or
+    # "token-mean" (Megatron-LM: global CE sum / global loss tokens, whatever the normalisation)
+    lm_loss_report: str = "objective"
 
 
 def model_dims(cfg: ModelConfig) -> dict[str, int]:
@@ -100,6 +113,8 @@ class Trainer:
         loss_scaler: LossScaler | None = None,
         model_kwargs: dict[str, Any] | None = None,
     ):
+        if step_cfg.lm_loss_report not in ("objective", "token-mean"):
+            raise ValueError(f"StepConfig.lm_loss_report {step_cfg.lm_loss_report!r}: 'objective' or 'token-mean'")
         self.model_cfg, self.step_cfg, self.optimizer = model_cfg, step_cfg, optimizer
         self.parallel, self.mesh, self.loss_scaler = parallel, mesh, loss_scaler
         self.model_kwargs = dict(model_kwargs or {})
@@ -188,13 +203,12 @@ class Trainer:
             params, self.compute_shardings,
         )
 
-    def _micro_loss(self, params, mb, n_loss_tokens, scale, global_counts=None, micro_index=None):
+    def _micro_loss(self, params, mb, scale, global_counts=None, micro_index=None):
         cfg, sc = self.model_cfg, self.step_cfg
         model = nnx.merge(self.graphdef, self._to_compute(params))
         h, stats = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
-        ce_sum, count = model.loss_sums(h, mb["labels"], mb["loss_mask"])
-        objective = ce_sum / n_loss_tokens
-        aux = {"ce_sum": ce_sum, "loss_tokens": count}
+        objective, ce_sum, count = model.weighted_loss_sums(h, mb["labels"], mb["loss_mask"], mb["loss_weight"])
+        aux = {"ce_sum": ce_sum, "loss_tokens": count, "lm_objective": objective}
         if stats:
             router_objective, per_layer, counts = losses.router_losses(
                 stats, sc.load_balancing(), cfg.top_k, global_counts, micro_index)
@@ -220,11 +234,11 @@ class Trainer:
             first += n
         return {**params, "layers": layers}
 
-    def _pipeline_loss(self, params, batch, n_loss_tokens, scale):
+    def _pipeline_loss(self, params, batch, scale):
         """All micro-batches through the pipeline stages at once (see ``mlir_train.pipeline_parallel``)."""
         sc = self.step_cfg
         return pipeline_parallel.pipeline_loss(
-            self.graphdef, self._to_compute(params), batch, schedule=self.schedule, n_loss_tokens=n_loss_tokens,
+            self.graphdef, self._to_compute(params), batch, schedule=self.schedule,
             scale=scale, top_k=self.model_cfg.top_k, aux_loss_coeff=sc.aux_loss_coeff, z_loss_coeff=sc.z_loss_coeff,
             remat=self.model_kwargs.get("remat", "none"), balancing=sc.load_balancing(),
         )
@@ -234,12 +248,15 @@ class Trainer:
         scaler, ls = self.loss_scaler, state["loss_scale"]
         scale = ls.scale if scaler is not None else jnp.float32(1.0)
         n_loss_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        sc = self.step_cfg
+        batch = dict(batch, loss_weight=losses.loss_token_weights(
+            batch["loss_mask"], micro_batch_size=sc.micro_batch_size, per_token=sc.per_token_loss))
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
         def micro(carry, xs):
             acc, counts = carry  # counts: global_aux_loss's running expert counts, or None
             mb, i = xs
-            (_, aux), g = grad_fn(params, mb, n_loss_tokens, scale, counts, i)
+            (_, aux), g = grad_fn(params, mb, scale, counts, i)
             acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
             return (acc, aux.pop("global_counts", None)), aux
 
@@ -251,7 +268,7 @@ class Trainer:
             m = batch["input_ids"].shape[0]
             (grads, _), aux = jax.lax.scan(micro, (zeros, counts), (batch, jnp.arange(m)))
         else:
-            (_, aux), grads = jax.value_and_grad(self._pipeline_loss, has_aux=True)(params, batch, n_loss_tokens, scale)
+            (_, aux), grads = jax.value_and_grad(self._pipeline_loss, has_aux=True)(params, batch, scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
         grad_norm = global_norm(grads)
         finite = jnp.isfinite(grad_norm)
@@ -269,7 +286,8 @@ class Trainer:
             # finalize_model_grads, before the optimizer step, so an fp16-skipped step moves it too.
             new_state["params"] = self._update_expert_bias(new_state["params"], jnp.sum(aux["tokens_per_expert"], axis=0))
         metrics = {
-            "lm loss": jnp.sum(aux["ce_sum"]) / n_loss_tokens,
+            "lm loss": (jnp.sum(aux["lm_objective"]) if self.step_cfg.lm_loss_report == "objective"
+                        else jnp.sum(aux["ce_sum"]) / n_loss_tokens),
             "grad-norm": grad_norm,
             "loss tokens": jnp.sum(aux["loss_tokens"]),
             "skipped": (~finite).astype(jnp.int32) if scaler is not None else jnp.int32(0),
@@ -317,8 +335,7 @@ class Trainer:
         if batch["input_ids"].ndim == 2:
             batch = {k: v[None] for k, v in batch.items()}
         if self.schedule is not None:  # the forward half of the training pipeline
-            one = jnp.float32(1.0)
-            _, aux = self._pipeline_loss(params, batch, one, one)
+            _, aux = self._pipeline_loss(params, dict(batch, loss_weight=batch["loss_mask"]), jnp.float32(1.0))
             return {"ce_sum": aux["ce_sum"], "loss_tokens": aux["loss_tokens"]}
         model = nnx.merge(self.graphdef, self._to_compute(params))
 

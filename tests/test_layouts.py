@@ -3,7 +3,9 @@
 For the tiny MoE model (and the dense tiny model under TP + SP) in float32, one optimizer step
 (two micro-batches of packed rows, Megatron's Adam with clipping and weight decay, warmup 0 so
 the step moves the weights) is taken on a 1-device mesh and on each layout of issue 5 over the
-8 fake CPU devices, from the same seed on the same batch. Compared:
+8 fake CPU devices, from the same seed on the same batch, under Megatron's default loss
+normalisation (per data-parallel micro-batch) and, for two layouts, under
+``--calculate-per-token-loss``. Compared:
 
 * the initial weights ``init_state(seed)`` gives, born sharded: bit-identical (the RNG is
   partitionable, so sharding the init changes nothing);
@@ -89,14 +91,20 @@ COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 # "moe-ragged": the experts as ``ragged_dot`` groups (the GPU/TPU path) with its custom gradient,
 # inside the pure-DP manual region.
 CASES = [("moe", name) for name in LAYOUTS] + [("dense", "TP2xDP4+SP"), ("moe-loop", "TP2xDP4"), ("moe-ragged", "DP8")]
+# Loss normalisation (losses.loss_token_weights): Megatron's default, each data-parallel
+# micro-batch of MICRO_BATCH_SIZE rows normalised by its own loss tokens (the rows of one
+# micro-batch slice are 4 such groups here, as TP2xDP4 would hold them), for every case above;
+# --calculate-per-token-loss (the global token count) for the PER_TOKEN_CASES.
+MICRO_BATCH_SIZE = 2
+PER_TOKEN_CASES = [("moe", "DP8"), ("moe", "TP2xDP4")]
 
 
 def packed_batch(vocab: int) -> dict[str, np.ndarray]:
     """A fixed SFT-like batch ``[MICRO, ROWS, SEQ]``: rows packed with 1-3 documents and a
     padded tail (segment id 0), positions restarting per document, labels the next token of
     the same document, loss only on each document's "response" (its second half), and the
-    second micro-batch with about half the loss tokens of the first (Megatron normalises by
-    the global count, so the micro-batches must weigh unequally)."""
+    second micro-batch with about half the loss tokens of the first (so the two loss
+    normalisations weigh the tokens differently)."""
     rng = np.random.default_rng(0)
     shape = (MICRO, ROWS, SEQ)
     ids = rng.integers(1, vocab, shape).astype(np.int32)
@@ -137,7 +145,7 @@ def _adam_mu(opt_state) -> Any:
 
 
 @functools.cache
-def run_step(model: str, layout: str) -> StepResult:
+def run_step(model: str, layout: str, per_token: bool = False) -> StepResult:
     """One train step of ``model`` on ``layout`` (or on ``SINGLE``), compiled once and cached
     for the module: the equivalence, collective and memory tests all read the same run."""
     cfg = MODELS[model]
@@ -150,8 +158,9 @@ def run_step(model: str, layout: str) -> StepResult:
     schedule = megatron_lr_schedule(lr=LR, min_lr=LR / 10, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
     model_kwargs = {"moe-ragged": {"moe_impl": "ragged"}, "moe-loop": {"moe_block_loop": True}}.get(model)
-    trainer = Trainer(cfg, StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2), optimizer, parallel, mesh,
-                      model_kwargs=model_kwargs)
+    step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, micro_batch_size=MICRO_BATCH_SIZE,
+                          per_token_loss=per_token)
+    trainer = Trainer(cfg, step_cfg, optimizer, parallel, mesh, model_kwargs=model_kwargs)
     state = trainer.init_state(SEED)
     init_params = jax.device_get(state["params"])
     batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(cfg.vocab_size).items()}
@@ -183,9 +192,11 @@ def _named_leaves(tree) -> list[tuple[str, np.ndarray]]:
 # ----- one step equals one device ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model,layout", CASES, ids=[f"{m}-{l}" for m, l in CASES])
-def test_step_matches_single_device(model, layout):
-    ref, got = run_step("moe" if model.startswith("moe") else model, SINGLE), run_step(model, layout)
+@pytest.mark.parametrize("model,layout,per_token", [(m, l, False) for m, l in CASES] + [(m, l, True) for m, l in PER_TOKEN_CASES],
+                         ids=[f"{m}-{l}" for m, l in CASES] + [f"{m}-{l}-per-token" for m, l in PER_TOKEN_CASES])
+def test_step_matches_single_device(model, layout, per_token):
+    ref = run_step("moe" if model.startswith("moe") else model, SINGLE, per_token)
+    got = run_step(model, layout, per_token)
     for (path, a), (_, b) in zip(_named_leaves(got.init_params), _named_leaves(ref.init_params)):
         np.testing.assert_array_equal(a, b, err_msg=f"initial {path}")
     assert got.metrics["loss tokens"] == ref.metrics["loss tokens"]
@@ -202,6 +213,13 @@ def test_step_matches_single_device(model, layout):
         np.testing.assert_allclose(a[clear], b[clear], rtol=0, atol=1e-3 * LR, err_msg=f"updated {path}")
         np.testing.assert_allclose(a[~clear], b[~clear], rtol=0, atol=0.25 * LR, err_msg=f"updated {path} (|g| < 1e-6)")
         assert np.abs(b - p0).max() > 0.5 * LR, f"{path} did not move; the comparison would be vacuous"
+
+
+def test_the_two_loss_normalisations_differ_on_this_batch():
+    """Otherwise the per-token cases above would only repeat the default ones."""
+    default, per_token = run_step("moe", SINGLE, False), run_step("moe", SINGLE, True)
+    for key in ("lm loss", "grad-norm"):  # lm loss: each mode reports its own objective
+        assert abs(default.metrics[key] / per_token.metrics[key] - 1) > 1e-4, key
 
 
 # ----- collectives in the compiled step --------------------------------------------------------
@@ -371,8 +389,11 @@ def _cli_metrics(tmp_path, name: str, layout_flags: list[str]) -> list[dict]:
 
 def test_cli_iterations_agree_across_layouts(tmp_path):
     # Both runs take 2 micro-batches of the same 8 rows (DP8 x 1 and DP4 x 2): the MoE aux loss
-    # is formed per micro-batch (as Megatron's), so a different split would change it.
-    dp = _cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1"])
+    # is formed per micro-batch (as Megatron's), so a different split would change it. So would
+    # a different --micro-batch-size under Megatron's default loss normalisation (per data-parallel
+    # micro-batch), hence --calculate-per-token-loss: the step tests above cover the default.
+    per_token = ["--calculate-per-token-loss"]
+    dp = _cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1", *per_token])
     runs = {
         "tp-ep-sp-distopt": ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
                              "--expert-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"],
@@ -382,7 +403,7 @@ def test_cli_iterations_agree_across_layouts(tmp_path):
                              "--data-parallel-sharding-strategy", "optim_grads_params"],
     }
     for name, flags in runs.items():
-        par = _cli_metrics(tmp_path, name, flags)
+        par = _cli_metrics(tmp_path, name, [*flags, *per_token])
         assert [r["iteration"] for r in dp] == [r["iteration"] for r in par] == [1, 2, 3]
         for a, b in zip(dp, par):
             # Measured <= 2e-7 relative over the 3 iterations; the margin is for Adam's ±lr steps on

@@ -19,11 +19,13 @@ CFG = get_model_config("qwen3-moe-tiny", vocab_size=256, num_layers=2, hidden_si
 SEQ = 32
 
 
-def _one_device_trainer(num_micro, cfg=CFG, loss_scaler=None, compute_dtype="float32", lr=1e-3, aux=1e-2):
+def _one_device_trainer(num_micro, cfg=CFG, loss_scaler=None, compute_dtype="float32", lr=1e-3, aux=1e-2,
+                        per_token=False, micro_batch_size=1, lm_loss_report="objective"):
     parallel = ParallelConfig(num_devices=1)
     mesh = make_mesh(parallel, devices=jax.devices()[:1])
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=lr, train_iters=10), weight_decay=0.1, clip_grad=1.0)
-    step_cfg = StepConfig(num_micro_batches=num_micro, aux_loss_coeff=aux, z_loss_coeff=aux / 10, compute_dtype=compute_dtype)
+    step_cfg = StepConfig(num_micro_batches=num_micro, aux_loss_coeff=aux, z_loss_coeff=aux / 10, compute_dtype=compute_dtype,
+                          per_token_loss=per_token, micro_batch_size=micro_batch_size, lm_loss_report=lm_loss_report)
     return Trainer(cfg, step_cfg, opt, parallel, mesh, loss_scaler=loss_scaler)
 
 
@@ -52,7 +54,8 @@ def _leaves(tree):
 
 @pytest.fixture(scope="module")
 def step_results():
-    """One step with GBS 8 as 8 micro-batches of 1, and as 1 micro-batch of 8.
+    """One step with GBS 8 as 8 micro-batches of 1, and as 1 micro-batch of 8, with
+    ``--calculate-per-token-loss`` (the normalisation over the whole global batch).
 
     Router losses are off: they are formed from per-micro-batch statistics (in Megatron too), so
     only the LM loss and its gradients are invariant to how the batch is split.
@@ -60,7 +63,7 @@ def step_results():
     out = {}
     batch = _batch()
     for num_micro in (8, 1):
-        trainer = _one_device_trainer(num_micro, aux=0.0)
+        trainer = _one_device_trainer(num_micro, aux=0.0, per_token=True)
         state = trainer.init_state(seed=0)
         new_state, metrics = trainer.train_step(state, trainer.shard_batch(_micro(batch, num_micro)))
         out[num_micro] = (trainer, jax.device_get(new_state), jax.device_get(metrics))
@@ -96,6 +99,65 @@ def test_loss_is_normalised_over_all_loss_tokens_of_the_global_batch(step_result
     np.testing.assert_allclose(metrics["lm loss"], float(total / count), rtol=1e-5)
     assert abs(float(metrics["lm loss"]) - per_row_mean) > 1e-3  # the mean of micro means would differ
     assert metrics["loss tokens"] == batch["loss_mask"].sum()
+
+
+def _reference_objective(trainer, params, batch, group_rows: int | None) -> tuple[float, float]:
+    """The LM objective written out by hand on the unsplit batch, and the L2 norm of its
+    gradient: the mean over groups of ``group_rows`` rows of (group CE sum / group loss
+    tokens), or, with ``group_rows=None``, the global CE sum / global loss tokens."""
+    from flax import nnx
+
+    def objective(p):
+        model = nnx.merge(trainer.graphdef, p)
+        logits = model(jnp.asarray(batch["input_ids"]), segment_ids=jnp.asarray(batch["segment_ids"]),
+                       positions=jnp.asarray(batch["positions"]))
+        labels, mask = jnp.asarray(batch["labels"]), jnp.asarray(batch["loss_mask"])
+        if group_rows is None:
+            total, count = losses.cross_entropy_sum(logits, labels, mask)
+            return total / count
+        rows = range(0, logits.shape[0], group_rows)
+        parts = [losses.cross_entropy_sum(logits[r:r + group_rows], labels[r:r + group_rows], mask[r:r + group_rows])
+                 for r in rows]
+        return sum(t / jnp.maximum(c, 1.0) for t, c in parts) / len(parts)
+
+    value, grads = jax.jit(jax.value_and_grad(objective))(params)
+    return float(value), float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))))
+
+
+@pytest.mark.parametrize("micro_batch_size,num_micro,report", [(1, 2, "objective"), (2, 2, "objective"), (4, 1, "token-mean")])
+def test_default_loss_is_megatrons_mean_of_micro_batch_means(micro_batch_size, num_micro, report):
+    """Without --calculate-per-token-loss every data-parallel micro-batch (``--micro-batch-size``
+    rows) is normalised by its own loss tokens and the micro-batches are averaged, however the
+    global batch is cut into accumulation steps: the step's gradient is that of the hand-written
+    mean of group means, and the logged ``lm loss`` is that mean (AIAK's SFT report), or the
+    global token mean as Megatron-LM reports it (``--training-phase pretrain``)."""
+    batch = _batch()
+    trainer = _one_device_trainer(num_micro, aux=0.0, micro_batch_size=micro_batch_size, lm_loss_report=report)
+    state = trainer.init_state(seed=0)
+    params = jax.device_get(state["params"])
+    _, metrics = trainer.train_step(state, trainer.shard_batch(_micro(batch, num_micro)))
+    value, norm = _reference_objective(trainer, params, batch, micro_batch_size)
+    token_mean, per_token_norm = _reference_objective(trainer, params, batch, None)
+    np.testing.assert_allclose(float(metrics["grad-norm"]), norm, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["lm loss"]), value if report == "objective" else token_mean, rtol=1e-5)
+    # the rows' very uneven token counts make the two normalisations differ
+    assert abs(norm - per_token_norm) > 1e-2 * norm and abs(value - token_mean) > 1e-4  # CE ~ log(V) at init
+
+
+def test_loss_token_weights():
+    mask = np.zeros((2, 4, 3), np.float32)
+    mask[0, 0, :2] = 1  # micro 0: rows 0-1 hold 2 tokens, rows 2-3 hold 3
+    mask[0, 3, :] = 1
+    mask[1, 1, :1] = 1  # micro 1: rows 0-1 hold 1 token, rows 2-3 none (weight 0, no division by 0)
+    w = np.asarray(losses.loss_token_weights(jnp.asarray(mask), micro_batch_size=2, per_token=False))
+    np.testing.assert_allclose(w[0, 0, :2], 1 / 2 / 4)
+    np.testing.assert_allclose(w[0, 3], 1 / 3 / 4)
+    np.testing.assert_allclose(w[1, 1, 0], 1 / 1 / 4)
+    assert w.sum() == pytest.approx(3 / 4) and np.all(w[mask == 0] == 0)
+    w = np.asarray(losses.loss_token_weights(jnp.asarray(mask), micro_batch_size=2, per_token=True))
+    np.testing.assert_allclose(w, mask / mask.sum())
+    with pytest.raises(ValueError, match="--micro-batch-size 3"):
+        losses.loss_token_weights(jnp.asarray(mask), micro_batch_size=3, per_token=False)
 
 
 def test_fp16_overflow_skips_the_step_and_backs_off():

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlir_train.config import ModelConfig
-from mlir_train.losses import linear_cross_entropy_sum
+from mlir_train.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
 from mlir_train.model.layers import DEFAULT_ATTENTION_IMPL, MLP, Attention, RMSNorm, attention_mask, param, rope_tables
 from mlir_train.model.moe import DEFAULT_MOE_IMPL, MoE
 from mlir_train.model.router import RouterConfig
@@ -145,6 +145,14 @@ class Qwen3(nnx.Module):
         ``cross_entropy_sum(self.logits(h), ...)`` without keeping the logits for the backward."""
         w_DV = self.unembed_matrix().astype(h_BTD.dtype)
         return linear_cross_entropy_sum(h_BTD, w_DV, labels_BT, loss_mask_BT, _constrain_logits)
+
+    def weighted_loss_sums(self, h_BTD: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array,
+                           weight_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(training objective ``sum(weight * ce)``, CE sum, loss tokens) of the LM head on ``h``
+        in one fused pass (:func:`losses.weighted_linear_cross_entropy`); only the objective
+        carries gradients."""
+        w_DV = self.unembed_matrix().astype(h_BTD.dtype)
+        return weighted_linear_cross_entropy(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, _constrain_logits)
 
     def layer_context(self, segment_ids_BT, positions_BT) -> tuple[jax.Array, ...]:
         """What every decoder layer needs besides ``x``: RoPE tables, packed-document causal
