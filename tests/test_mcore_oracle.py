@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +32,28 @@ import pytest
 import mcore_cpu  # skips the module without torch / megatron-core
 from mlir_train import cli, losses
 from mlir_train.config import get_model_config
-from mlir_train.optim import optimizer_from_args
-from mlir_train.schedule import schedule_from_args
 
 torch = mcore_cpu.torch
 
 
 @pytest.fixture(scope="module", autouse=True)
+
+def _parse_args(argv):
+    """The parsed run configuration as one flat namespace of Megatron dest names (``_cfg`` keeps
+    the typed config for its builders), and the accepted no-op flags."""
+    cfg = cli.parse(argv)
+    ns = SimpleNamespace(**cfg.flat(), _cfg=cfg)
+    return ns, list(cfg.ignored_flags)
+
+
+def schedule_from_args(args):
+    return args._cfg.training.lr_schedule(args.global_batch_size or 1)
+
+
+def optimizer_from_args(args, schedule):
+    return args._cfg.training.optimizer_for(schedule)
+
+
 def megatron_on_cpu():
     mcore_cpu.initialize(seed=0)
     with mcore_cpu.CudaToCpu():
@@ -81,7 +97,7 @@ def _megatron_scheduler(args):
 
 
 def _compare_schedules(argv, iterations):
-    args, _ = cli.parse_args(argv)
+    args, _ = _parse_args(argv)
     ours = schedule_from_args(args)
     sched, group = _megatron_scheduler(args)
     want = []
@@ -329,7 +345,7 @@ def _megatron_run(per_token: bool, aux_coeff: float, batches) -> list[dict]:
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     get_moe_layer_wise_logging_tracker().clear()  # per-layer buffers other tests sized
-    args, _ = cli.parse_args(GPT_FLAGS)
+    args, _ = _parse_args(GPT_FLAGS)
     model = _megatron_gpt(per_token, aux_coeff)
     initial = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     config = model.config
@@ -388,7 +404,7 @@ def _our_run(initial, per_token: bool, aux_coeff: float, batches) -> list[dict]:
                            num_heads=g["heads"], num_kv_heads=g["groups"], head_dim=g["head_dim"],
                            num_experts=g["experts"], moe_intermediate_size=g["moe_ffn"], top_k=g["topk"],
                            rms_norm_eps=1e-6, rope_theta=1e6)
-    args, _ = cli.parse_args(GPT_FLAGS + (["--calculate-per-token-loss"] if per_token else []))
+    args, _ = _parse_args(GPT_FLAGS + (["--calculate-per-token-loss"] if per_token else []))
     parallel = ParallelConfig(num_devices=1)
     trainer = Trainer(cfg, StepConfig(num_micro_batches=GPT_MICRO, aux_loss_coeff=aux_coeff,
                                       micro_batch_size=args.micro_batch_size, per_token_loss=args.calculate_per_token_loss),
