@@ -130,7 +130,7 @@ class MoE(nnx.Module):
         # Routing stays outside any manual region: XLA reduces the stats over the whole batch,
         # so they are the single-device arrays under every layout (Megatron's aux loss is
         # computed over the global batch too).
-        weights_SK, experts_SK, stats = self.route(x_SD, valid_S)
+        weights_SK, experts_SK, stats = self.route(x_SD, valid_S, segment_ids_BT)
         weights_SK = weights_SK.astype(x_SD.dtype)
         if self.impl == "dense":
             # The reference stays plain under every layout; XLA partitions it as it likes.
