@@ -902,7 +902,7 @@ def save_legacy(layer_array, global_array, cfg: ModelConfig, dst: str, layout: M
     torch_dtype = dtype or torch.float32
 
     def t_(a: np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(torch_dtype).clone()
+        return torch.from_numpy(np.array(a, dtype=np.float32)).to(torch_dtype)
 
     def pad_rows(w):  # Megatron pads the vocabulary with zero rows (never looked up, never predicted)
         return np.concatenate([w, np.zeros((padded - w.shape[0], w.shape[1]), w.dtype)]) if padded > w.shape[0] else w
@@ -965,3 +965,33 @@ def save_legacy(layer_array, global_array, cfg: ModelConfig, dst: str, layout: M
     with open(os.path.join(dst, TRACKER), "w") as f:
         f.write("release" if iteration is None else str(iteration))
     return written
+
+
+def unpadded_vocab(ckpt: MegatronCheckpoint, candidates: list[int | None]) -> int | None:
+    """The vocabulary under Megatron's padding: its ``--vocab-size`` when recorded, else the
+    first candidate (the named model's vocabulary, the tokenizer's size) that pads to exactly
+    the checkpoint's ``padded_vocab_size`` (``--make-vocab-size-divisible-by`` x TP), else None
+    (keep the padded rows)."""
+    a = ckpt.args
+    if a.get("vocab_size"):
+        return int(a["vocab_size"])
+    padded = padded_vocab(ckpt)
+    if padded is None:
+        return next((c for c in candidates if c), None)
+    multiple = int(a.get("make_vocab_size_divisible_by") or 128) * int(a.get("tensor_model_parallel_size") or 1)
+    return next((int(c) for c in candidates if c and c <= padded and -(-c // multiple) * multiple == padded), None)
+
+
+def resume_notes(ckpt: MegatronCheckpoint, *, finetune: bool, load_optim: bool, load_rng: bool) -> list[str]:
+    """What of a Megatron checkpoint besides the weights a run cannot take, said once each."""
+    notes = []
+    if not finetune and ckpt.iteration:
+        what = "optimizer state, LR-scheduler position" if load_optim and ckpt.has_optimizer else "LR-scheduler position"
+        notes.append(f"continuing Megatron's iteration count from {ckpt.iteration}; its {what} and data-loader "
+                     "position cannot be taken (optax state differs from Megatron's), so they start fresh "
+                     "(--finetune restarts at iteration 0)")
+    elif load_optim and ckpt.has_optimizer and not finetune:
+        notes.append("Megatron's optimizer state cannot be taken (optax state differs from Megatron's); it starts fresh")
+    if load_rng and ckpt.has_rng:
+        notes.append("Megatron's RNG state does not apply here (all randomness comes from --seed)")
+    return notes

@@ -40,7 +40,7 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from mlir_train import cli  # noqa: E402
+from mlir_train import cli, megatron_checkpoint  # noqa: E402  (imports no jax, no torch)
 from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER  # noqa: E402
 
 DEFAULT_ARGV = [
@@ -131,7 +131,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hf_load = args.load if args.load and os.path.exists(os.path.join(args.load, "config.json")) else None
     ckpt_meta = None  # an mlir-train (Orbax) checkpoint to resume or fine-tune from
     saved = _checkpoints_at(args.load, checkpoint) if args.load and not hf_load else None
-    if args.load and not hf_load and saved is None:
+    mg_load = _megatron_at(args.load) if args.load and not hf_load and saved is None else None
+    if args.load and not hf_load and saved is None and mg_load is None:
+        found = megatron_checkpoint.identify(args.load)
+        if found:  # files, but nothing we read: never silently train from scratch
+            raise _fail(f"--load {args.load}: {found}. Supported: an HF model directory (config.json + safetensors), "
+                        "a mlir-train checkpoint, a Megatron torch or torch_dist checkpoint")
         # Megatron's behaviour, which lets one script both start and resume a job (--load and
         # --save naming the same directory): warn and start from scratch, unless told to stop.
         msg = f"--load {args.load}: no complete checkpoint there, nor an HF model directory (no config.json)"
@@ -150,11 +155,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not (args.no_load_rng or args.finetune) and ckpt_seed != args.seed:
             print(f"mlir-train: --seed {args.seed} replaced by the checkpoint's {ckpt_seed} (--no-load-rng keeps yours)")
             args.seed = ckpt_seed
-    if hf_load or ckpt_meta:
+    if hf_load or ckpt_meta or mg_load:
         from mlir_train.config import ModelConfig
 
-        src = f"{hf_load}/config.json" if hf_load else f"{args.load} (iteration {ckpt_meta['iteration']})"
-        model_cfg = ModelConfig.from_hf_json(hf_load) if hf_load else checkpoint.model_config(ckpt_meta)
+        src = f"{hf_load}/config.json" if hf_load else mg_load.describe() if mg_load else \
+            f"{args.load} (iteration {ckpt_meta['iteration']})"
+        if mg_load:
+            model_cfg = _megatron_model_config(args, mg_load, len(tokenizer))
+        else:
+            model_cfg = ModelConfig.from_hf_json(hf_load) if hf_load else checkpoint.model_config(ckpt_meta)
         ckpt_vocab = model_cfg.vocab_size
         if len(tokenizer) > ckpt_vocab or (ckpt_meta and not args.finetune
                                            and ckpt_meta.get("tokenizer_size") not in (None, len(tokenizer))):
@@ -162,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise _fail(f"tokenizer {args.hf_tokenizer_path} has {len(tokenizer)} tokens but the checkpoint "
                         f"{src} has a vocab of {ckpt_vocab}{saved}")
         named = build_model_config(args, ckpt_vocab) if args.model_name else None
-        for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k"):
+        shape_fields = ("head_dim", "intermediate_size", "moe_intermediate_size") if mg_load else ()
+        for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k") + shape_fields:
             if named is not None and getattr(named, field) != getattr(model_cfg, field):
                 raise _fail(f"--model-name {args.model_name} (with overrides) has {field}={getattr(named, field)} "
                             f"but the checkpoint {src} has {getattr(model_cfg, field)}")
@@ -258,9 +268,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise _fail(str(e)) from None
         if not args.finetune:
             checkpoint.restore_loader(train_loader, ckpt_meta, exact=ckpt_seed == args.seed)
+    elif mg_load:
+        print(f"mlir-train: loading weights from {mg_load.describe()}")
+        for note in megatron_checkpoint.resume_notes(mg_load, finetune=args.finetune, load_optim=not args.no_load_optim,
+                                                     load_rng=not args.no_load_rng):
+            print(f"mlir-train: note: {note}")
+        try:
+            state = trainer.state_from_params(megatron_checkpoint.load_params(
+                mg_load, model_cfg, trainer.param_shapes, trainer.master_shardings))
+        except megatron_checkpoint.MegatronCheckpointError as e:
+            raise _fail(f"--load {args.load}: {e}") from None
+        state["iteration"] = jax.device_put(np.int32(0 if args.finetune else mg_load.iteration),
+                                            trainer.state_shardings["iteration"])
     else:
         state = trainer.init_state(args.seed)
-    start_iteration = 0 if args.finetune or not ckpt_meta else ckpt_meta["iteration"]
+    start_iteration = mg_load.iteration if mg_load and not args.finetune else \
+        0 if args.finetune or not ckpt_meta else ckpt_meta["iteration"]
     saver = None if not args.save else checkpoint.CheckpointManager(
         args.save, max_to_keep=args.save_retain, save_interval=args.save_interval)
     if args.print_sharding:
@@ -467,6 +490,26 @@ def _checkpoints_at(path: str, checkpoint):
     except checkpoint.CheckpointError:  # no such directory
         return None
     return saved if saved.latest_step() is not None else None
+
+
+def _megatron_at(path: str):
+    """The Megatron checkpoint at ``path`` or None; one we cannot read stops the run, naming why."""
+    try:
+        return megatron_checkpoint.find(path)
+    except megatron_checkpoint.MegatronCheckpointError as e:
+        raise _fail(f"--load {path}: {e}") from None
+
+
+def _megatron_model_config(args, ckpt, tokenizer_size: int):
+    """The model shape from the Megatron checkpoint's own args; the vocabulary is the named
+    model's (or the tokenizer's) when it pads to the checkpoint's padded vocabulary."""
+    named = build_model_config(args, None) if args.model_name else None
+    vocab = megatron_checkpoint.unpadded_vocab(ckpt, [named.vocab_size if named else None, tokenizer_size])
+    try:
+        return megatron_checkpoint.model_config(ckpt, name=args.model_name or os.path.basename(ckpt.root.rstrip("/")),
+                                                vocab_size=vocab, fallback=named)
+    except megatron_checkpoint.MegatronCheckpointError as e:
+        raise _fail(f"--load {args.load}: {e}") from None
 
 
 def _with_gbs(args, gbs: int):
