@@ -68,7 +68,8 @@ def _require(args, *names: str) -> None:
             raise _fail(f"--{name.replace('_', '-')} is required")
 
 
-def build_model_config(args, vocab_size: int | None):
+def build_model_config(args, vocab_size: int | None, base=None):
+    """The --model-name config (or ``base``, e.g. a checkpoint's own) with the flags' overrides."""
     from mlir_train.config import get_model_config
 
     overrides = dict(
@@ -80,6 +81,8 @@ def build_model_config(args, vocab_size: int | None):
         max_position_embeddings=args.max_position_embeddings, init_std=args.init_method_std,
         head_dim=args.kv_channels, vocab_size=vocab_size,
     )
+    if base is not None:
+        return base.replace(**{k: v for k, v in overrides.items() if v is not None})
     return get_model_config(args.model_name, **overrides)
 
 
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         src = f"{hf_load}/config.json" if hf_load else mg_load.describe() if mg_load else \
             f"{args.load} (iteration {ckpt_meta['iteration']})"
         if mg_load:
-            model_cfg = _megatron_model_config(args, mg_load, len(tokenizer))
+            model_cfg = _megatron_model_config(args, mg_load, len(tokenizer),
+                                               named=cli.flag_value(argv, "--model-name") is not None)
         else:
             model_cfg = ModelConfig.from_hf_json(hf_load) if hf_load else checkpoint.model_config(ckpt_meta)
         ckpt_vocab = model_cfg.vocab_size
@@ -170,7 +174,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             saved = f" (trained with a {ckpt_meta['tokenizer_size']}-token tokenizer)" if ckpt_meta and ckpt_meta.get("tokenizer_size") else ""
             raise _fail(f"tokenizer {args.hf_tokenizer_path} has {len(tokenizer)} tokens but the checkpoint "
                         f"{src} has a vocab of {ckpt_vocab}{saved}")
-        named = build_model_config(args, ckpt_vocab) if args.model_name else None
+        if mg_load and cli.flag_value(argv, "--model-name") is None:  # not named: the flags' overrides must agree
+            named = build_model_config(args, ckpt_vocab, base=model_cfg)
+        else:
+            named = build_model_config(args, ckpt_vocab) if args.model_name else None
         shape_fields = ("head_dim", "intermediate_size", "moe_intermediate_size") if mg_load else ()
         for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k") + shape_fields:
             if named is not None and getattr(named, field) != getattr(model_cfg, field):
@@ -500,13 +507,13 @@ def _megatron_at(path: str):
         raise _fail(f"--load {path}: {e}") from None
 
 
-def _megatron_model_config(args, ckpt, tokenizer_size: int):
+def _megatron_model_config(args, ckpt, tokenizer_size: int, named: bool):
     """The model shape from the Megatron checkpoint's own args; the vocabulary is the named
     model's (or the tokenizer's) when it pads to the checkpoint's padded vocabulary."""
-    named = build_model_config(args, None) if args.model_name else None
+    named = build_model_config(args, None) if named else None
     vocab = megatron_checkpoint.unpadded_vocab(ckpt, [named.vocab_size if named else None, tokenizer_size])
     try:
-        return megatron_checkpoint.model_config(ckpt, name=args.model_name or os.path.basename(ckpt.root.rstrip("/")),
+        return megatron_checkpoint.model_config(ckpt, name=named.name if named else os.path.basename(ckpt.root.rstrip("/")),
                                                 vocab_size=vocab, fallback=named)
     except megatron_checkpoint.MegatronCheckpointError as e:
         raise _fail(f"--load {args.load}: {e}") from None
