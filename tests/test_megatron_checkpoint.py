@@ -6,7 +6,7 @@ vocabulary 1536 padded to 1600), save it in both formats and compute its own for
 Once per session (about 30 s): TP2 x EP2 with expert-TP 1 over 2 ranks (ETP != TP; the legacy
 files are ``mp_rank_00_000`` and ``mp_rank_01_001`` only, as Megatron-LM's writer-rank rule
 leaves them). Marked slow: TP2 x PP2 x EP2 with two virtual pipeline chunks over 8 ranks
-(about 3 min to write, 3 more to load back).
+(about 2.5 min to write, 3 more to load back), and a dense Qwen3 over TP2 x PP2 (4 ranks, 1.5 min).
 """
 
 import os
@@ -35,19 +35,24 @@ SPEC = {"vocab": VOCAB, "divisible_by": 160}  # 1536 -> 1600 (x TP2 = 320, and a
 TOL = 1e-4
 
 
-def _saved(tmp_path_factory, name, layout):
+def _saved(tmp_path_factory, name, layout, **spec):
     """megatron-core's checkpoints + logits for ``layout``, written once per session (or kept in
     ``$MLIR_TRAIN_MCORE_CACHE/<name>`` across sessions when that is set, for local iteration)."""
     cache = os.environ.get("MLIR_TRAIN_MCORE_CACHE")
     out = os.path.join(cache, name) if cache else str(tmp_path_factory.mktemp(name))
     if not os.path.exists(os.path.join(out, "logits.npy")):
-        mcore_cpu.run_job({"kind": "save", "layout": layout, "spec": SPEC}, out)
+        mcore_cpu.run_job({"kind": "save", "layout": layout, "spec": SPEC | spec}, out)
     return out
 
 
 @pytest.fixture(scope="session")
 def mcore_small(tmp_path_factory):
     return _saved(tmp_path_factory, "mcore_tp2_ep2_etp1", {"tp": 2, "ep": 2, "etp": 1})
+
+
+@pytest.fixture(scope="session")
+def mcore_dense(tmp_path_factory):
+    return _saved(tmp_path_factory, "mcore_dense_tp2_pp2", {"tp": 2, "pp": 2}, experts=0)
 
 
 @pytest.fixture(scope="session")
@@ -362,3 +367,13 @@ def test_tp2_pp2_ep2_round_trip_through_megatron(mcore_big, tmp_path):
                       str(tmp_path / "reload"))
     again, _ = _megatron_logits(str(tmp_path / "reload"))
     assert np.abs(again - ref).max() <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_dense_qwen3_tp2_pp2(mcore_dense, fmt):
+    """A dense Qwen3 (SwiGLU MLP, fc1 = gate|up per TP rank) over TP2 x PP2 (4 ranks)."""
+    ref, tokens = _megatron_logits(mcore_dense)
+    _, cfg, graphdef, params = _load(os.path.join(mcore_dense, fmt))
+    assert not cfg.is_moe and cfg.intermediate_size == 96
+    assert np.abs(_logits(graphdef, params, tokens) - ref).max() <= TOL
