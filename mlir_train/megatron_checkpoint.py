@@ -315,7 +315,9 @@ def model_config(ckpt: MegatronCheckpoint, *, name: str, vocab_size: int | None 
         rope_theta=float(a.get("rotary_base") or 10000),
         rope_scaling_factor=float(a.get("rotary_seq_len_interpolation_factor") or 1.0),
         rms_norm_eps=float(a.get("norm_epsilon") or 1e-5),
-        tie_word_embeddings=not a.get("untie_embeddings_and_output_weights", False),
+        # Megatron's default ties them; an args namespace without the flag: look for the LM head
+        tie_word_embeddings=(not a["untie_embeddings_and_output_weights"]) if "untie_embeddings_and_output_weights" in a
+        else not open_source(ckpt).has_output_layer(),
         max_position_embeddings=int(a.get("max_position_embeddings") or a.get("seq_length") or 4096),
         init_std=float(a.get("init_method_std") or 0.02),
     )
@@ -813,8 +815,15 @@ def _layer_callback(source, cfg, leaf, first, shape, expert, dtype):
 
     @functools.lru_cache(maxsize=16)
     def one(l: int, e: int | None):
-        return _check(_ours_from(source, cfg, leaf, first + l, e), per, f"layer {first + l} {leaf}",
-                      source.ckpt.directory)
+        what = f"layer {first + l}" + (f" expert {e}" if e is not None else "") + f" {leaf}"
+        try:
+            arr = _ours_from(source, cfg, leaf, first + l, e)
+        except ValueError as err:  # e.g. a reshape of a tensor of another shape than the config's
+            if isinstance(err, MegatronCheckpointError):
+                raise
+            raise MegatronCheckpointError(f"{source.ckpt.directory}: {what}: {err}; does the model config "
+                                          "(--model-name / overrides / the checkpoint's args) match its tensors?") from err
+        return _check(arr, per, what, source.ckpt.directory)
 
     def callback(index):
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))

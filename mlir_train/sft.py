@@ -174,14 +174,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             saved = f" (trained with a {ckpt_meta['tokenizer_size']}-token tokenizer)" if ckpt_meta and ckpt_meta.get("tokenizer_size") else ""
             raise _fail(f"tokenizer {args.hf_tokenizer_path} has {len(tokenizer)} tokens but the checkpoint "
                         f"{src} has a vocab of {ckpt_vocab}{saved}")
+        who = f"--model-name {args.model_name} (with overrides)"
         if mg_load and cli.flag_value(argv, "--model-name") is None:  # not named: the flags' overrides must agree
-            named = build_model_config(args, ckpt_vocab, base=model_cfg)
+            named, who = build_model_config(args, ckpt_vocab, base=model_cfg), "a model flag"
         else:
             named = build_model_config(args, ckpt_vocab) if args.model_name else None
         shape_fields = ("head_dim", "intermediate_size", "moe_intermediate_size") if mg_load else ()
         for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k") + shape_fields:
             if named is not None and getattr(named, field) != getattr(model_cfg, field):
-                raise _fail(f"--model-name {args.model_name} (with overrides) has {field}={getattr(named, field)} "
+                raise _fail(f"{who} has {field}={getattr(named, field)} "
                             f"but the checkpoint {src} has {getattr(model_cfg, field)}")
     else:
         model_cfg = build_model_config(args, padded_vocab_size(len(tokenizer), args.make_vocab_size_divisible_by, tp))

@@ -293,7 +293,7 @@ def test_sft_loads_megatron_checkpoint(mcore_small, tmp_path, capsys):
     with pytest.raises(SystemExit):  # an override alone, without --model-name
         sft.main(_argv(tmp_path, "--load", os.path.join(mcore_small, "torch"), "--train-iters", "1",
                        "--num-layers", "2"))
-    assert "has num_layers=2 but the checkpoint Megatron torch checkpoint" in capsys.readouterr().err
+    assert "a model flag has num_layers=2 but the checkpoint Megatron torch checkpoint" in capsys.readouterr().err
 
 
 def _fails(tmp_path, capsys, load):
