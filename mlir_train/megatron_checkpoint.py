@@ -162,6 +162,10 @@ def find(path: str, *, iteration: int | None = None) -> MegatronCheckpoint | Non
     """The checkpoint at ``path`` (the tracker's iteration, or ``iteration``), None when ``path``
     is no Megatron checkpoint directory; raises when it is one we cannot read, naming why."""
     if not looks_like_megatron(path):
+        if _is_iteration_dir(path):  # --load DIR/iter_0000500 itself, as some scripts pass it
+            base = os.path.basename(os.path.normpath(path))
+            it = int(base[5:]) if re.fullmatch(r"iter_\d{7}", base) else 0
+            return _read_iteration_dir(os.path.dirname(os.path.normpath(path)), path, it, base == "release")
         return None
     names = os.listdir(path)
     if iteration is not None:
@@ -184,6 +188,18 @@ def find(path: str, *, iteration: int | None = None) -> MegatronCheckpoint | Non
     directory = os.path.join(path, sub)
     if not os.path.isdir(directory):
         raise MegatronCheckpointError(f"{path}: the tracker names {sub}, which does not exist there")
+    return _read_iteration_dir(path, directory, iteration, release)
+
+
+def _is_iteration_dir(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return "metadata.json" in names and "common.pt" in names or any(
+        _RANK_DIR.match(n) and os.path.exists(os.path.join(path, n, "model_optim_rng.pt")) for n in names)
+
+
+def _read_iteration_dir(path: str, directory: str, iteration: int, release: bool) -> MegatronCheckpoint:
     inside = os.listdir(directory)
     if "metadata.json" in inside:
         import json
@@ -862,7 +878,8 @@ def megatron_args(cfg: ModelConfig, layout: MegatronLayout, padded: int) -> dict
         moe_layer_freq=[int(k) for k in kinds] if cfg.is_moe and not all(kinds) else 1,
         moe_router_score_function="softmax", moe_shared_expert_intermediate_size=None,
         normalization="RMSNorm", norm_epsilon=cfg.rms_norm_eps, qk_layernorm=True, swiglu=True,
-        add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
+        add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope", add_position_embedding=False,
+        rotary_base=int(cfg.rope_theta),
         rotary_percent=1.0, rotary_interleaved=False,
         rotary_seq_len_interpolation_factor=None if cfg.rope_scaling_factor == 1.0 else cfg.rope_scaling_factor,
         max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=padded, vocab_size=cfg.vocab_size,

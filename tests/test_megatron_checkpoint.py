@@ -97,6 +97,7 @@ def test_loads_megatron_checkpoint_with_megatron_logits(mcore_small, fmt):
     # the padded vocabulary (1600 rows) is cut back to the model's 1536
     assert params["embed"].shape == (VOCAB, 64) and params["lm_head"].shape == (64, VOCAB)
     assert mc.padded_vocab(ckpt) == 1600
+    assert mc.find(ckpt.directory).directory == ckpt.directory  # the iter_0000010 directory itself works too
     ours = _logits(graphdef, params, tokens)
     assert np.abs(ours - ref).max() <= TOL, np.abs(ours - ref).max()
 
@@ -377,3 +378,15 @@ def test_dense_qwen3_tp2_pp2(mcore_dense, fmt):
     _, cfg, graphdef, params = _load(os.path.join(mcore_dense, fmt))
     assert not cfg.is_moe and cfg.intermediate_size == 96
     assert np.abs(_logits(graphdef, params, tokens) - ref).max() <= TOL
+
+
+def test_resume_notes_say_once_what_cannot_be_taken(mcore_small):
+    import dataclasses
+
+    ckpt = dataclasses.replace(mc.find(os.path.join(mcore_small, "torch")), has_optimizer=True, has_rng=True)
+    notes = mc.resume_notes(ckpt, finetune=False, load_optim=True, load_rng=True)
+    assert len(notes) == 2 and "from 10" in notes[0] and "optimizer state" in notes[0] and "RNG" in notes[1]
+    assert mc.resume_notes(ckpt, finetune=True, load_optim=False, load_rng=False) == []
+    notes = mc.resume_notes(dataclasses.replace(ckpt, iteration=0, release=True), finetune=False, load_optim=True,
+                            load_rng=False)
+    assert notes == ["Megatron's optimizer state cannot be taken (optax state differs from Megatron's); it starts fresh"]
