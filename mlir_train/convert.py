@@ -98,8 +98,11 @@ def _megatron_params(src: str, step: int | None, vocab_size: int | None):
     ckpt = mc.find(src, iteration=step)
     if ckpt is None:
         raise mc.MegatronCheckpointError(f"{src}: not a Megatron checkpoint directory")
-    cfg = mc.model_config(ckpt, name=os.path.basename(os.path.abspath(src)),
-                          vocab_size=vocab_size or mc.unpadded_vocab(ckpt, []))
+    vocab_size = vocab_size or mc.unpadded_vocab(ckpt, [])
+    cfg = mc.model_config(ckpt, name=os.path.basename(os.path.abspath(src)), vocab_size=vocab_size)
+    if vocab_size is None:
+        print(f"mlir-train: note: {ckpt.describe()} does not record its unpadded vocabulary; keeping all "
+              f"{cfg.vocab_size} (padded) rows. Pass --vocab-size N (e.g. 151936 for Qwen3) to strip the padding")
     trainer = _trainer(cfg)
     return trainer, mc.load_params(ckpt, cfg, trainer.param_shapes, trainer.master_shardings)
 
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     is_hf = os.path.exists(os.path.join(args.src, "config.json"))
     try:
-        is_megatron = not is_hf and mc.looks_like_megatron(args.src)
+        is_megatron = not is_hf and mc.is_megatron_dir(args.src)
         to = args.to or ("mlir-train" if is_hf else "hf")
         if to == "megatron":
             if is_megatron:

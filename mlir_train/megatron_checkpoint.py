@@ -191,6 +191,11 @@ def find(path: str, *, iteration: int | None = None) -> MegatronCheckpoint | Non
     return _read_iteration_dir(path, directory, iteration, release)
 
 
+def is_megatron_dir(path: str) -> bool:
+    """A Megatron checkpoint directory (its root, or one iter_*/release directory of it)."""
+    return looks_like_megatron(path) or _is_iteration_dir(path)
+
+
 def _is_iteration_dir(path: str) -> bool:
     if not os.path.isdir(path):
         return False
