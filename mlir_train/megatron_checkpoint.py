@@ -425,6 +425,7 @@ class _LegacySource(_Source):
                 if not any((t, p, e) in self.files for e in range(self.ep)):
                     raise MegatronCheckpointError(f"{ckpt.directory}: no file for tensor rank {t}, pipeline rank {p}")
         self._open = functools.lru_cache(maxsize=None)(self._load)
+        self._experts_in = functools.lru_cache(maxsize=None)(self._scan_experts)  # one key scan per layer
         sd = self._open(next(iter(sorted(self.files))))
         self.chunk_keys = sorted((k for k in sd if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
         if not self.chunk_keys:
@@ -508,7 +509,7 @@ class _LegacySource(_Source):
             return np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=0)
         return get(0)
 
-    def _experts_in(self, key, c: int, i: int) -> tuple[str, int]:
+    def _scan_experts(self, key, c: int, i: int) -> tuple[str, int]:
         model = self._model((key, c))
         prefix = f"decoder.layers.{i}."
         ids = set()
