@@ -26,6 +26,8 @@ each) started by :func:`run_job`. Jobs:
            Megatron-LM's ``save_checkpoint`` picks) and ``torch_dist`` (``<out>/torch_dist``,
            ``dist_checkpointing.save`` of ``sharded_state_dict()``), then run megatron-core's own
            forward on fixed tokens and store the gathered logits (``logits.npy``, padded vocab).
+           ``"formats": ["torch_dist"]`` skips the legacy files (with ETP > TP two ranks would
+           write the same ``mp_rank_*`` file: that format names files by the dense TP rank).
 ``load``   build the model for a layout, load a legacy checkpoint as Megatron-LM's
            ``load_checkpoint`` does (each rank reads its own ``mp_rank_*`` file,
            ``load_state_dict(strict=True)``), run the forward, store ``logits.npy``.
@@ -291,7 +293,7 @@ def _legacy_path(root: str, iteration: int, layout: Layout) -> str:
     return os.path.join(root, f"iter_{iteration:07d}", name, "model_optim_rng.pt")
 
 
-def _save(chunks, spec, layout, out, iteration=10):
+def _save(chunks, spec, layout, out, iteration=10, formats=("torch", "torch_dist")):
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -301,7 +303,8 @@ def _save(chunks, spec, layout, out, iteration=10):
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     # Legacy: the ranks Megatron-LM's save_checkpoint picks (dp rank 0 or expert-dp rank 0).
     root = os.path.join(out, "torch")
-    if ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0:
+    legacy = "torch" in formats
+    if legacy and (ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0):
         state = {"args": _megatron_args(spec, layout, world, "torch"), "checkpoint_version": 3.0,
                  "iteration": iteration}
         for k, c in zip(keys, chunks):
@@ -310,7 +313,7 @@ def _save(chunks, spec, layout, out, iteration=10):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(state, path)
     dist.barrier()
-    if dist.get_rank() == 0:
+    if legacy and dist.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
     # torch_dist
@@ -367,7 +370,7 @@ def worker(job_path: str) -> None:
     chunks = _build(spec, layout)
     if job["kind"] == "save":
         _randomise(chunks, layout)
-        _save(chunks, spec, layout, job["out"])
+        _save(chunks, spec, layout, job["out"], formats=tuple(job.get("formats", ("torch", "torch_dist"))))
     elif job["kind"] == "load":
         _load_legacy(chunks, layout, job["checkpoint"])
     else:

@@ -35,19 +35,24 @@ SPEC = {"vocab": VOCAB, "divisible_by": 160}  # 1536 -> 1600 (x TP2 = 320, and a
 TOL = 1e-4
 
 
-def _saved(tmp_path_factory, name, layout, **spec):
+def _saved(tmp_path_factory, name, layout, formats=("torch", "torch_dist"), **spec):
     """megatron-core's checkpoints + logits for ``layout``, written once per session (or kept in
     ``$MLIR_TRAIN_MCORE_CACHE/<name>`` across sessions when that is set, for local iteration)."""
     cache = os.environ.get("MLIR_TRAIN_MCORE_CACHE")
     out = os.path.join(cache, name) if cache else str(tmp_path_factory.mktemp(name))
     if not os.path.exists(os.path.join(out, "logits.npy")):
-        mcore_cpu.run_job({"kind": "save", "layout": layout, "spec": SPEC | spec}, out)
+        mcore_cpu.run_job({"kind": "save", "layout": layout, "spec": SPEC | spec, "formats": list(formats)}, out)
     return out
 
 
 @pytest.fixture(scope="session")
 def mcore_small(tmp_path_factory):
     return _saved(tmp_path_factory, "mcore_tp2_ep2_etp1", {"tp": 2, "ep": 2, "etp": 1})
+
+
+@pytest.fixture(scope="session")
+def mcore_etp_over_tp(tmp_path_factory):
+    return _saved(tmp_path_factory, "mcore_tp1_ep2_etp2", {"tp": 1, "ep": 2, "etp": 2}, formats=("torch_dist",))
 
 
 @pytest.fixture(scope="session")
@@ -390,3 +395,20 @@ def test_resume_notes_say_once_what_cannot_be_taken(mcore_small):
     notes = mc.resume_notes(dataclasses.replace(ckpt, iteration=0, release=True), finetune=False, load_optim=True,
                             load_rng=False)
     assert notes == ["Megatron's optimizer state cannot be taken (optax state differs from Megatron's); it starts fresh"]
+
+
+@pytest.mark.slow
+def test_expert_tensor_parallel_above_tp_torch_dist(mcore_etp_over_tp):
+    """TP1 x EP2 x ETP2 (4 ranks; torch_dist only: the legacy format cannot name ETP > TP files)."""
+    ref, tokens = _megatron_logits(mcore_etp_over_tp)
+    ckpt, _, graphdef, params = _load(os.path.join(mcore_etp_over_tp, "torch_dist"))
+    assert ckpt.args["expert_tensor_parallel_size"] == 2 and ckpt.args["tensor_model_parallel_size"] == 1
+    assert np.abs(_logits(graphdef, params, tokens) - ref).max() <= TOL
+
+
+def test_legacy_writer_refuses_etp_above_tp(tmp_path):
+    from mlir_train.config import get_model_config
+
+    cfg = get_model_config("qwen3-moe-tiny")
+    with pytest.raises(mc.MegatronCheckpointError, match="must divide --tensor-model-parallel-size 1"):
+        mc.save_legacy(None, None, cfg, str(tmp_path), mc.MegatronLayout(tensor=1, expert=2, expert_tensor=2))
