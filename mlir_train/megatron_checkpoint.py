@@ -665,47 +665,68 @@ _DIST_NAMES = {
 
 
 class _DistSource(_Source):
+    """Global tensors of a torch_dist checkpoint: layers stacked (``decoder.layers.<name>``
+    ``[L, ...]``) or, when dense and MoE layers are mixed, one per layer
+    (``decoder.layers.<i>.<name>``, as megatron-core writes heterogeneous blocks)."""
+
+    _LAYERS = "decoder.layers."
+
     def __init__(self, ckpt: MegatronCheckpoint):
         self.ckpt = ckpt
         self.r = _DistReader(ckpt.directory)
-        keys = set(self.r.keys())
-        self.prefix = "model." if any(k.startswith("model.decoder.") for k in keys) else ""
-        self.names: dict[str, str] = {}
-        for kind, cands in _DIST_NAMES.items():
-            for c in cands:
-                for variant in (c, c + "_w"):
-                    if self.prefix + variant in keys:
-                        self.names[kind] = self.prefix + c
-                        break
-                if kind in self.names:
-                    break
-        mapped = {self.names[k] + s for k in self.names for s in ("", "_w", "_v")}
-        model_keys = [k for k in keys if not k.startswith(("optimizer", "rng_state", "rerun_state", "opt_param"))
-                      and not _IGNORED.search(k) and self.r.shape(k) is not None]
-        extra = sorted(set(model_keys) - mapped)
-        if extra:
-            raise MegatronCheckpointError(f"{ckpt.directory}: tensor {extra[0]} {self.r.shape(extra[0])} has no "
-                                          "counterpart in a Qwen3 model (shared experts, biases, MTP layers and other "
-                                          "architectures are not supported)")
+        self.keys = set(self.r.keys())
+        self.prefix = "model." if any(k.startswith("model.decoder.") for k in self.keys) else ""
+        self._names: dict = {}
+        known = {c for cands in _DIST_NAMES.values() for c in cands}
+        for k in sorted(self.keys):
+            if k.startswith(("optimizer", "rng_state", "rerun_state", "opt_param")) or _IGNORED.search(k) \
+                    or self.r.shape(k) is None:
+                continue
+            name = k[len(self.prefix):] if k.startswith(self.prefix) else k
+            name = re.sub(r"_[wv]$", "", name)
+            m = re.match(r"^decoder\.layers\.\d+\.(.+)$", name)
+            if (self._LAYERS + m.group(1) if m else name) not in known:
+                raise MegatronCheckpointError(f"{ckpt.directory}: tensor {k} {self.r.shape(k)} has no counterpart in "
+                                              "a Qwen3 model (shared experts, biases, MTP layers and other "
+                                              "architectures are not supported)")
 
-    def _read(self, kind: str, index: tuple) -> np.ndarray:
-        if kind not in self.names:
-            raise MegatronCheckpointError(f"{self.ckpt.directory}: no tensor {_DIST_NAMES[kind][0]} in it")
-        name = self.names[kind]
-        if self.r.shape(name) is None and self.r.shape(name + "_w") is not None:  # gate and up stored apart
+    def _has(self, name: str) -> bool:
+        return name in self.keys or name + "_w" in self.keys
+
+    def _name(self, kind: str, l: int | None) -> tuple[str, bool]:
+        """(checkpoint key, stacked over layers) for ``kind`` of layer ``l``."""
+        if (kind, l) not in self._names:
+            found = None
+            for c in _DIST_NAMES[kind]:
+                if self._has(self.prefix + c):
+                    found = (self.prefix + c, c.startswith(self._LAYERS))
+                    break
+                per = f"{self.prefix}{self._LAYERS}{l}.{c[len(self._LAYERS):]}"
+                if l is not None and c.startswith(self._LAYERS) and self._has(per):
+                    found = (per, False)
+                    break
+            if found is None:
+                where = "" if l is None else f" (layer {l})"
+                raise MegatronCheckpointError(f"{self.ckpt.directory}: no tensor {_DIST_NAMES[kind][0]}{where} in it")
+            self._names[(kind, l)] = found
+        return self._names[(kind, l)]
+
+    def _read(self, name: str, index: tuple) -> np.ndarray:
+        if name not in self.keys:  # gate and up stored apart (_w, _v)
             return np.concatenate([self.r.read(name + "_w", index), self.r.read(name + "_v", index)], axis=-2)
         return self.r.read(name, index)
 
     def layer(self, kind: str, l: int, e: int | None = None) -> np.ndarray:
-        index = (slice(l, l + 1),) if e is None else (slice(l, l + 1), slice(e, e + 1))
-        out = self._read(kind, index)
+        name, stacked = self._name(kind, l)
+        index = ((slice(l, l + 1),) if stacked else ()) + ((slice(e, e + 1),) if e is not None else ())
+        out = self._read(name, index)
         return out.reshape(out.shape[len(index):])
 
     def whole(self, kind: str) -> np.ndarray:
-        return self._read(kind, ())
+        return self._read(self._name(kind, None)[0], ())
 
     def has_output_layer(self) -> bool:
-        return "output" in self.names
+        return self._has(self.prefix + "output_layer.weight")
 
 
 def open_source(ckpt: MegatronCheckpoint) -> _Source:

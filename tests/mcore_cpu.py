@@ -157,7 +157,7 @@ def _config(spec: dict, layout: Layout):
         num_moe_experts=spec["experts"] if moe else None, moe_ffn_hidden_size=spec["moe_ffn"] if moe else None,
         moe_router_topk=spec["topk"] if moe else 2, moe_router_pre_softmax=False,
         moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
-        moe_router_load_balancing_type="none",
+        moe_router_load_balancing_type="none", moe_layer_freq=spec.get("moe_layer_freq", 1),
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,
@@ -175,7 +175,7 @@ def _megatron_args(spec: dict, layout: Layout, world: int, fmt: str):
         num_attention_heads=spec["heads"], num_query_groups=spec["groups"], group_query_attention=True,
         kv_channels=spec["head_dim"], num_experts=spec["experts"] if moe else None,
         moe_ffn_hidden_size=spec["moe_ffn"] if moe else None, moe_router_topk=spec["topk"],
-        moe_router_pre_softmax=False, moe_router_score_function="softmax", moe_layer_freq=1,
+        moe_router_pre_softmax=False, moe_router_score_function="softmax", moe_layer_freq=spec.get("moe_layer_freq", 1),
         moe_shared_expert_intermediate_size=None, moe_grouped_gemm=False,
         normalization="RMSNorm", norm_epsilon=spec["eps"], qk_layernorm=True, swiglu=True,
         add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope",
@@ -199,10 +199,16 @@ def _build(spec: dict, layout: Layout):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = _config(spec, layout)
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec["experts"] or None, qk_layernorm=True)
     chunks = []
     for vp in range(layout.vpp or 1):
         vp_stage = vp if layout.vpp else None
+        if isinstance(spec.get("moe_layer_freq", 1), list):  # dense and MoE layers mixed, per Megatron's pattern
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+            layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                                    vp_stage=vp_stage)
+        else:
+            layer_spec = get_gpt_layer_local_spec(num_experts=spec["experts"] or None, qk_layernorm=True)
         chunks.append(GPTModel(
             config=config, transformer_layer_spec=layer_spec,
             vocab_size=layout.padded_vocab(spec["vocab"], spec["divisible_by"]), max_sequence_length=4096,

@@ -6,7 +6,8 @@ vocabulary 1536 padded to 1600), save it in both formats and compute its own for
 Once per session (about 30 s): TP2 x EP2 with expert-TP 1 over 2 ranks (ETP != TP; the legacy
 files are ``mp_rank_00_000`` and ``mp_rank_01_001`` only, as Megatron-LM's writer-rank rule
 leaves them). Marked slow: TP2 x PP2 x EP2 with two virtual pipeline chunks over 8 ranks
-(about 2.5 min to write, 3 more to load back), and a dense Qwen3 over TP2 x PP2 (4 ranks, 1.5 min).
+(about 2.5 min to write, 3 more to load back), a dense Qwen3 over TP2 x PP2 (4 ranks, 1.5 min),
+ETP2 > TP1 (torch_dist, 4 ranks) and mixed dense/MoE layers (2 ranks).
 """
 
 import os
@@ -53,6 +54,11 @@ def mcore_small(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mcore_etp_over_tp(tmp_path_factory):
     return _saved(tmp_path_factory, "mcore_tp1_ep2_etp2", {"tp": 1, "ep": 2, "etp": 2}, formats=("torch_dist",))
+
+
+@pytest.fixture(scope="session")
+def mcore_mixed(tmp_path_factory):
+    return _saved(tmp_path_factory, "mcore_mixed_tp2_ep2", {"tp": 2, "ep": 2}, moe_layer_freq=[0, 1, 1, 0])
 
 
 @pytest.fixture(scope="session")
@@ -412,3 +418,14 @@ def test_legacy_writer_refuses_etp_above_tp(tmp_path):
     cfg = get_model_config("qwen3-moe-tiny")
     with pytest.raises(mc.MegatronCheckpointError, match="must divide --tensor-model-parallel-size 1"):
         mc.save_legacy(None, None, cfg, str(tmp_path), mc.MegatronLayout(tensor=1, expert=2, expert_tensor=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_mixed_dense_and_moe_layers(mcore_mixed, fmt):
+    """--moe-layer-freq [0,1,1,0]: dense layers 0 and 3 around MoE layers 1-2 (TP2 x EP2); in
+    torch_dist such heterogeneous blocks are stored one tensor per layer, not stacked."""
+    ref, tokens = _megatron_logits(mcore_mixed)
+    _, cfg, graphdef, params = _load(os.path.join(mcore_mixed, fmt))
+    assert cfg.mlp_only_layers == (0, 3) and cfg.layer_kinds() == (False, True, True, False)
+    assert np.abs(_logits(graphdef, params, tokens) - ref).max() <= TOL
