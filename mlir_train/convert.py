@@ -128,7 +128,7 @@ def to_megatron(trainer, params, dst: str, layout, *, iteration: int | None = No
     if os.path.isdir(dst) and os.listdir(dst):
         raise mc.MegatronCheckpointError(f"{dst} is not empty; give an empty or new directory")
     cfg = trainer.model_cfg
-    stacks = mc._stack_firsts(cfg)
+    stacks = mc.layer_stacks(cfg)  # (first layer, count, is_moe) per stack, as the model builds them
 
     def leaf_of(tree, leaf: str):
         for part in leaf.split("/"):

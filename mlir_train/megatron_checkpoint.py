@@ -793,7 +793,7 @@ def _leaves(params_shapes: dict, prefix=()) -> list[tuple[tuple, Any]]:
     return out
 
 
-def _stack_firsts(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
+def layer_stacks(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
     import itertools
 
     out, start = [], 0
@@ -817,7 +817,7 @@ def load_params(ckpt: MegatronCheckpoint, cfg: ModelConfig, param_shapes: dict, 
     if getattr(source, "layer_at", None) is not None and len(source.layer_at) != cfg.num_layers:
         raise MegatronCheckpointError(f"{ckpt.describe()}: holds {len(source.layer_at)} layers, the model has "
                                       f"{cfg.num_layers}")
-    stacks = _stack_firsts(cfg)
+    stacks = layer_stacks(cfg)
     flat_shardings = dict(_leaves(shardings))
     out: dict = {}
     for path, shape_struct in _leaves(param_shapes):
