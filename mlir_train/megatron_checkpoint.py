@@ -468,6 +468,11 @@ class _LegacySource(_Source):
         for key in sorted(self.files):
             for c in range(len(self.chunk_keys)):
                 for k, v in self._model((key, c)).items():
+                    if isinstance(v, dict):  # e.g. language_model.encoder...: pre-mcore Megatron-LM models
+                        raise MegatronCheckpointError(
+                            f"{self.files[key]}: '{k}' is a nested state dict, as the pre-megatron-core (legacy "
+                            "GPT model) format writes it; only megatron-core GPTModel checkpoints are read (convert "
+                            "it with Megatron-LM's tools/checkpoint first)")
                     if _IGNORED.search(k) or not hasattr(v, "shape"):
                         continue
                     m = _LAYER_KEY.match(k)

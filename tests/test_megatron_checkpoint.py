@@ -232,6 +232,10 @@ def test_unknown_tensors_and_missing_layers_are_errors(mcore_small, tmp_path):
     _rename_legacy(os.path.join(mcore_small, "torch"), dst, add_shared)
     with pytest.raises(mc.MegatronCheckpointError, match=r"shared_experts\.linear_fc1\.weight .* no counterpart"):
         _load(dst)
+    dst = str(tmp_path / "pre_mcore")
+    _rename_legacy(os.path.join(mcore_small, "torch"), dst, lambda m: {"language_model": {"encoder": m}})
+    with pytest.raises(mc.MegatronCheckpointError, match="pre-megatron-core"):
+        _load(dst)
     dst = str(tmp_path / "short")
     _rename_legacy(os.path.join(mcore_small, "torch"), dst,
                    lambda m: {k: v for k, v in m.items() if not k.startswith("decoder.layers.1.self_attention.linear_qkv.")})
