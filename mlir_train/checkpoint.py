@@ -311,12 +311,14 @@ def restore_loader(loader, meta: dict[str, Any], *, exact: bool = True) -> None:
 @dataclasses.dataclass(frozen=True)
 class Start:
     """What ``--load`` points at: ``kind`` is "hf" (a model directory), "ours" (a checkpoint of
-    this trainer, ``meta`` its newest step's JSON) or "scratch" (no --load, or a missing/empty
-    directory: Megatron starts from scratch there with a warning)."""
+    this trainer, ``meta`` its newest step's JSON), "megatron" (a Megatron/AIAK checkpoint,
+    ``megatron`` its :class:`~mlir_train.megatron_checkpoint.MegatronCheckpoint`) or "scratch"
+    (no --load, or a missing/empty directory: Megatron starts from scratch there with a warning)."""
 
     kind: str
     path: str | None = None
     meta: dict[str, Any] | None = None
+    megatron: Any = None
 
     @property
     def seed(self) -> int | None:
@@ -324,30 +326,53 @@ class Start:
 
     @property
     def iteration(self) -> int:
+        if self.megatron is not None:
+            return int(self.megatron.iteration)
         return 0 if self.meta is None else int(self.meta["iteration"])
 
     def describe(self) -> str:
+        if self.kind == "megatron":
+            return self.megatron.describe()
         return (f"{self.path}/config.json" if self.kind == "hf"
                 else f"{self.path} (iteration {self.iteration})" if self.kind == "ours" else "random initialisation")
 
 
+def has_checkpoint(path: str) -> bool:
+    """Whether ``path`` holds at least one complete checkpoint of ours."""
+    try:
+        return CheckpointManager(path, read_only=True).latest_step() is not None
+    except CheckpointError:  # no such directory
+        return False
+
+
 def resolve_start(load: str | None, *, exit_on_missing: bool = False) -> Start:
-    """Classify ``--load``. A directory with no complete checkpoint and no HF config warns and
-    starts from scratch (one script both starts and resumes a job), unless ``exit_on_missing``
+    """Classify ``--load``: an HF directory, ours (wins if the directory holds one), then a
+    Megatron checkpoint (legacy ``torch`` or ``torch_dist``). A directory that holds files but
+    no checkpoint we can read is an error naming what it holds, never a silent fresh start; a
+    missing or empty one (or one with only interrupted writes of ours) warns and starts from
+    scratch (one script both starts and resumes a job), unless ``exit_on_missing``
     (--exit-on-missing-checkpoint) makes that an error."""
+    from mlir_train import megatron_checkpoint
+
     if not load:
         return Start("scratch")
     if os.path.exists(os.path.join(load, "config.json")):
         return Start("hf", load)
-    try:
-        saved = CheckpointManager(load, read_only=True)
-    except CheckpointError:  # no such directory
-        saved = None
-    if saved is not None and saved.latest_step() is not None:
+    if has_checkpoint(load):
         try:
-            return Start("ours", load, saved.read_meta())
+            return Start("ours", load, CheckpointManager(load, read_only=True).read_meta())
         except CheckpointError as e:
             raise CheckpointError(f"--load {load}: {e} (nor is it an HF model directory: no config.json)") from None
+    try:
+        mg = megatron_checkpoint.find(load)
+    except CheckpointError as e:
+        raise CheckpointError(f"--load {load}: {e}") from None
+    if mg is not None:
+        return Start("megatron", load, megatron=mg)
+    found = megatron_checkpoint.identify(load)
+    if found:  # files, but nothing we read: never silently train from scratch
+        raise CheckpointError(f"--load {load}: {found}. Supported: an HF model directory (config.json + safetensors), "
+                              "a mlir-train checkpoint, a Megatron torch or torch_dist checkpoint")
     msg = f"--load {load}: no complete checkpoint there, nor an HF model directory (no config.json)"
     if exit_on_missing:
         raise CheckpointError(f"{msg}; --exit-on-missing-checkpoint is set. Check the path, or drop the flag to start "

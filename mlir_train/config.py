@@ -204,10 +204,12 @@ MODELS: dict[str, ModelConfig] = {
 }
 
 
-def get_model_config(name_or_path: str, **overrides: Any) -> ModelConfig:
-    """A registry config by ``--model-name``, or one read from an HF directory / config.json,
-    with per-run overrides (``num_layers=..., top_k=..., vocab_size=...``) applied on top."""
-    if name_or_path in MODELS:
+def get_model_config(name_or_path: "str | ModelConfig", **overrides: Any) -> ModelConfig:
+    """A registry config by ``--model-name``, or one read from an HF directory / config.json (or
+    a given config), with per-run overrides (``num_layers=..., top_k=..., vocab_size=...``) applied on top."""
+    if isinstance(name_or_path, ModelConfig):
+        cfg = name_or_path
+    elif name_or_path in MODELS:
         cfg = MODELS[name_or_path]
     elif os.path.exists(name_or_path):
         cfg = ModelConfig.from_hf_json(name_or_path)

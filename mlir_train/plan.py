@@ -199,7 +199,6 @@ def _trainer(cfg: RunConfig, layout: Layout, num_devices: int):
     """The real trainer of ``cfg`` with ``layout``'s parallelism, for ``num_devices`` fake CPU
     devices; the MoE experts use the ragged dispatcher (the closest to the GPU path that XLA:CPU
     compiles)."""
-    from mlir_train.config import get_model_config
 
     cfg = cfg.replace(
         parallel=dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
@@ -209,7 +208,7 @@ def _trainer(cfg: RunConfig, layout: Layout, num_devices: int):
         training=dict(recompute_granularity=None if layout.recompute == "none" else layout.recompute,
                       recompute_activations=False, lr=cfg.training.lr or 1e-5,
                       train_iters=cfg.training.train_iters or 1))
-    vocab = cfg.model.vocab_size or get_model_config(cfg.model.model_name).vocab_size
+    vocab = cfg.model.vocab_size or cfg.model.model_config(None).vocab_size
     model_cfg = cfg.model.model_config(cfg.model.padded_vocab_size(vocab, layout.tensor))
     run = resolve(cfg, model_cfg, num_devices=num_devices, platform="cpu")
     overrides = dict(moe_impl="ragged") if model_cfg.is_moe else {}
@@ -274,9 +273,8 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
 def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
     """TP (within one 8-device node), EP, PP that divide the model, distributed optimizer on/off,
     recompute none/full; DP is what is left."""
-    from mlir_train.config import get_model_config
 
-    cfg = get_model_config(run_cfg.model.model_name)
+    cfg = run_cfg.model.model_config(None)
     divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
     pipelines = [p for p in divisors if cfg.num_layers % p == 0]
     out = []
@@ -360,7 +358,7 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     # fp32 matmuls run as TF32 on these GPUs: half the bf16 peak.
     peak = cfg.extras.peak_tflops or (kind_peak and kind_peak * (1.0 if t.bf16 or t.fp16 else 0.5))
     common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu)
-    print(f"mlir-train plan: {cfg.model.model_name} on {num_devices} x {own.device_kind} ({memory_gb:.0f} GiB), "
+    print(f"mlir-train plan: {cfg.model.model_config(None).name} on {num_devices} x {own.device_kind} ({memory_gb:.0f} GiB), "
           f"seq {cfg.data.seq_length}, micro-batch {t.micro_batch_size}, global batch "
           f"{t.global_batch_size or 'micro x DP'}, {t.compute_dtype}")
     if not own.search:

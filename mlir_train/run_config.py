@@ -88,9 +88,10 @@ class ModelFlags:
     from the model name too, and a Megatron default overriding the release values would be a bug)."""
 
     GROUP: ClassVar[str] = "model"
-    model_name: str = flag("--model-name", default="qwen3-moe-tiny",
-                           help="registry name (qwen3-30b-a3b, qwen3-moe-tiny, ...) or a path to an HF "
-                                "config.json / model directory")
+    model_name: str | None = flag("--model-name",
+                                  help="registry name (qwen3-30b-a3b, qwen3-moe-tiny, ...) or a path to an HF "
+                                       "config.json / model directory (default: the --load checkpoint's own model, "
+                                       "else qwen3-moe-tiny)")
     rotary_base: int | None = flag("--rotary-base", type=int, help="RoPE theta (default: from --model-name)")
     rotary_seq_len_interpolation_factor: int | None = flag(
         "--rotary-seq-len-interpolation-factor", type=int,
@@ -121,12 +122,20 @@ class ModelFlags:
                                       help="RMSNorm eps (default: from --model-name)")
     moe_router_topk: int | None = flag("--moe-router-topk", type=int, group="moe", help="default: from --model-name")
 
-    def model_config(self, vocab_size: int | None):
-        """The registry config of ``--model-name`` with these flags' overrides."""
+    def model_config(self, vocab_size: int | None, base=None):
+        """The registry config of ``--model-name`` (or ``base``, e.g. a checkpoint's own) with these
+        flags' overrides."""
         from mlir_train.config import get_model_config
 
-        cfg = get_model_config(
-            self.model_name, num_layers=self.num_layers, hidden_size=self.hidden_size,
+        try:
+            cfg = self._overridden(get_model_config, self.model_name or DEFAULT_MODEL if base is None else base, vocab_size)
+        except ValueError as e:  # an unknown --model-name, with the closest one
+            raise ConfigError(str(e)) from None
+        return cfg.replace(tie_word_embeddings=False) if self.untie_embeddings_and_output_weights else cfg
+
+    def _overridden(self, get_model_config, source, vocab_size):
+        return get_model_config(
+            source, num_layers=self.num_layers, hidden_size=self.hidden_size,
             num_heads=self.num_attention_heads, num_kv_heads=self.num_query_groups,
             intermediate_size=self.ffn_hidden_size, num_experts=self.num_experts,
             moe_intermediate_size=self.moe_ffn_hidden_size, top_k=self.moe_router_topk,
@@ -134,10 +143,12 @@ class ModelFlags:
             rms_norm_eps=self.norm_epsilon, max_position_embeddings=self.max_position_embeddings,
             init_std=self.init_method_std, head_dim=self.kv_channels, vocab_size=vocab_size,
         )
-        return cfg.replace(tie_word_embeddings=False) if self.untie_embeddings_and_output_weights else cfg
 
     def padded_vocab_size(self, tokenizer_size: int, tensor_parallel: int) -> int:
         return padded_vocab_size(tokenizer_size, self.make_vocab_size_divisible_by, tensor_parallel)
+
+
+DEFAULT_MODEL = "qwen3-moe-tiny"  # --model-name when neither it nor a --load model names one
 
 
 def padded_vocab_size(tokenizer_size: int, divisible_by: int, tensor_parallel: int) -> int:

@@ -206,26 +206,39 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
 
 
 def _model_config(cfg: RunConfig, start, tokenizer_size: int):
-    """The model: the starting point's own config (HF config.json, or the checkpoint's), which
-    ``--model-name`` and the architecture overrides must agree with; else the named one with
-    the vocabulary padded as Megatron pads it."""
+    """The model: the starting point's own config (HF config.json, our checkpoint's, or a
+    Megatron checkpoint's args), which ``--model-name`` (if given) and the architecture
+    overrides must agree with; else the named one with the vocabulary padded as Megatron pads it."""
+    from mlir_train import checkpoint, megatron_checkpoint
     from mlir_train.config import ModelConfig
-    from mlir_train import checkpoint
 
+    m = cfg.model
     if start.kind == "scratch":
-        return cfg.model.model_config(cfg.model.padded_vocab_size(tokenizer_size, cfg.parallel.tensor_model_parallel_size))
-    model_cfg = ModelConfig.from_hf_json(start.path) if start.kind == "hf" else checkpoint.model_config(start.meta)
+        return m.model_config(m.padded_vocab_size(tokenizer_size, cfg.parallel.tensor_model_parallel_size))
+    shape_fields = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k")
+    if start.kind == "megatron":
+        named = m.model_config(None) if m.model_name else None
+        ckpt = start.megatron
+        vocab = megatron_checkpoint.unpadded_vocab(ckpt, [named.vocab_size if named else None, tokenizer_size])
+        model_cfg = megatron_checkpoint.model_config(
+            ckpt, name=named.name if named else os.path.basename(ckpt.root.rstrip("/")), vocab_size=vocab,
+            fallback=named)
+        shape_fields += ("head_dim", "intermediate_size", "moe_intermediate_size")
+    else:
+        model_cfg = ModelConfig.from_hf_json(start.path) if start.kind == "hf" else checkpoint.model_config(start.meta)
     saved_tokens = (start.meta or {}).get("tokenizer_size")
     if tokenizer_size > model_cfg.vocab_size or (start.kind == "ours" and not cfg.checkpoint.finetune
                                                  and saved_tokens not in (None, tokenizer_size)):
         trained = f" (trained with a {saved_tokens}-token tokenizer)" if saved_tokens else ""
         raise ConfigError(f"tokenizer {cfg.data.tokenizer_path} has {tokenizer_size} tokens but the checkpoint "
                           f"{start.describe()} has a vocab of {model_cfg.vocab_size}{trained}")
-    named = cfg.model.model_config(model_cfg.vocab_size)
-    for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k"):
+    # Named: --model-name must be the checkpoint's model; not named: the flags' overrides must agree.
+    named = m.model_config(model_cfg.vocab_size, base=None if m.model_name else model_cfg)
+    who = f"--model-name {m.model_name} (with overrides)" if m.model_name else "a model flag"
+    for field in shape_fields:
         if getattr(named, field) != getattr(model_cfg, field):
-            raise ConfigError(f"--model-name {cfg.model.model_name} (with overrides) has {field}={getattr(named, field)} "
-                              f"but the checkpoint {start.describe()} has {getattr(model_cfg, field)}")
+            raise ConfigError(f"{who} has {field}={getattr(named, field)} but the checkpoint {start.describe()} "
+                              f"has {getattr(model_cfg, field)}")
     return model_cfg
 
 
@@ -258,6 +271,22 @@ def _initial_state(cfg: RunConfig, start, trainer, train_loader):
         model = load_pretrained(start.path, dtype=np.float32, mesh=trainer.mesh, rules=trainer.rules,
                                 **trainer.model_kwargs)
         return trainer.state_from_params(nnx.to_pure_dict(nnx.state(model)))
+    if start.kind == "megatron":
+        import jax
+        import numpy as np
+
+        from mlir_train import megatron_checkpoint
+
+        ckpt = start.megatron
+        print(f"mlir-train: loading weights from {ckpt.describe()}")
+        for note in megatron_checkpoint.resume_notes(ckpt, finetune=ck.finetune, load_optim=not ck.no_load_optim,
+                                                     load_rng=not ck.no_load_rng):
+            print(f"mlir-train: note: {note}")
+        state = trainer.state_from_params(megatron_checkpoint.load_params(
+            ckpt, trainer.model_cfg, trainer.param_shapes, trainer.master_shardings))
+        state["iteration"] = jax.device_put(np.int32(0 if ck.finetune else ckpt.iteration),
+                                            trainer.state_shardings["iteration"])
+        return state
     if start.kind == "ours":
         what = "weights only, iteration 0 (--finetune)" if ck.finetune else "weights" if ck.no_load_optim else "full state"
         print(f"mlir-train: loading {what} from checkpoint {start.path} (iteration {start.iteration})")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mcore_cpu  # skips the module without torch / megatron-core
+import mcore_inproc as mcore_cpu  # skips the module without torch / megatron-core
 from mlir_train import cli, losses
 from mlir_train.config import get_model_config
 
