@@ -56,6 +56,8 @@ from mlir_train.model.moe_gpu import BLOCK_ROWS as GPU_BLOCK_ROWS
 from mlir_train.model.moe_parallel import run_experts
 from sharding import constrain, logical_shard_map, mesh_axes_of
 
+ROUTER_SCOPE = "moe_router"
+
 __all__ = ["DEFAULT_MOE_IMPL", "MOE_IMPLS", "MoE", "ExpertsPlan", "BlockKernels", "block_layout", "block_rows",
            "ragged_all_to_all_dense"]
 
@@ -138,7 +140,8 @@ class MoE(nnx.Module):
         # Routing stays outside any manual region: XLA reduces the stats over the whole batch,
         # so they are the single-device arrays under every layout (Megatron's aux loss is
         # computed over the global batch too).
-        weights_SK, experts_SK, stats = self.route(x_SD, valid_S)
+        with jax.named_scope(ROUTER_SCOPE):  # names the router's matmuls in the HLO (FLOP audits)
+            weights_SK, experts_SK, stats = self.route(x_SD, valid_S)
         weights_SK = weights_SK.astype(x_SD.dtype)
         if self.impl == "dense":
             # The reference stays plain under every layout; XLA partitions it as it likes.
