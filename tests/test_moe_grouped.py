@@ -112,7 +112,7 @@ def _interpret():
 def test_mosaic_kernels_in_interpreter_equal_reference():
     """The two Mosaic-GPU kernels, run by the Mosaic-GPU interpreter on CPU, equal their
     ``ragged_dot`` reference: used blocks of three experts (one without rows), spare blocks zero."""
-    b, k, n, e = moe_gpu.BLOCK_ROWS, 128, 128, 3
+    b, k, n, e = moe_gpu.BLOCK_ROWS, 128, 256, 3  # 2 k steps, 2 output tiles each way
     rng = np.random.default_rng(0)
     sizes_E = jnp.asarray([100, 0, 150], jnp.int32)  # 2 + 0 + 3 blocks of 64, one spare
     layout = moe_dispatch.block_grouping(sizes_E, b, 6)
