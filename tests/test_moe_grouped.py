@@ -99,6 +99,11 @@ def test_grouped_platform_choice():
     assert _block(impl="grouped", platform="gpu").plan.ragged_all_to_all is jax.lax.ragged_all_to_all
     assert _block(impl="grouped", platform="cpu").plan.ragged_all_to_all is None
     assert moe_lib.DEFAULT_MOE_IMPL["gpu"] == "grouped"
+    from mlir_train.model import platform_model_kwargs
+
+    assert platform_model_kwargs("gpu", is_moe=True) == {"attention_impl": "flash", "moe_impl": "grouped", "moe_platform": "gpu"}
+    assert platform_model_kwargs("cpu", is_moe=True) == {"attention_impl": "xla", "moe_impl": "padded", "moe_platform": "cpu"}
+    assert platform_model_kwargs("cpu", is_moe=False) == {"attention_impl": "xla"}
 
 
 def _interpret():
