@@ -94,7 +94,7 @@ def audit_moe_layer(cfg, parallel: sharding.ParallelConfig, devices, *, impl: st
 
             return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
-        compiled = jax.jit(step).lower(params, x, x).compile()
+        compiled = compile_without_cache(jax.jit(step).lower(params, x, x))
     flops = matmul_flops(compiled.as_text(), exclude_scope=ROUTER_SCOPE)
     routed = 6.0 * tokens_per_rank * cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size / tensor_ranks
     rows = used_block_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, token_ranks, expert_ranks, seed)
@@ -106,6 +106,17 @@ def audit_moe_layer(cfg, parallel: sharding.ParallelConfig, devices, *, impl: st
         temp_bytes=compiled.memory_analysis().temp_size_in_bytes, while_loops=flops.while_loops,
         kernel_calls=len(flops.kernels),
     )
+
+
+def compile_without_cache(lowered):
+    """``lowered.compile()`` bypassing the persistent compilation cache: an executable for
+    compile-only devices cannot be loaded back from it (jax warns on every read)."""
+    saved = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", saved)
 
 
 def gpu_topology_devices(target_config: str, num_devices: int = 8):
