@@ -81,3 +81,35 @@ def test_flash_attention_compiles_and_skips_the_masked_half(h200_devices):
     # Causal: about half of the pairs; the kernel's backward does 7 matmuls (fwd 2).
     assert flash.dot_flops == 0
     assert 0.5 * 9 * full / 2 <= flash.attention_flops <= 1.1 * 9 * full / 2
+
+
+@pytest.mark.slow
+def test_train_step_with_gpu_kernels_compiles_for_h200(h200_devices):
+    """The whole Trainer step (scanned layers, optimizer) with the kernels platform_model_kwargs
+    picks for GPU compiles for 8 x H200 under EP4xTP2: 9 MoE kernel calls per MoE layer (~60 s). (The
+    kernels want expert widths per tensor rank that are multiples of 64: F 128 here.)"""
+    from mlir_train.model import platform_model_kwargs
+    from mlir_train.optim import make_optimizer
+    from mlir_train.train import BATCH_KEYS, StepConfig, Trainer
+    from mlir_train.moe_audit import compile_without_cache
+    from sharding import make_mesh
+
+    cfg = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2, moe_intermediate_size=128)
+    parallel = ParallelConfig(expert=4, tensor=2, num_devices=8)
+    trainer = Trainer(cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"), make_optimizer(lr_schedule=1e-4, weight_decay=0.1),
+                      parallel, make_mesh(parallel, devices=h200_devices),
+                      model_kwargs=platform_model_kwargs("gpu", is_moe=True))
+    batch = {k: jax.ShapeDtypeStruct((1, 4, 128), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                     sharding=trainer.batch_sharding) for k in BATCH_KEYS}
+    compiled = compile_without_cache(trainer.lower_train_step(trainer.abstract_state(), batch))
+    flops = matmul_flops(compiled.as_text())
+    assert len(flops.kernels) == 9 * cfg.num_layers and flops.attention_flops > 0
+    assert flops.unknown_trip_count_loops == 0
+
+
+def test_kernels_refuse_widths_they_cannot_tile():
+    from mlir_train.model import moe_gpu
+
+    with pytest.raises(ValueError, match="multiple of 64.*moe_impl='padded'"):
+        moe_gpu.block_matmul_t(jnp.ones((32, 128), jnp.bfloat16), jnp.ones((128, 128), jnp.bfloat16),
+                               jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32))

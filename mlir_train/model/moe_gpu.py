@@ -121,7 +121,8 @@ def block_matmul_t(lhs_KR, rhs_RN, first_block_E, num_blocks_E, *, block_rows: i
     m, r = lhs_KR.shape
     n = rhs_RN.shape[1]
     e = first_block_E.shape[0]
-    b, tile_m, tile_n = block_rows, _tile(m, 64), _tile(n, TILE_N)
+    # wgmma's accumulator has a multiple of 64 rows: the weight gradient's first width must be too.
+    b, tile_m, tile_n = block_rows, 64, _tile(n, TILE_N)
     _check("rows", r, b)
     _check("weight input width", m, tile_m)
     _check("weight output width", n, tile_n)
