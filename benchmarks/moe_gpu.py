@@ -13,7 +13,8 @@ activations, 2048 tokens per token rank) for the device description in
 * the expert matmul FLOPs over the routed FLOPs ``6 * S * K * 3 * D * F / TP`` ("ratio");
   for the block kernels of ``grouped`` the work of the blocks a uniformly random routing uses
   (the kernels skip spare blocks), with the static bound (every block of the buffer) beside it;
-* the compiled temp memory; while loops in the program (whose bodies XLA counts once).
+* the compiled temp memory; while loops in the program (whose bodies are counted once: a
+  figure with loops is not a count of the work); the router's matmul FLOPs, not counted above.
 
 ``--quick`` compiles a 1/4-scale layer (D 512, F 256, E 32, K 8, 1024 tokens per rank).
 """
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     print(f"{devices[0].device_kind} x {len(devices)}; MoE layer D {cfg.hidden_size} F {cfg.moe_intermediate_size} "
           f"E {cfg.num_experts} K {cfg.top_k}; {tokens} tokens per token rank; fwd+bwd, per device")
     print(f"{'layout':9} {'impl':8} {'capacity':9} {'routed TF':>9} {'expert TF':>9} {'ratio':>6} {'bound':>6} "
-          f"{'temp GiB':>8} {'loops':>5}")
+          f"{'temp GiB':>8} {'loops':>5} {'router TF':>9}")
     for layout in args.layouts.split(","):
         for impl in args.impls.split(","):
             for cf in (None, 1.0):
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
                                     tokens_per_rank=tokens, layout=layout)
                 print(f"{layout:9} {impl:8} {'dropless' if cf is None else f'cf {cf}':9} {a.routed_flops / 1e12:9.3f} "
                       f"{a.expert_flops / 1e12:9.3f} {a.ratio:6.2f} {a.ratio_bound:6.2f} {a.temp_bytes / 2**30:8.2f} "
-                      f"{a.while_loops:5d}", flush=True)
+                      f"{a.while_loops:5d} {a.router_flops / 1e12:9.4f}", flush=True)
     return 0
 
 

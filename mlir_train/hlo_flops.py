@@ -19,9 +19,10 @@ nothing, so this counts the matmuls themselves:
   2 matmuls per visited (query tile, key tile) pair, the backward 7 (the dK/dV loop
   recomputes the scores and dP, then dV and dK; the dQ loop recomputes both again, then dQ).
 
-Instructions inside a ``while`` body are counted once (XLA does not know the trip count);
-programs audited with this should have none on the matmul path, and ``while_loops`` says
-how many there are.
+Instructions inside a ``while`` body count as many times as the loop's ``known_trip_count``
+(XLA's annotation, e.g. a layer ``scan``), nested loops multiplying; a loop without a known
+trip count (a data-dependent ``fori_loop``) counts its body once and is listed in
+``unknown_trip_count_loops``: a figure with such loops is not the work.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ class KernelCall:
 
 @dataclasses.dataclass
 class MatmulFlops:
-    dot_flops: float = 0.0  # dots and cuBLAS GEMMs
+    dot_flops: float = 0.0  # dots and cuBLAS GEMMs (outside ``exclude_scope``)
+    excluded_flops: float = 0.0  # dots and GEMMs whose op_name names ``exclude_scope``
     batched_dot_flops: float = 0.0  # the part with batch dimensions (expert-batched matmuls)
     kernels: list[KernelCall] = dataclasses.field(default_factory=list)
     attention_flops: float = 0.0  # flash attention kernels
     other_custom_calls: list[str] = dataclasses.field(default_factory=list)
     while_loops: int = 0
+    unknown_trip_count_loops: int = 0
 
     @property
     def total_flops(self) -> float:
@@ -75,7 +78,9 @@ class MatmulFlops:
         return sum(k.flops_for_rows(used_rows_by_buffer.get(k.rows, k.rows)) for k in self.kernels)
 
 
-def matmul_flops(hlo_text: str) -> MatmulFlops:
+def matmul_flops(hlo_text: str, exclude_scope: str | None = None) -> MatmulFlops:
+    """Matmul FLOPs of ``hlo_text``; dots and GEMMs traced under ``jax.named_scope(exclude_scope)``
+    (their ``op_name`` names it, forward and transposed) go to ``excluded_flops`` instead."""
     shapes: dict[str, tuple[int, ...]] = {}
     lines = hlo_text.splitlines()
     for line in lines:
@@ -85,22 +90,33 @@ def matmul_flops(hlo_text: str) -> MatmulFlops:
         m = _INSTR.match(line)
         if m and re.match(_SHAPE, m.group(2).lstrip("(")):
             shapes[m.group(1)] = _dims(re.match(_SHAPE, m.group(2).lstrip("(")).group(0))
+    multiplier = _computation_multipliers(lines)
     out = MatmulFlops()
+    computation = None
     for line in lines:
+        header = _HEADER.match(line) if not line.startswith(" ") else None
+        if header:
+            computation = header.group(1)
+            continue
         m = _INSTR.match(line)
         if not m:
             continue
+        times = multiplier.get(computation, 1)
         name, result, op, rest = m.groups()
         operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
         if op == "while":
             out.while_loops += 1
+            out.unknown_trip_count_loops += _trip_count(rest) is None
         elif op == "dot":
             dims = {(s, kind): [int(d) for d in v.split(",") if d] for s, kind, v in _DIMS.findall(rest)}
             lhs = shapes.get(operands[0]) if operands else None
             if lhs is None:
                 continue
             contracted = math.prod(lhs[d] for d in dims.get(("lhs", "contracting"), []))
-            flops = 2.0 * math.prod(shapes[name]) * contracted
+            flops = 2.0 * math.prod(shapes[name]) * contracted * times
+            if _in_scope(rest, exclude_scope):
+                out.excluded_flops += flops
+                continue
             out.dot_flops += flops
             if dims.get(("lhs", "batch")):
                 out.batched_dot_flops += flops
@@ -109,17 +125,72 @@ def matmul_flops(hlo_text: str) -> MatmulFlops:
             target = target.group(1) if target else ""
             if target.startswith("__cublas") and ("gemm" in target or "matmul" in target):
                 flops, batched = _gemm_flops(rest, [shapes.get(o) for o in operands[:2]])
+                flops *= times
+                if _in_scope(rest, exclude_scope):
+                    out.excluded_flops += flops
+                    continue
                 out.dot_flops += flops
                 out.batched_dot_flops += flops if batched else 0.0
             elif target == "__gpu$xla.gpu.triton" and _flash_flops(rest) is not None:
-                out.attention_flops += _flash_flops(rest)
+                out.attention_flops += _flash_flops(rest) * times
             elif target.startswith("mosaic_gpu"):
                 kernel = _block_kernel(rest)
                 if kernel is None:
                     out.other_custom_calls.append(name)
                 else:
-                    out.kernels.append(kernel)
+                    out.kernels.extend([kernel] * times)
     return out
+
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLEES = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def _trip_count(rest: str) -> int | None:
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+    return int(m.group(1)) if m else None
+
+
+def _computation_multipliers(lines: list[str]) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry computation: 1 for the
+    entry, a while body's caller's count times the loop's known trip count (1 if unknown), any
+    other callee (fusions, calls, branches: each counted as if taken) its caller's count."""
+    edges: dict[str, list[tuple[str, int]]] = {}
+    entry, computation = None, None
+    for line in lines:
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            computation = header.group(1)
+            if line.startswith("ENTRY"):
+                entry = computation
+            continue
+        m = _INSTR.match(line)
+        if not m or computation is None:
+            continue
+        rest = m.group(4)
+        trips = _trip_count(rest) if m.group(3) == "while" else None
+        for kind, names in _CALLEES.findall(rest):
+            for callee in re.findall(r"%?([\w.\-]+)", names):
+                edges.setdefault(computation, []).append((callee, (trips or 1) if kind == "body" else 1))
+    multiplier: dict[str, int] = {}
+
+    def visit(name: str, times: int, depth: int = 0):
+        if depth > 64:
+            return
+        multiplier[name] = multiplier.get(name, 0) + times
+        for callee, factor in edges.get(name, []):
+            visit(callee, times * factor, depth + 1)
+
+    if entry is not None:
+        visit(entry, 1)
+    return multiplier
+
+
+def _in_scope(rest: str, scope: str | None) -> bool:
+    if scope is None:
+        return False
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    return op_name is not None and scope in op_name.group(1)
 
 
 def _gemm_flops(rest: str, operand_shapes) -> tuple[float, bool]:
@@ -171,8 +242,8 @@ def _flash_flops(rest: str) -> float | None:
     if op_name is None or layouts is None:
         return None
     path = op_name.group(1)
-    forward = "mha_forward/" in path
-    if not forward and "(mha_backward)" not in path:
+    forward = re.search(r"(^|[/(])mha_forward([/)]|$)", path) is not None
+    if not forward and re.search(r"(^|[/(])mha_backward([/)]|$)", path) is None:
         return None
     b, t, n, h = _dims(re.findall(_SHAPE, layouts.group(1))[0])
     blocks = flash_block_sizes(t)

@@ -3,12 +3,12 @@
 Used by ``benchmarks/moe_gpu.py`` and the tests with the compile-only devices of a deviceless
 XLA:GPU topology (``jax.experimental.topologies``), so the figures are XLA:GPU's program for,
 say, 8 x H200, built on a CPU-only host. Expert FLOPs per device are read from the optimized
-HLO (:mod:`mlir_train.hlo_flops`): batched dots (the padded and dense paths, ``ragged_dot``
-lowered by XLA:GPU) plus the block kernels' work. The kernels skip spare blocks, so their
+HLO (:mod:`mlir_train.hlo_flops`): every dot and GEMM except the router's (traced under
+``jax.named_scope(moe.ROUTER_SCOPE)``) plus the block kernels' work. The kernels skip spare blocks, so their
 work depends on the routing; it is given for a sampled routing (``used_rows``: every token
 picks ``top_k`` distinct experts uniformly at random, as an untrained router does, seeded)
 and as the static bound (every block of the buffer used, which no routing reaches).
-The router's unbatched matmul is not an expert matmul and is not counted.
+The router's matmuls are not expert matmuls and are reported apart (``router_flops``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 import sharding
 from mlir_train.hlo_flops import matmul_flops
 from mlir_train.model import logical_axes
-from mlir_train.model.moe import MoE
+from mlir_train.model.moe import ROUTER_SCOPE, MoE
 from mlir_train.model.moe_gpu import BLOCK_ROWS
 
 
@@ -36,6 +36,7 @@ class MoELayerAudit:
     routed_flops: float  # per device: 6 x tokens x top_k x 3 x D x F / tensor ranks
     expert_flops: float  # per device, compiled (kernel work for the sampled routing)
     expert_flops_bound: float  # per device, compiled (kernels: every block of the buffer)
+    router_flops: float  # per device, compiled
     temp_bytes: int
     while_loops: int
     kernel_calls: int
@@ -93,18 +94,29 @@ def audit_moe_layer(cfg, parallel: sharding.ParallelConfig, devices, *, impl: st
 
             return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
-        compiled = jax.jit(step).lower(params, x, x).compile()
-    flops = matmul_flops(compiled.as_text())
+        compiled = compile_without_cache(jax.jit(step).lower(params, x, x))
+    flops = matmul_flops(compiled.as_text(), exclude_scope=ROUTER_SCOPE)
     routed = 6.0 * tokens_per_rank * cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size / tensor_ranks
     rows = used_block_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, token_ranks, expert_ranks, seed)
     used = {k.rows: rows for k in flops.kernels}
     return MoELayerAudit(
         layout=layout, impl=impl, capacity_factor=capacity_factor, routed_flops=routed,
-        expert_flops=flops.batched_dot_flops + flops.kernel_flops_for_rows(used),
-        expert_flops_bound=flops.batched_dot_flops + flops.kernel_flops_bound,
+        expert_flops=flops.dot_flops + flops.kernel_flops_for_rows(used),
+        expert_flops_bound=flops.dot_flops + flops.kernel_flops_bound, router_flops=flops.excluded_flops,
         temp_bytes=compiled.memory_analysis().temp_size_in_bytes, while_loops=flops.while_loops,
         kernel_calls=len(flops.kernels),
     )
+
+
+def compile_without_cache(lowered):
+    """``lowered.compile()`` bypassing the persistent compilation cache: an executable for
+    compile-only devices cannot be loaded back from it (jax warns on every read)."""
+    saved = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", saved)
 
 
 def gpu_topology_devices(target_config: str, num_devices: int = 8):

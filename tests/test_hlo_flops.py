@@ -41,3 +41,12 @@ def test_counts_an_xla_cpu_compile():
 def test_causal_tile_pairs():
     assert _causal_tile_pairs(256, 128, 128) == 3  # 1 + 2
     assert _causal_tile_pairs(128, 32, 32) == 10
+
+
+def test_loop_bodies_count_their_known_trip_count():
+    def f(x, w):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]
+
+    flops = matmul_flops(jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((3, 8, 8))).compile().as_text())
+    assert flops.while_loops == 1 and flops.unknown_trip_count_loops == 0
+    assert flops.dot_flops == 3 * 2 * 4 * 8 * 8

@@ -99,6 +99,11 @@ def test_grouped_platform_choice():
     assert _block(impl="grouped", platform="gpu").plan.ragged_all_to_all is jax.lax.ragged_all_to_all
     assert _block(impl="grouped", platform="cpu").plan.ragged_all_to_all is None
     assert moe_lib.DEFAULT_MOE_IMPL["gpu"] == "grouped"
+    from mlir_train.model import platform_model_kwargs
+
+    assert platform_model_kwargs("gpu", is_moe=True) == {"attention_impl": "flash", "moe_impl": "grouped", "moe_platform": "gpu"}
+    assert platform_model_kwargs("cpu", is_moe=True) == {"attention_impl": "xla", "moe_impl": "padded", "moe_platform": "cpu"}
+    assert platform_model_kwargs("cpu", is_moe=False) == {"attention_impl": "xla"}
 
 
 def _interpret():
@@ -112,7 +117,7 @@ def _interpret():
 def test_mosaic_kernels_in_interpreter_equal_reference():
     """The two Mosaic-GPU kernels, run by the Mosaic-GPU interpreter on CPU, equal their
     ``ragged_dot`` reference: used blocks of three experts (one without rows), spare blocks zero."""
-    b, k, n, e = moe_gpu.BLOCK_ROWS, 128, 128, 3
+    b, k, n, e = moe_gpu.BLOCK_ROWS, 128, 256, 3  # 2 k steps, 2 output tiles each way
     rng = np.random.default_rng(0)
     sizes_E = jnp.asarray([100, 0, 150], jnp.int32)  # 2 + 0 + 3 blocks of 64, one spare
     layout = moe_dispatch.block_grouping(sizes_E, b, 6)

@@ -57,6 +57,8 @@ from mlir_train.model.moe_parallel import run_experts
 from mlir_train.model.router import RouterConfig, route, router_logits
 from sharding import constrain
 
+ROUTER_SCOPE = "moe_router"
+
 __all__ = ["DEFAULT_MOE_IMPL", "MOE_IMPLS", "MoE", "ExpertsPlan", "BlockKernels", "block_layout", "block_rows",
            "ragged_all_to_all_dense"]
 
@@ -130,7 +132,8 @@ class MoE(nnx.Module):
         # Routing stays outside any manual region: XLA reduces the stats over the whole batch,
         # so they are the single-device arrays under every layout (Megatron's aux loss is
         # computed over the global batch too).
-        weights_SK, experts_SK, stats = self.route(x_SD, valid_S, segment_ids_BT)
+        with jax.named_scope(ROUTER_SCOPE):  # names the router's matmuls in the HLO (FLOP audits)
+            weights_SK, experts_SK, stats = self.route(x_SD, valid_S, segment_ids_BT)
         weights_SK = weights_SK.astype(x_SD.dtype)
         if self.impl == "dense":
             # The reference stays plain under every layout; XLA partitions it as it likes.

@@ -40,9 +40,19 @@ KERNEL_NAMES = ("moe_block_matmul", "moe_block_matmul_t")
 def _check(what: str, size: int, tile: int):
     if size % tile:
         raise ValueError(
-            f"Mosaic-GPU MoE kernel: {what} = {size} is not a multiple of {tile}; use --moe-impl padded "
-            f"(or ragged) for this model, or expert widths that are multiples of {tile}"
+            f"Mosaic-GPU MoE kernel: {what} = {size} is not a multiple of {tile}; build the model with "
+            f"moe_impl='padded' instead"
         )
+
+
+def _tile(size: int, preferred: int) -> int:
+    """The largest power of two up to ``preferred`` dividing ``size``, at least 16 (then
+    :func:`_check` refuses a size it does not divide). Widths per tensor rank such as 192
+    (768 over 4 ranks) take 64-wide tiles."""
+    tile = preferred
+    while tile > 16 and size % tile:
+        tile //= 2
+    return tile
 
 
 def block_matmul(lhs_RK, rhs_EKN, expert_N, used, *, block_rows: int = BLOCK_ROWS, interpret=None):
@@ -53,7 +63,7 @@ def block_matmul(lhs_RK, rhs_EKN, expert_N, used, *, block_rows: int = BLOCK_ROW
 
     r, k = lhs_RK.shape
     n = rhs_EKN.shape[2]
-    b, tile_k, tile_n = block_rows, min(TILE_K, k), min(TILE_N, n)
+    b, tile_k, tile_n = block_rows, _tile(k, TILE_K), _tile(n, TILE_N)
     _check("rows", r, b)
     _check("contracting width", k, tile_k)
     _check("output width", n, tile_n)
@@ -111,7 +121,8 @@ def block_matmul_t(lhs_KR, rhs_RN, first_block_E, num_blocks_E, *, block_rows: i
     m, r = lhs_KR.shape
     n = rhs_RN.shape[1]
     e = first_block_E.shape[0]
-    b, tile_m, tile_n = block_rows, min(64, m), min(TILE_N, n)
+    # wgmma's accumulator has a multiple of 64 rows: the weight gradient's first width must be too.
+    b, tile_m, tile_n = block_rows, 64, _tile(n, TILE_N)
     _check("rows", r, b)
     _check("weight input width", m, tile_m)
     _check("weight output width", n, tile_n)

@@ -49,6 +49,12 @@ experts, runs its L = E / EP local experts, and sends the results back; the comb
   in memory only: the traffic carries no padding. On CPU ``impl="ragged"`` uses the padded
   dispatcher; :func:`ragged_all_to_all_dense` emulates the collective so tests can check the
   ragged bookkeeping there.
+* Grouped dispatcher (``impl="grouped"``, dropless, where ``ragged_all_to_all`` exists): as the
+  ragged one, but each local expert's rows land from a block boundary of the receive buffer,
+  so it arrives in the block layout of the block kernels (``moe_gpu``), which compute its used
+  blocks only. With "moe_mlp" split over tensor ranks the region is manual over those axes too
+  (a kernel's custom call cannot be split by XLA) and the down projection's partial sums are
+  added with a ``psum``; the same holds for the data-parallel region.
 """
 
 from __future__ import annotations
