@@ -817,3 +817,7 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
 
         platform = jax.devices()[0].platform
     return Run(cfg, model_cfg, parallel, gbs, num_micro, platform=platform)
+
+
+if __name__ == "__main__":  # python -m mlir_train.run_config: the flag table README.md carries
+    print(flag_table_markdown())

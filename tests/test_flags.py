@@ -156,3 +156,15 @@ def test_run_config_is_frozen_and_replace_makes_a_new_one():
         cfg.training.lr = 1.0
     new = cfg.replace(training={"lr": 2e-4})
     assert (cfg.training.lr, new.training.lr) == (1e-4, 2e-4) and new.model == cfg.model
+
+
+def test_readme_flag_table_is_the_generated_one():
+    """README.md's "Every flag" table is ``python -m mlir_train.run_config``'s output (rerun it
+    and paste between the markers when a flag changes)."""
+    import os
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    begin, end = "<!-- flag-table:begin -->\n", "<!-- flag-table:end -->"
+    assert begin in readme and end in readme
+    table = readme[readme.index(begin) + len(begin):readme.index(end)].strip()
+    assert table == run_config.flag_table_markdown()

@@ -291,15 +291,15 @@ def test_sft_loads_megatron_checkpoint(mcore_small, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "loading weights from Megatron torch checkpoint" in printed and "iteration 10" in printed
     assert "continuing Megatron's iteration count from 10" in printed and "nothing to train" in printed
-    trainer = out["trainer"]
+    trainer = out.trainer
     assert trainer.model_cfg.vocab_size == VOCAB and trainer.model_cfg.hidden_size == 64
     graphdef, _ = _abstract(trainer.model_cfg)
-    assert np.abs(_logits(graphdef, out["state"]["params"], tokens) - ref).max() <= TOL
+    assert np.abs(_logits(graphdef, out.state["params"], tokens) - ref).max() <= TOL
 
     fine = sft.main(_argv(tmp_path, "--load", os.path.join(mcore_small, "torch_dist"), "--train-iters", "0",
                           "--lr-decay-iters", "10", "--finetune"))
-    assert int(fine["state"]["iteration"]) == 0 and "at iteration 0 >= --train-iters" in capsys.readouterr().out
-    assert np.abs(_logits(graphdef, fine["state"]["params"], tokens) - ref).max() <= TOL
+    assert int(fine.state["iteration"]) == 0 and "at iteration 0 >= --train-iters" in capsys.readouterr().out
+    assert np.abs(_logits(graphdef, fine.state["params"], tokens) - ref).max() <= TOL
 
     with pytest.raises(SystemExit):
         sft.main(_argv(tmp_path, "--load", os.path.join(mcore_small, "torch"), "--train-iters", "1",

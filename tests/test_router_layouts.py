@@ -138,7 +138,7 @@ def test_cli_router_flags_train_in_bf16_and_log_per_layer(tmp_path, capsys):
     for name in ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss"):
         assert np.isfinite(last[name]) and last[name] > 0, name
         assert {f"moe/{name}_layer_{i}" for i in range(2)} <= set(last), name
-    bias = out["state"]["params"]["layers"][0]["mlp"]["expert_bias"]
+    bias = out.state["params"]["layers"][0]["mlp"]["expert_bias"]
     steps = np.asarray(bias) / 1e-2  # two updates of +-1e-2 each (0 on a tie with the mean)
     assert bias.dtype == np.float32 and np.any(steps != 0)
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-5)
