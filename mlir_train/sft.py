@@ -10,27 +10,14 @@ from __future__ import annotations
 import os
 import sys
 
-# Fake CPU devices must be requested before jax is imported. The flag only affects the host
-# platform, so it is harmless where GPUs/TPUs exist; a user's own XLA_FLAGS win.
+# The platform and its XLA settings must be fixed before jax is imported: fake CPU devices and
+# the XLA:CPU workaround on CPU, the GPU runtime settings on GPU (mlir_train.platform_setup);
+# decided from the machine, not from which plugins are installed. A user's own XLA_FLAGS win.
 from mlir_train.cli import flag_value  # noqa: E402  (imports no jax)
+from mlir_train import platform_setup  # noqa: E402  (imports no jax)
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    _n = flag_value(sys.argv, "--cpu-devices") or "8"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}").strip()
-
-
-def _accelerator_plugin_installed() -> bool:
-    from importlib import metadata
-
-    names = {(d.metadata["Name"] or "").lower() for d in metadata.distributions()}
-    return any(n.startswith(("jax-cuda", "jax_cuda", "libtpu", "jax-rocm", "jax_rocm")) for n in names)
-
-
-# XLA:CPU's all-reduce-promotion pass aborts the process ("Invalid binary instruction opcode
-# copy") on the bf16 all-reduces an expert-parallel step has (seen with jax 0.10.2). CPU-only
-# installs skip that pass; GPU/TPU compiles are left untouched.
-if "all-reduce-promotion" not in os.environ.get("XLA_FLAGS", "") and not _accelerator_plugin_installed():
-    os.environ["XLA_FLAGS"] += " --xla_disable_hlo_passes=all-reduce-promotion"
+_cpu_devices = flag_value(sys.argv, "--cpu-devices")
+platform_setup.configure_platform(cpu_devices=int(_cpu_devices) if _cpu_devices else None)
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -111,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise _fail(str(e)) from None
     if jax.process_index() != 0:
         sys.stdout = open(os.devnull, "w")  # console lines from process 0 only, as Megatron's rank 0
+    print(platform_setup.current().describe())
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
     from mlir_train import checkpoint
@@ -199,13 +187,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise _fail(str(e)) from None
     compute_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     remat = {None: "none", "full": "full", "selective": "selective"}[args.recompute_granularity]
-    model_kwargs = dict(
-        moe_impl="padded" if jax.default_backend() == "cpu" else "ragged",
-        capacity_factor=args.moe_expert_capacity_factor, drop_policy=args.moe_token_drop_policy, remat=remat,
-    ) if model_cfg.is_moe else dict(remat=remat)
-
     # ----- mesh -----------------------------------------------------------------------------
     mesh = make_mesh(parallel)
+    model_kwargs = dict(  # the MoE implementation for the mesh's platform
+        moe_impl=platform_setup.default_moe_impl(mesh),
+        capacity_factor=args.moe_expert_capacity_factor, drop_policy=args.moe_token_drop_policy, remat=remat,
+    ) if model_cfg.is_moe else dict(remat=remat)
     print(f"mlir-train: {jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}, "
           f"{model_cfg.name} ({model_cfg.num_params() / 1e6:.1f}M params), {compute_dtype}, "
           f"global batch {gbs} = {num_micro} micro-batches x {args.micro_batch_size} x DP{parallel.data_parallel}")

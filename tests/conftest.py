@@ -2,13 +2,12 @@
 
 import os
 
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
-# As mlir_train/sft.py does on CPU: XLA:CPU's all-reduce-promotion pass aborts on bf16 EP steps.
-if "all-reduce-promotion" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_disable_hlo_passes=all-reduce-promotion"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from mlir_train.platform_setup import configure_platform
+
+# As every entry point does, first: fake CPU devices and the XLA:CPU workaround (its
+# all-reduce-promotion pass aborts on bf16 EP steps), JAX_PLATFORMS=cpu so an installed GPU
+# plugin (for the deviceless XLA:GPU tests) stays asleep.
+configure_platform("cpu", cpu_devices=8)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
