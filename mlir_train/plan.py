@@ -2,33 +2,49 @@
 
 Takes the same flags as ``python -m mlir_train.sft`` plus::
 
-    --num-devices N          accelerators of the target job (fake CPU devices here)
-    --device-kind KIND       h100 | h200 | p800: memory 80 / 141 / 96 GiB, bf16 peak 989 / 989 / ?
-    --device-memory-gb G     overrides the kind's memory
+    --num-devices N          accelerators of the target job (default 8)
+    --device-kind KIND       h100 | h200 | b200 | p800 (mlir_train.targets: memory, bf16 peak, source)
+    --device-memory-gb G     overrides the kind's memory (GiB)
     --assumed-mfu F          model-FLOPs utilisation for the step-time estimate (default 0.4)
     --search [--search-top K]  try every layout instead of the one on the command line
+    --xla-cpu                compile for XLA:CPU even where the XLA:GPU compiler is installed
 
-It builds the real :class:`~mlir_train.train.Trainer` for the full-size model on N fake CPU
-devices and compiles its training step ahead of time (``lower_train_step(abstract_state(),
-batch ShapeDtypeStructs).compile()``): nothing is allocated, no data or tokenizer is read (the
-vocabulary is the model config's, padded as Megatron pads it). Per device it reports:
+It builds the real :class:`~mlir_train.train.Trainer` for the full-size model and compiles its
+training step ahead of time (``lower_train_step(abstract_state(), batch ShapeDtypeStructs)
+.compile()``): nothing is allocated, no data or tokenizer is read (the vocabulary is the model
+config's, padded as Megatron pads it).
 
-* master weights (float32) and optimizer state: exact, from the state's shardings, and checked
-  against the compiled step's argument bytes;
-* the compute copy of the weights (bf16/fp16, gathered to the compute layout for the
-  forward/backward) and the gradients (one micro-batch's in the compute layout + the float32
-  accumulator in the master layout): exact sizes from the shardings;
-* activations: an analytic estimate (below);
-* FLOPs per step (Megatron's formula, :mod:`mlir_train.flops`; full recompute adds a forward),
-  and the step time / tokens per second that ``--assumed-mfu`` of the device's peak gives. The
-  estimate is compute-only but for the pipeline bubble (``(M + PP - 1) / M`` for M
-  micro-batches): communication is not modelled, so layouts that differ only in TP/EP tie and
-  ``--search`` orders those by memory headroom;
-* whether it fits: total <= 95 % of the device memory (the rest for the CUDA context, NCCL
-  buffers and allocator fragmentation).
+The compiler is the target's: for h100/h200/b200 the step is compiled by XLA:GPU for N
+compile-only devices of that kind (deviceless, :mod:`mlir_train.targets`; no GPU needed, but
+``jax-cuda12-plugin``, ``jax-cuda12-pjrt`` and ``nvidia-cuda-nvcc-cu12`` must be installed),
+with the GPU runtime settings ``mlir_train.sft`` uses there (:mod:`mlir_train.platform_setup`),
+and with the MoE implementation the mesh's platform selects. Per device it reports:
 
-Why the compiled XLA:CPU temp bytes are not the GPU's, and what the planner does instead
-------------------------------------------------------------------------------------------
+* the compiled figures (XLA:GPU): arguments, temporaries and what the step needs in all
+  (the compiler's peak where it gives one, else arguments + unaliased outputs + temp), which
+  decide whether it FITS into the device memory times the allocator's fraction (95 %, the
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` ``sft`` sets; the rest is for the CUDA context, NCCL and
+  cuBLAS);
+* the collectives of the optimized HLO by kind with their bytes, and its matmul FLOPs (dots and
+  GEMM custom calls, loops counted by their trip counts: :mod:`mlir_train.hlo_stats`) against
+  Megatron's model FLOPs (:mod:`mlir_train.flops`) as a ratio (recomputation, padding and
+  pipeline-bubble work make it exceed 1);
+* beside them, labelled, the analytic breakdown: master weights (float32) and optimizer
+  state (exact, from the state's shardings: they must equal the compiled argument bytes),
+  the compute copy of the weights and the gradients (exact sizes from the shardings) and an
+  activation estimate (below), with the difference to the compiled temporaries;
+* step time and tokens/s at ``--assumed-mfu``: from Megatron's FLOPs (MFU as Megatron defines
+  it; full recompute and the pipeline bubble added), and from the compiled matmul FLOPs at the
+  same fraction of the peak. ``--search`` ranks by the compiled figures (compiled step time,
+  then memory needed).
+
+Without the GPU compiler installed the planner says so, compiles for XLA:CPU instead and
+decides from the analytic estimate (labelled): XLA:CPU's temporaries are no GPU budget (below).
+The Kunlun P800 has no XLA:GPU target: it is planned by memory only (CPU compile for the exact
+state bytes, the analytic estimate for the verdict), labelled as such.
+
+Why the compiled XLA:CPU temp bytes are not the GPU's, and what the estimate counts
+----------------------------------------------------------------------------------
 ``memory_analysis()`` of the CPU executable gives exact argument/output sizes (the state is
 laid out identically on any backend), but its temp size is not a GPU budget:
 
@@ -42,7 +58,7 @@ laid out identically on any backend), but its temp size is not a GPU budget:
    with a dropless fallback branch of ``C = tokens``) where GPUs run the ragged one.
 
 So the planner does not scale the CPU temp figure (none of the three is a constant factor).
-It computes the temporaries from what the step holds: the weight-shaped ones exactly from the
+The analytic estimate computes the temporaries from what the step holds: the weight-shaped ones exactly from the
 shardings (compute copy, micro-batch gradients, accumulator), and the activations per
 micro-batch from the model's shapes for the recompute policy -- per decoder layer the
 residual stream, q/k/v/o and the attention's float32 log-sum-exp (its custom gradient
@@ -62,28 +78,17 @@ saved activations.
 
 from __future__ import annotations
 
-import os
 import sys
 
 
 def _preset_devices(argv: list[str]) -> None:
-    """Fake CPU devices and CPU-only XLA settings, before jax is imported."""
+    """A compile-only CPU host (fake CPU devices for the CPU fallback, the GPU runtime flags for
+    deviceless XLA:GPU compiles), before jax is imported."""
     from mlir_train.cli import flag_value  # imports no jax
+    from mlir_train.platform_setup import configure_platform
 
     n = flag_value(argv, "--num-devices")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if n and "--xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={n}"
-    # XLA:CPU's all-reduce promotion (bf16 -> f32) aborts on the reducers Shardy emits for the
-    # expert-parallel weight gradients in bf16; the planner never runs the program, and the
-    # float-normalization pass still makes the all-reduces float32.
-    if "all-reduce-promotion" not in flags:
-        flags += " --xla_disable_hlo_passes=all-reduce-promotion"
-    # Nothing compiled here ever runs: skip LLVM's optimisation (buffer sizes come from HLO).
-    if "xla_backend_optimization_level" not in flags:
-        flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    os.environ["XLA_FLAGS"] = flags.strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    configure_platform(compile_only=True, cpu_devices=int(n) if n else None)
 
 
 if __name__ == "__main__":
@@ -96,11 +101,11 @@ import math  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-GIB = 2**30
-USABLE_FRACTION = 0.95
-# name -> (memory GiB, dense bf16 peak TFLOP/s or None). The Kunlun P800's peak is not
-# published in a form we could confirm: pass --peak-tflops for step-time estimates.
-DEVICE_KINDS: dict[str, tuple[float, float | None]] = {"h100": (80.0, 989.0), "h200": (141.0, 989.0), "p800": (96.0, None)}
+from mlir_train.platform_setup import GPU_MEM_FRACTION  # noqa: E402
+from mlir_train.targets import DEVICE_KINDS, GIB, DeviceKind  # noqa: E402
+
+# What JAX's allocator may use of a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, as sft sets it).
+USABLE_FRACTION = GPU_MEM_FRACTION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,29 +128,69 @@ class Layout:
 class Plan:
     layout: Layout
     name: str
+    num_devices: int = 1
+    # Analytic breakdown (exact sizes from the shardings; activations estimated).
     master_bytes: int = 0
     optimizer_bytes: int = 0
     compute_weight_bytes: int = 0
     gradient_bytes: int = 0
     activation_bytes: int = 0
     batch_bytes: int = 0
-    cpu_argument_bytes: int | None = None
-    cpu_temp_bytes: int | None = None
-    flops_per_step: float = 0.0
-    step_time_s: float | None = None
+    # The compiled step, per device: which compiler, its memory analysis and HLO audit.
+    compiler: str | None = None              # "XLA:GPU h200 (deviceless)" | "XLA:CPU (...)"
+    compiler_note: str | None = None         # why not XLA:GPU, where it is not
+    compiled_for_target: bool = False        # True: the compiled figures decide the verdict
+    moe_impl: str | None = None              # the MoE implementation the mesh's platform chose
+    compiled_argument_bytes: int | None = None
+    compiled_temp_bytes: int | None = None
+    compiled_needed_bytes: int | None = None
+    compiled_matmul_flops: float | None = None   # per device per step
+    collectives: dict[str, dict[str, int]] | None = None  # kind -> {"count", "bytes"} per device
+    conditionals: int = 0
+    # With conditionals: the cheapest branches' figures (e.g. a dropless dispatcher's no-overflow path).
+    compiled_matmul_flops_cheapest: float | None = None
+    collectives_cheapest: dict[str, dict[str, int]] | None = None
+    uncounted_custom_calls: dict[str, int] | None = None
+    flops_per_step: float = 0.0              # Megatron's model FLOPs, all devices
+    step_time_s: float | None = None         # from the model FLOPs at --assumed-mfu
     tokens_per_s: float | None = None
+    compiled_step_time_s: float | None = None  # from the compiled matmul FLOPs at the same fraction of peak
+    compiled_tokens_per_s: float | None = None
     capacity_bytes: float = 0.0
     compile_s: float | None = None
     error: str | None = None
 
     @property
     def total_bytes(self) -> int:
+        """The analytic estimate of what one device holds."""
         return (self.master_bytes + self.optimizer_bytes + self.compute_weight_bytes + self.gradient_bytes
                 + self.activation_bytes + self.batch_bytes)
 
     @property
+    def needed_bytes(self) -> int:
+        """What decides the verdict: the target compiler's figure, else the analytic estimate."""
+        if self.compiled_for_target and self.compiled_needed_bytes is not None:
+            return self.compiled_needed_bytes
+        return self.total_bytes
+
+    @property
+    def verdict_from(self) -> str:
+        return "compiled" if self.compiled_for_target and self.compiled_needed_bytes is not None else "estimate"
+
+    @property
     def fits(self) -> bool:
-        return self.error is None and self.total_bytes <= USABLE_FRACTION * self.capacity_bytes
+        return self.error is None and self.needed_bytes <= USABLE_FRACTION * self.capacity_bytes
+
+    @property
+    def flop_ratio(self) -> float | None:
+        """Compiled matmul FLOPs (all devices) / Megatron's model FLOPs."""
+        if self.compiled_matmul_flops is None or not self.flops_per_step:
+            return None
+        return self.compiled_matmul_flops * self.num_devices / self.flops_per_step
+
+    def ranking_key(self) -> tuple[float, int]:
+        speed = self.compiled_tokens_per_s if self.compiled_for_target and self.compiled_tokens_per_s else self.tokens_per_s
+        return (-(speed or 0.0), self.needed_bytes)
 
 
 def _pipeline_supported() -> bool:
@@ -211,8 +256,11 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     return int(in_flight * saved + working + logits)
 
 
-def _trainer(args, layout: Layout, num_devices: int):
+def _trainer(args, layout: Layout, num_devices: int, devices=None):
+    """The Trainer ``sft`` would build for this layout, over ``devices`` (compile-only XLA:GPU
+    devices of the target) or the first ``num_devices`` of this process (fake CPU devices)."""
     from mlir_train import sft
+    from mlir_train.platform_setup import default_moe_impl
     from mlir_train.config import get_model_config
     from mlir_train.optim import loss_scaler_from_args, optimizer_from_args
     from mlir_train.schedule import schedule_from_args
@@ -230,8 +278,9 @@ def _trainer(args, layout: Layout, num_devices: int):
                         micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
     num_micro = gbs // (args.micro_batch_size * parallel.data_parallel)
     compute_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-    # The GPU dispatcher (ragged); under EP on CPU the model falls back to the dense one.
-    model_kwargs = dict(moe_impl="ragged", capacity_factor=args.moe_expert_capacity_factor,
+    mesh = make_mesh(parallel, devices=devices)
+    # The MoE implementation the mesh's platform runs (the GPU one for a GPU target).
+    model_kwargs = dict(moe_impl=default_moe_impl(mesh), capacity_factor=args.moe_expert_capacity_factor,
                         drop_policy=args.moe_token_drop_policy, remat=layout.recompute) \
         if model_cfg.is_moe else dict(remat=layout.recompute)
     sched_args = argparse.Namespace(**(vars(args) | {"global_batch_size": gbs, "lr": args.lr or 1e-5,
@@ -240,30 +289,37 @@ def _trainer(args, layout: Layout, num_devices: int):
         model_cfg,
         StepConfig(num_micro_batches=num_micro, compute_dtype=compute_dtype,
                    aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0),
-        optimizer_from_args(sched_args, schedule_from_args(sched_args)), parallel, make_mesh(parallel),
+        optimizer_from_args(sched_args, schedule_from_args(sched_args)), parallel, mesh,
         loss_scaler=loss_scaler_from_args(args), model_kwargs=model_kwargs,
     )
     return trainer, model_cfg, gbs, num_micro
 
 
 def plan_layout(args, layout: Layout, num_devices: int, *, memory_gb: float, peak_tflops: float | None,
-                assumed_mfu: float, compile_step: bool = True) -> Plan:
-    """Sizes (and, with ``compile_step``, the AOT-compiled step) of one layout."""
+                assumed_mfu: float, compile_step: bool = True, target: str | None = None,
+                compiler_note: str | None = None) -> Plan:
+    """Sizes (and, with ``compile_step``, the AOT-compiled step) of one layout. ``target``: a
+    device kind to compile for with XLA:GPU (deviceless); None compiles for this process's CPU
+    devices, and ``compiler_note`` says why (printed with the figures)."""
     import jax
     import jax.numpy as jnp
 
     from mlir_train import flops as flops_lib
+    from mlir_train import hlo_stats
+    from mlir_train.targets import compile_only_devices
     from mlir_train.train import BATCH_KEYS, DTYPES
 
-    plan = Plan(layout, layout.name(num_devices), capacity_bytes=memory_gb * GIB)
+    plan = Plan(layout, layout.name(num_devices), num_devices=num_devices, capacity_bytes=memory_gb * GIB)
     if layout.pipeline > 1 and not _pipeline_supported():
         plan.error = "pipeline parallelism is not implemented in mlir_train.sft yet"
         return plan
+    devices = compile_only_devices(target, num_devices) if target and compile_step else None
     try:
-        trainer, model_cfg, gbs, num_micro = _trainer(args, layout, num_devices)
+        trainer, model_cfg, gbs, num_micro = _trainer(args, layout, num_devices, devices)
     except Exception as e:  # an invalid layout for this model / device count
         plan.error = str(e).splitlines()[0]
         return plan
+    plan.moe_impl = trainer.model_kwargs.get("moe_impl")
     state = trainer.abstract_state()
     rows = gbs // num_micro
     batch = {k: jax.ShapeDtypeStruct((num_micro, rows, args.seq_length),
@@ -290,17 +346,31 @@ def plan_layout(args, layout: Layout, num_devices: int, *, memory_gb: float, pea
         plan.step_time_s = hardware / (num_devices * peak_tflops * 1e12 * assumed_mfu)
         plan.tokens_per_s = gbs * args.seq_length / plan.step_time_s
     if compile_step:
+        plan.compiler = f"XLA:GPU {target} (deviceless)" if devices is not None else "XLA:CPU"
+        plan.compiler_note = compiler_note
         t0 = time.perf_counter()
         try:
             compiled = trainer.lower_train_step(state, batch).compile()
+            step = hlo_stats.audit_compiled(compiled)
         except Exception as e:
-            plan.error = f"does not compile: {str(e).splitlines()[0]}"
+            plan.error = f"does not compile ({plan.compiler}): {str(e).splitlines()[0]}"
             return plan
         plan.compile_s = time.perf_counter() - t0
-        mem = compiled.memory_analysis()
-        if mem is not None:
-            plan.cpu_argument_bytes = int(mem.argument_size_in_bytes)
-            plan.cpu_temp_bytes = int(mem.temp_size_in_bytes)
+        plan.compiled_for_target = devices is not None
+        plan.compiled_argument_bytes = step.argument_bytes
+        plan.compiled_temp_bytes = step.temp_bytes
+        plan.compiled_needed_bytes = step.needed_bytes
+        plan.compiled_matmul_flops = step.stats.matmul_flops
+        plan.collectives = {k: {"count": c.count, "bytes": c.bytes} for k, c in step.stats.collectives.items()}
+        plan.conditionals = step.stats.conditionals
+        if plan.conditionals:
+            plan.compiled_matmul_flops_cheapest = step.stats_cheapest.matmul_flops
+            plan.collectives_cheapest = {k: {"count": c.count, "bytes": c.bytes}
+                                         for k, c in step.stats_cheapest.collectives.items()}
+        plan.uncounted_custom_calls = step.stats.uncounted_custom_calls or None
+        if peak_tflops and plan.compiled_matmul_flops:
+            plan.compiled_step_time_s = plan.compiled_matmul_flops / (peak_tflops * 1e12 * assumed_mfu)
+            plan.compiled_tokens_per_s = gbs * args.seq_length / plan.compiled_step_time_s
     return plan
 
 
@@ -325,13 +395,44 @@ def candidate_layouts(args, num_devices: int) -> list[Layout]:
 
 
 def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / GIB:8.2f} GiB"
+    if n is None:
+        return "-"
+    return f"{n / GIB:8.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2**20:8.2f} MiB"
+
+
+def format_collectives(collectives: dict[str, dict[str, int]] | None) -> str:
+    from mlir_train.hlo_stats import Collective, format_collectives as fmt
+
+    return fmt({k: Collective(v["count"], v["bytes"]) for k, v in (collectives or {}).items()})
 
 
 def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
     lines = [f"layout {plan.name}"]
     if plan.error:
         return lines[0] + f"\n  NOT PLANNED: {plan.error}"
+    on_target = plan.compiled_for_target
+    if plan.compiled_argument_bytes is not None:
+        head = f"  compiled by {plan.compiler} in {plan.compile_s:.1f}s" + \
+            (f" (MoE: {plan.moe_impl})" if plan.moe_impl else "") + ", per device"
+        lines.append(head + (f" ({plan.compiler_note})" if plan.compiler_note else "") + ":")
+        temp_label = "temporaries" if on_target else "temp (CPU, not a GPU budget)"
+        lines += [f"    {'arguments (state + batch)':<46s} {_gib(plan.compiled_argument_bytes)}",
+                  f"    {temp_label:<46s} {_gib(plan.compiled_temp_bytes)}",
+                  f"    {'needed (args + unaliased outputs + temp)':<46s} {_gib(plan.compiled_needed_bytes)}"]
+        more = f" (costliest branch of {plan.conditionals} conditionals)" if plan.conditionals else ""
+        lines.append(f"    collectives{more}: {format_collectives(plan.collectives)}")
+        if plan.conditionals:
+            lines.append(f"    collectives (cheapest branches): {format_collectives(plan.collectives_cheapest)}")
+        if plan.flop_ratio is not None:
+            lines.append(f"    matmul FLOPs{more} {plan.compiled_matmul_flops:.3e} per device = {plan.flop_ratio:.2f}x "
+                         f"Megatron's model FLOPs ({plan.flops_per_step:.3e} over {plan.num_devices} devices)")
+        if plan.conditionals and plan.flops_per_step:
+            cheap = plan.compiled_matmul_flops_cheapest
+            lines.append(f"    matmul FLOPs (cheapest branches) {cheap:.3e} per device = "
+                         f"{cheap * plan.num_devices / plan.flops_per_step:.2f}x Megatron's model FLOPs")
+        if plan.uncounted_custom_calls:
+            lines.append("    custom calls whose FLOPs the HLO does not show (not counted): "
+                         + ", ".join(f"{t} x{n}" for t, n in plan.uncounted_custom_calls.items()))
     rows = [
         ("master weights (fp32)", plan.master_bytes),
         ("optimizer state", plan.optimizer_bytes),
@@ -341,19 +442,33 @@ def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
         ("batch", plan.batch_bytes),
         ("total per device", plan.total_bytes),
     ]
-    lines += [f"  {label:<44s} {_gib(value)}" for label, value in rows]
-    if plan.cpu_argument_bytes is not None:
-        lines.append(f"  {'XLA:CPU compiled: arguments (exact)':<44s} {_gib(plan.cpu_argument_bytes)}")
-        lines.append(f"  {'XLA:CPU compiled: temp (CPU, not a GPU budget)':<44s} {_gib(plan.cpu_temp_bytes)}"
-                     f"   (compiled in {plan.compile_s:.1f}s)")
+    lines.append("  analytic breakdown (exact state sizes from the shardings, activations estimated):")
+    lines += [f"    {label:<46s} {_gib(value)}" for label, value in rows]
+    if plan.compiled_argument_bytes is not None:
+        args_est = plan.master_bytes + plan.optimizer_bytes + plan.batch_bytes
+        temp_est = plan.total_bytes - args_est
+        lines.append(f"  compiled vs analytic: arguments {plan.compiled_argument_bytes / GIB:.2f} vs {args_est / GIB:.2f} "
+                     f"GiB ({'equal' if abs(plan.compiled_argument_bytes - args_est) <= 1e-6 * args_est + 64 else 'DIFFER'}: "
+                     f"the same state and batch); temporaries {plan.compiled_temp_bytes / GIB:.2f} vs {temp_est / GIB:.2f} "
+                     f"GiB ({(plan.compiled_temp_bytes - temp_est) / GIB:+.2f} GiB: "
+                     + ("the compiler's buffers are what this program allocates -- fusion outputs, collective "
+                        "buffers kept live to overlap them, loop carries -- where the estimate counts the "
+                        "tensors the step must hold" if on_target else
+                        "XLA:CPU's float32 copies of bf16 operands and CPU scheduling; the estimate decides") + ")")
     lines.append(f"  FLOPs per step (model): {plan.flops_per_step:.3e}")
     if plan.step_time_s is not None:
-        lines.append(f"  at MFU {assumed_mfu:.0%}: step {plan.step_time_s:.2f}s, {plan.tokens_per_s:,.0f} tokens/s")
+        line = f"  at MFU {assumed_mfu:.0%}: step {plan.step_time_s:.2f}s, {plan.tokens_per_s:,.0f} tokens/s (Megatron's FLOPs)"
+        if plan.compiled_step_time_s is not None:
+            line += (f"; compiled matmul FLOPs at {assumed_mfu:.0%} of peak: step {plan.compiled_step_time_s:.2f}s, "
+                     f"{plan.compiled_tokens_per_s:,.0f} tokens/s")
+        lines.append(line)
     else:
         lines.append("  step time: unknown peak for this device; pass --peak-tflops")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    source = (f"compiled by {plan.compiler}" if plan.verdict_from == "compiled"
+              else "analytic estimate" + (f"; {plan.compiler_note}" if plan.compiler_note else ""))
     lines.append(f"  {verdict} in {plan.capacity_bytes / GIB:.0f} GiB ({kind}; {USABLE_FRACTION:.0%} usable): "
-                 f"{plan.total_bytes / GIB:.1f} GiB needed")
+                 f"{plan.needed_bytes / GIB:.1f} GiB needed ({source})")
     return "\n".join(lines)
 
 
@@ -366,6 +481,8 @@ def _planner_parser() -> argparse.ArgumentParser:
     p.add_argument("--search-top", type=int, default=None,
                    help="compile only the K layouts with the best estimates (default: every one that fits)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the plans as JSON")
+    p.add_argument("--xla-cpu", action="store_true",
+                   help="compile for XLA:CPU even where the XLA:GPU compiler is installed (verdict from the estimate)")
     return p
 
 
@@ -383,17 +500,22 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     import jax
 
     num_devices = args.num_devices or jax.device_count()
-    if num_devices > jax.device_count():
+    kind = DEVICE_KINDS[own.device_kind]
+    memory_gb = own.device_memory_gb or kind.memory_bytes / GIB
+    # fp32 matmuls run as TF32 on these GPUs: half the bf16 peak.
+    peak = args.peak_tflops or (kind.bf16_tflops and kind.bf16_tflops * (1.0 if args.bf16 or args.fp16 else 0.5))
+    target, note = choose_compiler(kind, force_cpu=own.xla_cpu)
+    if target:  # a compile-only executable cannot be stored or reloaded by JAX's persistent cache
+        jax.config.update("jax_enable_compilation_cache", False)
+    if target is None and num_devices > jax.device_count():  # the XLA:CPU compile needs fake devices
         raise SystemExit(f"error: --num-devices {num_devices} but this process has {jax.device_count()} devices "
                          "(run it as python -m mlir_train.plan, which creates them)")
-    memory_gb = own.device_memory_gb or DEVICE_KINDS[own.device_kind][0]
-    kind_peak = DEVICE_KINDS[own.device_kind][1]
-    # fp32 matmuls run as TF32 on these GPUs: half the bf16 peak.
-    peak = args.peak_tflops or (kind_peak and kind_peak * (1.0 if args.bf16 or args.fp16 else 0.5))
-    common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu)
-    print(f"mlir-train plan: {args.model_name} on {num_devices} x {own.device_kind} ({memory_gb:.0f} GiB), "
-          f"seq {args.seq_length}, micro-batch {args.micro_batch_size}, global batch "
+    common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu, target=target, compiler_note=note)
+    print(f"mlir-train plan: {args.model_name} on {num_devices} x {own.device_kind} ({memory_gb:.1f} GiB; "
+          f"{kind.description}), seq {args.seq_length}, micro-batch {args.micro_batch_size}, global batch "
           f"{args.global_batch_size or 'micro x DP'}, {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
+    print(f"compiler: {f'XLA:GPU for {kind.description}, deviceless' if target else 'XLA:CPU'}"
+          + (f" -- {note}" if note else ""))
     if not own.search:
         remat = {None: "none", "full": "full", "selective": "selective"}[args.recompute_granularity]
         layout = Layout(args.tensor_model_parallel_size, args.expert_model_parallel_size,
@@ -406,14 +528,14 @@ def main(argv: list[str] | None = None) -> list[Plan]:
 
     estimates = [plan_layout(args, l, num_devices, compile_step=False, **common) for l in candidate_layouts(args, num_devices)]
     valid = [p for p in estimates if p.error is None]
-    fitting = sorted((p for p in valid if p.fits), key=lambda p: (-(p.tokens_per_s or 0), p.total_bytes))
+    fitting = sorted((p for p in valid if p.fits), key=Plan.ranking_key)
     if own.search_top is not None:
         fitting = fitting[:own.search_top]
     print(f"{len(estimates)} layouts, {len(valid)} valid for this model, {len(fitting)} to compile "
           f"(estimated to fit{'' if own.search_top is None else f', best {own.search_top}'})")
     for p in estimates:
         if p.error is None and not p.fits:
-            print(f"  does not fit: {p.name}: {p.total_bytes / GIB:.1f} GiB > "
+            print(f"  does not fit (estimate): {p.name}: {p.total_bytes / GIB:.1f} GiB > "
                   f"{USABLE_FRACTION * memory_gb:.0f} GiB usable")
         elif p.error is not None:
             print(f"  not planned: {p.name}: {p.error}")
@@ -421,24 +543,44 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     for p in fitting:
         compiled = plan_layout(args, p.layout, num_devices, **common)
         print(format_plan(compiled, own.device_kind, own.assumed_mfu), flush=True)
-        if compiled.error is None:
+        if compiled.error is None and compiled.fits:
             ranked.append(compiled)
-    ranked.sort(key=lambda p: (-(p.tokens_per_s or 0), p.total_bytes))
-    print("\nranking (estimated throughput, then memory):" if ranked else
+    ranked.sort(key=Plan.ranking_key)
+    by = "compiled step time, then compiled memory" if target else "estimated throughput, then memory"
+    print(f"\nranking ({by}):" if ranked else
           "\nno layout fits: more devices, --recompute-granularity full, a shorter --seq-length or a smaller "
           "--micro-batch-size")
     for i, p in enumerate(ranked, 1):
-        speed = f"{p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "speed unknown"
-        print(f"  {i:2d}. {p.name:<48s} {p.total_bytes / GIB:7.1f} GiB  {speed}")
+        speed = p.compiled_tokens_per_s if p.compiled_for_target and p.compiled_tokens_per_s else p.tokens_per_s
+        ratio = f"  FLOPs {p.flop_ratio:.2f}x model" if p.flop_ratio is not None else ""
+        print(f"  {i:2d}. {p.name:<48s} {p.needed_bytes / GIB:7.1f} GiB  "
+              + (f"{speed:,.0f} tokens/s" if speed else "speed unknown") + ratio)
     _write_json(own.json, ranked)
     return ranked
+
+
+def choose_compiler(kind: DeviceKind, *, force_cpu: bool = False) -> tuple[str | None, str | None]:
+    """(XLA:GPU target kind or None for XLA:CPU, the note saying why not XLA:GPU)."""
+    from mlir_train.targets import gpu_compiler_missing
+
+    if not kind.compiles_for_gpu:
+        return None, (f"{kind.description} has no XLA:GPU target: planned by memory only (exact state bytes from an "
+                      "XLA:CPU compile, the analytic estimate for the verdict)")
+    if force_cpu:
+        return None, "--xla-cpu: XLA:CPU compile, verdict from the analytic estimate"
+    missing = gpu_compiler_missing()
+    if missing:
+        return None, f"the XLA:GPU compiler is not available ({missing}): XLA:CPU compile, verdict from the analytic estimate"
+    return kind.name, None
 
 
 def _write_json(path: str | None, plans: list[Plan]) -> None:
     if path:
         import json
 
-        rows = [dataclasses.asdict(p) | {"total_bytes": p.total_bytes, "fits": p.fits} for p in plans]
+        rows = [dataclasses.asdict(p) | {"total_bytes": p.total_bytes, "needed_bytes": p.needed_bytes,
+                                         "verdict_from": p.verdict_from, "flop_ratio": p.flop_ratio, "fits": p.fits}
+                for p in plans]
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
 
