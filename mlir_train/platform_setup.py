@@ -41,8 +41,8 @@ import glob
 import os
 import sys
 
-# Megatron users expect these on GPU; each is a jaxlib-0.10.2 XLA flag (an unknown flag name
-# aborts the process, so new ones must be checked against the jaxlib in use).
+# JAX-on-GPU users expect these; each is an XLA flag of jaxlib 0.10.2. An unknown flag name aborts
+# the process, so one the installed jaxlib lacks is left out, and said so (_unknown_to_jaxlib).
 GPU_XLA_FLAGS: dict[str, str] = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     "xla_gpu_enable_highest_priority_async_stream": "true",
@@ -71,6 +71,7 @@ class PlatformSetup:
     applied: tuple[str, ...] = ()      # settings this module added ("--flag=value", "VAR=value")
     kept: tuple[str, ...] = ()         # settings of ours the user had already set: theirs win
     compile_only: bool = False
+    skipped: tuple[str, ...] = ()      # our GPU flags this jaxlib does not define (left out)
 
     def describe(self) -> str:
         """One line for the log: the platform and every setting added or left to the user."""
@@ -79,6 +80,8 @@ class PlatformSetup:
             parts.append("applied " + " ".join(self.applied))
         if self.kept:
             parts.append("kept the user's " + " ".join(self.kept))
+        if self.skipped:
+            parts.append("left out (unknown to this jaxlib) " + " ".join(self.skipped))
         return "; ".join(parts)
 
 
@@ -102,6 +105,30 @@ def _has_cuda_device() -> bool:
     except OSError:
         return False
     return True
+
+
+def _unknown_to_jaxlib(names) -> set[str]:
+    """Which XLA flag names the installed jaxlib does not define (an unknown name in XLA_FLAGS
+    aborts the process, and flags come and go between XLA versions): their names are looked for
+    in jaxlib's shared libraries, without importing it. Empty if jaxlib cannot be read."""
+    import importlib.util
+    import mmap
+
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.submodule_search_locations:
+        return set()
+    missing = set(names)
+    libraries = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.so")),
+                       key=os.path.getsize, reverse=True)
+    try:
+        for path in libraries:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                missing = {n for n in missing if m.find(n.encode()) < 0}
+            if not missing:
+                break
+    except (OSError, ValueError):
+        return set()
+    return missing
 
 
 def _installed_plugins() -> set[str]:
@@ -187,8 +214,12 @@ def apply_platform_settings(env, platform: str | None = None, *, cpu_devices: in
         env_wanted.update(GPU_ENV)
     if compile_only:
         wanted.update(COMPILE_ONLY_XLA_FLAGS)
-    applied, kept = [], []
+    applied, kept, skipped = [], [], []
+    unknown = _unknown_to_jaxlib([n for n in wanted if n in GPU_XLA_FLAGS])
     for name, value in wanted.items():
+        if name in unknown:
+            skipped.append(f"--{name}")
+            continue
         if name == "xla_disable_hlo_passes" and name in present:  # a list: add ours to the user's
             theirs = [f for f in flags.split() if f.lstrip("-").startswith(name + "=")][-1]
             passes = theirs.split("=", 1)[1].split(",")
@@ -208,7 +239,7 @@ def apply_platform_settings(env, platform: str | None = None, *, cpu_devices: in
         else:
             env[name] = value
             applied.append(f"{name}={value}")
-    return PlatformSetup(platform, reason, tuple(applied), tuple(kept), compile_only)
+    return PlatformSetup(platform, reason, tuple(applied), tuple(kept), compile_only, tuple(skipped))
 
 
 def mesh_platform(mesh) -> str:

@@ -109,6 +109,16 @@ def test_users_gpu_settings_win():
     assert "--xla_disable_hlo_passes=foo,all-reduce-promotion" in env["XLA_FLAGS"].split()
 
 
+def test_gpu_flags_this_jaxlib_lacks_are_left_out(monkeypatch):
+    # An unknown name in XLA_FLAGS aborts the process (flags come and go between XLA versions).
+    assert platform_setup._unknown_to_jaxlib(list(platform_setup.GPU_XLA_FLAGS)) == set()
+    monkeypatch.setattr(platform_setup, "_unknown_to_jaxlib", lambda names: {"xla_gpu_enable_pipelined_all_gather"})
+    env = {"JAX_PLATFORMS": "cuda"}
+    setup = platform_setup.apply_platform_settings(env)
+    assert "pipelined_all_gather" not in env["XLA_FLAGS"] and "--xla_gpu_enable_latency_hiding_scheduler=true" in env["XLA_FLAGS"]
+    assert setup.skipped == ("--xla_gpu_enable_pipelined_all_gather",) and "unknown to this jaxlib" in setup.describe()
+
+
 def test_cpu_mesh_gets_the_cpu_moe_path():
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     assert platform_setup.mesh_platform(mesh) == "cpu"
