@@ -238,7 +238,7 @@ def analyze(text: str, custom_call_flops: dict[str, Callable[[Instruction, dict[
             conds += nc
             unknown += nu
             for k, n in un.items():
-                uncounted[k] += n
+                uncounted[k] += int(n * times)
 
         for ins in comps.get(comp, []):
             op = ins.opcode

@@ -73,6 +73,51 @@ def test_hlo_stats_counts_loop_trip_counts_on_a_cpu_program():
     assert stats.unknown_loops == 0 and stats.collectives  # the column shards meet in collectives
 
 
+HLO = """HloModule m, entry_computation_layout={()->()}
+
+%body (p: (s32[], bf16[64,128])) -> (s32[], bf16[64,128]) {
+  %p = (s32[], bf16[64,128]{1,0}) parameter(0)
+  %x = bf16[64,128]{1,0} get-tuple-element(%p), index=1
+  %w = bf16[128,256]{1,0} constant({...})
+  %gemm = (bf16[64,256]{1,0}, s8[4194304]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", metadata={op_name="dot"}, backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
+  %ags = (bf16[64,128]{1,0}, bf16[512,128]{1,0}) all-gather-start(%x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %agd = bf16[512,128]{1,0} all-gather-done(%ags)
+  %fa = bf16[64,64]{1,0} custom-call(%x), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %t = (s32[], bf16[64,128]{1,0}) tuple(%i, %x)
+}
+
+%branch_small (a: bf16[64,128]) -> bf16[64,128] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  ROOT %ar = bf16[64,128]{1,0} all-reduce(%a), replica_groups={}, to_apply=%add
+}
+
+%branch_big (b: bf16[64,128]) -> bf16[64,128] {
+  %b = bf16[64,128]{1,0} parameter(0)
+  %c = bf16[128,128]{1,0} constant({...})
+  ROOT %d = bf16[64,128]{1,0} dot(%b, %c), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main () -> bf16[64,128] {
+  %init = (s32[], bf16[64,128]{1,0}) constant({...})
+  %loop = (s32[], bf16[64,128]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %y = bf16[64,128]{1,0} get-tuple-element(%loop), index=1
+  %k = s32[] constant(0)
+  ROOT %r = bf16[64,128]{1,0} conditional(%k, %y, %y), branch_computations={%branch_small, %branch_big}
+}
+"""
+
+
+def test_hlo_stats_reads_gemm_custom_calls_async_collectives_and_branches():
+    hi = hlo_stats.analyze(HLO)
+    gemm, dot = 2 * 64 * 256 * 128, 2 * 64 * 128 * 128
+    assert hi.matmul_flops == 5 * gemm + dot  # the loop's 5 GEMMs + the costliest branch's dot
+    assert hi.collectives["all-gather"].count == 5 and hi.collectives["all-gather"].bytes == 5 * 512 * 128 * 2
+    assert "all-reduce" not in hi.collectives and hi.conditionals == 1
+    assert hi.uncounted_custom_calls == {"__cudnn$fmhaSoftmax": 5}  # listed, never silently dropped
+    lo = hlo_stats.analyze(HLO, branch="min")
+    assert lo.matmul_flops == 5 * gemm and lo.collectives["all-reduce"].bytes == 64 * 128 * 2
+
+
 def test_platform_is_decided_from_the_machine_not_the_installed_plugins(monkeypatch):
     # A CPU-only machine with the CUDA plugin installed: CPU, with the XLA:CPU workaround, and
     # JAX_PLATFORMS=cpu so the plugin is never initialised.
