@@ -13,9 +13,10 @@ counts every op, not just the matmuls Megatron's FLOP formula is about.
 Counting rules
 --------------
 * An instruction runs as often as its computation: a ``while`` body runs its
-  ``known_trip_count`` times (XLA records it for ``lax.scan`` / ``fori_loop`` loops), fusions,
-  calls and async wrappers as often as their caller. A loop without a known count is counted
-  once and reported in ``Stats.unknown_loops``.
+  ``known_trip_count`` times (XLA records it for ``lax.scan`` / ``fori_loop`` loops; where a
+  loop rewrite dropped it, the count is read from the loop: a constant start, ``i < N`` with a
+  constant ``N``, step 1), fusions, calls and async wrappers as often as their caller. A loop
+  whose count cannot be read is counted once and reported in ``Stats.unknown_loops``.
 * A ``conditional`` counts its costliest branch (an upper bound: which branch runs is decided at
   run time; ``branch="min"`` counts the cheapest instead); ``Stats.conditionals`` says how many
   there were.
@@ -177,6 +178,62 @@ def _trip_count(attrs: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_CONSTANT = re.compile(r"constant\((-?\d+)\)")
+
+
+def _int_constant(name: str, instrs: dict[str, Instruction], depth: int = 8) -> int | None:
+    """The value of an integer scalar defined by ``constant(c)``, through copies and bitcasts."""
+    ins = instrs.get(name)
+    while ins is not None and depth:
+        if ins.opcode == "constant":
+            m = re.fullmatch(r"\s*(-?\d+)\s*", ins.operands[0]) if ins.operands else None
+            return int(m.group(1)) if m else None
+        if ins.opcode not in ("copy", "bitcast", "convert") or not ins.operands:
+            return None
+        ins, depth = instrs.get(ins.operands[0]), depth - 1
+    return None
+
+
+def _infer_trip_count(loop: Instruction, caller: str, comps: dict[str, list[Instruction]]) -> int | None:
+    """Trip count of a ``while`` whose ``known_trip_count`` XLA dropped (it does after some loop
+    rewrites): the induction variable ``i`` (``known_induction_variable``, else tuple element 0)
+    starts at a constant ``c`` (the while's operand tuple) and the condition is ``i < N`` for a
+    constant ``N`` (possibly inside a fusion); a step of 1 is assumed, as ``scan`` emits."""
+    m = re.search(r'"known_induction_variable"\s*:\s*\{\s*"tuple_index"\s*:\s*"(\d+)"', loop.attrs)
+    index = int(m.group(1)) if m else 0
+    caller_instrs = {i.name: i for i in comps.get(caller, [])}
+    init_tuple = caller_instrs.get(loop.operands[0]) if loop.operands else None
+    if init_tuple is None or init_tuple.opcode != "tuple" or len(init_tuple.operands) <= index:
+        return None
+    start = _int_constant(init_tuple.operands[index], caller_instrs)
+    conds = _called(loop.attrs, "condition")
+    if start is None or not conds or conds[0] not in comps:
+        return None
+    cond = {i.name: i for i in comps[conds[0]]}
+    root = comps[conds[0]][-1]
+    scope, arg = cond, None
+    if root.opcode == "fusion":  # compare(param_j, constant N) inside, param_j = operand j of the fusion
+        called = _called(root.attrs, "calls")
+        if not called or called[0] not in comps:
+            return None
+        scope = {i.name: i for i in comps[called[0]]}
+        fused_root = comps[called[0]][-1]
+        operand_of_param = {i.name: root.operands[int(i.operands[0])] for i in comps[called[0]]
+                            if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()
+                            and int(i.operands[0]) < len(root.operands)}
+        root = fused_root
+    if root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
+        return None
+    bound = _int_constant(root.operands[1], scope)
+    lhs = root.operands[0]
+    if scope is not cond:
+        lhs = operand_of_param.get(lhs)
+    gte = cond.get(lhs) if lhs else None
+    if bound is None or gte is None or gte.opcode != "get-tuple-element" or f"index={index}" not in gte.attrs:
+        return None
+    return max(0, bound - start)
+
+
 def _dot_flops(instr: Instruction, types: dict[str, str]) -> float:
     out = _arrays(instr.result_type)
     lhs = _arrays(types.get(instr.operands[0], "")) if instr.operands else []
@@ -262,6 +319,8 @@ def analyze(text: str, custom_call_flops: dict[str, Callable[[Instruction, dict[
                     uncounted[target] += 1
             if op == "while":
                 n = _trip_count(ins.attrs)
+                if n is None:
+                    n = _infer_trip_count(ins, comp, comps)
                 unknown += n is None
                 for body in _called(ins.attrs, "body"):
                     add(visit(body), n or 1)

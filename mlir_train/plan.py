@@ -8,6 +8,7 @@ Takes the same flags as ``python -m mlir_train.sft`` plus::
     --assumed-mfu F          model-FLOPs utilisation for the step-time estimate (default 0.4)
     --search [--search-top K]  try every layout instead of the one on the command line
     --xla-cpu                compile for XLA:CPU even where the XLA:GPU compiler is installed
+    --hlo-dir DIR            write each compiled step's optimized HLO text to DIR
 
 It builds the real :class:`~mlir_train.train.Trainer` for the full-size model and compiles its
 training step ahead of time (``lower_train_step(abstract_state(), batch ShapeDtypeStructs)
@@ -35,8 +36,9 @@ and with the MoE implementation the mesh's platform selects. Per device it repor
   activation estimate (below), with the difference to the compiled temporaries;
 * step time and tokens/s at ``--assumed-mfu``: from Megatron's FLOPs (MFU as Megatron defines
   it; full recompute and the pipeline bubble added), and from the compiled matmul FLOPs at the
-  same fraction of the peak. ``--search`` ranks by the compiled figures (compiled step time,
-  then memory needed).
+  same fraction of the peak. ``--search`` compiles the candidate layouts the analytic estimate
+  says fit (the ``--search-top K`` best of them), drops those the compiled step says do not, and
+  ranks the rest by the compiled figures (compiled step time, then compiled memory).
 
 Without the GPU compiler installed the planner says so, compiles for XLA:CPU instead and
 decides from the analytic estimate (labelled): XLA:CPU's temporaries are no GPU budget (below).
@@ -78,6 +80,8 @@ saved activations.
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 
 
@@ -147,6 +151,7 @@ class Plan:
     compiled_matmul_flops: float | None = None   # per device per step
     collectives: dict[str, dict[str, int]] | None = None  # kind -> {"count", "bytes"} per device
     conditionals: int = 0
+    unknown_loops: int = 0                   # while loops without a known trip count (counted once)
     # With conditionals: the cheapest branches' figures (e.g. a dropless dispatcher's no-overflow path).
     compiled_matmul_flops_cheapest: float | None = None
     collectives_cheapest: dict[str, dict[str, int]] | None = None
@@ -297,7 +302,7 @@ def _trainer(args, layout: Layout, num_devices: int, devices=None):
 
 def plan_layout(args, layout: Layout, num_devices: int, *, memory_gb: float, peak_tflops: float | None,
                 assumed_mfu: float, compile_step: bool = True, target: str | None = None,
-                compiler_note: str | None = None) -> Plan:
+                compiler_note: str | None = None, hlo_dir: str | None = None) -> Plan:
     """Sizes (and, with ``compile_step``, the AOT-compiled step) of one layout. ``target``: a
     device kind to compile for with XLA:GPU (deviceless); None compiles for this process's CPU
     devices, and ``compiler_note`` says why (printed with the figures)."""
@@ -352,6 +357,10 @@ def plan_layout(args, layout: Layout, num_devices: int, *, memory_gb: float, pea
         try:
             compiled = trainer.lower_train_step(state, batch).compile()
             step = hlo_stats.audit_compiled(compiled)
+            if hlo_dir:  # the optimized HLO the figures come from, to see where they come from
+                os.makedirs(hlo_dir, exist_ok=True)
+                with open(os.path.join(hlo_dir, re.sub(r"[^\w.+-]+", "_", plan.name) + ".hlo.txt"), "w") as f:
+                    f.write(compiled.as_text())
         except Exception as e:
             plan.error = f"does not compile ({plan.compiler}): {str(e).splitlines()[0]}"
             return plan
@@ -363,6 +372,7 @@ def plan_layout(args, layout: Layout, num_devices: int, *, memory_gb: float, pea
         plan.compiled_matmul_flops = step.stats.matmul_flops
         plan.collectives = {k: {"count": c.count, "bytes": c.bytes} for k, c in step.stats.collectives.items()}
         plan.conditionals = step.stats.conditionals
+        plan.unknown_loops = step.stats.unknown_loops
         if plan.conditionals:
             plan.compiled_matmul_flops_cheapest = step.stats_cheapest.matmul_flops
             plan.collectives_cheapest = {k: {"count": c.count, "bytes": c.bytes}
@@ -430,6 +440,9 @@ def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
             cheap = plan.compiled_matmul_flops_cheapest
             lines.append(f"    matmul FLOPs (cheapest branches) {cheap:.3e} per device = "
                          f"{cheap * plan.num_devices / plan.flops_per_step:.2f}x Megatron's model FLOPs")
+        if plan.unknown_loops:
+            lines.append(f"    ({plan.unknown_loops} while loops without a known trip count: their bodies counted once, "
+                         "so FLOPs and collectives above are lower bounds)")
         if plan.uncounted_custom_calls:
             lines.append("    custom calls whose FLOPs the HLO does not show (not counted): "
                          + ", ".join(f"{t} x{n}" for t, n in plan.uncounted_custom_calls.items()))
@@ -481,6 +494,8 @@ def _planner_parser() -> argparse.ArgumentParser:
     p.add_argument("--search-top", type=int, default=None,
                    help="compile only the K layouts with the best estimates (default: every one that fits)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the plans as JSON")
+    p.add_argument("--hlo-dir", default=None, metavar="DIR",
+                   help="write each compiled step's optimized HLO text there (<layout>.hlo.txt)")
     p.add_argument("--xla-cpu", action="store_true",
                    help="compile for XLA:CPU even where the XLA:GPU compiler is installed (verdict from the estimate)")
     return p
@@ -510,7 +525,8 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     if target is None and num_devices > jax.device_count():  # the XLA:CPU compile needs fake devices
         raise SystemExit(f"error: --num-devices {num_devices} but this process has {jax.device_count()} devices "
                          "(run it as python -m mlir_train.plan, which creates them)")
-    common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu, target=target, compiler_note=note)
+    common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu, target=target, compiler_note=note,
+                  hlo_dir=own.hlo_dir)
     print(f"mlir-train plan: {args.model_name} on {num_devices} x {own.device_kind} ({memory_gb:.1f} GiB; "
           f"{kind.description}), seq {args.seq_length}, micro-batch {args.micro_batch_size}, global batch "
           f"{args.global_batch_size or 'micro x DP'}, {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")

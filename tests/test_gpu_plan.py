@@ -97,12 +97,37 @@ HLO = """HloModule m, entry_computation_layout={()->()}
   ROOT %d = bf16[64,128]{1,0} dot(%b, %c), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 
+%fused_lt (param_0: s32[]) -> pred[] {
+  %param_0 = s32[] parameter(0)
+  %n = s32[] constant(7)
+  ROOT %cmp = pred[] compare(%param_0, %n), direction=LT
+}
+
+%cond2 (c: (s32[], bf16[64,128])) -> pred[] {
+  %c = (s32[], bf16[64,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] fusion(%i), kind=kLoop, calls=%fused_lt
+}
+
+%body2 (q: (s32[], bf16[64,128])) -> (s32[], bf16[64,128]) {
+  %q = (s32[], bf16[64,128]{1,0}) parameter(0)
+  %v = bf16[64,128]{1,0} get-tuple-element(%q), index=1
+  %m = bf16[128,128]{1,0} constant({...})
+  %e = bf16[64,128]{1,0} dot(%v, %m), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t2 = (s32[], bf16[64,128]{1,0}) tuple(%j, %e)
+}
+
 ENTRY %main () -> bf16[64,128] {
   %init = (s32[], bf16[64,128]{1,0}) constant({...})
   %loop = (s32[], bf16[64,128]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
   %y = bf16[64,128]{1,0} get-tuple-element(%loop), index=1
+  %one = s32[] constant(1)
+  %start = s32[] copy(%one)
+  %init2 = (s32[], bf16[64,128]{1,0}) tuple(%start, %y)
+  %loop2 = (s32[], bf16[64,128]{1,0}) while(%init2), condition=%cond2, body=%body2, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+  %z = bf16[64,128]{1,0} get-tuple-element(%loop2), index=1
   %k = s32[] constant(0)
-  ROOT %r = bf16[64,128]{1,0} conditional(%k, %y, %y), branch_computations={%branch_small, %branch_big}
+  ROOT %r = bf16[64,128]{1,0} conditional(%k, %z, %z), branch_computations={%branch_small, %branch_big}
 }
 """
 
@@ -110,12 +135,14 @@ ENTRY %main () -> bf16[64,128] {
 def test_hlo_stats_reads_gemm_custom_calls_async_collectives_and_branches():
     hi = hlo_stats.analyze(HLO)
     gemm, dot = 2 * 64 * 256 * 128, 2 * 64 * 128 * 128
-    assert hi.matmul_flops == 5 * gemm + dot  # the loop's 5 GEMMs + the costliest branch's dot
+    # The first loop's 5 GEMMs, the second's 6 dots (no known_trip_count: 1 <= i < 7, read from
+    # the loop itself, as after XLA's loop rewrites), the costliest branch's dot.
+    assert hi.matmul_flops == 5 * gemm + 6 * dot + dot and hi.unknown_loops == 0
     assert hi.collectives["all-gather"].count == 5 and hi.collectives["all-gather"].bytes == 5 * 512 * 128 * 2
     assert "all-reduce" not in hi.collectives and hi.conditionals == 1
     assert hi.uncounted_custom_calls == {"__cudnn$fmhaSoftmax": 5}  # listed, never silently dropped
     lo = hlo_stats.analyze(HLO, branch="min")
-    assert lo.matmul_flops == 5 * gemm and lo.collectives["all-reduce"].bytes == 64 * 128 * 2
+    assert lo.matmul_flops == 5 * gemm + 6 * dot and lo.collectives["all-reduce"].bytes == 64 * 128 * 2
 
 
 def test_platform_is_decided_from_the_machine_not_the_installed_plugins(monkeypatch):
