@@ -35,13 +35,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlir_train.platform_setup import configure_platform  # noqa: E402  (imports no jax)
 
-# As sft: the platform from the machine, the GPU runtime settings on GPU (printed below).
-SETUP = configure_platform()
+# As sft: the platform from the machine, the GPU runtime settings on GPU (printed below);
+# --compile-only: a CPU host compiling for XLA:GPU with those settings, as the planner does.
+SETUP = configure_platform(compile_only="--compile-only" in sys.argv)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mlir_train import flops, hlo_stats, plan  # noqa: E402
+from mlir_train import platform_setup  # noqa: E402
 from mlir_train.platform_setup import default_moe_impl  # noqa: E402
 from mlir_train.config import get_model_config  # noqa: E402
 from mlir_train.optim import make_optimizer  # noqa: E402
@@ -125,7 +127,12 @@ def main(argv=None) -> None:
     # FLOPs and collectives from the optimized HLO, as `python -m mlir_train.plan` reports them.
     step = hlo_stats.audit_compiled(compiled)
     need = step.needed_bytes
-    limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
+    if args.compile_only:  # a compile-only device has no allocator: the description's memory
+        from mlir_train.targets import DEVICE_KINDS
+
+        limit = DEVICE_KINDS["h200"].memory_bytes * platform_setup.GPU_MEM_FRACTION
+    else:
+        limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
     model_flops = flops.num_floating_point_operations(cfg, seq, rows)
     print(f"memory per device: state+batch {step.argument_bytes / 2**30:.2f} GiB, temp "
           f"{step.temp_bytes / 2**30:.2f} GiB, total {need / 2**30:.2f} GiB"
