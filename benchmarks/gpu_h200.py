@@ -3,14 +3,14 @@
     python benchmarks/gpu_h200.py [--layers 8] [--seq-length 4096] [--micro-batch-size 1] [--iters 10]
                                   [--recompute selective] [--moe-impl grouped] [--peak-tflops 989]
     python benchmarks/gpu_h200.py --smoke      # tiny sizes on CPU: checks the script still runs
+    python benchmarks/gpu_h200.py --compile-only  # XLA:GPU compile for one H200 on a CPU host, audit only
 
 The model is Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 kv heads of 128, 128 experts of
 width 768, top-8, vocab 151936) with as many layers as fit one device (``--layers``; the full
 model has 48). It trains with :class:`mlir_train.train.Trainer` on a 1-device mesh exactly as
 ``mlir_train.sft`` would: bf16 forward/backward, float32 master weights and AdamW moments,
-gradient clipping, the MoE aux loss; the kernels ``mlir_train.model.platform_model_kwargs``
-picks for the device's platform (GPU: the block-grouped Mosaic-GPU expert kernels,
-``--moe-impl grouped``, and flash attention; CPU: ``padded`` experts, XLA attention). The batch is random tokens, ``micro-batch-size x seq-length``.
+gradient clipping, the MoE aux loss; experts by ``jax.lax.ragged_dot`` (``--moe-impl ragged``,
+the GPU path; ``padded`` on CPU). The batch is random tokens, ``micro-batch-size x seq-length``.
 
 Before anything is allocated the step is compiled ahead of time and XLA's memory analysis is
 checked against the device's memory, so a too-large ``--layers`` fails in seconds with a hint.
@@ -28,17 +28,27 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
-import jax
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlir_train import flops
-from mlir_train.config import get_model_config
-from mlir_train.model import platform_model_kwargs
-from mlir_train.optim import make_optimizer
-from mlir_train.train import BATCH_KEYS, StepConfig, Trainer
-from sharding.mesh import ParallelConfig, make_mesh
+from mlir_train.platform_setup import configure_platform  # noqa: E402  (imports no jax)
+
+# As sft: the platform from the machine, the GPU runtime settings on GPU (printed below);
+# --compile-only: a CPU host compiling for XLA:GPU with those settings, as the planner does.
+SETUP = configure_platform(compile_only="--compile-only" in sys.argv)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlir_train import flops, hlo_stats, plan  # noqa: E402
+from mlir_train import platform_setup  # noqa: E402
+from mlir_train.model import platform_model_kwargs  # noqa: E402
+from mlir_train.config import get_model_config  # noqa: E402
+from mlir_train.optim import make_optimizer  # noqa: E402
+from mlir_train.train import BATCH_KEYS, StepConfig, Trainer  # noqa: E402
+from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 
 H200_PEAK_BF16 = 989.0
 
@@ -69,7 +79,9 @@ def main(argv=None) -> None:
     parser.add_argument("--recompute", default="selective", choices=("none", "selective", "full"),
                         help="activation recomputation (Megatron's --recompute-granularity)")
     parser.add_argument("--moe-impl", default=None, choices=("grouped", "ragged", "padded", "dense"),
-                        help="expert path (default ragged on GPU/TPU, padded on CPU)")
+                        help="expert path (default: the device platform's, mlir_train.model.moe.DEFAULT_MOE_IMPL)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile for one H200 deviceless (XLA:GPU, no GPU needed), print the audit and stop")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="device bf16 peak for MFU (default: the device table; 989 on an H200)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, runs anywhere in seconds (CPU test)")
@@ -78,8 +90,15 @@ def main(argv=None) -> None:
     rows = args.micro_batch_size or (2 if args.smoke else 1)
     iters = args.iters or (2 if args.smoke else 10)
 
-    device = jax.devices()[0]
-    kernels = platform_model_kwargs(device.platform, is_moe=True)
+    if args.compile_only:
+        from mlir_train.targets import compile_only_devices
+
+        device = compile_only_devices("h200", 1)[0]
+    else:
+        device = jax.devices()[0]
+    parallel = ParallelConfig(num_devices=1)
+    mesh = make_mesh(parallel, devices=[device])
+    kernels = platform_model_kwargs(platform_setup.mesh_platform(mesh), is_moe=True)  # as sft picks them
     moe_impl = args.moe_impl or kernels["moe_impl"]
     cfg = model_config(args)
     peak = flops.device_peak_tflops("bf16", args.peak_tflops)
@@ -91,8 +110,7 @@ def main(argv=None) -> None:
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}; bf16 compute, float32 master "
           f"weights + AdamW; batch {rows} x {seq} tokens; moe_impl {moe_impl}; recompute {args.recompute}")
 
-    parallel = ParallelConfig(num_devices=1)
-    mesh = make_mesh(parallel, devices=[device])
+    print(SETUP.describe())
     trainer = Trainer(
         cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16", aux_loss_coeff=1e-3),
         make_optimizer(lr_schedule=1e-5, weight_decay=0.1, beta2=0.95, clip_grad=1.0), parallel, mesh,
@@ -106,16 +124,28 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     compiled = trainer.lower_train_step(trainer.abstract_state(), batch_shapes).compile()
     print(f"compiled in {time.perf_counter() - start:.1f}s")
-    mem = compiled.memory_analysis()
-    if mem is not None:
-        need = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    # The planner's audit of the compiled step (mlir_train.hlo_stats): memory analysis, matmul
+    # FLOPs and collectives from the optimized HLO, as `python -m mlir_train.plan` reports them.
+    step = hlo_stats.audit_compiled(compiled)
+    need = step.needed_bytes
+    if args.compile_only:  # a compile-only device has no allocator: the description's memory
+        from mlir_train.targets import DEVICE_KINDS
+
+        limit = DEVICE_KINDS["h200"].memory_bytes * platform_setup.GPU_MEM_FRACTION
+    else:
         limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
-        print(f"memory per device: state+batch {mem.argument_size_in_bytes / 2**30:.2f} GiB, temp "
-              f"{mem.temp_size_in_bytes / 2**30:.2f} GiB, total {need / 2**30:.2f} GiB"
-              + (f" of {limit / 2**30:.1f} GiB" if limit else ""))
-        if limit and need > limit:
-            raise SystemExit(f"error: the step needs {need / 2**30:.1f} GiB but the device has {limit / 2**30:.1f} GiB: "
-                             f"lower --layers (now {cfg.num_layers}) or --seq-length, or use --recompute full")
+    model_flops = flops.num_floating_point_operations(cfg, seq, rows)
+    print(f"memory per device: state+batch {step.argument_bytes / 2**30:.2f} GiB, temp "
+          f"{step.temp_bytes / 2**30:.2f} GiB, total {need / 2**30:.2f} GiB"
+          + (f" of {limit / 2**30:.1f} GiB" if limit else ""))
+    print(f"compiled matmul FLOPs {step.stats.matmul_flops:.3e} = {step.stats.matmul_flops / model_flops:.2f}x "
+          f"Megatron's model FLOPs; collectives: {plan.format_collectives({k: vars(c) for k, c in step.stats.collectives.items()})}")
+    if limit and need > limit:
+        raise SystemExit(f"error: the step needs {need / 2**30:.1f} GiB but the device has {limit / 2**30:.1f} GiB: "
+                         f"lower --layers (now {cfg.num_layers}) or --seq-length, or use --recompute full")
+
+    if args.compile_only:
+        return
 
     # ----- run --------------------------------------------------------------------------------
     state = trainer.init_state(seed=0)
@@ -134,7 +164,6 @@ def main(argv=None) -> None:
 
     step_s = statistics.median(times)
     tokens = rows * seq
-    model_flops = flops.num_floating_point_operations(cfg, seq, rows)
     tflops = flops.tflops_per_device(model_flops, step_s, 1)
     mfu = flops.mfu(model_flops, step_s, 1, peak)
     print(f"\nmedian step {step_s * 1e3:.1f} ms over {iters} steps: {tokens / step_s:,.0f} tokens/s, "

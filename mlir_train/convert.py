@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from mlir_train.platform import configure_platform
+    from mlir_train.platform_setup import configure_platform
 
     configure_platform(cpu_devices=8)  # a CPU-only host converts through fake devices like the trainer does
     sys.exit(main())

@@ -2,33 +2,51 @@
 
 Takes the same flags as ``python -m mlir_train.sft`` plus::
 
-    --num-devices N          accelerators of the target job (fake CPU devices here)
-    --device-kind KIND       h100 | h200 | p800: memory 80 / 141 / 96 GiB, bf16 peak 989 / 989 / ?
-    --device-memory-gb G     overrides the kind's memory
+    --num-devices N          accelerators of the target job (default 8)
+    --device-kind KIND       h100 | h200 | b200 | p800 (mlir_train.targets: memory, bf16 peak, source)
+    --device-memory-gb G     overrides the kind's memory (GiB)
     --assumed-mfu F          model-FLOPs utilisation for the step-time estimate (default 0.4)
     --search [--search-top K]  try every layout instead of the one on the command line
+    --xla-cpu                compile for XLA:CPU even where the XLA:GPU compiler is installed
+    --hlo-dir DIR            write each compiled step's optimized HLO text to DIR
 
-It builds the real :class:`~mlir_train.train.Trainer` for the full-size model on N fake CPU
-devices and compiles its training step ahead of time (``lower_train_step(abstract_state(),
-batch ShapeDtypeStructs).compile()``): nothing is allocated, no data or tokenizer is read (the
-vocabulary is the model config's, padded as Megatron pads it). Per device it reports:
+It builds the real :class:`~mlir_train.train.Trainer` for the full-size model and compiles its
+training step ahead of time (``lower_train_step(abstract_state(), batch ShapeDtypeStructs)
+.compile()``): nothing is allocated, no data or tokenizer is read (the vocabulary is the model
+config's, padded as Megatron pads it).
 
-* master weights (float32) and optimizer state: exact, from the state's shardings, and checked
-  against the compiled step's argument bytes;
-* the compute copy of the weights (bf16/fp16, gathered to the compute layout for the
-  forward/backward) and the gradients (one micro-batch's in the compute layout + the float32
-  accumulator in the master layout): exact sizes from the shardings;
-* activations: an analytic estimate (below);
-* FLOPs per step (Megatron's formula, :mod:`mlir_train.flops`; full recompute adds a forward),
-  and the step time / tokens per second that ``--assumed-mfu`` of the device's peak gives. The
-  estimate is compute-only but for the pipeline bubble (``(M + PP - 1) / M`` for M
-  micro-batches): communication is not modelled, so layouts that differ only in TP/EP tie and
-  ``--search`` orders those by memory headroom;
-* whether it fits: total <= 95 % of the device memory (the rest for the CUDA context, NCCL
-  buffers and allocator fragmentation).
+The compiler is the target's: for h100/h200/b200 the step is compiled by XLA:GPU for N
+compile-only devices of that kind (deviceless, :mod:`mlir_train.targets`; no GPU needed, but
+``jax-cuda12-plugin``, ``jax-cuda12-pjrt`` and ``nvidia-cuda-nvcc-cu12`` must be installed),
+with the GPU runtime settings ``mlir_train.sft`` uses there (:mod:`mlir_train.platform_setup`),
+and with the MoE implementation the mesh's platform selects. Per device it reports:
 
-Why the compiled XLA:CPU temp bytes are not the GPU's, and what the planner does instead
-------------------------------------------------------------------------------------------
+* the compiled figures (XLA:GPU): arguments, temporaries and what the step needs in all
+  (the compiler's peak where it gives one, else arguments + unaliased outputs + temp), which
+  decide whether it FITS into the device memory times the allocator's fraction (95 %, the
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` ``sft`` sets; the rest is for the CUDA context, NCCL and
+  cuBLAS);
+* the collectives of the optimized HLO by kind with their bytes, and its matmul FLOPs (dots and
+  GEMM custom calls, loops counted by their trip counts: :mod:`mlir_train.hlo_stats`) against
+  Megatron's model FLOPs (:mod:`mlir_train.flops`) as a ratio (recomputation, padding and
+  pipeline-bubble work make it exceed 1);
+* beside them, labelled, the analytic breakdown: master weights (float32) and optimizer
+  state (exact, from the state's shardings: they must equal the compiled argument bytes),
+  the compute copy of the weights and the gradients (exact sizes from the shardings) and an
+  activation estimate (below), with the difference to the compiled temporaries;
+* step time and tokens/s at ``--assumed-mfu``: from Megatron's FLOPs (MFU as Megatron defines
+  it; full recompute and the pipeline bubble added), and from the compiled matmul FLOPs at the
+  same fraction of the peak. ``--search`` compiles the candidate layouts the analytic estimate
+  says fit (the ``--search-top K`` best of them), drops those the compiled step says do not, and
+  ranks the rest by the compiled figures (compiled step time, then compiled memory).
+
+Without the GPU compiler installed the planner says so, compiles for XLA:CPU instead and
+decides from the analytic estimate (labelled): XLA:CPU's temporaries are no GPU budget (below).
+The Kunlun P800 has no XLA:GPU target: it is planned by memory only (CPU compile for the exact
+state bytes, the analytic estimate for the verdict), labelled as such.
+
+Why the compiled XLA:CPU temp bytes are not the GPU's, and what the estimate counts
+----------------------------------------------------------------------------------
 ``memory_analysis()`` of the CPU executable gives exact argument/output sizes (the state is
 laid out identically on any backend), but its temp size is not a GPU budget:
 
@@ -42,7 +60,7 @@ laid out identically on any backend), but its temp size is not a GPU budget:
    with a dropless fallback branch of ``C = tokens``) where GPUs run the ragged one.
 
 So the planner does not scale the CPU temp figure (none of the three is a constant factor).
-It computes the temporaries from what the step holds: the weight-shaped ones exactly from the
+The analytic estimate computes the temporaries from what the step holds: the weight-shaped ones exactly from the
 shardings (compute copy, micro-batch gradients, accumulator), and the activations per
 micro-batch from the model's shapes for the recompute policy -- per decoder layer the
 residual stream, q/k/v/o and the attention's float32 log-sum-exp (its custom gradient
@@ -66,31 +84,29 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 import time
 from typing import Any
 
+from mlir_train.platform_setup import GPU_MEM_FRACTION
 from mlir_train.run_config import RunConfig, resolve
+from mlir_train.targets import DEVICE_KINDS, GIB, DeviceKind
 
 
 def _preset_devices(argv: list[str]) -> None:
-    """Fake CPU devices (``--num-devices``) and CPU-only XLA settings, before any backend starts."""
+    """A compile-only CPU host (fake CPU devices for the CPU fallback, the GPU runtime flags for
+    deviceless XLA:GPU compiles), before jax is imported."""
     from mlir_train.cli import flag_value  # imports no jax
-    from mlir_train.platform import configure_platform
+    from mlir_train.platform_setup import configure_platform
 
     n = flag_value(argv, "--num-devices")
-    configure_platform(cpu_devices=int(n) if n else None)
-    # Nothing compiled here ever runs: skip LLVM's optimisation (buffer sizes come from HLO).
-    if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    configure_platform(compile_only=True, cpu_devices=int(n) if n else None)
 
-GIB = 2**30
-USABLE_FRACTION = 0.95
-# name -> (memory GiB, dense bf16 peak TFLOP/s or None). The Kunlun P800's peak is not
-# published in a form we could confirm: pass --peak-tflops for step-time estimates.
-DEVICE_KINDS: dict[str, tuple[float, float | None]] = {"h100": (80.0, 989.0), "h200": (141.0, 989.0), "p800": (96.0, None)}
+
+
+# What JAX's allocator may use of a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, as sft sets it).
+USABLE_FRACTION = GPU_MEM_FRACTION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,29 +129,70 @@ class Layout:
 class Plan:
     layout: Layout
     name: str
+    num_devices: int = 1
+    # Analytic breakdown (exact sizes from the shardings; activations estimated).
     master_bytes: int = 0
     optimizer_bytes: int = 0
     compute_weight_bytes: int = 0
     gradient_bytes: int = 0
     activation_bytes: int = 0
     batch_bytes: int = 0
-    cpu_argument_bytes: int | None = None
-    cpu_temp_bytes: int | None = None
-    flops_per_step: float = 0.0
-    step_time_s: float | None = None
+    # The compiled step, per device: which compiler, its memory analysis and HLO audit.
+    compiler: str | None = None              # "XLA:GPU h200 (deviceless)" | "XLA:CPU (...)"
+    compiler_note: str | None = None         # why not XLA:GPU, where it is not
+    compiled_for_target: bool = False        # True: the compiled figures decide the verdict
+    moe_impl: str | None = None              # the MoE implementation the mesh's platform chose
+    compiled_argument_bytes: int | None = None
+    compiled_temp_bytes: int | None = None
+    compiled_needed_bytes: int | None = None
+    compiled_matmul_flops: float | None = None   # per device per step
+    collectives: dict[str, dict[str, int]] | None = None  # kind -> {"count", "bytes"} per device
+    conditionals: int = 0
+    unknown_loops: int = 0                   # while loops without a known trip count (counted once)
+    # With conditionals: the cheapest branches' figures (e.g. a dropless dispatcher's no-overflow path).
+    compiled_matmul_flops_cheapest: float | None = None
+    collectives_cheapest: dict[str, dict[str, int]] | None = None
+    uncounted_custom_calls: dict[str, int] | None = None
+    flops_per_step: float = 0.0              # Megatron's model FLOPs, all devices
+    step_time_s: float | None = None         # from the model FLOPs at --assumed-mfu
     tokens_per_s: float | None = None
+    compiled_step_time_s: float | None = None  # from the compiled matmul FLOPs at the same fraction of peak
+    compiled_tokens_per_s: float | None = None
     capacity_bytes: float = 0.0
     compile_s: float | None = None
     error: str | None = None
 
     @property
     def total_bytes(self) -> int:
+        """The analytic estimate of what one device holds."""
         return (self.master_bytes + self.optimizer_bytes + self.compute_weight_bytes + self.gradient_bytes
                 + self.activation_bytes + self.batch_bytes)
 
     @property
+    def needed_bytes(self) -> int:
+        """What decides the verdict: the target compiler's figure, else the analytic estimate."""
+        if self.compiled_for_target and self.compiled_needed_bytes is not None:
+            return self.compiled_needed_bytes
+        return self.total_bytes
+
+    @property
+    def verdict_from(self) -> str:
+        return "compiled" if self.compiled_for_target and self.compiled_needed_bytes is not None else "estimate"
+
+    @property
     def fits(self) -> bool:
-        return self.error is None and self.total_bytes <= USABLE_FRACTION * self.capacity_bytes
+        return self.error is None and self.needed_bytes <= USABLE_FRACTION * self.capacity_bytes
+
+    @property
+    def flop_ratio(self) -> float | None:
+        """Compiled matmul FLOPs (all devices) / Megatron's model FLOPs."""
+        if self.compiled_matmul_flops is None or not self.flops_per_step:
+            return None
+        return self.compiled_matmul_flops * self.num_devices / self.flops_per_step
+
+    def ranking_key(self) -> tuple[float, int]:
+        speed = self.compiled_tokens_per_s if self.compiled_for_target and self.compiled_tokens_per_s else self.tokens_per_s
+        return (-(speed or 0.0), self.needed_bytes)
 
 
 def _device_bytes(tree: Any) -> int:
@@ -195,10 +252,14 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     return int(in_flight * saved + working + logits)
 
 
-def _trainer(cfg: RunConfig, layout: Layout, num_devices: int):
-    """The real trainer of ``cfg`` with ``layout``'s parallelism, for ``num_devices`` fake CPU
-    devices; the MoE experts use the ragged dispatcher (the closest to the GPU path that XLA:CPU
-    compiles)."""
+def _trainer(cfg: RunConfig, layout: Layout, num_devices: int, devices=None):
+    """The Trainer ``sft`` would build for this layout, over ``devices`` (compile-only XLA:GPU
+    devices of the target) or the first ``num_devices`` of this process (fake CPU devices); the
+    kernels (MoE experts, attention) are the ones the mesh's platform selects."""
+    import jax
+
+    from mlir_train.platform_setup import mesh_platform
+    from sharding.mesh import make_mesh
 
     cfg = cfg.replace(
         parallel=dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
@@ -210,26 +271,34 @@ def _trainer(cfg: RunConfig, layout: Layout, num_devices: int):
                       train_iters=cfg.training.train_iters or 1))
     vocab = cfg.model.vocab_size or cfg.model.model_config(None).vocab_size
     model_cfg = cfg.model.model_config(cfg.model.padded_vocab_size(vocab, layout.tensor))
-    run = resolve(cfg, model_cfg, num_devices=num_devices, platform="cpu")
-    overrides = dict(moe_impl="ragged") if model_cfg.is_moe else {}
-    return run.trainer(**overrides), model_cfg, run.global_batch_size, run.num_micro_batches
+    platform = "cpu" if devices is None else mesh_platform(jax.sharding.Mesh(devices, ("all",)))
+    run = resolve(cfg, model_cfg, num_devices=num_devices, platform=platform)
+    mesh = make_mesh(run.parallel, devices=devices)
+    return run.trainer(mesh), model_cfg, run.global_batch_size, run.num_micro_batches
 
 
 def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: float, peak_tflops: float | None,
-                assumed_mfu: float, compile_step: bool = True) -> Plan:
-    """Sizes (and, with ``compile_step``, the AOT-compiled step) of one layout."""
+                assumed_mfu: float, compile_step: bool = True, target: str | None = None,
+                compiler_note: str | None = None, hlo_dir: str | None = None) -> Plan:
+    """Sizes (and, with ``compile_step``, the AOT-compiled step) of one layout. ``target``: a
+    device kind to compile for with XLA:GPU (deviceless); None compiles for this process's CPU
+    devices, and ``compiler_note`` says why (printed with the figures)."""
     import jax
     import jax.numpy as jnp
 
     from mlir_train import flops as flops_lib
+    from mlir_train import hlo_stats
+    from mlir_train.targets import compile_only_devices
     from mlir_train.train import BATCH_KEYS, DTYPES
 
-    plan = Plan(layout, layout.name(num_devices), capacity_bytes=memory_gb * GIB)
+    plan = Plan(layout, layout.name(num_devices), num_devices=num_devices, capacity_bytes=memory_gb * GIB)
+    devices = compile_only_devices(target, num_devices) if target and compile_step else None
     try:
-        trainer, model_cfg, gbs, num_micro = _trainer(cfg, layout, num_devices)
+        trainer, model_cfg, gbs, num_micro = _trainer(cfg, layout, num_devices, devices)
     except Exception as e:  # an invalid layout for this model / device count
         plan.error = str(e).splitlines()[0]
         return plan
+    plan.moe_impl = trainer.model_kwargs.get("moe_impl")
     state = trainer.abstract_state()
     rows = gbs // num_micro
     batch = {k: jax.ShapeDtypeStruct((num_micro, rows, cfg.data.seq_length),
@@ -256,24 +325,42 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
         plan.step_time_s = hardware / (num_devices * peak_tflops * 1e12 * assumed_mfu)
         plan.tokens_per_s = gbs * cfg.data.seq_length / plan.step_time_s
     if compile_step:
+        plan.compiler = f"XLA:GPU {target} (deviceless)" if devices is not None else "XLA:CPU"
+        plan.compiler_note = compiler_note
         t0 = time.perf_counter()
         try:
             compiled = trainer.lower_train_step(state, batch).compile()
+            step = hlo_stats.audit_compiled(compiled)
+            if hlo_dir:  # the optimized HLO the figures come from, to see where they come from
+                os.makedirs(hlo_dir, exist_ok=True)
+                with open(os.path.join(hlo_dir, re.sub(r"[^\w.+-]+", "_", plan.name) + ".hlo.txt"), "w") as f:
+                    f.write(compiled.as_text())
         except Exception as e:
-            plan.error = f"does not compile: {str(e).splitlines()[0]}"
+            plan.error = f"does not compile ({plan.compiler}): {str(e).splitlines()[0]}"
             return plan
         plan.compile_s = time.perf_counter() - t0
-        mem = compiled.memory_analysis()
-        if mem is not None:
-            plan.cpu_argument_bytes = int(mem.argument_size_in_bytes)
-            plan.cpu_temp_bytes = int(mem.temp_size_in_bytes)
+        plan.compiled_for_target = devices is not None
+        plan.compiled_argument_bytes = step.argument_bytes
+        plan.compiled_temp_bytes = step.temp_bytes
+        plan.compiled_needed_bytes = step.needed_bytes
+        plan.compiled_matmul_flops = step.stats.matmul_flops
+        plan.collectives = {k: {"count": c.count, "bytes": c.bytes} for k, c in step.stats.collectives.items()}
+        plan.conditionals = step.stats.conditionals
+        plan.unknown_loops = step.stats.unknown_loops
+        if plan.conditionals:
+            plan.compiled_matmul_flops_cheapest = step.stats_cheapest.matmul_flops
+            plan.collectives_cheapest = {k: {"count": c.count, "bytes": c.bytes}
+                                         for k, c in step.stats_cheapest.collectives.items()}
+        plan.uncounted_custom_calls = step.stats.uncounted_custom_calls or None
+        if peak_tflops and plan.compiled_matmul_flops:
+            plan.compiled_step_time_s = plan.compiled_matmul_flops / (peak_tflops * 1e12 * assumed_mfu)
+            plan.compiled_tokens_per_s = gbs * cfg.data.seq_length / plan.compiled_step_time_s
     return plan
 
 
 def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
     """TP (within one 8-device node), EP, PP that divide the model, distributed optimizer on/off,
     recompute none/full; DP is what is left."""
-
     cfg = run_cfg.model.model_config(None)
     divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
     pipelines = [p for p in divisors if cfg.num_layers % p == 0]
@@ -290,13 +377,47 @@ def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
 
 
 def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / GIB:8.2f} GiB"
+    if n is None:
+        return "-"
+    return f"{n / GIB:8.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2**20:8.2f} MiB"
+
+
+def format_collectives(collectives: dict[str, dict[str, int]] | None) -> str:
+    from mlir_train.hlo_stats import Collective, format_collectives as fmt
+
+    return fmt({k: Collective(v["count"], v["bytes"]) for k, v in (collectives or {}).items()})
 
 
 def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
     lines = [f"layout {plan.name}"]
     if plan.error:
         return lines[0] + f"\n  NOT PLANNED: {plan.error}"
+    on_target = plan.compiled_for_target
+    if plan.compiled_argument_bytes is not None:
+        head = f"  compiled by {plan.compiler} in {plan.compile_s:.1f}s" + \
+            (f" (MoE: {plan.moe_impl})" if plan.moe_impl else "") + ", per device"
+        lines.append(head + (f" ({plan.compiler_note})" if plan.compiler_note else "") + ":")
+        temp_label = "temporaries" if on_target else "temp (CPU, not a GPU budget)"
+        lines += [f"    {'arguments (state + batch)':<46s} {_gib(plan.compiled_argument_bytes)}",
+                  f"    {temp_label:<46s} {_gib(plan.compiled_temp_bytes)}",
+                  f"    {'needed (args + unaliased outputs + temp)':<46s} {_gib(plan.compiled_needed_bytes)}"]
+        more = f" (costliest branch of {plan.conditionals} conditionals)" if plan.conditionals else ""
+        lines.append(f"    collectives{more}: {format_collectives(plan.collectives)}")
+        if plan.conditionals:
+            lines.append(f"    collectives (cheapest branches): {format_collectives(plan.collectives_cheapest)}")
+        if plan.flop_ratio is not None:
+            lines.append(f"    matmul FLOPs{more} {plan.compiled_matmul_flops:.3e} per device = {plan.flop_ratio:.2f}x "
+                         f"Megatron's model FLOPs ({plan.flops_per_step:.3e} over {plan.num_devices} devices)")
+        if plan.conditionals and plan.flops_per_step:
+            cheap = plan.compiled_matmul_flops_cheapest
+            lines.append(f"    matmul FLOPs (cheapest branches) {cheap:.3e} per device = "
+                         f"{cheap * plan.num_devices / plan.flops_per_step:.2f}x Megatron's model FLOPs")
+        if plan.unknown_loops:
+            lines.append(f"    ({plan.unknown_loops} while loops without a known trip count: their bodies counted once, "
+                         "so FLOPs and collectives above are lower bounds)")
+        if plan.uncounted_custom_calls:
+            lines.append("    custom calls whose FLOPs the HLO does not show (not counted): "
+                         + ", ".join(f"{t} x{n}" for t, n in plan.uncounted_custom_calls.items()))
     rows = [
         ("master weights (fp32)", plan.master_bytes),
         ("optimizer state", plan.optimizer_bytes),
@@ -306,19 +427,33 @@ def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
         ("batch", plan.batch_bytes),
         ("total per device", plan.total_bytes),
     ]
-    lines += [f"  {label:<44s} {_gib(value)}" for label, value in rows]
-    if plan.cpu_argument_bytes is not None:
-        lines.append(f"  {'XLA:CPU compiled: arguments (exact)':<44s} {_gib(plan.cpu_argument_bytes)}")
-        lines.append(f"  {'XLA:CPU compiled: temp (CPU, not a GPU budget)':<44s} {_gib(plan.cpu_temp_bytes)}"
-                     f"   (compiled in {plan.compile_s:.1f}s)")
+    lines.append("  analytic breakdown (exact state sizes from the shardings, activations estimated):")
+    lines += [f"    {label:<46s} {_gib(value)}" for label, value in rows]
+    if plan.compiled_argument_bytes is not None:
+        args_est = plan.master_bytes + plan.optimizer_bytes + plan.batch_bytes
+        temp_est = plan.total_bytes - args_est
+        lines.append(f"  compiled vs analytic: arguments {plan.compiled_argument_bytes / GIB:.2f} vs {args_est / GIB:.2f} "
+                     f"GiB ({'equal' if abs(plan.compiled_argument_bytes - args_est) <= 1e-6 * args_est + 64 else 'DIFFER'}: "
+                     f"the same state and batch); temporaries {plan.compiled_temp_bytes / GIB:.2f} vs {temp_est / GIB:.2f} "
+                     f"GiB ({(plan.compiled_temp_bytes - temp_est) / GIB:+.2f} GiB: "
+                     + ("the compiler's buffers are what this program allocates -- fusion outputs, collective "
+                        "buffers kept live to overlap them, loop carries -- where the estimate counts the "
+                        "tensors the step must hold" if on_target else
+                        "XLA:CPU's float32 copies of bf16 operands and CPU scheduling; the estimate decides") + ")")
     lines.append(f"  FLOPs per step (model): {plan.flops_per_step:.3e}")
     if plan.step_time_s is not None:
-        lines.append(f"  at MFU {assumed_mfu:.0%}: step {plan.step_time_s:.2f}s, {plan.tokens_per_s:,.0f} tokens/s")
+        line = f"  at MFU {assumed_mfu:.0%}: step {plan.step_time_s:.2f}s, {plan.tokens_per_s:,.0f} tokens/s (Megatron's FLOPs)"
+        if plan.compiled_step_time_s is not None:
+            line += (f"; compiled matmul FLOPs at {assumed_mfu:.0%} of peak: step {plan.compiled_step_time_s:.2f}s, "
+                     f"{plan.compiled_tokens_per_s:,.0f} tokens/s")
+        lines.append(line)
     else:
         lines.append("  step time: unknown peak for this device; pass --peak-tflops")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    source = (f"compiled by {plan.compiler}" if plan.verdict_from == "compiled"
+              else "analytic estimate" + (f"; {plan.compiler_note}" if plan.compiler_note else ""))
     lines.append(f"  {verdict} in {plan.capacity_bytes / GIB:.0f} GiB ({kind}; {USABLE_FRACTION:.0%} usable): "
-                 f"{plan.total_bytes / GIB:.1f} GiB needed")
+                 f"{plan.needed_bytes / GIB:.1f} GiB needed ({source})")
     return "\n".join(lines)
 
 
@@ -331,6 +466,10 @@ def _planner_parser() -> argparse.ArgumentParser:
     p.add_argument("--search-top", type=int, default=None,
                    help="compile only the K layouts with the best estimates (default: every one that fits)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the plans as JSON")
+    p.add_argument("--hlo-dir", default=None, metavar="DIR",
+                   help="write each compiled step's optimized HLO text there (<layout>.hlo.txt)")
+    p.add_argument("--xla-cpu", action="store_true",
+                   help="compile for XLA:CPU even where the XLA:GPU compiler is installed (verdict from the estimate)")
     return p
 
 
@@ -344,23 +483,29 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     from mlir_train import cli
 
     cfg = cli.parse(rest)
-    if cfg.data.seq_length is None or cfg.training.micro_batch_size is None:
+    t, par = cfg.training, cfg.parallel
+    if cfg.data.seq_length is None or t.micro_batch_size is None:
         raise SystemExit("error: --seq-length and --micro-batch-size are required")
     import jax
 
-    t, par = cfg.training, cfg.parallel
     num_devices = cfg.extras.num_devices or jax.device_count()
-    if num_devices > jax.device_count():
+    kind = DEVICE_KINDS[own.device_kind]
+    memory_gb = own.device_memory_gb or kind.memory_bytes / GIB
+    # fp32 matmuls run as TF32 on these GPUs: half the bf16 peak.
+    peak = cfg.extras.peak_tflops or (kind.bf16_tflops and kind.bf16_tflops * (1.0 if t.bf16 or t.fp16 else 0.5))
+    target, note = choose_compiler(kind, force_cpu=own.xla_cpu)
+    if target:  # a compile-only executable cannot be stored or reloaded by JAX's persistent cache
+        jax.config.update("jax_enable_compilation_cache", False)
+    if target is None and num_devices > jax.device_count():  # the XLA:CPU compile needs fake devices
         raise SystemExit(f"error: --num-devices {num_devices} but this process has {jax.device_count()} devices "
                          "(run it as python -m mlir_train.plan, which creates them)")
-    memory_gb = own.device_memory_gb or DEVICE_KINDS[own.device_kind][0]
-    kind_peak = DEVICE_KINDS[own.device_kind][1]
-    # fp32 matmuls run as TF32 on these GPUs: half the bf16 peak.
-    peak = cfg.extras.peak_tflops or (kind_peak and kind_peak * (1.0 if t.bf16 or t.fp16 else 0.5))
-    common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu)
-    print(f"mlir-train plan: {cfg.model.model_config(None).name} on {num_devices} x {own.device_kind} ({memory_gb:.0f} GiB), "
-          f"seq {cfg.data.seq_length}, micro-batch {t.micro_batch_size}, global batch "
+    common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu, target=target, compiler_note=note,
+                  hlo_dir=own.hlo_dir)
+    print(f"mlir-train plan: {cfg.model.model_config(None).name} on {num_devices} x {own.device_kind} ({memory_gb:.1f} GiB; "
+          f"{kind.description}), seq {cfg.data.seq_length}, micro-batch {t.micro_batch_size}, global batch "
           f"{t.global_batch_size or 'micro x DP'}, {t.compute_dtype}")
+    print(f"compiler: {f'XLA:GPU for {kind.description}, deviceless' if target else 'XLA:CPU'}"
+          + (f" -- {note}" if note else ""))
     if not own.search:
         layout = Layout(par.tensor_model_parallel_size, par.expert_model_parallel_size,
                         par.pipeline_model_parallel_size, par.distributed_optimizer, t.remat, par.sequence_parallel)
@@ -371,14 +516,14 @@ def main(argv: list[str] | None = None) -> list[Plan]:
 
     estimates = [plan_layout(cfg, l, num_devices, compile_step=False, **common) for l in candidate_layouts(cfg, num_devices)]
     valid = [p for p in estimates if p.error is None]
-    fitting = sorted((p for p in valid if p.fits), key=lambda p: (-(p.tokens_per_s or 0), p.total_bytes))
+    fitting = sorted((p for p in valid if p.fits), key=Plan.ranking_key)
     if own.search_top is not None:
         fitting = fitting[:own.search_top]
     print(f"{len(estimates)} layouts, {len(valid)} valid for this model, {len(fitting)} to compile "
           f"(estimated to fit{'' if own.search_top is None else f', best {own.search_top}'})")
     for p in estimates:
         if p.error is None and not p.fits:
-            print(f"  does not fit: {p.name}: {p.total_bytes / GIB:.1f} GiB > "
+            print(f"  does not fit (estimate): {p.name}: {p.total_bytes / GIB:.1f} GiB > "
                   f"{USABLE_FRACTION * memory_gb:.0f} GiB usable")
         elif p.error is not None:
             print(f"  not planned: {p.name}: {p.error}")
@@ -386,24 +531,44 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     for p in fitting:
         compiled = plan_layout(cfg, p.layout, num_devices, **common)
         print(format_plan(compiled, own.device_kind, own.assumed_mfu), flush=True)
-        if compiled.error is None:
+        if compiled.error is None and compiled.fits:
             ranked.append(compiled)
-    ranked.sort(key=lambda p: (-(p.tokens_per_s or 0), p.total_bytes))
-    print("\nranking (estimated throughput, then memory):" if ranked else
+    ranked.sort(key=Plan.ranking_key)
+    by = "compiled step time, then compiled memory" if target else "estimated throughput, then memory"
+    print(f"\nranking ({by}):" if ranked else
           "\nno layout fits: more devices, --recompute-granularity full, a shorter --seq-length or a smaller "
           "--micro-batch-size")
     for i, p in enumerate(ranked, 1):
-        speed = f"{p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "speed unknown"
-        print(f"  {i:2d}. {p.name:<48s} {p.total_bytes / GIB:7.1f} GiB  {speed}")
+        speed = p.compiled_tokens_per_s if p.compiled_for_target and p.compiled_tokens_per_s else p.tokens_per_s
+        ratio = f"  FLOPs {p.flop_ratio:.2f}x model" if p.flop_ratio is not None else ""
+        print(f"  {i:2d}. {p.name:<48s} {p.needed_bytes / GIB:7.1f} GiB  "
+              + (f"{speed:,.0f} tokens/s" if speed else "speed unknown") + ratio)
     _write_json(own.json, ranked)
     return ranked
+
+
+def choose_compiler(kind: DeviceKind, *, force_cpu: bool = False) -> tuple[str | None, str | None]:
+    """(XLA:GPU target kind or None for XLA:CPU, the note saying why not XLA:GPU)."""
+    from mlir_train.targets import gpu_compiler_missing
+
+    if not kind.compiles_for_gpu:
+        return None, (f"{kind.description} has no XLA:GPU target: planned by memory only (exact state bytes from an "
+                      "XLA:CPU compile, the analytic estimate for the verdict)")
+    if force_cpu:
+        return None, "--xla-cpu: XLA:CPU compile, verdict from the analytic estimate"
+    missing = gpu_compiler_missing()
+    if missing:
+        return None, f"the XLA:GPU compiler is not available ({missing}): XLA:CPU compile, verdict from the analytic estimate"
+    return kind.name, None
 
 
 def _write_json(path: str | None, plans: list[Plan]) -> None:
     if path:
         import json
 
-        rows = [dataclasses.asdict(p) | {"total_bytes": p.total_bytes, "fits": p.fits} for p in plans]
+        rows = [dataclasses.asdict(p) | {"total_bytes": p.total_bytes, "needed_bytes": p.needed_bytes,
+                                         "verdict_from": p.verdict_from, "flop_ratio": p.flop_ratio, "fits": p.fits}
+                for p in plans]
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
 

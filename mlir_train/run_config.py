@@ -812,10 +812,10 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
     if model_cfg.is_moe and cfg.moe.moe_router_num_groups and not cfg.moe.moe_router_group_topk:
         print("mlir-train: --moe-router-num-groups without --moe-router-group-topk routes without groups "
               "(as in Megatron)")
-    if platform is None:
+    if platform is None:  # the devices the default mesh is built from
         import jax
 
-        platform = jax.devices()[0].platform
+        platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
     return Run(cfg, model_cfg, parallel, gbs, num_micro, platform=platform)
 
 

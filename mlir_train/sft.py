@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from mlir_train import cli, platform
+from mlir_train import cli, platform_setup
 from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
 from mlir_train.run_config import ConfigError, RunConfig, require, resolve
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> RunResult:
     launched = time.perf_counter()  # --exit-duration-in-mins counts from here, as Megatron's from its start
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = cli.parse(argv or DEFAULT_ARGV)
-    platform.configure_platform(cpu_devices=cfg.extras.cpu_devices or 8)
+    platform_setup.configure_platform(cpu_devices=cfg.extras.cpu_devices)
     if not argv:
         print("mlir-train: no arguments given; running the embedded default SFT "
               "(qwen3-moe-tiny on the bundled alpaca tasks, 8 fake CPU devices).")
@@ -89,6 +89,7 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
 
     if jax.process_index() != 0:
         sys.stdout = open(os.devnull, "w")  # console lines from process 0 only, as Megatron's rank 0
+    print(platform_setup.current().describe())
     if cfg.extras.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cfg.extras.compilation_cache_dir)
 
@@ -102,7 +103,7 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     model_cfg = _model_config(cfg, start, len(tokenizer))
 
     # ----- the run: mesh, trainer, data, state ------------------------------------------------
-    run = resolve(cfg, model_cfg, platform=jax.devices()[0].platform)
+    run = resolve(cfg, model_cfg)  # the kernels follow the platform of the mesh's devices
     trainer = run.trainer()
     gbs, num_micro, parallel = run.global_batch_size, run.num_micro_batches, run.parallel
     print(f"mlir-train: {jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(trainer.mesh.shape)}, "

@@ -2,16 +2,18 @@
 
 import os
 
-from mlir_train.platform import configure_platform
+from mlir_train.platform_setup import configure_platform
 
-configure_platform(cpu_devices=8)  # as every entry point does, before any jax backend starts
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# As every entry point does, first: fake CPU devices and the XLA:CPU workaround (its
+# all-reduce-promotion pass aborts on bf16 EP steps), JAX_PLATFORMS=cpu so an installed GPU
+# plugin (for the deviceless XLA:GPU tests) stays asleep.
+configure_platform("cpu", cpu_devices=8)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import tempfile  # noqa: E402
-
 import jax  # noqa: E402
+
+import tempfile  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Many tests compile the same programs (a Trainer per test); XLA:CPU compiles dominate the

@@ -82,3 +82,15 @@ def test_pipeline_benchmark_quick():  # ~250 s on 2 cores
     out = _run("pipeline.py", "--quick", timeout=900)
     for schedule in ("gpipe", "circular4"):
         assert re.search(rf"^ratio {schedule}: bubble at M=2 measured \d+\.\d+ \(theory \d+\.\d+\)", out, re.MULTILINE), out
+
+
+@pytest.mark.slow
+def test_gpu_compiled_benchmark_quick():  # ~30 s of CPU per layout; deviceless XLA:GPU
+    from mlir_train.targets import gpu_compiler_missing
+
+    if gpu_compiler_missing():
+        pytest.skip(f"deviceless XLA:GPU: {gpu_compiler_missing()}")
+    out = _run("gpu_compiled.py", "--quick", "--layouts", "dp8,ep8", timeout=900)
+    for layout in ("dp8", "ep8"):
+        assert re.search(rf"^{layout}\s+\S+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+yes\s+\d+\.\d+\s+\d+\.\d+x", out, re.MULTILINE), out
+    assert "all-to-all" in out
