@@ -253,3 +253,18 @@ def _flash_flops(rest: str) -> float | None:
     dkdv = _causal_tile_pairs(t, blocks.block_q_dkv, blocks.block_kv_dkv) * blocks.block_q_dkv * blocks.block_kv_dkv
     dq = _causal_tile_pairs(t, blocks.block_q_dq, blocks.block_kv_dq) * blocks.block_q_dq * blocks.block_kv_dq
     return 2.0 * b * n * h * (4 * dkdv + 3 * dq)
+
+
+def custom_call_counters() -> dict:
+    """This module's kernel counters in :func:`mlir_train.hlo_stats.analyze`'s
+    ``custom_call_flops`` form (target -> f(instruction, types)): the flash-attention Triton
+    kernels by their causal tile pairs, the MoE block kernels at their static bound (every
+    block of the buffer: the planner's upper bound, no routing assumed)."""
+    def flash(ins, types):
+        return _flash_flops(ins.attrs) or 0.0
+
+    def block(ins, types):
+        kernel = _block_kernel(ins.attrs)
+        return 0.0 if kernel is None else kernel.flops_bound
+
+    return {"__gpu$xla.gpu.triton": flash, "mosaic_gpu": block, "mosaic_gpu_v2": block}
