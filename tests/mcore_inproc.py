@@ -109,7 +109,3 @@ def initialize(seed: int = 0) -> None:
         parallel_state.initialize_model_parallel(1, 1)
         _initialized = True
     torch.manual_seed(seed)
-
-
-def cpu_rng_tracker() -> _NullRngTracker:
-    return _TRACKER

@@ -20,7 +20,6 @@ Timing (2 shared cores): importing megatron-core takes ~30 s of the module's tim
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from types import SimpleNamespace
 
