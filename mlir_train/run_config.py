@@ -779,9 +779,14 @@ class Run:
         from mlir_train.train import Trainer
         from sharding.mesh import make_mesh
 
+        from sharding.mesh import ParallelConfigError
+
         t = self.config.training
-        return Trainer(self.model, self.step_config(), t.optimizer_for(self.lr_schedule()), self.parallel,
-                       mesh if mesh is not None else make_mesh(self.parallel),
+        try:
+            mesh = mesh if mesh is not None else make_mesh(self.parallel)
+        except ParallelConfigError as e:  # e.g. --num-devices above what this process sees
+            raise ConfigError(str(e)) from None
+        return Trainer(self.model, self.step_config(), t.optimizer_for(self.lr_schedule()), self.parallel, mesh,
                        loss_scaler=t.loss_scaler(), model_kwargs=self.model_kwargs() | model_overrides)
 
 

@@ -103,7 +103,8 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     model_cfg = _model_config(cfg, start, len(tokenizer))
 
     # ----- the run: mesh, trainer, data, state ------------------------------------------------
-    run = resolve(cfg, model_cfg)  # the kernels follow the platform of the mesh's devices
+    # --num-devices: the first N devices; the kernels follow the platform of the mesh's devices.
+    run = resolve(cfg, model_cfg, num_devices=cfg.extras.num_devices)
     trainer = run.trainer()
     gbs, num_micro, parallel = run.global_batch_size, run.num_micro_batches, run.parallel
     print(f"mlir-train: {jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(trainer.mesh.shape)}, "

@@ -168,3 +168,14 @@ def test_readme_flag_table_is_the_generated_one():
     assert begin in readme and end in readme
     table = readme[readme.index(begin) + len(begin):readme.index(end)].strip()
     assert table == run_config.flag_table_markdown()
+
+
+def test_num_devices_builds_the_run_on_the_first_n_devices():
+    cfg = cli.parse(["--num-devices", "4", "--micro-batch-size", "1", "--seq-length", "16", "--lr", "1e-3",
+                     "--train-iters", "1", "--tensor-model-parallel-size", "2"])
+    run = run_config.resolve(cfg, cfg.model.model_config(256), num_devices=cfg.extras.num_devices)
+    assert run.parallel.data_parallel == 2 and run.global_batch_size == 2
+    assert run.trainer().mesh.devices.size == 4
+    with pytest.raises(run_config.ConfigError, match="devices"):
+        too_many = cfg.replace(extras={"num_devices": 64})
+        run_config.resolve(too_many, cfg.model.model_config(256), num_devices=64).trainer()
