@@ -4,7 +4,7 @@ flash attention vs the XLA attention, on one H200, without a GPU.
     JAX_PLATFORMS=cpu python benchmarks/attention_gpu.py [--model qwen3-0.6b] [--layers 4] [--seq-length 8192]
 
 Needs jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cuda-nvcc-cu12. Compiles ``jax.grad`` of the
-LM loss (bf16 parameters, one sequence, recompute off) for ``benchmarks/targets/h200.txtpb``
+LM loss (bf16 parameters, one sequence, recompute off) for ``mlir_train/targets/h200.txtpb``
 and counts, from the optimized HLO (``mlir_train.hlo_flops``; layer-scan bodies times their trip
 count), every dot plus the flash attention kernels' work, against
 ``mlir_train.flops.num_floating_point_operations`` (Megatron's count: causal attention halved,
@@ -29,13 +29,14 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
+from mlir_train.targets import DEVICE_KINDS
 from mlir_train.config import get_model_config  # noqa: E402
 from mlir_train.flops import num_floating_point_operations  # noqa: E402
 from mlir_train.hlo_flops import matmul_flops  # noqa: E402
 from mlir_train.model import Qwen3  # noqa: E402
 from mlir_train.moe_audit import gpu_topology_devices  # noqa: E402
 
-H200 = pathlib.Path(__file__).parent / "targets" / "h200.txtpb"
+H200 = DEVICE_KINDS["h200"]  # mlir_train/targets/h200.txtpb
 
 
 def main(argv=None) -> int:
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-length", type=int, default=8192)
     args = p.parse_args(argv)
     try:
-        devices = gpu_topology_devices(H200.read_text())
+        devices = gpu_topology_devices(H200.target_config())
     except Exception as e:  # noqa: BLE001 - the reason is printed
         print(f"cannot build the deviceless H200 topology ({type(e).__name__}: {e})")
         return 2

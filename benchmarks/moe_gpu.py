@@ -7,7 +7,7 @@ each layout (DP8, EP8, TP2xEP4) and each implementation (``--impls``), dropless 
 ``--moe-expert-capacity-factor 1.0``, it compiles the layer's forward + backward
 (``jax.value_and_grad`` for the parameters and the input; float32 parameters, bfloat16
 activations, 2048 tokens per token rank) for the device description in
-``benchmarks/targets/h200.txtpb`` and prints per device, from the optimized HLO
+``mlir_train/targets/h200.txtpb`` and prints per device, from the optimized HLO
 (``mlir_train.moe_audit``):
 
 * the expert matmul FLOPs over the routed FLOPs ``6 * S * K * 3 * D * F / TP`` ("ratio");
@@ -29,11 +29,12 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from mlir_train.targets import DEVICE_KINDS
 from mlir_train.config import get_model_config  # noqa: E402
 from mlir_train.moe_audit import audit_moe_layer, gpu_topology_devices  # noqa: E402
 from sharding import ParallelConfig  # noqa: E402
 
-H200 = pathlib.Path(__file__).parent / "targets" / "h200.txtpb"
+H200 = DEVICE_KINDS["h200"]  # mlir_train/targets/h200.txtpb
 LAYOUTS = {
     "DP8": ParallelConfig(num_devices=8),
     "EP8": ParallelConfig(expert=8, num_devices=8),
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     args = p.parse_args(argv)
     try:
-        devices = gpu_topology_devices(H200.read_text())
+        devices = gpu_topology_devices(H200.target_config())
     except Exception as e:  # noqa: BLE001 - the reason is printed
         print(f"cannot build the deviceless H200 topology ({type(e).__name__}: {e}); "
               "install jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cuda-nvcc-cu12 and set JAX_PLATFORMS=cpu")

@@ -1,27 +1,27 @@
-"""Deviceless XLA:GPU compiles for 8 x H200 (benchmarks/targets/h200.txtpb): the MoE layer's
+"""Deviceless XLA:GPU compiles for 8 x H200 (mlir_train/targets/h200.txtpb): the MoE layer's
 expert matmul FLOPs against the routed FLOPs, and the flash attention's FLOPs against the causal
 count, read from the optimized HLO (mlir_train.hlo_flops). Skipped, with the reason, where
 jax-cuda12-plugin (and -pjrt, nvidia-cuda-nvcc-cu12) is not installed."""
 
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mlir_train.targets import DEVICE_KINDS
 from mlir_train.config import get_model_config
 from mlir_train.hlo_flops import matmul_flops
 from mlir_train.moe_audit import audit_moe_layer, compile_without_cache, gpu_topology_devices
 from sharding import ParallelConfig
 
-H200 = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "targets" / "h200.txtpb"
+H200 = DEVICE_KINDS["h200"]  # mlir_train/targets/h200.txtpb
 
 
 @pytest.fixture(scope="module")
 def h200_devices():
     try:
-        return gpu_topology_devices(H200.read_text())
+        return gpu_topology_devices(H200.target_config())
     except Exception as e:  # noqa: BLE001 - any failure to build the topology means no GPU compiler here
         pytest.skip(f"no deviceless XLA:GPU compiler (install jax-cuda12-plugin, jax-cuda12-pjrt, "
                     f"nvidia-cuda-nvcc-cu12): {type(e).__name__}: {str(e)[:200]}")
