@@ -59,10 +59,12 @@ Bubble ticks compute on zeros and are masked out; ``benchmarks/pipeline.py`` mea
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mlir_train import losses
@@ -71,49 +73,79 @@ from sharding import logical_shard_map, mesh_axes_of
 from sharding.mesh import ParallelConfigError
 
 TRAVELLING = ("segment_ids", "positions", "labels", "loss_mask")
+SCHEDULES = ("1f1b", "gpipe", "circular")  # --pipeline-schedule
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     stages: int        # P, --pipeline-model-parallel-size
-    virtual: int = 1   # R chunks per stage: 1 = GPipe, > 1 = circular (interleaved)
+    virtual: int = 1   # R chunks per stage (--num-layers-per-virtual-pipeline-stage)
+    kind: str = "1f1b"  # 1f1b (interleaved when R > 1) | gpipe (R = 1) | circular (R > 1)
+    # layers per stage when they differ (--decoder-first/last-pipeline-num-layers), else None
+    stage_layers: tuple[int, ...] | None = None
+
+    def chunk_layers(self, num_layers: int) -> list[list[list[int]]]:
+        """``[stage][chunk]`` -> the decoder layers it runs, in order: Megatron's assignment
+        (layer ``(r * P + s) * V + j`` is chunk ``r``, layer ``j`` of stage ``s``)."""
+        p, r = self.stages, self.virtual
+        if self.stage_layers is not None:
+            starts = np.cumsum((0,) + self.stage_layers)
+            return [[list(range(starts[s], starts[s + 1]))] for s in range(p)]
+        v = num_layers // (p * r)
+        return [[list(range((c * p + s) * v, (c * p + s + 1) * v)) for c in range(r)] for s in range(p)]
+
+
+def _stage_layer_counts(num_layers: int, p: int, first: int | None, last: int | None) -> tuple[int, ...] | None:
+    """Megatron's uneven split: the first/last stage hold the given layers, the middle stages
+    share the rest equally. None when every stage holds ``num_layers / p``."""
+    if first is None and last is None:
+        if num_layers % p:
+            raise ParallelConfigError(
+                f"decoder layers (num_layers={num_layers}) are not divisible by --pipeline-model-parallel-size ({p}); "
+                "give the first/last stage's share with --decoder-first-pipeline-num-layers / "
+                "--decoder-last-pipeline-num-layers")
+        return None
+    rest, middle = num_layers, p
+    for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if n is not None:
+            if not 0 < n < num_layers:
+                raise ParallelConfigError(f"{flag} {n}: must be between 1 and num_layers - 1 = {num_layers - 1}")
+            rest, middle = rest - n, middle - 1
+    if middle == 0 and rest != 0 or middle and (rest <= 0 or rest % middle):
+        given = " + ".join(f"{f} {n}" for f, n in (("--decoder-first-pipeline-num-layers", first),
+                                                  ("--decoder-last-pipeline-num-layers", last)) if n is not None)
+        raise ParallelConfigError(
+            f"{given}: the other {middle} of the {p} stages cannot share the remaining {rest} of "
+            f"{num_layers} layers equally")
+    counts = [rest // middle if middle else 0] * p
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return None if len(set(counts)) == 1 else tuple(counts)
 
 
 def make_schedule(
     num_layers: int,
     stages: int,
     *,
+    kind: str = "1f1b",
     layers_per_virtual_stage: int | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
-    num_stacks: int = 1,
     num_micro_batches: int | None = None,
 ) -> Schedule:
     """The schedule Megatron's flags ask for, or a :class:`ParallelConfigError` naming the flag."""
     p = stages
-    if num_stacks > 1:
-        raise ParallelConfigError(
-            f"--pipeline-model-parallel-size {p}: the model mixes dense and MoE decoder layers "
-            f"({num_stacks} layer stacks, from decoder_sparse_step / mlp_only_layers); pipeline "
-            "stages over mixed stacks are not implemented"
-        )
-    even = num_layers // p if num_layers % p == 0 else None
-    for flag, n in (("--decoder-first-pipeline-num-layers", first_stage_layers),
-                    ("--decoder-last-pipeline-num-layers", last_stage_layers)):
-        if n is not None and n != even:
-            raise ParallelConfigError(
-                f"{flag} {n}: uneven pipeline stages are not implemented; every stage holds "
-                f"num_layers / --pipeline-model-parallel-size layers"
-                + (f" = {even}" if even else f", and {num_layers} layers do not divide by {p}")
-            )
-    if num_layers % p:
-        raise ParallelConfigError(
-            f"decoder layers (num_layers={num_layers}) are not divisible by --pipeline-model-parallel-size ({p}); "
-            "uneven splits (--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers) "
-            "are not implemented"
-        )
+    if kind not in SCHEDULES:
+        raise ParallelConfigError(f"--pipeline-schedule {kind}: choose one of {', '.join(SCHEDULES)}")
+    counts = _stage_layer_counts(num_layers, p, first_stage_layers, last_stage_layers)
     virtual = 1
     if layers_per_virtual_stage is not None:
+        if counts is not None:
+            raise ParallelConfigError(
+                f"--num-layers-per-virtual-pipeline-stage with uneven stages (--decoder-first/last-pipeline-"
+                f"num-layers: {counts}) is not implemented; drop one of them")
         per_stage = num_layers // p
         if layers_per_virtual_stage < 1 or per_stage % layers_per_virtual_stage:
             raise ParallelConfigError(
@@ -121,12 +153,24 @@ def make_schedule(
                 f"{per_stage} layers of each of the {p} pipeline stages"
             )
         virtual = per_stage // layers_per_virtual_stage
-    if virtual > 1 and num_micro_batches is not None and num_micro_batches < p:
+    if kind == "gpipe" and virtual > 1:
         raise ParallelConfigError(
-            f"the circular schedule (--num-layers-per-virtual-pipeline-stage) needs at least as many "
-            f"micro-batches as stages: {num_micro_batches} < --pipeline-model-parallel-size ({p})"
-        )
-    return Schedule(stages=p, virtual=virtual)
+            "--pipeline-schedule gpipe runs one chunk per stage; with --num-layers-per-virtual-pipeline-stage "
+            "use --pipeline-schedule circular or 1f1b (interleaved)")
+    if kind == "circular" and virtual == 1:
+        raise ParallelConfigError(
+            "--pipeline-schedule circular needs --num-layers-per-virtual-pipeline-stage (chunks per stage)")
+    if virtual > 1 and num_micro_batches is not None:
+        if num_micro_batches < p:
+            raise ParallelConfigError(
+                f"the interleaved/circular schedule (--num-layers-per-virtual-pipeline-stage) needs at least as "
+                f"many micro-batches as stages: {num_micro_batches} < --pipeline-model-parallel-size ({p})")
+        if kind == "1f1b" and num_micro_batches % p:
+            raise ParallelConfigError(
+                f"interleaved 1F1B (--num-layers-per-virtual-pipeline-stage) runs micro-batches in groups of "
+                f"--pipeline-model-parallel-size ({p}), as Megatron's: {num_micro_batches} micro-batches do not "
+                "divide; change --global-batch-size or use --pipeline-schedule circular")
+    return Schedule(stages=p, virtual=virtual, kind=kind, stage_layers=counts)
 
 
 def to_stages(x_L: jax.Array, schedule: Schedule) -> jax.Array:
@@ -142,28 +186,240 @@ def from_stages(x_PRV: jax.Array) -> jax.Array:
     return x.reshape(-1, *x.shape[3:])
 
 
+# ----- the stage program: which layers a chunk runs, over stacks of mixed kinds --------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Segment:
+    """One run of same-kind layers in every chunk's program, ``S`` slots long.
+
+    ``src[s, r, j]`` is the layer at slot ``j`` of chunk ``r`` of stage ``s``, as a row of the
+    concatenation (in layer order) of all stacks of this kind; ``active`` is False for padding
+    slots (identity layers) where that chunk has fewer layers of this run than another."""
+    is_moe: bool
+    src: np.ndarray     # [P, R, S] int
+    active: np.ndarray  # [P, R, S] bool
+
+    @property
+    def slots(self) -> int:
+        return self.src.shape[-1]
+
+
+def stage_program(schedule: Schedule, stack_kinds: tuple[tuple[int, int, bool], ...]) -> list[Segment]:
+    """Every chunk runs the same sequence of segments (SPMD: one program on every stage).
+
+    A chunk's layers split into runs at stack boundaries (stacks alternate dense / MoE), and
+    the runs line up on an alternating kind sequence starting with layer 0's kind; a segment
+    is as long as the longest run mapped to it. Even splits of a single stack give one segment
+    without padding; a period of dense/MoE layers that divides the stage length gives one
+    segment per run without padding."""
+    num_layers = sum(n for _, n, _ in stack_kinds)
+    stack_of = np.concatenate([[k] * n for k, (_, n, _) in enumerate(stack_kinds)])
+    kind_row = np.zeros(num_layers, np.int64)
+    counter = {False: 0, True: 0}
+    for l in range(num_layers):
+        moe = stack_kinds[stack_of[l]][2]
+        kind_row[l], counter[moe] = counter[moe], counter[moe] + 1
+    first_kind = stack_kinds[0][2]
+    chunks = schedule.chunk_layers(num_layers)
+    p, r = schedule.stages, schedule.virtual
+    placed: dict[tuple[int, int], list[list[int]]] = {}  # (stage, chunk) -> rows per program segment
+    length = 0
+    for s in range(p):
+        for c in range(r):
+            runs: list[list[int]] = []
+            for l in chunks[s][c]:
+                if runs and stack_of[l] == stack_of[runs[-1][-1]]:
+                    runs[-1].append(l)
+                else:
+                    runs.append([l])
+            offset = 0 if stack_kinds[stack_of[runs[0][0]]][2] == first_kind else 1
+            placed[s, c] = [[] for _ in range(offset)] + runs
+            length = max(length, len(placed[s, c]))
+    segments = []
+    for g in range(length):
+        slots = max(len(placed[s, c][g]) if g < len(placed[s, c]) else 0 for s in range(p) for c in range(r))
+        if not slots:
+            continue
+        is_moe = first_kind if g % 2 == 0 else not first_kind
+        src = np.zeros((p, r, slots), np.int64)
+        active = np.zeros((p, r, slots), bool)
+        for (s, c), segs in placed.items():
+            run = segs[g] if g < len(segs) else []
+            rows = [int(kind_row[l]) for l in run]
+            src[s, c, :len(rows)] = rows
+            src[s, c, len(rows):] = rows[-1] if rows else 0
+            active[s, c, :len(rows)] = True
+        segments.append(Segment(is_moe=is_moe, src=src, active=active))
+    return segments
+
+
+def _canonical(seg: Segment, schedule: Schedule) -> bool:
+    """Whether the segment is the plain ``to_stages`` view of its (single) stack."""
+    p, r, v = seg.src.shape
+    return bool(seg.active.all()) and np.array_equal(
+        seg.src, np.arange(p * r * v).reshape(r, p, v).swapaxes(0, 1))
+
+
+def _to_segments(stacks: list[Any], stack_kinds, program: list[Segment], schedule: Schedule) -> list[Any]:
+    """The stacks' ``[L_k, ...]`` weights -> each segment's ``[P, R, S, ...]`` (linear)."""
+    by_kind = {}
+    for moe in (False, True):
+        trees = [t for t, (_, _, m) in zip(stacks, stack_kinds) if m == moe]
+        if trees:
+            by_kind[moe] = trees[0] if len(trees) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *trees)
+    out = []
+    for seg in program:
+        tree = by_kind[seg.is_moe]
+        if _canonical(seg, schedule):
+            out.append(jax.tree.map(lambda x: to_stages(x, schedule), tree))
+        else:  # uneven or mixed: XLA moves the layers a stage runs but does not store
+            flat = seg.src.reshape(-1)
+            out.append(jax.tree.map(lambda x: jnp.take(x, flat, axis=0).reshape(*seg.src.shape, *x.shape[1:]), tree))
+    return out
+
+
+def _layer_order(program: list[Segment], per_moe_segment: list[jax.Array], num_moe: int) -> jax.Array:
+    """Per-(stage, chunk, slot) MoE sums ``[P, R, S, ...]`` -> ``[L_moe, ...]`` in layer order."""
+    out = None
+    for seg, x in zip([s for s in program if s.is_moe], per_moe_segment):
+        real = x.reshape(-1, *x.shape[3:])[np.flatnonzero(seg.active.reshape(-1))]
+        part = jnp.zeros((num_moe,) + x.shape[3:], x.dtype).at[seg.src[seg.active]].add(real)
+        out = part if out is None else out + part
+    return out
+
+
+def _chunk_forward(stack_graphs, program, states_r, active_r, x, context, remat):
+    """One chunk: its segments in order; the MoE segments' router stats, one dict each."""
+    stats = []
+    for seg, state, on in zip(program, states_r, active_r):
+        stack = nnx.merge(stack_graphs[seg.is_moe], state)
+        x, st = run_stack(stack, x, context, remat, None if seg.active.all() else on)
+        if seg.is_moe:
+            stats.append(st)
+    return x, stats
+
+
+def _moe_terms(program, stats, active_r, keep, top_k, aux_loss_coeff, z_loss_coeff, m):
+    """This chunk's router-loss objective and its per-slot sums, zero where not ``keep`` or a
+    padding slot: MoE segments only, in program order."""
+    objective, sums = 0.0, []
+    moe_active = [on for seg, on in zip(program, active_r) if seg.is_moe]
+    for st, on in zip(stats, moe_active):
+        k_S = keep & on
+        aux_S = jnp.where(k_S, losses.switch_aux_loss_per_layer(st, top_k), 0.0)
+        z_S = jnp.where(k_S, losses.z_loss_per_layer(st), 0.0)
+        objective = objective + (aux_loss_coeff * jnp.sum(aux_S) + z_loss_coeff * jnp.sum(z_S)) / m
+        kf = k_S.astype(jnp.float32)
+        sums.append(dict(aux=aux_S, z=z_S, tokens_per_expert=st["tokens_per_expert"] * kf[:, None],
+                         dropped_tokens=jnp.sum(st["dropped_tokens"] * kf)))
+    return objective, sums
+
+
+def _zero_sums(program, r, num_experts):
+    return [dict(aux=jnp.zeros((r, seg.slots)), z=jnp.zeros((r, seg.slots)),
+                 tokens_per_expert=jnp.zeros((r, seg.slots, num_experts)), dropped_tokens=jnp.zeros(()))
+            for seg in program if seg.is_moe]
+
+
+def _add_sums(acc, sums, chunk):
+    return [dict(aux=a["aux"].at[chunk].add(s["aux"]), z=a["z"].at[chunk].add(s["z"]),
+                 tokens_per_expert=a["tokens_per_expert"].at[chunk].add(s["tokens_per_expert"]),
+                 dropped_tokens=a["dropped_tokens"] + s["dropped_tokens"]) for a, s in zip(acc, sums)]
+
+
+def _aux_out(acc, program, m, num_moe):
+    """The step's ``aux`` from the per-stage accumulators (leading stage axis)."""
+    aux = {"ce_sum": jnp.sum(acc["ce_sum"]), "loss_tokens": jnp.sum(acc["loss_tokens"])}
+    moe = acc.get("moe")
+    if moe:
+        order = lambda key: _layer_order(program, [s[key] for s in moe], num_moe)
+        # Per-layer sums over micro-batches, back in layer order; /M gives the per-micro mean the
+        # non-pipelined step logs, and a leading axis of 1 stands for its micro-batch axis.
+        aux.update(aux_layers=order("aux") / m, z_layers=order("z") / m,
+                   tokens_per_expert=order("tokens_per_expert")[None],
+                   dropped_tokens=sum(jnp.sum(s["dropped_tokens"]) for s in moe))
+    return aux
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    program: list[Segment]
+    stack_kinds: tuple
+    stack_graphs: dict
+    placeholder: Any
+    num_moe: int
+    num_experts: int
+
+
+def _setup(graphdef, params, schedule):
+    stages_axes, p = mesh_axes_of("layers")
+    if p != schedule.stages:
+        raise ValueError(f"'layers' is split over {p} devices but the schedule has {schedule.stages} stages")
+    model = nnx.merge(graphdef, params)
+    kinds = model.stack_kinds
+    program = stage_program(schedule, kinds)
+    graphs = {}
+    for k, (_, _, moe) in enumerate(kinds):
+        graphs.setdefault(moe, nnx.split(model.layers[k])[0])
+    moe_layers = [k for k, (_, _, moe) in enumerate(kinds) if moe]
+    num_experts = model.layers[moe_layers[0]].mlp.num_experts if moe_layers else 0
+    placeholder = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params["layers"])
+    return stages_axes, _Setup(program, kinds, graphs, placeholder,
+                               sum(n for _, n, moe in kinds if moe), num_experts)
+
+
+def _merge(graphdef, setup, rest):
+    """The model around ``rest`` (embedding, final norm, head); its layer stacks are shapes only."""
+    return nnx.merge(graphdef, {**rest, "layers": setup.placeholder})
+
+
+def _split_params(params, setup):
+    stacks = [params["layers"][k] for k in range(len(setup.stack_kinds))]
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return stacks, rest
+
+
+def _shard_map(body, segs, active, rest, batch, scalars, out_names):
+    per_stage = ("layers",)
+    return logical_shard_map(
+        body,
+        in_names=(jax.tree.map(lambda _: per_stage, segs), jax.tree.map(lambda _: per_stage, active),
+                  jax.tree.map(lambda _: (), rest), jax.tree.map(lambda _: (), batch),
+                  jax.tree.map(lambda _: (), scalars)),
+        out_names=out_names,
+        manual=("layers",),
+        # jax 0.10's transpose of a shard_map nested in a vma-checked one (the expert-parallel
+        # dispatch inside a stage) names the outer manual axis in the inner region's shardings,
+        # which Shardy rejects; unchecked, the outer region transposes cleanly.
+        check_vma=False,
+    )(segs, active, rest, batch, scalars)
+
+
 def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
                   n_loss_tokens, scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: str):
     """The scaled training objective of all ``M`` micro-batches of ``batch`` (leaves
-    ``[M, B, T]``) through the pipeline, and the same ``aux`` the non-pipelined step collects.
+    ``[M, B, T]``) through the pipeline, and the same ``aux`` the non-pipelined step collects:
+    the GPipe / circular schedule, whose gradient is autodiff through its tick scan (the
+    forward-only pass of every schedule, e.g. for evaluation).
 
-    ``params`` are the compute-layout weights as a pure dict with one layer stack,
-    ``params["layers"][0]`` (leaves ``[L, ...]``). Must run under the trainer's mesh and rules.
+    ``params`` are the compute-layout weights as a pure dict (``params["layers"][k]`` the layer
+    stacks, leaves ``[L_k, ...]``). Must run under the trainer's mesh and rules.
     """
-    stage_axes, p = mesh_axes_of("layers")
-    if p != schedule.stages:
-        raise ValueError(f"'layers' is split over {p} devices but the schedule has {schedule.stages} stages")
-    r_chunks = schedule.virtual
+    stage_axes, setup = _setup(graphdef, params, schedule)
+    p, r_chunks, program = schedule.stages, schedule.virtual, setup.program
     m = batch["input_ids"].shape[0]
-    layers = jax.tree.map(lambda x: to_stages(x, schedule), params["layers"][0])
-    rest = {k: v for k, v in params.items() if k != "layers"}
+    stacks, rest = _split_params(params, setup)
+    segs = _to_segments(stacks, setup.stack_kinds, program, schedule)
+    active = [jnp.asarray(seg.active) for seg in program]
 
-    def body(layers_1RV, rest, batch, n_loss_tokens):
+    def body(segs_1RS, active_1RS, rest, batch, scalars):
+        n_loss_tokens = scalars
         stage = jax.lax.axis_index(stage_axes)
-        layers_RV = jax.tree.map(lambda x: x[0], layers_1RV)
-        model = nnx.merge(graphdef, {**rest, "layers": {0: jax.tree.map(lambda x: x[0], layers_RV)}})
-        stack_graph = nnx.split(model.layers[0])[0]
-        dtype = jax.tree.leaves(layers_RV)[0].dtype
+        segs_RS = [jax.tree.map(lambda x: x[0], s) for s in segs_1RS]
+        active_RS = [a[0] for a in active_1RS]
+        model = _merge(graphdef, setup, rest)
+        dtype = jax.tree.leaves(segs_RS)[0].dtype
 
         def inject(i):  # micro-batch i enters stage 0, its context with it
             mb = {k: jax.lax.dynamic_index_in_dim(batch[k], i, keepdims=False) for k in ("input_ids",) + TRAVELLING}
@@ -188,57 +444,166 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
             w = t - stage
             valid = (w >= 0) & (w < m * r_chunks)
             chunk = jnp.clip(w // m, 0, r_chunks - 1)
-            chunk_state = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, chunk, keepdims=False), layers_RV)
+            states = [jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, chunk, keepdims=False), s) for s in segs_RS]
+            on = [jax.lax.dynamic_index_in_dim(a, chunk, keepdims=False) for a in active_RS]
             context = model.layer_context(cur["segment_ids"], cur["positions"])
-            x, stats = run_stack(nnx.merge(stack_graph, chunk_state), cur["x"], context, remat)
+            x, stats = _chunk_forward(setup.stack_graphs, program, states, on, cur["x"], context, remat)
             last = valid & (stage == p - 1) & (chunk == r_chunks - 1)
             ce_sum, count = head_loss(x, cur["labels"], cur["loss_mask"] * last.astype(cur["loss_mask"].dtype))
-            objective = ce_sum / n_loss_tokens
-            acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum, loss_tokens=acc["loss_tokens"] + count)
-            if stats:
-                keep = valid.astype(jnp.float32)
-                aux_l = losses.switch_aux_loss_per_layer(stats, top_k) * keep
-                z_l = losses.z_loss_per_layer(stats) * keep
-                objective = objective + (aux_loss_coeff * jnp.sum(aux_l) + z_loss_coeff * jnp.sum(z_l)) / m
-                add = lambda a, v: a.at[chunk].add(v)
-                acc = dict(acc, aux_layers=add(acc["aux_layers"], aux_l), z_layers=add(acc["z_layers"], z_l),
-                           tokens_per_expert=add(acc["tokens_per_expert"], stats["tokens_per_expert"] * keep),
-                           dropped_tokens=acc["dropped_tokens"] + jnp.sum(stats["dropped_tokens"]) * keep)
-            acc = dict(acc, objective=acc["objective"] + objective)
+            aux_objective, sums = _moe_terms(program, stats, on, valid, top_k, aux_loss_coeff, z_loss_coeff, m)
+            acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum, loss_tokens=acc["loss_tokens"] + count,
+                       objective=acc["objective"] + ce_sum / n_loss_tokens + aux_objective)
+            if sums:
+                acc["moe"] = _add_sums(acc["moe"], sums, chunk)
             shift = [(i, (i + 1) % p) for i in range(p if r_chunks > 1 else p - 1)]
             sent = jax.lax.ppermute(dict(cur, x=x), stage_axes, shift)
             return (sent, ring, acc), None
 
-        v = jax.tree.leaves(layers_RV)[0].shape[1]
-        acc = {"objective": 0.0, "ce_sum": 0.0, "loss_tokens": 0.0}
-        if model.layers[0].is_moe:
-            e = model.layers[0].mlp.num_experts
-            acc.update(aux_layers=jnp.zeros((r_chunks, v)), z_layers=jnp.zeros((r_chunks, v)),
-                       tokens_per_expert=jnp.zeros((r_chunks, v, e)), dropped_tokens=0.0)
-        acc = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), acc)
+        acc = {k: jnp.zeros((), jnp.float32) for k in ("objective", "ce_sum", "loss_tokens")}
+        if setup.num_moe:
+            acc["moe"] = _zero_sums(program, r_chunks, setup.num_experts)
         ring = jax.tree.map(lambda x: jnp.zeros((m,) + x.shape, x.dtype), empty) if r_chunks > 1 else None
         (_, _, acc), _ = jax.lax.scan(tick, (empty, ring, acc), jnp.arange(m * r_chunks + p - 1))
         return jax.tree.map(lambda x: x[None], acc)
 
+    acc = _shard_map(body, segs, active, rest, batch, n_loss_tokens, ("layers",))
+    objective = jnp.sum(acc["objective"])
+    return objective * scale, _aux_out(acc, program, m, setup.num_moe)
+
+
+def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
+                            n_loss_tokens, scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float,
+                            remat: str):
+    """``((objective * scale, aux), d(objective * scale)/d params)`` by the 1F1B schedule
+    (interleaved when ``schedule.virtual > 1``): the arguments and the first two results are
+    :func:`pipeline_loss`'s; the gradients are float32, shaped like ``params``.
+
+    One ``lax.scan`` over ticks. At tick ``t`` stage ``s`` runs the forward of item
+    ``w = t - s`` and the backward of item ``u = t - (R*P - 1) - (P - 1 - s)``: an item is one
+    chunk of one micro-batch, taken in Megatron's order (groups of ``P`` micro-batches, chunk
+    by chunk forward and in reverse backward). The forward keeps only the chunk's input, in a
+    ``2*R*P - 1``-slot buffer; the backward recomputes the chunk from it under ``jax.vjp``
+    (with the layers' own ``remat`` policy inside), takes the cotangent its successor sent the
+    tick before (or, on the last chunk of the last stage, the head's), accumulates the weight
+    gradients in float32 and sends the input cotangent back with one ``ppermute``.
+    """
+    stage_axes, setup = _setup(graphdef, params, schedule)
+    p, r_chunks, program = schedule.stages, schedule.virtual, setup.program
+    m = batch["input_ids"].shape[0]
+    stacks, rest = _split_params(params, setup)
+    segs = _to_segments(stacks, setup.stack_kinds, program, schedule)
+    active = [jnp.asarray(seg.active) for seg in program]
+    delay = r_chunks * p - 1          # ticks between an item's forward and backward on the last stage
+    slots = 2 * r_chunks * p - 1      # inputs in flight on stage 0 (fewer further down)
+    num_ticks = m * r_chunks + delay + p - 1
+
+    def body(segs_1RS, active_1RS, rest, batch, scalars):
+        n_loss_tokens, scale = scalars
+        stage = jax.lax.axis_index(stage_axes)
+        segs_RS = [jax.tree.map(lambda x: x[0], s) for s in segs_1RS]
+        active_RS = [a[0] for a in active_1RS]
+        model = _merge(graphdef, setup, rest)
+        dtype = jax.tree.leaves(segs_RS)[0].dtype
+        micro = lambda i: {k: jax.lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in batch.items()}
+        at = lambda tree, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+        def item(i, backward):
+            """(chunk, micro-batch, forward index) of forward/backward item ``i``."""
+            i = jnp.clip(i, 0, m * r_chunks - 1)
+            group, within = i // (p * r_chunks), i % (p * r_chunks)
+            chunk = within // p
+            if backward:
+                chunk = r_chunks - 1 - chunk
+            mb = group * p + within % p
+            return chunk, mb, group * p * r_chunks + chunk * p + within % p
+
+        def chunk_objective(states, rest, x_saved, mb, on, first, last):
+            model = _merge(graphdef, setup, rest)
+            x_in = jnp.where(first, model.embed_tokens(mb["input_ids"]).astype(dtype), x_saved)
+            context = model.layer_context(mb["segment_ids"], mb["positions"])
+            x_out, stats = _chunk_forward(setup.stack_graphs, program, states, on, x_in, context, remat)
+            ce_sum, count = model.loss_sums(model.final_norm(x_out), mb["labels"],
+                                            mb["loss_mask"] * last.astype(mb["loss_mask"].dtype))
+            aux_objective, sums = _moe_terms(program, stats, on, jnp.bool_(True), top_k,
+                                             aux_loss_coeff, z_loss_coeff, m)
+            return (x_out, ce_sum / n_loss_tokens + aux_objective), (ce_sum, count, sums)
+
+        def tick(carry, t):
+            received, cotangent, inputs, grads, acc = carry
+            # forward of item w: keep its input for the backward, pass its output on
+            w = t - stage
+            chunk, mb_index, _ = item(w, backward=False)
+            mb = micro(mb_index)
+            first = (stage == 0) & (chunk == 0)
+            x_in = jnp.where(first, model.embed_tokens(mb["input_ids"]).astype(dtype), received)
+            context = model.layer_context(mb["segment_ids"], mb["positions"])
+            on = [at(a, chunk) for a in active_RS]
+            x_out, _ = _chunk_forward(setup.stack_graphs, program, [at(s, chunk) for s in segs_RS], on,
+                                      x_in, context, remat)
+            inputs = jax.lax.dynamic_update_index_in_dim(inputs, x_in, jnp.clip(w, 0, None) % slots, 0)
+            # backward of item u, recomputed from its saved input
+            u = t - delay - (p - 1 - stage)
+            valid = (u >= 0) & (u < m * r_chunks)
+            chunk, mb_index, w_u = item(u, backward=True)
+            mb = micro(mb_index)
+            first, last = (stage == 0) & (chunk == 0), (stage == p - 1) & (chunk == r_chunks - 1)
+            on = [at(a, chunk) for a in active_RS]
+            x_saved = jax.lax.dynamic_index_in_dim(inputs, w_u % slots, keepdims=False)
+            f = functools.partial(chunk_objective, mb=mb, on=on, first=first, last=last)
+            _, pullback, (ce_sum, count, sums) = jax.vjp(f, [at(s, chunk) for s in segs_RS], rest, x_saved,
+                                                        has_aux=True)
+            # Zero cotangents on idle ticks make every gradient of the tick exactly zero.
+            ct_x = jnp.where(last | ~valid, jnp.zeros_like(cotangent), cotangent)
+            g_states, g_rest, g_x = pullback((ct_x, scale * valid.astype(jnp.float32)))
+            grads = ([jax.tree.map(lambda a, g: a.at[chunk].add(g.astype(jnp.float32)), acc_s, g_s)
+                      for acc_s, g_s in zip(grads[0], g_states)],
+                     jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads[1], g_rest))
+            keep = valid.astype(jnp.float32)
+            acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum * keep, loss_tokens=acc["loss_tokens"] + count * keep)
+            if sums:
+                sums = jax.tree.map(lambda x: x * keep, sums)
+                acc["moe"] = _add_sums(acc["moe"], sums, chunk)
+            ring = r_chunks > 1
+            forward = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
+            backward = [((i + 1) % p, i) for i in range(p if ring else p - 1)]
+            received = jax.lax.ppermute(x_out, stage_axes, forward)
+            cotangent = jax.lax.ppermute(g_x, stage_axes, backward)
+            return (received, cotangent, inputs, grads, acc), None
+
+        shape = jax.eval_shape(lambda: model.embed_tokens(batch["input_ids"][0]).astype(dtype))
+        zeros_x = jnp.zeros(shape.shape, shape.dtype)
+        f32_zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+        acc = {k: jnp.zeros((), jnp.float32) for k in ("ce_sum", "loss_tokens")}
+        if setup.num_moe:
+            acc["moe"] = _zero_sums(program, r_chunks, setup.num_experts)
+        carry = (zeros_x, zeros_x, jnp.zeros((slots,) + shape.shape, shape.dtype),
+                 (f32_zeros(segs_RS), f32_zeros(rest)), acc)
+        (_, _, _, (g_segs, g_rest), acc), _ = jax.lax.scan(tick, carry, jnp.arange(num_ticks))
+        return jax.tree.map(lambda x: x[None], (g_segs, g_rest, acc))
+
     per_stage = ("layers",)
-    run = logical_shard_map(
-        body,
-        in_names=(jax.tree.map(lambda _: per_stage, layers), jax.tree.map(lambda _: (), rest),
-                  jax.tree.map(lambda _: (), batch), ()),
-        out_names=per_stage,
-        manual=("layers",),
-        # jax 0.10's transpose of a shard_map nested in a vma-checked one (the expert-parallel
-        # dispatch inside a stage) names the outer manual axis in the inner region's shardings,
-        # which Shardy rejects; unchecked, the outer region transposes cleanly.
-        check_vma=False,
-    )
-    acc = run(layers, rest, batch, n_loss_tokens)
-    objective = jnp.sum(acc.pop("objective"))
-    aux = {"ce_sum": jnp.sum(acc["ce_sum"]), "loss_tokens": jnp.sum(acc["loss_tokens"])}
-    if "aux_layers" in acc:
-        # Per-layer sums over micro-batches, back in layer order; /M gives the per-micro mean the
-        # non-pipelined step logs, and a leading axis of 1 stands for its micro-batch axis.
-        aux.update(aux_layers=from_stages(acc["aux_layers"]) / m, z_layers=from_stages(acc["z_layers"]) / m,
-                   tokens_per_expert=from_stages(acc["tokens_per_expert"])[None],
-                   dropped_tokens=jnp.sum(acc["dropped_tokens"]))
-    return objective * scale, aux
+    g_segs, g_rest, acc = _shard_map(body, segs, active, rest, batch, (n_loss_tokens, scale), per_stage)
+    aux = _aux_out(acc, program, m, setup.num_moe)
+    # The objective is the sum of the terms the backward differentiated (ce / n + router losses).
+    objective = aux["ce_sum"] / n_loss_tokens
+    if "aux_layers" in aux:
+        objective = objective + aux_loss_coeff * jnp.sum(aux["aux_layers"]) + z_loss_coeff * jnp.sum(aux["z_layers"])
+    f32 = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)
+    transpose = jax.linear_transpose(lambda st: _to_segments(st, setup.stack_kinds, program, schedule), f32(stacks))
+    (g_stacks,) = transpose(g_segs)
+    grads = jax.tree.map(lambda x: jnp.sum(x, axis=0), g_rest)  # embedding on stage 0, head on P-1
+    grads["layers"] = type(params["layers"])({k: g for k, g in enumerate(g_stacks)}) if isinstance(
+        params["layers"], dict) else type(params["layers"])(g_stacks)
+    return (objective * scale, aux), grads
+
+
+def storage_axes(logical: dict[str, Any], stack_kinds, stages: int) -> dict[str, Any]:
+    """The logical axes to store the weights with: a layer stack whose length the stages do not
+    divide (a short run of a mixed dense/MoE model, or an uneven split's odd total) keeps its
+    ``"layers"`` axis unsplit, i.e. every stage stores it whole and computes the layers it runs."""
+    layers = dict(logical["layers"])
+    for k, (_, n, _) in enumerate(stack_kinds):
+        if n % stages:
+            layers[k] = jax.tree.map(lambda names: tuple(None if a == "layers" else a for a in names), layers[k],
+                                     is_leaf=lambda x: isinstance(x, tuple))
+    return {**logical, "layers": layers}

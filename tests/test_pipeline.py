@@ -42,12 +42,12 @@ def _batch(seed=0):
     return dict(input_ids=ids, labels=np.roll(ids, -1, 1), loss_mask=mask, segment_ids=seg, positions=pos)
 
 
-def _one_step(parallel, devices, layers_per_virtual_stage=None):
+def _one_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f1b", cfg=CFG, **step):
     mesh = make_mesh(parallel, devices=devices)
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=1e-3, train_iters=10), weight_decay=0.1, clip_grad=1.0)
     step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
-                          layers_per_virtual_stage=layers_per_virtual_stage)
-    trainer = Trainer(CFG, step_cfg, opt, parallel, mesh)
+                          layers_per_virtual_stage=layers_per_virtual_stage, pipeline_schedule=schedule, **step)
+    trainer = Trainer(cfg, step_cfg, opt, parallel, mesh)
     state = trainer.init_state(seed=0)
     batch = trainer.shard_batch({k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in _batch().items()})
     compiled = trainer.lower_train_step(state, batch).compile(FAST_COMPILE)
