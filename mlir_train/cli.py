@@ -340,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per expert = factor * tokens * topk / experts (default: no dropping)")
     e.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
     e.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    e.add_argument("--moe-layer-freq", default=None, metavar="N|LIST",
+                   help="which decoder layers are MoE: every N-th from layer 0, or a 0/1 list expression "
+                        "such as ([0]*3+[1]*45) (default: from --model-name / the checkpoint)")
 
     # ---- model-parallel (MODEL_PARALLEL_ARGS) --------------------------------------------
     mp = g["model-parallel"]
@@ -396,6 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fake CPU device count set in XLA_FLAGS before jax starts")
     x.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
     x.add_argument("--print-sharding", action="store_true", help="print every parameter's sharding")
+    x.add_argument("--pipeline-schedule", default=None, choices=["1f1b", "gpipe", "circular"],
+                   help="with --pipeline-model-parallel-size > 1: 1f1b (default, as Megatron; interleaved with "
+                        "--num-layers-per-virtual-pipeline-stage; activations of at most ~2 x stages micro-batches), "
+                        "gpipe, or circular (needs --num-layers-per-virtual-pipeline-stage; both keep every "
+                        "micro-batch's activations)")
     x.add_argument("--peak-tflops", type=float, default=None,
                    help="per-device peak TFLOP/s for MFU (default: from the device kind)")
 

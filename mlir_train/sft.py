@@ -80,7 +80,15 @@ def build_model_config(args, vocab_size: int | None):
         max_position_embeddings=args.max_position_embeddings, init_std=args.init_method_std,
         head_dim=args.kv_channels, vocab_size=vocab_size,
     )
-    return get_model_config(args.model_name, **overrides)
+    cfg = get_model_config(args.model_name, **overrides)
+    if args.moe_layer_freq is not None:
+        from mlir_train.config import layer_pattern_overrides, moe_layer_pattern
+
+        try:
+            cfg = cfg.replace(**layer_pattern_overrides(moe_layer_pattern(args.moe_layer_freq, cfg.num_layers)))
+        except ValueError as e:
+            raise _fail(str(e)) from None
+    return cfg
 
 
 def padded_vocab_size(tokenizer_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -180,8 +188,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         distributed_optimizer=args.use_distributed_optimizer or strategy in ("optim", "optim_grads"),
     )
     gbs = args.global_batch_size or args.micro_batch_size * parallel.data_parallel
+    if args.moe_layer_freq is not None:
+        from mlir_train.config import moe_layer_pattern
+
+        try:
+            pattern = moe_layer_pattern(args.moe_layer_freq, model_cfg.num_layers)
+        except ValueError as e:
+            raise _fail(str(e)) from None
+        if model_cfg.is_moe and pattern != model_cfg.layer_kinds():
+            raise _fail(f"--moe-layer-freq {args.moe_layer_freq} differs from the loaded model's MoE layers "
+                        f"{[int(k) for k in model_cfg.layer_kinds()]}")
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    if uneven and parallel.pipeline == 1:
+        raise _fail("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+    dims = {k: v for k, v in model_dims(model_cfg).items() if not (uneven and k == "num_layers")}
+    if args.pipeline_schedule and parallel.pipeline == 1:
+        print(f"mlir-train: --pipeline-schedule {args.pipeline_schedule} has no effect without "
+              "--pipeline-model-parallel-size > 1")
     try:
-        parallel = validate(parallel, model_dims(model_cfg), global_batch_size=gbs,
+        parallel = validate(parallel, dims, global_batch_size=gbs,
                             micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
     except ParallelConfigError as e:
         raise _fail(str(e)) from None
@@ -190,11 +215,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from mlir_train.pipeline import make_schedule
 
         try:
-            make_schedule(model_cfg.num_layers, parallel.pipeline,
+            make_schedule(model_cfg.num_layers, parallel.pipeline, kind=args.pipeline_schedule or "1f1b",
                           layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
                           first_stage_layers=args.decoder_first_pipeline_num_layers,
-                          last_stage_layers=args.decoder_last_pipeline_num_layers,
-                          num_stacks=len({k for k in model_cfg.layer_kinds()}), num_micro_batches=num_micro)
+                          last_stage_layers=args.decoder_last_pipeline_num_layers, num_micro_batches=num_micro)
         except ParallelConfigError as e:
             raise _fail(str(e)) from None
     compute_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
@@ -236,7 +260,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_cfg,
         StepConfig(num_micro_batches=num_micro, compute_dtype=compute_dtype,
                    aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0,
-                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage),
+                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+                   pipeline_schedule=args.pipeline_schedule or "1f1b",
+                   first_stage_layers=args.decoder_first_pipeline_num_layers,
+                   last_stage_layers=args.decoder_last_pipeline_num_layers),
         optimizer_from_args(args, schedule), parallel, mesh,
         loss_scaler=loss_scaler_from_args(args), model_kwargs=model_kwargs,
     )
