@@ -103,9 +103,11 @@ def test_pipelined_step_equals_one_device(name, schedule, reference):
         assert "all-to-all" in hlo  # the expert-parallel dispatch survived inside the stages
 
 
-# Megatron's --moe-layer-freq 2 (MoE at layers 0 and 2) over two uneven stages: stage 0 runs
-# [MoE], stage 1 [dense, MoE, dense], so the stage program is MoE, dense, MoE with padding slots.
-MIXED = CFG.replace(decoder_sparse_step=1, mlp_only_layers=(1, 3))
+# A dense first layer (DeepSeek-style; Megatron's --moe-layer-freq ([0]+[1]*3)) over two uneven
+# stages: stage 0 runs [dense], stage 1 [MoE x 3], so the stage program is a dense segment of 1
+# slot and a MoE segment of 3, each padded on the stage that has none of it, and both stacks
+# (1 and 3 layers) are stored whole on every stage.
+MIXED = CFG.replace(mlp_only_layers=(0,))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
