@@ -517,9 +517,9 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
             mb = group * p + within % p
             return chunk, mb, group * p * r_chunks + chunk * p + within % p
 
-        def chunk_objective(states, rest, x_saved, mb, on, first, last):
+        def chunk_objective(states, rest, x_saved, x_embedded, mb, on, first, last):
             model = _merge(graphdef, setup, rest)
-            x_in = jnp.where(first, model.embed_tokens(mb["input_ids"]).astype(dtype), x_saved)
+            x_in = jnp.where(first, x_embedded, x_saved)
             context = model.layer_context(mb["segment_ids"], mb["positions"])
             x_out, stats = _chunk_forward(setup.stack_graphs, program, states, on, x_in, context, remat)
             ce_sum, count = model.loss_sums(model.final_norm(x_out), mb["labels"],
@@ -549,15 +549,20 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
             first, last = (stage == 0) & (chunk == 0), (stage == p - 1) & (chunk == r_chunks - 1)
             on = [at(a, chunk) for a in active_RS]
             x_saved = jax.lax.dynamic_index_in_dim(inputs, w_u % slots, keepdims=False)
+            x_embedded = model.embed_tokens(mb["input_ids"]).astype(dtype)
             f = functools.partial(chunk_objective, mb=mb, on=on, first=first, last=last)
             _, pullback, (ce_sum, count, sums) = jax.vjp(f, [at(s, chunk) for s in segs_RS], rest, x_saved,
-                                                        has_aux=True)
+                                                        x_embedded, has_aux=True)
             # Zero cotangents on idle ticks make every gradient of the tick exactly zero.
             ct_x = jnp.where(last | ~valid, jnp.zeros_like(cotangent), cotangent)
-            g_states, g_rest, g_x = pullback((ct_x, scale * valid.astype(jnp.float32)))
+            g_states, g_rest, g_x, g_embedded = pullback((ct_x, scale * valid.astype(jnp.float32)))
             grads = ([jax.tree.map(lambda a, g: a.at[chunk].add(g.astype(jnp.float32)), acc_s, g_s)
                       for acc_s, g_s in zip(grads[0], g_states)],
                      jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads[1], g_rest))
+            # The lookup's gradient goes straight into the accumulator's rows (a scatter-add of
+            # B*T rows), not through a zero [V, D] buffer per tick as the lookup's transpose would.
+            g_embed = grads[1]["embed"].at[mb["input_ids"]].add(g_embedded.astype(jnp.float32))
+            grads = (grads[0], dict(grads[1], embed=g_embed))
             keep = valid.astype(jnp.float32)
             acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum * keep, loss_tokens=acc["loss_tokens"] + count * keep)
             if sums:
