@@ -84,6 +84,20 @@ class Schedule:
     # layers per stage when they differ (--decoder-first/last-pipeline-num-layers), else None
     stage_layers: tuple[int, ...] | None = None
 
+    def saved_inputs(self) -> int | None:
+        """Chunk inputs a stage keeps for its backward under 1F1B (None: GPipe / circular keep
+        every micro-batch's activations)."""
+        return 2 * self.virtual * self.stages - 1 if self.kind == "1f1b" else None
+
+    def step_factor(self, num_micro: int, recompute: str = "none") -> float:
+        """Step time over the no-bubble ideal of the same work: the idle ticks and, for 1F1B,
+        the chunk forward its backward recomputes (one more forward: 4/3 of forward+backward,
+        or 5/4 of a fully recomputed step's 4 passes)."""
+        m, p, r = num_micro, self.stages, self.virtual
+        if self.kind != "1f1b":
+            return (m * r + p - 1) / (m * r)
+        return (m * r + r * p + p - 2) / (m * r) * (5 / 4 if recompute == "full" else 4 / 3)
+
     def chunk_layers(self, num_layers: int) -> list[list[list[int]]]:
         """``[stage][chunk]`` -> the decoder layers it runs, in order: Megatron's assignment
         (layer ``(r * P + s) * V + j`` is chunk ``r``, layer ``j`` of stage ``s``)."""

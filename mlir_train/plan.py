@@ -56,8 +56,12 @@ attention matrices) and the float32 logits twice (logits and their gradient) com
 
 Pipeline parallelism: layouts with ``PP > 1`` are planned only where ``mlir_train.sft`` runs
 them (otherwise they are reported as not implemented); a device then holds ``L / PP`` layers
-and, as GPipe keeps every micro-batch's activations until its backward, ``M`` times their
-saved activations.
+(the largest stage's under ``--decoder-first/last-pipeline-num-layers``). Under 1F1B (the
+default ``--pipeline-schedule``) it keeps ``2 R PP - 1`` chunk inputs and one chunk's
+activations while that chunk's backward recomputes it, whatever the micro-batch count; under
+GPipe / circular ``M`` (x R) times a stage's (chunk's) saved activations. The step-time
+estimate counts the schedule's idle ticks and 1F1B's recomputed chunk forward
+(``Schedule.step_factor``).
 """
 
 from __future__ import annotations
@@ -164,10 +168,13 @@ def _device_bytes(tree: Any) -> int:
     return total
 
 
-def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_bytes: int, num_micro: int = 1) -> int:
+def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_bytes: int, num_micro: int = 1,
+                     schedule=None) -> int:
     """Per-device activation memory of the forward/backward (see the module doc): one
     micro-batch's, or under pipeline parallelism a stage's layers for every micro-batch in
-    flight (the GPipe schedule keeps all of them until their backward)."""
+    flight (GPipe / circular keep all of them until their backward), or under 1F1B
+    (``schedule``, a :class:`mlir_train.pipeline.Schedule`) its ``2 R P - 1`` saved chunk
+    inputs plus one chunk's activations while its backward recomputes it."""
     from sharding.mesh import kv_heads_replicated
 
     a, b, t, d, tp = dtype_bytes, micro_batch, seq, cfg.hidden_size, layout.tensor
@@ -196,7 +203,9 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     moe = router + experts
     dense = a * rows * (d + 3 * cfg.intermediate_size // tp)
     per_layer = [residual + attn + (moe if is_moe else dense) for is_moe in kinds]
-    per_layer = per_layer[:max(1, len(per_layer) // layout.pipeline)]  # this stage's layers
+    chunks = schedule.virtual if schedule is not None else 1
+    n = max(schedule.stage_layers) if schedule is not None and schedule.stage_layers else len(per_layer) // (layout.pipeline * chunks)
+    per_layer = per_layer[:max(1, n)]  # the (largest) stage's, or one chunk's, layers
     if layout.recompute == "none":
         saved = sum(per_layer)
     elif layout.recompute == "selective":
@@ -207,7 +216,9 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
         saved = len(per_layer) * a * rows * d // sp
     working = (1 if layout.recompute == "none" else 2) * max(per_layer) + attn_matrices
     logits = 2 * 4 * rows * (cfg.vocab_size // tp)
-    in_flight = num_micro if layout.pipeline > 1 else 1
+    if layout.pipeline > 1 and schedule is not None and schedule.saved_inputs() is not None:
+        return int(schedule.saved_inputs() * a * rows * d // sp + saved + working + logits)
+    in_flight = num_micro * chunks if layout.pipeline > 1 else 1
     return int(in_flight * saved + working + logits)
 
 
@@ -239,7 +250,11 @@ def _trainer(args, layout: Layout, num_devices: int):
     trainer = Trainer(
         model_cfg,
         StepConfig(num_micro_batches=num_micro, compute_dtype=compute_dtype,
-                   aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0),
+                   aux_loss_coeff=args.moe_aux_loss_coeff or 0.0, z_loss_coeff=args.moe_z_loss_coeff or 0.0,
+                   pipeline_schedule=args.pipeline_schedule or "1f1b",
+                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage if layout.pipeline > 1 else None,
+                   first_stage_layers=args.decoder_first_pipeline_num_layers if layout.pipeline > 1 else None,
+                   last_stage_layers=args.decoder_last_pipeline_num_layers if layout.pipeline > 1 else None),
         optimizer_from_args(sched_args, schedule_from_args(sched_args)), parallel, make_mesh(parallel),
         loss_scaler=loss_scaler_from_args(args), model_kwargs=model_kwargs,
     )
@@ -282,11 +297,12 @@ def plan_layout(args, layout: Layout, num_devices: int, *, memory_gb: float, pea
     plan.batch_bytes = _device_bytes(batch)
     plan.activation_bytes = activation_bytes(model_cfg, layout, micro_batch=args.micro_batch_size,
                                              seq=args.seq_length, dtype_bytes=jnp.dtype(dtype).itemsize,
-                                             num_micro=num_micro)
+                                             num_micro=num_micro, schedule=trainer.schedule)
     plan.flops_per_step = flops_lib.num_floating_point_operations(model_cfg, args.seq_length, gbs)
     if peak_tflops:
         hardware = plan.flops_per_step * (4 / 3 if layout.recompute == "full" else 1.0)
-        hardware *= (num_micro + layout.pipeline - 1) / num_micro  # the pipeline bubble
+        if trainer.schedule is not None:  # the pipeline bubble (and 1F1B's recomputed chunk forward)
+            hardware *= trainer.schedule.step_factor(num_micro, layout.recompute)
         plan.step_time_s = hardware / (num_devices * peak_tflops * 1e12 * assumed_mfu)
         plan.tokens_per_s = gbs * args.seq_length / plan.step_time_s
     if compile_step:
