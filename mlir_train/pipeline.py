@@ -1,59 +1,92 @@
-"""Pipeline parallelism inside the one compiled train step: GPipe and circular schedules.
+"""Pipeline parallelism inside the one compiled train step: 1F1B (plain and interleaved),
+GPipe and circular schedules, over even, uneven and mixed dense/MoE stages.
 
 Shape suffixes: M micro-batches, B rows per micro-batch, T sequence, D hidden, P pipeline
-stages, R virtual stages (layer chunks) per stage, V layers per chunk (L = P * R * V), E experts.
+stages, R virtual stages (layer chunks) per stage, V layers per chunk (L = P * R * V), S slots
+of a stage-program segment, E experts.
 
 Layout
 ------
-Every decoder-layer parameter is stacked ``[L, ...]`` with the logical axis ``"layers"``, which
-the pipeline rule table maps to the ``"stage"`` mesh axis, so the stored (and checkpointed)
-weights are just ``[L, ...]`` split contiguously over the stages. Inside the step
-:func:`to_stages` views them as ``[P, R, V, ...]``: layer ``l = (r * P + s) * V + j`` is chunk
-``r``, layer ``j`` of stage ``s`` (Megatron's interleaved assignment). For GPipe (R = 1) that is
-a pure reshape of the stored split, no data moves. For R > 1 the stored contiguous split is not
-the interleaved one, so XLA moves the layer weights between stages once per step (an
-all-to-all of (P-1)/P of each stage's layer weights, in the compute dtype; the gradients go back
-the same way). Only ``"stage"`` is manual (``shard_map`` via :func:`sharding.logical_shard_map`
-with ``manual=("layers",)``); data, expert and tensor stay under XLA's automatic partitioning,
-so TP, SP, DP and ZeRO-1 compose unchanged, and the expert-parallel ``shard_map`` of the MoE
-block nests inside (manual over data and expert).
+Every decoder-layer parameter is stacked ``[L_k, ...]`` per layer stack (one stack for the
+released Qwen3 models; consecutive dense/MoE runs otherwise) with the logical axis
+``"layers"``, which the pipeline rule table maps to the ``"stage"`` mesh axis, so the stored
+(and checkpointed) weights are the real layers split contiguously over the stages (a stack
+whose length P does not divide is stored whole on every stage, :func:`storage_axes`). Inside
+the step every chunk runs the same *stage program* (:func:`stage_program`): a list of
+segments, each a run of same-kind layers ``[P, R, S, ...]``, with padding slots that are
+identity layers (``run_stack(active=...)``: they add nothing to the activations, their router
+statistics are masked and their weights get exactly zero gradient). Layer
+``l = (r * P + s) * V + j`` is chunk ``r``, layer ``j`` of stage ``s`` (Megatron's interleaved
+assignment); ``--decoder-first/last-pipeline-num-layers`` give the first/last stage their own
+count and the middle stages share the rest, as Megatron does. For an even split of one stack
+with R = 1 the segment is a pure reshape of the stored split, no data moves. For R > 1, uneven
+splits or mixed stacks XLA moves the layer weights a stage runs but does not store, once per
+step (the gradients go back the same way). Only ``"stage"`` is manual (``shard_map`` via
+:func:`sharding.logical_shard_map` with ``manual=("layers",)``); data, expert and tensor stay
+under XLA's automatic partitioning, so TP, SP, DP and ZeRO-1 compose unchanged, and the
+expert-parallel ``shard_map`` of the MoE block nests inside (manual over data and expert).
 
-Schedule
---------
-One ``lax.scan`` over ticks. At tick ``t`` stage ``s`` works on item ``w = t - s`` (valid when
-``0 <= w < M * R``), item ``w = r * M + m`` being micro-batch ``m`` in chunk ``r``. A stage's
-output moves to the next stage with one ``ppermute`` per tick (stage P-1 -> 0 closes the ring
-for the circular schedule). Stage 0 takes new micro-batches for ``t < M`` and, for R > 1,
-micro-batches coming round the ring after that, parked in an M-slot buffer until their turn
-(needs ``M >= P``). What travels between stages is the micro-batch itself: its hidden states
-and its segment ids, positions, labels and loss mask, so every stage builds the attention mask
-and RoPE tables of the micro-batch it is working on. Autodiff through the scan gives the
-backward (the reverse pipeline, with the transposed permutes).
+Schedules
+---------
+All are one ``lax.scan`` over ticks inside that ``shard_map``; an *item* is one chunk of one
+micro-batch, and an activation moves to the next stage with one ``ppermute`` per tick (stage
+P-1 -> 0 closes the ring when R > 1). Every stage builds the attention mask and RoPE tables of
+the micro-batch it works on from that micro-batch's ids and positions.
+
+* **1F1B** (``--pipeline-schedule 1f1b``, the default; interleaved with
+  ``--num-layers-per-virtual-pipeline-stage``), :func:`pipeline_value_and_grad`: at tick ``t``
+  stage ``s`` runs the forward of item ``t - s`` and the backward of item
+  ``t - (R*P - 1) - (P - 1 - s)``, items taken in Megatron's order (groups of P micro-batches,
+  chunk by chunk forward and in reverse backward, so a micro-batch coming round the ring is
+  needed the very next tick: no ring buffer). The forward keeps only the item's input in a
+  ``2*R*P - 1``-slot buffer; the backward recomputes the chunk from it under ``jax.vjp`` (with
+  the layers' own ``--recompute-granularity`` policy inside), starts from the cotangent the
+  next stage sent the tick before (the head's, on the last chunk of the last stage), adds the
+  weight gradients to float32 accumulators in the scan carry and sends the input cotangent
+  back with a second ``ppermute``. The step takes these gradients directly
+  (``Trainer._pipeline_value_and_grad``), not autodiff through the scan.
+* **GPipe** (R = 1) and **circular** (R > 1, ``--pipeline-schedule gpipe|circular``),
+  :func:`pipeline_loss`: stage ``s`` runs item ``w = t - s``, ``w = r * M + m`` (all
+  micro-batches through chunk 0, then chunk 1, ...); for R > 1 stage 0 parks what comes round
+  the ring in an M-slot buffer until its turn (needs ``M >= P``). Autodiff through the scan
+  gives the backward (the reverse pipeline, with the transposed permutes), keeping every
+  tick's residuals. Evaluation runs this forward for every schedule.
 
 The embedding is looked up on every stage each tick and used on stage 0 (a gather of ``B*T``
-rows: no matmul); final norm, LM head and cross-entropy run under ``jax.checkpoint`` each tick
-and count only on the last stage for the final chunk (their loss mask is zeroed elsewhere).
-All stages execute them in lockstep (SPMD), which costs no wall time over doing it on the last
-stage alone (that stage is on every tick's critical path), only idle-rank FLOPs: the head
-adds ``2*B*T*D*V`` per tick to the ``P``-th of the layers' work, the imbalance Megatron has
-too (hence its ``--decoder-last-pipeline-num-layers``). Router statistics are accumulated per
-(chunk, layer) over valid items and come back in layer order, so aux and z losses are the
-sums over all stages, as without the pipeline.
+rows: no matmul; under 1F1B its gradient is scattered straight into its accumulator); final
+norm, LM head and cross-entropy run each tick on every stage and count only on the last stage
+for the final chunk (their loss mask is zeroed elsewhere). All stages execute them in
+lockstep (SPMD), which costs no wall time over doing it on the last stage alone (that stage is
+on every tick's critical path), only idle-rank FLOPs: the head adds ``2*B*T*D*V`` per tick to
+the ``P``-th of the layers' work, the imbalance Megatron has too (hence its
+``--decoder-last-pipeline-num-layers``). Router statistics are accumulated per (chunk, slot)
+over valid items and come back in layer order, so aux and z losses are the sums over all
+stages, as without the pipeline.
 
-Cost per schedule (ticks of one chunk's work; a GPipe tick is one stage = R chunks):
+Cost per schedule, in ticks of one chunk's work (F forward, B = 2F backward):
 
-=============  ===========================  ==========================  ==========================
-schedule       step time                    bubble fraction             activations per device
-=============  ===========================  ==========================  ==========================
-GPipe (R=1)    (M + P - 1) stage-ticks      (P - 1) / (M + P - 1)       M micro-batches x L/P layers
-circular (R)   (M*R + P - 1) chunk-ticks    (P - 1) / (M*R + P - 1)     M x L/P layers, plus an
-                                                                        M-slot ring buffer [B,T,D]
-=============  ===========================  ==========================  ==========================
+==================  ======================  ==============================  ===============================
+schedule            ticks (work per tick)   idle fraction of the ticks      activations per device
+==================  ======================  ==============================  ===============================
+GPipe (R = 1)       M + P - 1 fwd, as many  (P - 1) / (M + P - 1)           M micro-batches x L/P layers
+                    bwd (F, then B)                                         (their saved residuals)
+circular (R)        M*R + P - 1 each way    (P - 1) / (M*R + P - 1)         the same, plus an M-slot ring
+                                                                            buffer [B, T, D]
+1F1B (R = 1)        M + 2P - 2 (2F + B)     (2P - 2) / (M + 2P - 2)         2P - 1 stage inputs [B, T, D]
+                                                                            + one micro-batch's stage
+interleaved 1F1B    M*R + R*P + P - 2       (R*P + P - 2) /                 2RP - 1 chunk inputs + one
+(R, M % P = 0)      (2F + B of a chunk)     (M*R + R*P + P - 2)             micro-batch's chunk
+==================  ======================  ==============================  ===============================
 
-Both keep the residuals of every tick for the backward, i.e. all M micro-batches in flight
-(GPipe's memory profile; ``--recompute-granularity full`` cuts each layer's share to its
-input). A 1F1B schedule, which bounds this by P in-flight micro-batches, is not implemented.
-Bubble ticks compute on zeros and are masked out; ``benchmarks/pipeline.py`` measures both.
+The 1F1B tick is lockstep: the forward and backward waves each advance one stage per tick, so
+a micro-batch's round trip takes about 2P ticks (Megatron's asynchronous ranks: P), hence the
+larger idle fraction and the ~2P saved inputs where Megatron holds P micro-batches' full
+activations. Its backward recomputes the chunk's forward from the saved input: one more
+forward per item (a step does 4 passes of work for Megatron's 3 without recompute, 5 for its 4
+with ``--recompute-granularity full``) bought for activation memory that no longer grows with
+M. Measured by the compiled program (``tests/test_pipeline.py``; ``python -m mlir_train.plan``
+on the seed's TP2 PP2 EP2 layout, XLA:CPU temp): flat in M for 1F1B, linear in M for GPipe.
+Bubble ticks compute on zeros and are masked out; ``benchmarks/pipeline.py`` measures them.
 """
 
 from __future__ import annotations
