@@ -269,3 +269,14 @@ def test_cli_uneven_mixed_pipeline_matches_pp1(tmp_path):
     for a, b in zip(runs[1], runs[2]):
         for key in ("lm loss", "grad-norm"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-4, err_msg=key)
+
+
+def test_moe_layer_freq_as_megatron_reads_it():
+    from mlir_train.config import layer_pattern_overrides, moe_layer_pattern
+
+    assert moe_layer_pattern("2", 4) == (True, False, True, False)  # MoE where layer % N == 0
+    assert moe_layer_pattern("([0]*1+[1]*3)", 4) == (False, True, True, True)
+    assert CFG.replace(**layer_pattern_overrides(moe_layer_pattern("[0,1,1,1]", 4))).layer_kinds() == (False, True, True, True)
+    for bad in ("[1,0]", "__import__('os')", "0"):
+        with pytest.raises(ValueError, match="--moe-layer-freq"):
+            moe_layer_pattern(bad, 4)
