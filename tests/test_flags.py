@@ -177,17 +177,18 @@ def test_pipeline_flags_reach_the_step_config(capsys):
 
     model = get_model_config("qwen3-moe-tiny", num_layers=4)
     cfg = cli.parse(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe",
-                     "--decoder-first-pipeline-num-layers", "1", "--global-batch-size", "4"])
+                     "--decoder-first-pipeline-num-layers", "1", "--global-batch-size", "4", "--micro-batch-size", "1"])
     step = run_config.resolve(cfg, model, num_devices=2, platform="cpu").step_config()
     assert (step.pipeline_schedule, step.first_stage_layers, step.last_stage_layers) == ("gpipe", 1, None)
-    assert run_config.resolve(cli.parse(["--pipeline-model-parallel-size", "2"]), model, num_devices=2,
+    mbs = ["--micro-batch-size", "1"]
+    assert run_config.resolve(cli.parse(["--pipeline-model-parallel-size", "2", *mbs]), model, num_devices=2,
                               platform="cpu").step_config().pipeline_schedule == "1f1b"  # Megatron's default
     with pytest.raises(run_config.ConfigError, match="--decoder-first/last-pipeline-num-layers need"):
-        run_config.resolve(cli.parse(["--decoder-last-pipeline-num-layers", "1"]), model, num_devices=1, platform="cpu")
+        run_config.resolve(cli.parse(["--decoder-last-pipeline-num-layers", "1", *mbs]), model, num_devices=1, platform="cpu")
     with pytest.raises(run_config.ConfigError, match="--decoder-first-pipeline-num-layers 5"):
-        run_config.resolve(cli.parse(["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5"]),
+        run_config.resolve(cli.parse(["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5", *mbs]),
                            model, num_devices=2, platform="cpu")
-    run_config.resolve(cli.parse(["--pipeline-schedule", "circular"]), model, num_devices=1, platform="cpu")
+    run_config.resolve(cli.parse(["--pipeline-schedule", "circular", *mbs]), model, num_devices=1, platform="cpu")
     assert "--pipeline-schedule circular has no effect" in capsys.readouterr().out
 
 
