@@ -623,6 +623,16 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
             x_out, _ = _chunk_forward(setup.stack_graphs, program, [at(s, chunk) for s in segs_RS], on,
                                       x_in, context, remat)
             inputs = jax.lax.dynamic_update_index_in_dim(inputs, x_in, jnp.clip(w, 0, None) % slots, 0)
+            ring = r_chunks > 1
+            forward = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
+            backward = [((i + 1) % p, i) for i in range(p if ring else p - 1)]
+            received = jax.lax.ppermute(x_out, stage_axes, forward)
+            # One order of collectives on every device: the forward's (its TP/EP ones, then the
+            # permute) before the backward's. XLA:CPU otherwise runs independent collectives in
+            # whatever order its thread pool picks per device, and on a loaded machine devices
+            # waiting in different rendezvous time out.
+            received, inputs, cotangent, rest_b, segs_b = jax.lax.optimization_barrier(
+                (received, inputs, cotangent, rest, segs_RS))
             # backward of item u, recomputed from its saved input
             u = t - delay - (p - 1 - stage)
             valid = (u >= 0) & (u < m * r_chunks)
@@ -631,14 +641,14 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
             first, last = (stage == 0) & (chunk == 0), (stage == p - 1) & (chunk == r_chunks - 1)
             on = [at(a, chunk) for a in active_RS]
             x_saved = jax.lax.dynamic_index_in_dim(inputs, w_u % slots, keepdims=False)
-            x_embedded = model.embed_tokens(mb["input_ids"]).astype(dtype)
+            x_embedded = _merge(graphdef, setup, rest_b).embed_tokens(mb["input_ids"]).astype(dtype)
             # global_aux_loss: the chunk's running counts over the micro-batches before this one
             # (a chunk's backward items come in micro-batch order).
             counts = [c[chunk] for c in acc["counts"]] if "counts" in acc else None
             f = functools.partial(chunk_objective, mb=mb, on=on, first=first, last=last, counts=counts,
                                   micro_index=mb_index)
             _, pullback, (objective, lm_objective, ce_sum, count, sums, counts) = jax.vjp(
-                f, [at(s, chunk) for s in segs_RS], rest, x_saved, x_embedded, has_aux=True)
+                f, [at(s, chunk) for s in segs_b], rest_b, x_saved, x_embedded, has_aux=True)
             # Zero cotangents on idle ticks make every gradient of the tick exactly zero.
             ct_x = jnp.where(last | ~valid, jnp.zeros_like(cotangent), cotangent)
             g_states, g_rest, g_x, g_embedded = pullback((ct_x, scale * valid.astype(jnp.float32)))
@@ -658,10 +668,6 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
                 acc["moe"] = _add_sums(acc["moe"], sums, chunk)
             if counts is not None:
                 acc["counts"] = [a.at[chunk].set(jnp.where(valid, c, a[chunk])) for a, c in zip(acc["counts"], counts)]
-            ring = r_chunks > 1
-            forward = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
-            backward = [((i + 1) % p, i) for i in range(p if ring else p - 1)]
-            received = jax.lax.ppermute(x_out, stage_axes, forward)
             cotangent = jax.lax.ppermute(g_x, stage_axes, backward)
             return (received, cotangent, inputs, grads, acc), None
 
