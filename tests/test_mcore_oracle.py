@@ -36,8 +36,6 @@ from mlir_train.config import get_model_config
 torch = mcore_cpu.torch
 
 
-@pytest.fixture(scope="module", autouse=True)
-
 def _parse_args(argv):
     """The parsed run configuration as one flat namespace of Megatron dest names (``_cfg`` keeps
     the typed config for its builders), and the accepted no-op flags."""
@@ -54,6 +52,7 @@ def optimizer_from_args(args, schedule):
     return args._cfg.training.optimizer_for(schedule)
 
 
+@pytest.fixture(scope="module", autouse=True)
 def megatron_on_cpu():
     mcore_cpu.initialize(seed=0)
     with mcore_cpu.CudaToCpu():
