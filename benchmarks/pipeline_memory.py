@@ -54,8 +54,8 @@ def compile_step(schedule: str, micro: int, dump: str | None):
                                       aux_loss_coeff=1e-2),
                       make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel, make_mesh(parallel),
                       model_kwargs=dict(remat=args.recompute))
-    batch = {k: jax.ShapeDtypeStruct((micro, parallel.data_parallel, SEQ), jnp.int32, sharding=trainer.batch_sharding)
-             for k in BATCH_KEYS}
+    batch = {k: jax.ShapeDtypeStruct((micro, parallel.data_parallel, SEQ), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                     sharding=trainer.batch_sharding) for k in BATCH_KEYS}
     options = {"xla_backend_optimization_level": 0}
     if dump:
         options.update(xla_dump_to=dump, xla_dump_hlo_as_text=True, xla_dump_hlo_module_re="jit__step")
