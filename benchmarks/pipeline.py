@@ -3,8 +3,9 @@
     python benchmarks/pipeline.py [--quick] [--stages P] [--iters N] [--seq T]
 
 For P stages (the rest of the 8 devices data-parallel) and M in {P, 2P, 4P, 8P} micro-batches,
-runs the full training step of an 8-layer ``qwen3-moe-tiny`` under GPipe and under the circular
-schedule (one layer per virtual stage, R = 8 / P chunks per stage), and reports:
+runs the full training step of an 8-layer ``qwen3-moe-tiny`` under each schedule: 1F1B, GPipe,
+interleaved 1F1B and circular (the last two with one layer per virtual stage, R = 8 / P chunks
+per stage), and reports:
 
 * ``step ms``: median wall time of ``--iters`` steps after a warm-up;
 * ``ideal ms``: the no-bubble ideal, the same global batch (M micro-batches of one row per
@@ -12,7 +13,9 @@ schedule (one layer per virtual stage, R = 8 / P chunks per stage), and reports:
   (DP8, ``M / P`` micro-batches of one row per rank): the same useful work, every device busy
   all the time;
 * ``bubble``: ``1 - ideal / step`` measured, next to the schedule's theoretical
-  ``(P - 1) / (M * R + P - 1)`` (``mlir_train.pipeline_parallel``);
+  idle-tick fraction (``mlir_train.pipeline_parallel``): ``(P - 1) / (M * R + P - 1)`` for GPipe and
+  circular, ``(R * P + P - 2) / (M * R + R * P + P - 2)`` for (interleaved) 1F1B, whose ticks
+  also recompute the chunk's forward (so its measured figure also holds that ~1/3 extra work);
 * ``temp MB``: XLA's temporary buffer size per device from the ahead-of-time compile
   (``trainer.lower_train_step(abstract_state, batch_shapes).compile().memory_analysis()``),
   i.e. the activations kept for the backward plus scratch, next to the non-pipelined step's.
@@ -44,10 +47,10 @@ from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 LAYERS = 8
 
 
-def _trainer(stages: int, micro: int, virtual: bool, devices: int) -> Trainer:
+def _trainer(stages: int, micro: int, virtual: bool, devices: int, schedule: str = "1f1b") -> Trainer:
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=LAYERS)
     parallel = ParallelConfig(pipeline=stages, num_devices=devices)
-    step_cfg = StepConfig(num_micro_batches=micro, aux_loss_coeff=1e-2,
+    step_cfg = StepConfig(num_micro_batches=micro, aux_loss_coeff=1e-2, pipeline_schedule=schedule,
                           layers_per_virtual_stage=1 if virtual and stages > 1 else None)
     opt = make_optimizer(lr_schedule=lambda _: 1e-4, weight_decay=0.1, clip_grad=1.0)
     return Trainer(cfg, step_cfg, opt, parallel, make_mesh(parallel, devices=jax.devices()[:devices]))
@@ -61,9 +64,9 @@ def _batch(trainer: Trainer, micro: int, rows: int, seq: int) -> dict:
     return trainer.shard_batch(host)
 
 
-def prepare(stages: int, micro: int, virtual: bool, *, devices: int, seq: int):
+def prepare(stages: int, micro: int, virtual: bool, *, devices: int, seq: int, schedule: str = "1f1b"):
     """A compiled step with its state and batch, and its temp MB per device from the AOT compile."""
-    trainer = _trainer(stages, micro, virtual, devices)
+    trainer = _trainer(stages, micro, virtual, devices, schedule)
     batch = _batch(trainer, micro, trainer.parallel.data_parallel, seq)
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
     compiled = trainer.lower_train_step(trainer.abstract_state(), shapes).compile()
@@ -104,13 +107,17 @@ def main() -> None:
           f"devices (PP{p} x DP{devices // p}), {os.cpu_count()} CPU cores, jax {jax.__version__}, "
           f"median of {iters} steps")
     print(f"{'schedule':10} {'M':>3} {'step ms':>9} {'ideal ms':>9} {'bubble':>7} {'theory':>7} {'temp MB':>8} {'PP1 temp MB':>11}")
-    schedules = {"gpipe": False, f"circular{LAYERS // p}": True}
+    r_max = LAYERS // p
+    schedules = {"1f1b": ("1f1b", False), "gpipe": ("gpipe", False),
+                 f"1f1b-int{r_max}": ("1f1b", True), f"circular{r_max}": ("circular", True)}
     ideal = {m: prepare(1, m // p, False, devices=devices, seq=seq) for m in ms}
-    piped = {(name, m): prepare(p, m, virtual, devices=devices, seq=seq) for name, virtual in schedules.items() for m in ms}
+    piped = {(name, m): prepare(p, m, virtual, devices=devices, seq=seq, schedule=kind)
+             for name, (kind, virtual) in schedules.items() for m in ms}
     time_round_robin(list(ideal.values()) + list(piped.values()), iters)
-    for name, virtual in schedules.items():
-        r = LAYERS // p if virtual else 1
-        theory = {m: (p - 1) / (m * r + p - 1) for m in ms}
+    for name, (kind, virtual) in schedules.items():
+        r = r_max if virtual else 1
+        theory = {m: (r * p + p - 2) / (m * r + r * p + p - 2) if kind == "1f1b" else (p - 1) / (m * r + p - 1)
+                  for m in ms}
         bubble = {m: 1 - ideal[m]["step_s"] / piped[name, m]["step_s"] for m in ms}
         for m in ms:
             run, flat = piped[name, m], ideal[m]

@@ -204,6 +204,39 @@ MODELS: dict[str, ModelConfig] = {
 }
 
 
+def moe_layer_pattern(freq: str, num_layers: int) -> tuple[bool, ...]:
+    """Megatron's ``--moe-layer-freq``: an int ``N`` (layer ``i`` is MoE when ``i % N == 0``) or
+    a Python list expression of 0/1 per layer such as ``([0]*3+[1]*45)``. Raises ValueError
+    naming the flag."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = value(node.left), value(node.right)
+            return a + b if isinstance(node.op, ast.Add) else a * b
+        raise ValueError
+    try:
+        parsed = value(ast.parse(freq.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise ValueError(f"--moe-layer-freq {freq!r}: give an int or a list of 0/1 per layer, e.g. ([0]*3+[1]*45)") from None
+    if isinstance(parsed, int):
+        if parsed < 1:
+            raise ValueError(f"--moe-layer-freq {freq}: must be >= 1")
+        return tuple(i % parsed == 0 for i in range(num_layers))
+    if len(parsed) != num_layers or any(x not in (0, 1) for x in parsed):
+        raise ValueError(f"--moe-layer-freq {freq!r}: needs one 0/1 entry per layer ({num_layers}), got {parsed}")
+    return tuple(bool(x) for x in parsed)
+
+
+def layer_pattern_overrides(pattern: tuple[bool, ...]) -> dict[str, Any]:
+    """The HF fields (``decoder_sparse_step=1`` + ``mlp_only_layers``) that give ``pattern``."""
+    return dict(decoder_sparse_step=1, mlp_only_layers=tuple(i for i, moe in enumerate(pattern) if not moe))
+
+
 def get_model_config(name_or_path: "str | ModelConfig", **overrides: Any) -> ModelConfig:
     """A registry config by ``--model-name``, or one read from an HF directory / config.json (or
     a given config), with per-run overrides (``num_layers=..., top_k=..., vocab_size=...``) applied on top."""

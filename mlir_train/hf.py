@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -258,6 +259,10 @@ def load_pretrained(
         if mesh is None:
             return jax.sharding.SingleDeviceSharding(jax.devices()[0])
         spec = logical_to_spec(var.get_metadata()["logical_axes"], rules, mesh.axis_names)
+        # A dimension its mesh axes do not divide (a short layer stack of a mixed dense/MoE
+        # model under PP) is loaded unsplit; the trainer stores it that way too.
+        sizes = [math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1 for e in spec]
+        spec = jax.sharding.PartitionSpec(*(e if n % k == 0 else None for e, n, k in zip(spec, var.shape, sizes)))
         return jax.sharding.NamedSharding(mesh, spec)
 
     np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)

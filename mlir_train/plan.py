@@ -74,8 +74,12 @@ attention matrices) and the float32 logits twice (logits and their gradient) com
 
 Pipeline parallelism: layouts with ``PP > 1`` are planned only where ``mlir_train.sft`` runs
 them (otherwise they are reported as not implemented); a device then holds ``L / PP`` layers
-and, as GPipe keeps every micro-batch's activations until its backward, ``M`` times their
-saved activations.
+(the largest stage's under ``--decoder-first/last-pipeline-num-layers``). Under 1F1B (the
+default ``--pipeline-schedule``) it keeps ``2 R PP - 1`` chunk inputs and one chunk's
+activations while that chunk's backward recomputes it, whatever the micro-batch count; under
+GPipe / circular ``M`` (x R) times a stage's (chunk's) saved activations. The step-time
+estimate counts the schedule's idle ticks and 1F1B's recomputed chunk forward
+(``Schedule.step_factor``).
 """
 
 from __future__ import annotations
@@ -205,10 +209,13 @@ def _device_bytes(tree: Any) -> int:
     return total
 
 
-def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_bytes: int, num_micro: int = 1) -> int:
+def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_bytes: int, num_micro: int = 1,
+                     schedule=None) -> int:
     """Per-device activation memory of the forward/backward (see the module doc): one
     micro-batch's, or under pipeline parallelism a stage's layers for every micro-batch in
-    flight (the GPipe schedule keeps all of them until their backward)."""
+    flight (GPipe / circular keep all of them until their backward), or under 1F1B
+    (``schedule``, a :class:`mlir_train.pipeline_parallel.Schedule`) its ``2 R P - 1`` saved chunk
+    inputs plus one chunk's activations while its backward recomputes it."""
     from sharding.mesh import kv_heads_replicated
 
     a, b, t, d, tp = dtype_bytes, micro_batch, seq, cfg.hidden_size, layout.tensor
@@ -237,7 +244,9 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     moe = router + experts
     dense = a * rows * (d + 3 * cfg.intermediate_size // tp)
     per_layer = [residual + attn + (moe if is_moe else dense) for is_moe in kinds]
-    per_layer = per_layer[:max(1, len(per_layer) // layout.pipeline)]  # this stage's layers
+    chunks = schedule.virtual if schedule is not None else 1
+    n = max(schedule.stage_layers) if schedule is not None and schedule.stage_layers else len(per_layer) // (layout.pipeline * chunks)
+    per_layer = per_layer[:max(1, n)]  # the (largest) stage's, or one chunk's, layers
     if layout.recompute == "none":
         saved = sum(per_layer)
     elif layout.recompute == "selective":
@@ -248,7 +257,9 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
         saved = len(per_layer) * a * rows * d // sp
     working = (1 if layout.recompute == "none" else 2) * max(per_layer) + attn_matrices
     logits = 2 * 4 * rows * (cfg.vocab_size // tp)
-    in_flight = num_micro if layout.pipeline > 1 else 1
+    if layout.pipeline > 1 and schedule is not None and schedule.saved_inputs() is not None:
+        return int(schedule.saved_inputs() * a * rows * d // sp + saved + working + logits)
+    in_flight = num_micro * chunks if layout.pipeline > 1 else 1
     return int(in_flight * saved + working + logits)
 
 
@@ -265,7 +276,12 @@ def _trainer(cfg: RunConfig, layout: Layout, num_devices: int, devices=None):
         parallel=dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
                       expert_model_parallel_size=layout.expert, sequence_parallel=layout.sequence_parallel,
                       use_distributed_optimizer=layout.distributed_optimizer, use_torch_fsdp2=False,
-                      data_parallel_sharding_strategy="no_shard"),
+                      data_parallel_sharding_strategy="no_shard",
+                      # the pipeline's own flags mean nothing to (and are refused by) a PP1 layout
+                      **({} if layout.pipeline > 1 else dict(num_layers_per_virtual_pipeline_stage=None,
+                                                             decoder_first_pipeline_num_layers=None,
+                                                             decoder_last_pipeline_num_layers=None,
+                                                             pipeline_schedule=None))),
         training=dict(recompute_granularity=None if layout.recompute == "none" else layout.recompute,
                       recompute_activations=False, lr=cfg.training.lr or 1e-5,
                       train_iters=cfg.training.train_iters or 1))
@@ -317,11 +333,12 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
     plan.batch_bytes = _device_bytes(batch)
     plan.activation_bytes = activation_bytes(model_cfg, layout, micro_batch=cfg.training.micro_batch_size,
                                              seq=cfg.data.seq_length, dtype_bytes=jnp.dtype(dtype).itemsize,
-                                             num_micro=num_micro)
+                                             num_micro=num_micro, schedule=trainer.schedule)
     plan.flops_per_step = flops_lib.num_floating_point_operations(model_cfg, cfg.data.seq_length, gbs)
     if peak_tflops:
         hardware = plan.flops_per_step * (4 / 3 if layout.recompute == "full" else 1.0)
-        hardware *= (num_micro + layout.pipeline - 1) / num_micro  # the pipeline bubble
+        if trainer.schedule is not None:  # the pipeline bubble (and 1F1B's recomputed chunk forward)
+            hardware *= trainer.schedule.step_factor(num_micro, layout.recompute)
         plan.step_time_s = hardware / (num_devices * peak_tflops * 1e12 * assumed_mfu)
         plan.tokens_per_s = gbs * cfg.data.seq_length / plan.step_time_s
     if compile_step:

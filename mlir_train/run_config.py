@@ -121,6 +121,10 @@ class ModelFlags:
     norm_epsilon: float | None = flag("--norm-epsilon", type=float, group="training",
                                       help="RMSNorm eps (default: from --model-name)")
     moe_router_topk: int | None = flag("--moe-router-topk", type=int, group="moe", help="default: from --model-name")
+    moe_layer_freq: str | None = flag(
+        "--moe-layer-freq", group="moe", metavar="N|LIST",
+        help="which decoder layers are MoE: every N-th from layer 0, or a 0/1 list expression such as "
+             "([0]*3+[1]*45) (default: from --model-name / the checkpoint)")
 
     def model_config(self, vocab_size: int | None, base=None):
         """The registry config of ``--model-name`` (or ``base``, e.g. a checkpoint's own) with these
@@ -131,6 +135,10 @@ class ModelFlags:
             cfg = self._overridden(get_model_config, self.model_name or DEFAULT_MODEL if base is None else base, vocab_size)
         except ValueError as e:  # an unknown --model-name, with the closest one
             raise ConfigError(str(e)) from None
+        if self.moe_layer_freq is not None:
+            from mlir_train.config import layer_pattern_overrides
+
+            cfg = cfg.replace(**layer_pattern_overrides(self.moe_layer_pattern(cfg.num_layers)))
         return cfg.replace(tie_word_embeddings=False) if self.untie_embeddings_and_output_weights else cfg
 
     def _overridden(self, get_model_config, source, vocab_size):
@@ -143,6 +151,15 @@ class ModelFlags:
             rms_norm_eps=self.norm_epsilon, max_position_embeddings=self.max_position_embeddings,
             init_std=self.init_method_std, head_dim=self.kv_channels, vocab_size=vocab_size,
         )
+
+    def moe_layer_pattern(self, num_layers: int) -> tuple[bool, ...]:
+        """``--moe-layer-freq`` read as megatron-core reads it: MoE or not, per layer."""
+        from mlir_train.config import moe_layer_pattern
+
+        try:
+            return moe_layer_pattern(self.moe_layer_freq, num_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def padded_vocab_size(self, tokenizer_size: int, tensor_parallel: int) -> int:
         return padded_vocab_size(tokenizer_size, self.make_vocab_size_divisible_by, tensor_parallel)
@@ -424,6 +441,12 @@ class ParallelFlags:
     num_layers_per_virtual_pipeline_stage: int | None = flag("--num-layers-per-virtual-pipeline-stage", type=int)
     decoder_first_pipeline_num_layers: int | None = flag("--decoder-first-pipeline-num-layers", type=int)
     decoder_last_pipeline_num_layers: int | None = flag("--decoder-last-pipeline-num-layers", type=int)
+    pipeline_schedule: str | None = flag(
+        "--pipeline-schedule", group="mlir-train", choices=["1f1b", "gpipe", "circular"],
+        help="with --pipeline-model-parallel-size > 1: 1f1b (default, as Megatron; interleaved with "
+             "--num-layers-per-virtual-pipeline-stage; activations of at most ~2 x stages micro-batches), "
+             "gpipe, or circular (needs --num-layers-per-virtual-pipeline-stage; both keep every "
+             "micro-batch's activations)")
 
     @property
     def fsdp(self) -> bool:
@@ -765,6 +788,9 @@ class Run:
         m = self.config.moe
         return StepConfig(num_micro_batches=self.num_micro_batches, compute_dtype=self.compute_dtype,
                           layers_per_virtual_stage=self.config.parallel.num_layers_per_virtual_pipeline_stage,
+                          pipeline_schedule=self.config.parallel.pipeline_schedule or "1f1b",
+                          first_stage_layers=self.config.parallel.decoder_first_pipeline_num_layers,
+                          last_stage_layers=self.config.parallel.decoder_last_pipeline_num_layers,
                           balancing=m.load_balancing(), expert_bias_update_rate=m.moe_router_bias_update_rate,
                           micro_batch_size=self.micro_batch_size,
                           per_token_loss=self.config.training.calculate_per_token_loss,
@@ -799,18 +825,25 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
     t, p = cfg.training, cfg.parallel
     parallel = p.parallel_config(num_devices)
     gbs = t.global_batch_size or t.micro_batch_size * parallel.data_parallel
+    uneven = p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None
+    if uneven and parallel.pipeline == 1:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+    if p.pipeline_schedule and parallel.pipeline == 1:
+        print(f"mlir-train: --pipeline-schedule {p.pipeline_schedule} has no effect without "
+              "--pipeline-model-parallel-size > 1")
+    # Uneven stages: make_schedule checks the layer split (validate's would ask L % PP == 0).
+    dims = {k: v for k, v in model_dims(model_cfg).items() if not (uneven and k == "num_layers")}
     try:
-        parallel = validate(parallel, model_dims(model_cfg), global_batch_size=gbs,
+        parallel = validate(parallel, dims, global_batch_size=gbs,
                             micro_batch_size=t.micro_batch_size, seq_length=cfg.data.seq_length)
         num_micro = gbs // (t.micro_batch_size * parallel.data_parallel)
         if parallel.pipeline > 1:
             from mlir_train.pipeline_parallel import make_schedule
 
-            make_schedule(model_cfg.num_layers, parallel.pipeline,
+            make_schedule(model_cfg.num_layers, parallel.pipeline, kind=p.pipeline_schedule or "1f1b",
                           layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
                           first_stage_layers=p.decoder_first_pipeline_num_layers,
-                          last_stage_layers=p.decoder_last_pipeline_num_layers,
-                          num_stacks=len(set(model_cfg.layer_kinds())), num_micro_batches=num_micro)
+                          last_stage_layers=p.decoder_last_pipeline_num_layers, num_micro_batches=num_micro)
     except ParallelConfigError as e:
         raise ConfigError(str(e)) from None
     cfg.moe.router(model_cfg, parallel.expert)  # Megatron's router checks, before anything compiles

@@ -241,6 +241,10 @@ def _model_config(cfg: RunConfig, start, tokenizer_size: int):
         if getattr(named, field) != getattr(model_cfg, field):
             raise ConfigError(f"{who} has {field}={getattr(named, field)} but the checkpoint {start.describe()} "
                               f"has {getattr(model_cfg, field)}")
+    if m.moe_layer_freq is not None and model_cfg.is_moe and \
+            m.moe_layer_pattern(model_cfg.num_layers) != model_cfg.layer_kinds():
+        raise ConfigError(f"--moe-layer-freq {m.moe_layer_freq} differs from the checkpoint {start.describe()}'s "
+                          f"MoE layers {[int(k) for k in model_cfg.layer_kinds()]}")
     return model_cfg
 
 

@@ -89,6 +89,9 @@ class StepConfig:
     # logged "lm loss": "objective" (AIAK's SFT phase: the normalised LM objective) or
     # "token-mean" (Megatron-LM: global CE sum / global loss tokens, whatever the normalisation)
     lm_loss_report: str = "objective"
+    pipeline_schedule: str = "1f1b"              # --pipeline-schedule: 1f1b | gpipe | circular
+    first_stage_layers: int | None = None        # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = None         # --decoder-last-pipeline-num-layers
 
 
 def model_dims(cfg: ModelConfig) -> dict[str, int]:
@@ -121,8 +124,10 @@ class Trainer:
         self.rules = rules_for(parallel, model_dims(model_cfg))
         abstract = nnx.eval_shape(lambda: Qwen3(model_cfg, rngs=nnx.Rngs(0), **self.model_kwargs))
         self.schedule = None if parallel.pipeline == 1 else pipeline_parallel.make_schedule(
-            model_cfg.num_layers, parallel.pipeline, layers_per_virtual_stage=step_cfg.layers_per_virtual_stage,
-            num_stacks=len(abstract.stack_kinds), num_micro_batches=step_cfg.num_micro_batches,
+            model_cfg.num_layers, parallel.pipeline, kind=step_cfg.pipeline_schedule,
+            layers_per_virtual_stage=step_cfg.layers_per_virtual_stage,
+            first_stage_layers=step_cfg.first_stage_layers, last_stage_layers=step_cfg.last_stage_layers,
+            num_micro_batches=step_cfg.num_micro_batches,
         )
         self.graphdef, abstract_state = nnx.split(abstract)
         self.stack_kinds = abstract.stack_kinds
@@ -130,6 +135,8 @@ class Trainer:
         self.expert_bias = bool(model_cfg.is_moe and router_cfg is not None and router_cfg.enable_expert_bias)
         self.param_shapes = nnx.to_pure_dict(abstract_state)
         self.logical = nnx.to_pure_dict(logical_axes(abstract))
+        if parallel.pipeline > 1:
+            self.logical = pipeline_parallel.storage_axes(self.logical, abstract.stack_kinds, parallel.pipeline)
         self.specs: StateSpecs = state_specs(parallel, self.param_shapes, self.logical, mesh, model_dims(model_cfg))
         named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
         self.compute_shardings = named(self.specs.compute)
@@ -243,6 +250,17 @@ class Trainer:
             remat=self.model_kwargs.get("remat", "none"), balancing=sc.load_balancing(),
         )
 
+    def _pipeline_value_and_grad(self, params, batch, scale):
+        sc = self.step_cfg
+        (objective, aux), grads = pipeline_parallel.pipeline_value_and_grad(
+            self.graphdef, self._to_compute(params), batch, schedule=self.schedule,
+            scale=scale, top_k=self.model_cfg.top_k, aux_loss_coeff=sc.aux_loss_coeff, z_loss_coeff=sc.z_loss_coeff,
+            remat=self.model_kwargs.get("remat", "none"), balancing=sc.load_balancing(),
+        )
+        # The transpose of _to_compute (cast, compute-layout constraint), kept in float32.
+        grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, s), grads, self.compute_shardings)
+        return (objective, aux), grads
+
     def _step(self, state, batch):
         params = state["params"]
         scaler, ls = self.loss_scaler, state["loss_scale"]
@@ -267,6 +285,8 @@ class Trainer:
                 counts = jnp.zeros((sum(self.model_cfg.layer_kinds()), self.model_cfg.num_experts), jnp.float32)
             m = batch["input_ids"].shape[0]
             (grads, _), aux = jax.lax.scan(micro, (zeros, counts), (batch, jnp.arange(m)))
+        elif self.schedule.kind == "1f1b":  # the schedule forms the gradients itself
+            (_, aux), grads = self._pipeline_value_and_grad(params, batch, scale)
         else:
             (_, aux), grads = jax.value_and_grad(self._pipeline_loss, has_aux=True)(params, batch, scale)
         grads = jax.tree.map(lambda g: g / scale, grads)

@@ -78,9 +78,9 @@ def test_layouts_benchmark_quick():  # ~100 s on 2 cores
 
 
 @pytest.mark.slow
-def test_pipeline_benchmark_quick():  # ~250 s on 2 cores
+def test_pipeline_benchmark_quick():  # ~500 s on 2 cores
     out = _run("pipeline.py", "--quick", timeout=900)
-    for schedule in ("gpipe", "circular4"):
+    for schedule in ("1f1b", "gpipe", "1f1b-int4", "circular4"):
         assert re.search(rf"^ratio {schedule}: bubble at M=2 measured \d+\.\d+ \(theory \d+\.\d+\)", out, re.MULTILINE), out
 
 

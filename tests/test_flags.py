@@ -179,3 +179,34 @@ def test_num_devices_builds_the_run_on_the_first_n_devices():
     with pytest.raises(run_config.ConfigError, match="devices"):
         too_many = cfg.replace(extras={"num_devices": 64})
         run_config.resolve(too_many, cfg.model.model_config(256), num_devices=64).trainer()
+
+
+def test_pipeline_flags_reach_the_step_config(capsys):
+    """--pipeline-schedule and the uneven-stage flags go into the StepConfig; the uneven flags
+    need PP > 1 (refused naming them), and --pipeline-schedule without PP says it does nothing."""
+    from mlir_train.config import get_model_config
+
+    model = get_model_config("qwen3-moe-tiny", num_layers=4)
+    cfg = cli.parse(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe",
+                     "--decoder-first-pipeline-num-layers", "1", "--global-batch-size", "4", "--micro-batch-size", "1"])
+    step = run_config.resolve(cfg, model, num_devices=2, platform="cpu").step_config()
+    assert (step.pipeline_schedule, step.first_stage_layers, step.last_stage_layers) == ("gpipe", 1, None)
+    mbs = ["--micro-batch-size", "1"]
+    assert run_config.resolve(cli.parse(["--pipeline-model-parallel-size", "2", *mbs]), model, num_devices=2,
+                              platform="cpu").step_config().pipeline_schedule == "1f1b"  # Megatron's default
+    with pytest.raises(run_config.ConfigError, match="--decoder-first/last-pipeline-num-layers need"):
+        run_config.resolve(cli.parse(["--decoder-last-pipeline-num-layers", "1", *mbs]), model, num_devices=1, platform="cpu")
+    with pytest.raises(run_config.ConfigError, match="--decoder-first-pipeline-num-layers 5"):
+        run_config.resolve(cli.parse(["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5", *mbs]),
+                           model, num_devices=2, platform="cpu")
+    run_config.resolve(cli.parse(["--pipeline-schedule", "circular", *mbs]), model, num_devices=1, platform="cpu")
+    assert "--pipeline-schedule circular has no effect" in capsys.readouterr().out
+
+
+def test_moe_layer_freq_sets_the_model_layers():
+    kinds = cli.parse(["--num-layers", "4", "--moe-layer-freq", "([0]+[1]*3)"]).model.model_config(None).layer_kinds()
+    assert kinds == (False, True, True, True)
+    assert cli.parse(["--num-layers", "4", "--moe-layer-freq", "2"]).model.model_config(None).layer_kinds() == (
+        True, False, True, False)
+    with pytest.raises(run_config.ConfigError, match="--moe-layer-freq"):
+        cli.parse(["--num-layers", "4", "--moe-layer-freq", "[1,0]"]).model.model_config(None)

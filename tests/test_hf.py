@@ -189,6 +189,24 @@ def test_sharded_load_onto_mesh(hf_moe):
     np.testing.assert_allclose(out, _hf_logits(hf_model, ids), atol=TOL, rtol=0)
 
 
+def test_load_onto_pipeline_mesh_keeps_short_stacks_whole(hf_moe):
+    """Under PP2 the dense layer-0 stack (1 layer) cannot split over the stages: it loads whole
+    on each, the 2-layer MoE stack splits, and the model computes the same logits."""
+    from sharding.mesh import ParallelConfig, make_mesh
+    from sharding.rules import rules_for
+
+    hf_model, path = hf_moe
+    parallel = ParallelConfig(pipeline=2, num_devices=8)
+    mesh = make_mesh(parallel)
+    ours = load_pretrained(path, dtype=jnp.float32, mesh=mesh, rules=rules_for(parallel))
+    assert "stage" not in jax.tree.leaves(ours.layers[0].attn.q_proj[...].sharding.spec, is_leaf=lambda x: x is None)
+    assert ours.layers[1].attn.q_proj[...].sharding.spec[0] == "stage"
+    ids = _ids(seed=11)
+    with jax.set_mesh(mesh):
+        out = np.asarray(ours(jnp.asarray(ids)))
+    np.testing.assert_allclose(out, _hf_logits(hf_model, ids), atol=TOL, rtol=0)
+
+
 def _copy_with(src: str, dst, edit) -> str:
     tensors = load_file(os.path.join(src, "model.safetensors"))
     edit(tensors)

@@ -33,8 +33,10 @@ RATE = 1e-2
 LAYOUTS = {
     "DP8": ParallelConfig(),
     "EP4xTP2": ParallelConfig(tensor=2, expert=4),
-    "PP2xEP2xDP2": ParallelConfig(pipeline=2, expert=2),
+    "PP2xEP2xDP2": ParallelConfig(pipeline=2, expert=2),  # the default 1F1B schedule
+    "PP2xEP2xDP2-gpipe": ParallelConfig(pipeline=2, expert=2),
 }
+PIPELINE_SCHEDULE = {"PP2xEP2xDP2-gpipe": "gpipe"}  # else StepConfig's default (1f1b)
 # Pure DP is also inside PP2xEP2xDP2 (two data ranks); its own 8-rank run is the slow one.
 SLOW = {"DP8"}
 SINGLE = "1 device"
@@ -51,7 +53,8 @@ def run(layout: str):
         mesh = make_mesh(parallel)
     schedule = megatron_lr_schedule(lr=1e-3, min_lr=1e-4, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=0.9, beta2=0.95, clip_grad=1.0)
-    trainer = Trainer(cfg, StepConfig(num_micro_batches=MICRO, balancing=BALANCING, expert_bias_update_rate=RATE),
+    trainer = Trainer(cfg, StepConfig(num_micro_batches=MICRO, balancing=BALANCING, expert_bias_update_rate=RATE,
+                                      pipeline_schedule=PIPELINE_SCHEDULE.get(layout, "1f1b")),
                       optimizer, parallel, mesh, model_kwargs={"router": ROUTER})
     state = trainer.init_state(SEED)
     batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(cfg.vocab_size).items()}

@@ -190,13 +190,20 @@ def _constrain_logits(logits_BTV: jax.Array) -> jax.Array:
     return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
 
-def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: str = "none") -> tuple[jax.Array, dict[str, Any]]:
-    """Scan ``x`` through a stacked layer module; stats come back with a leading layer axis."""
+def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: str = "none",
+              active_V: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
+    """Scan ``x`` through a stacked layer module; stats come back with a leading layer axis.
+
+    ``active_V`` (bool per stacked layer) turns layers into the identity where it is False:
+    padding of an uneven pipeline stage, which then contributes nothing to ``x`` nor, through
+    ``where``'s gradient, to its own weights' gradients (its stats are the caller's to mask)."""
     graphdef, state = nnx.split(stack)
 
-    def body(x, layer_state):
+    def body(x, xs):
+        layer_state, on = xs
         layer = nnx.merge(graphdef, layer_state)
-        return layer(x, *context)
+        y, stats = layer(x, *context)
+        return (y if on is None else jnp.where(on, y, x)), stats
 
     if remat == "full":
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
@@ -204,7 +211,7 @@ def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: str = "none") -
         # Keep matmul outputs, recompute the cheap elementwise work (norms, activations,
         # softmax): Megatron's "selective" recompute in spirit, at XLA's granularity.
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return jax.lax.scan(body, x_BTD, state)
+    return jax.lax.scan(body, x_BTD, (state, active_V))
 
 
 def logical_axes(model: nnx.Module) -> Any:
