@@ -442,6 +442,19 @@ def _merge(graphdef, setup, rest):
     return nnx.merge(graphdef, {**rest, "layers": setup.placeholder})
 
 
+def _prepare(graphdef, params, schedule, balancing, aux_loss_coeff, z_loss_coeff):
+    """What every schedule starts from: the stage axes and stage program, the router losses'
+    settings, the layer stacks and the rest of the weights, the stacks as the program's
+    segments and each segment's active-slot mask."""
+    stage_axes, setup = _setup(graphdef, params, schedule)
+    if balancing is None:
+        balancing = _default_balancing(aux_loss_coeff, z_loss_coeff)
+    stacks, rest = _split_params(params, setup)
+    segs = _to_segments(stacks, setup.stack_kinds, setup.program, schedule)
+    active = [jnp.asarray(seg.active) for seg in setup.program]
+    return stage_axes, setup, balancing, stacks, rest, segs, active
+
+
 def _split_params(params, setup):
     stacks = [params["layers"][k] for k in range(len(setup.stack_kinds))]
     rest = {k: v for k, v in params.items() if k != "layers"}
@@ -476,14 +489,10 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
     ``params`` are the compute-layout weights as a pure dict (``params["layers"][k]`` the layer
     stacks, leaves ``[L_k, ...]``). Must run under the trainer's mesh and rules.
     """
-    stage_axes, setup = _setup(graphdef, params, schedule)
+    stage_axes, setup, balancing, stacks, rest, segs, active = _prepare(
+        graphdef, params, schedule, balancing, aux_loss_coeff, z_loss_coeff)
     p, r_chunks, program = schedule.stages, schedule.virtual, setup.program
     m = batch["input_ids"].shape[0]
-    if balancing is None:
-        balancing = _default_balancing(aux_loss_coeff, z_loss_coeff)
-    stacks, rest = _split_params(params, setup)
-    segs = _to_segments(stacks, setup.stack_kinds, program, schedule)
-    active = [jnp.asarray(seg.active) for seg in program]
 
     def body(segs_1RS, active_1RS, rest, batch, scalars):
         stage = jax.lax.axis_index(stage_axes)
@@ -563,14 +572,10 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     tick before (or, on the last chunk of the last stage, the head's), accumulates the weight
     gradients in float32 and sends the input cotangent back with one ``ppermute``.
     """
-    stage_axes, setup = _setup(graphdef, params, schedule)
+    stage_axes, setup, balancing, stacks, rest, segs, active = _prepare(
+        graphdef, params, schedule, balancing, aux_loss_coeff, z_loss_coeff)
     p, r_chunks, program = schedule.stages, schedule.virtual, setup.program
     m = batch["input_ids"].shape[0]
-    if balancing is None:
-        balancing = _default_balancing(aux_loss_coeff, z_loss_coeff)
-    stacks, rest = _split_params(params, setup)
-    segs = _to_segments(stacks, setup.stack_kinds, program, schedule)
-    active = [jnp.asarray(seg.active) for seg in program]
     delay = r_chunks * p - 1          # ticks between an item's forward and backward on the last stage
     slots = 2 * r_chunks * p - 1      # inputs in flight on stage 0 (fewer further down)
     num_ticks = m * r_chunks + delay + p - 1
