@@ -461,7 +461,8 @@ class ParallelFlags:
 
         return ParallelConfig(
             tensor=self.tensor_model_parallel_size, pipeline=self.pipeline_model_parallel_size,
-            expert=self.expert_model_parallel_size, sequence_parallel=self.sequence_parallel, fsdp=self.fsdp,
+            expert=self.expert_model_parallel_size, context=self.context_parallel_size,
+            expert_tensor=self.expert_tensor_parallel_size, sequence_parallel=self.sequence_parallel, fsdp=self.fsdp,
             distributed_optimizer=self.distributed_optimizer, num_devices=num_devices,
         )
 

@@ -7,6 +7,7 @@ from sharding.table import sharding_rows, sharding_table
 from sharding.logical import Rules, active_rules, constrain, logical_to_spec, tree_shardings, tree_specs, use_rules
 from sharding.manual import logical_shard_map, mesh_axes_of
 from sharding.mesh import (
+    ALL_MESH_AXES,
     DATA_AXES,
     MESH_AXES,
     ParallelConfig,
@@ -33,6 +34,7 @@ from sharding.rules import (
 
 __all__ = [
     "ACTIVATION_AXES",
+    "ALL_MESH_AXES",
     "DATA_AXES",
     "DATA_PARALLEL",
     "EXPERT_PARALLEL",

@@ -1,14 +1,26 @@
 """The device mesh, laid out as Megatron lays out its process groups, and up-front validation.
 
-Mesh axes, outermost first: ``("stage", "data", "expert", "tensor")``.
+Megatron numbers the ranks of one pipeline stage twice, fastest-varying first:
 
-Megatron numbers ranks in the order tp-cp-ep-dp-pp, fastest-varying first: tensor-parallel
-peers are adjacent ranks (one NVLink island), expert-parallel ranks are carved out of the
-data-parallel ranks, and pipeline stages are the slowest-varying. Reshaping the device list
-row-major into ``(PP, DP/EP, EP, TP)`` gives exactly that numbering: device ``i`` of the list is
-Megatron's global rank ``i``. So the data-parallel group of a dense weight is the
-``("data", "expert")`` plane, and that of an expert weight (already split over "expert") is
-``"data"`` alone, as in Megatron's expert-data-parallel group.
+* for dense weights and attention, ``tp - cp - dp`` (tensor, context, data parallel);
+* for the routed experts, ``etp - ep - edp`` (expert-tensor, expert, expert-data parallel),
+  over the *same* ranks: "MoE parallel folding" (attention TP4 while the experts run ETP1 x
+  EP8 on the same 8 GPUs). By default ETP = TP, so expert parallelism is carved out of the
+  context x data ranks.
+
+The mesh here is the common refinement of the two grids: each mesh axis (an *atom*) is a run
+of consecutive rank strides that has one role in each grid, named by the pair
+(:data:`ATOM_NAMES`): ``"tensor"`` is tensor in both (TP = ETP), ``"expert"`` is data for
+dense weights and expert for experts, ``"data"`` is data in both, ``"context_expert"`` is
+context for attention and expert for experts, and so on. Every logical role then maps to the
+atoms that carry it (:func:`role_axes`), slowest first, so a spec entry such as
+``("expert", "tensor_expert")`` numbers experts exactly as Megatron's expert group does.
+Reshaping the device list row-major into ``("stage", atoms slowest first)`` makes device ``i``
+Megatron's global rank ``i``. Both grids must nest (each boundary of one divides the next
+boundary of the other), which every power-of-two layout does; other layouts are refused.
+
+The axes ``("stage", "data", "expert", "tensor")`` (:data:`MESH_AXES`) are always present
+(size 1 when unused), so the common layouts (no CP, ETP = TP) keep their familiar mesh.
 
 All axes are ``AxisType.Auto``: the model only adds sharding constraints at a few points and
 XLA's propagation fills in the rest (a bare ``PartitionSpec`` works inside ``jit`` without
@@ -30,10 +42,43 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+# Roles in each grid, fastest-varying first (Megatron's tp-cp-dp and etp-ep-edp orders).
+DENSE_ROLES = ("tensor", "context", "data")
+EXPERT_ROLES = ("expert_tensor", "expert", "expert_data")
+ROLES = DENSE_ROLES + EXPERT_ROLES
+# Mesh-axis name of each (dense role, expert role) pair that can be an atom.
+ATOM_NAMES: dict[tuple[str, str], str] = {
+    ("tensor", "expert_tensor"): "tensor",
+    ("tensor", "expert"): "tensor_expert",
+    ("tensor", "expert_data"): "tensor_edata",
+    ("context", "expert_tensor"): "context_etensor",
+    ("context", "expert"): "context_expert",
+    ("context", "expert_data"): "context",
+    ("data", "expert_tensor"): "data_etensor",
+    ("data", "expert"): "expert",
+    ("data", "expert_data"): "data",
+}
+# Every possible axis, slowest first: a total order extending the product order of the two
+# role sequences, so whatever atoms a layout has, this order is their rank-stride order.
+ALL_MESH_AXES = ("stage",) + tuple(
+    ATOM_NAMES[pair] for pair in sorted(
+        ATOM_NAMES, key=lambda p: (-(DENSE_ROLES.index(p[0]) + EXPERT_ROLES.index(p[1])), -DENSE_ROLES.index(p[0]))))
+# The axes every mesh has (size 1 when unused).
 MESH_AXES = ("stage", "data", "expert", "tensor")
-# Mesh axes a dense weight is replicated over (its data-parallel group): ZeRO-1 and FSDP
-# shard over these.
+_CLASSIC_ROLES = {name: pair for pair, name in ATOM_NAMES.items() if name in MESH_AXES}
+# Mesh axes a dense weight is replicated over in the default layout (its data-parallel
+# group): ZeRO-1 and FSDP shard over these. :func:`data_axes` gives them for any layout.
 DATA_AXES = ("data", "expert")
+
+
+@dataclasses.dataclass(frozen=True)
+class Atom:
+    """One mesh axis: ``size`` consecutive rank strides with one role in each grid."""
+
+    name: str
+    size: int
+    dense: str   # one of DENSE_ROLES
+    expert: str  # one of EXPERT_ROLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +91,8 @@ class ParallelConfig:
     tensor: int = 1                      # --tensor-model-parallel-size
     pipeline: int = 1                    # --pipeline-model-parallel-size
     expert: int = 1                      # --expert-model-parallel-size
+    context: int = 1                     # --context-parallel-size
+    expert_tensor: int | None = None     # --expert-tensor-parallel-size (None: = tensor)
     sequence_parallel: bool = False      # --sequence-parallel
     distributed_optimizer: bool = False  # --use-distributed-optimizer (ZeRO-1)
     fsdp: bool = False                   # parameters sharded over the data ranks too
@@ -55,14 +102,87 @@ class ParallelConfig:
         return jax.device_count() if self.num_devices is None else self.num_devices
 
     @property
+    def etp(self) -> int:
+        """The expert-tensor-parallel size (TP unless given)."""
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
+
+    @property
     def data_parallel(self) -> int:
-        """Megatron's data-parallel size: devices / (TP x PP), expert ranks included."""
-        return self.device_count() // (self.tensor * self.pipeline)
+        """Megatron's data-parallel size: devices / (TP x CP x PP), expert ranks included."""
+        return self.device_count() // (self.tensor * self.context * self.pipeline)
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Megatron's expert-data-parallel size: devices / (ETP x EP x PP)."""
+        return self.device_count() // (self.etp * self.expert * self.pipeline)
+
+    def atoms(self) -> tuple[Atom, ...]:
+        """The mesh axes of one pipeline stage, fastest-varying first (call :func:`validate`
+        first): the common refinement of the ``tp-cp-dp`` and ``etp-ep-edp`` grids."""
+        per_stage = self.device_count() // self.pipeline
+        dense = _boundaries((self.tensor, self.context), per_stage)
+        expert = _boundaries((self.etp, self.expert), per_stage)
+        cuts = sorted(set(dense) | set(expert))
+        out = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            if hi % lo:
+                raise ParallelConfigError(_nesting_message(self))
+            d = DENSE_ROLES[_role_index(dense, lo)]
+            e = EXPERT_ROLES[_role_index(expert, lo)]
+            out.append(Atom(ATOM_NAMES[(d, e)], hi // lo, d, e))
+        return tuple(out)
 
     def mesh_shape(self) -> dict[str, int]:
-        """Mesh axis sizes in :data:`MESH_AXES` order (call :func:`validate` first)."""
-        dp = self.data_parallel
-        return {"stage": self.pipeline, "data": dp // self.expert, "expert": self.expert, "tensor": self.tensor}
+        """Mesh axis sizes, slowest first (call :func:`validate` first): ``"stage"``, then
+        the atoms of :meth:`atoms`; the axes of :data:`MESH_AXES` are always present."""
+        sizes = {a.name: a.size for a in self.atoms()}
+        sizes["stage"] = self.pipeline
+        return {name: sizes.get(name, 1) for name in ALL_MESH_AXES if name in sizes or name in MESH_AXES}
+
+    def role_axes(self, role: str) -> tuple[str, ...]:
+        """The mesh axes carrying ``role`` (one of :data:`ROLES`, or "stage"), slowest first."""
+        if role == "stage":
+            return ("stage",)
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; choose one of {ROLES} or 'stage'")
+        names = {a.name for a in self.atoms() if role in (a.dense, a.expert)}
+        # The always-present axes keep their roles at size 1 too, so the default layouts'
+        # tables read as before (e.g. the batch over ("data", "expert") at any EP).
+        names |= {n for n in MESH_AXES if role in _CLASSIC_ROLES.get(n, ())}
+        return tuple(n for n in ALL_MESH_AXES if n in names)
+
+    def data_axes(self, *, expert: bool = False) -> tuple[str, ...]:
+        """Mesh axes a weight is replicated over for data parallelism: Megatron's dp x cp
+        group for dense weights (the distributed optimizer shards over it), the expert-data
+        group for routed-expert weights."""
+        if expert:
+            return self.role_axes("expert_data")
+        return tuple(n for n in ALL_MESH_AXES if n in set(self.role_axes("data")) | set(self.role_axes("context")))
+
+
+def _boundaries(sizes: Sequence[int], total: int) -> list[int]:
+    """Rank strides where each role of a grid starts: 1, s0, s0*s1, ..., total."""
+    out = [1]
+    for s in sizes:
+        out.append(out[-1] * s)
+    out.append(total)
+    return out
+
+
+def _role_index(boundaries: list[int], stride: int) -> int:
+    """Which role of a grid (index into its roles) the ranks at ``stride`` belong to."""
+    for i in range(len(boundaries) - 1):
+        if boundaries[i] <= stride < boundaries[i + 1]:
+            return i
+    raise AssertionError((boundaries, stride))
+
+
+def _nesting_message(cfg: ParallelConfig) -> str:
+    return (f"the expert grid --expert-tensor-parallel-size ({cfg.etp}) x --expert-model-parallel-size "
+            f"({cfg.expert}) does not nest with the dense grid --tensor-model-parallel-size ({cfg.tensor}) x "
+            f"--context-parallel-size ({cfg.context}): each of TP, TP x CP, ETP, ETP x EP must divide the next "
+            "larger of them (Megatron's rank orders tp-cp-dp and etp-ep-edp over the same ranks); use sizes that "
+            "are powers of two or multiples of each other")
 
 
 class ParallelConfigError(ValueError):
@@ -74,24 +194,29 @@ def _check_sizes(cfg: ParallelConfig) -> None:
         ("--tensor-model-parallel-size", cfg.tensor),
         ("--pipeline-model-parallel-size", cfg.pipeline),
         ("--expert-model-parallel-size", cfg.expert),
+        ("--context-parallel-size", cfg.context),
+        ("--expert-tensor-parallel-size", cfg.etp),
     ):
         if not isinstance(value, int) or value < 1:
             raise ParallelConfigError(f"{flag} must be a positive integer, got {value!r}")
     n = cfg.device_count()
     if n < 1:
         raise ParallelConfigError(f"number of devices must be positive, got {n}")
-    if n % (cfg.tensor * cfg.pipeline):
+    if n % (cfg.tensor * cfg.context * cfg.pipeline):
         raise ParallelConfigError(
             f"{n} devices are not divisible by --tensor-model-parallel-size ({cfg.tensor}) x "
-            f"--pipeline-model-parallel-size ({cfg.pipeline}) = {cfg.tensor * cfg.pipeline}"
+            f"--context-parallel-size ({cfg.context}) x --pipeline-model-parallel-size ({cfg.pipeline}) = "
+            f"{cfg.tensor * cfg.context * cfg.pipeline}"
         )
-    dp = cfg.data_parallel
-    if dp % cfg.expert:
+    per_stage = n // cfg.pipeline
+    if per_stage % (cfg.etp * cfg.expert):
+        what = ("expert parallelism is carved out of the context x data-parallel ranks"
+                if cfg.etp == cfg.tensor else "the experts' grid ETP x EP must divide the ranks of a stage")
         raise ParallelConfigError(
-            f"--expert-model-parallel-size ({cfg.expert}) must divide the data-parallel size "
-            f"{dp} = {n} devices / (TP {cfg.tensor} x PP {cfg.pipeline}): expert parallelism is "
-            "carved out of the data-parallel ranks"
+            f"--expert-model-parallel-size ({cfg.expert}) x --expert-tensor-parallel-size ({cfg.etp}) must divide "
+            f"the {per_stage} ranks of a pipeline stage = {n} devices / PP {cfg.pipeline}: {what}"
         )
+    cfg.atoms()  # the two grids must nest
 
 
 def kv_heads_replicated(tensor: int, num_kv_heads: int) -> bool:
@@ -156,7 +281,10 @@ def validate(
             )
         if experts:
             need("num_experts", ep, "--expert-model-parallel-size", "routed experts")
-            need("moe_intermediate_size", tp, "--tensor-model-parallel-size", "expert FFN size")
+            if cfg.expert_tensor is None:
+                need("moe_intermediate_size", tp, "--tensor-model-parallel-size", "expert FFN size")
+            else:
+                need("moe_intermediate_size", cfg.etp, "--expert-tensor-parallel-size", "expert FFN size")
 
     if cfg.sequence_parallel and tp == 1:
         warnings.warn(
@@ -185,7 +313,8 @@ def validate(
 
 
 def make_mesh(cfg: ParallelConfig, devices: Sequence[Any] | None = None) -> Mesh:
-    """The ``("stage", "data", "expert", "tensor")`` mesh for ``cfg``, all axes Auto.
+    """The mesh for ``cfg`` (``"stage"`` then the atoms of :meth:`ParallelConfig.atoms`,
+    slowest first; always at least :data:`MESH_AXES`), all axes Auto.
 
     ``devices`` defaults to the first ``cfg.num_devices`` of ``jax.devices()``, whose order
     (process by process, then local id) keeps tensor-parallel peers on one host.
@@ -201,6 +330,8 @@ def make_mesh(cfg: ParallelConfig, devices: Sequence[Any] | None = None) -> Mesh
         raise ParallelConfigError(f"got {len(devices)} devices for a config of num_devices={cfg.num_devices}")
     cfg = dataclasses.replace(cfg, num_devices=len(devices))
     _check_sizes(cfg)
-    shape = tuple(cfg.mesh_shape()[a] for a in MESH_AXES)
-    assert math.prod(shape) == len(devices)
-    return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    sizes = cfg.mesh_shape()
+    names = tuple(sizes)
+    assert math.prod(sizes.values()) == len(devices)
+    return Mesh(np.asarray(devices, dtype=object).reshape(tuple(sizes.values())), names,
+                axis_types=(AxisType.Auto,) * len(names))

@@ -33,7 +33,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from sharding.logical import MeshAxes, Rules, axes_tuple, tree_specs, trimmed_spec
-from sharding.mesh import DATA_AXES, ParallelConfig, kv_heads_replicated
+from sharding.mesh import ALL_MESH_AXES, DATA_AXES, ParallelConfig, kv_heads_replicated
 
 # Every logical axis name the model may put on a parameter or an activation.
 PARAM_AXES = (
@@ -122,23 +122,47 @@ EXPERT_PARALLEL: Rules = _overlay(DATA_PARALLEL, EXPERT_PARALLEL_OVERRIDES)
 PIPELINE_PARALLEL: Rules = _overlay(DATA_PARALLEL, PIPELINE_PARALLEL_OVERRIDES)
 
 
-def rules_for(cfg: ParallelConfig, model_dims: Mapping[str, int] | None = None) -> Rules:
-    """The compute-layout table for any combination of TP, SP, EP and PP.
+def _entry(axes: tuple[str, ...]) -> MeshAxes:
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
-    ``model_dims`` is only read for ``num_kv_heads``: when TP exceeds it, k/v heads are
-    replicated over the tensor ranks instead of split. Overlays for axes of size 1 are left
-    out, so the table says what is actually split.
+
+def _on_roles(overrides: Mapping[str, MeshAxes], cfg: ParallelConfig) -> dict[str, MeshAxes]:
+    """``overrides`` written for the default mesh (role-named axes "tensor", "expert"),
+    re-targeted at the axes carrying those roles in ``cfg``'s mesh."""
+    role_of = {"tensor": "tensor", "expert": "expert", "stage": "stage"}
+    return {name: _entry(cfg.role_axes(role_of[axes])) if isinstance(axes, str) else axes
+            for name, axes in overrides.items()}
+
+
+def rules_for(cfg: ParallelConfig, model_dims: Mapping[str, int] | None = None) -> Rules:
+    """The compute-layout table for any combination of TP, SP, CP, EP, ETP and PP.
+
+    Each logical axis maps to the mesh axes that carry its role in ``cfg``'s mesh
+    (:meth:`~sharding.mesh.ParallelConfig.role_axes`): the dense-weight splits to the tensor
+    role, the expert dimension to the expert role, the expert width to the expert-tensor role
+    (= tensor unless --expert-tensor-parallel-size differs), the batch to the data role, and,
+    under context parallelism, the sequence to the context role (the MoE's flattened tokens
+    and capacity slots to data x context). ``model_dims`` is only read for ``num_kv_heads``:
+    when TP exceeds it, k/v heads are replicated over the tensor ranks instead of split.
+    Overlays for sizes of 1 are left out, so the table says what is actually split.
     """
-    overlays: list[Mapping[str, MeshAxes]] = []
+    data = cfg.role_axes("data")
+    tokens = tuple(a for a in ALL_MESH_AXES if a in set(data) | set(cfg.role_axes("context")))
+    overlays: list[Mapping[str, MeshAxes]] = [
+        {"act_batch": _entry(data), "act_tokens": _entry(tokens), "act_capacity": _entry(tokens)}]
     if cfg.tensor > 1:
-        overlays.append(TENSOR_PARALLEL_OVERRIDES)
+        overlays.append(_on_roles(TENSOR_PARALLEL_OVERRIDES, cfg))
         kv = (model_dims or {}).get("num_kv_heads")
         if kv is not None and kv_heads_replicated(cfg.tensor, kv):
             overlays.append(REPLICATED_KV_OVERRIDES)
-        if cfg.sequence_parallel:
-            overlays.append(SEQUENCE_PARALLEL_OVERRIDES)
+    # The expert width follows the expert-tensor role (the tensor role when ETP = TP).
+    overlays.append({"moe_mlp": _entry(cfg.role_axes("expert_tensor")) if cfg.etp > 1 else None})
+    seq = cfg.role_axes("context") if cfg.context > 1 else ()
+    res_seq = seq + (cfg.role_axes("tensor") if cfg.tensor > 1 and cfg.sequence_parallel else ())
+    if seq or res_seq:
+        overlays.append({"act_seq": _entry(seq), "act_res_seq": _entry(res_seq)})
     if cfg.expert > 1:
-        overlays.append(EXPERT_PARALLEL_OVERRIDES)
+        overlays.append(_on_roles(EXPERT_PARALLEL_OVERRIDES, cfg))
     if cfg.pipeline > 1:
         overlays.append(PIPELINE_PARALLEL_OVERRIDES)
     return _overlay(DATA_PARALLEL, *overlays)
@@ -188,19 +212,30 @@ def _shape_of(leaf: Any) -> tuple[int, ...]:
     return tuple(getattr(leaf, "shape", ()))
 
 
-def optimizer_state_specs(param_shapes_tree: Any, param_specs_tree: Any, mesh: Mesh) -> Any:
+def optimizer_state_specs(param_shapes_tree: Any, param_specs_tree: Any, mesh: Mesh, axes_tree: Any = None) -> Any:
     """ZeRO-1 specs: each parameter's compute spec plus a split over the data-parallel ranks.
 
     ``param_shapes_tree`` has arrays or ``jax.ShapeDtypeStruct`` leaves, ``param_specs_tree``
     the compute ``PartitionSpec`` of each. Works for any tree of per-parameter arrays: the
     float32 master weights, Adam's moments (same shapes as the parameters), and the
-    parameters themselves under FSDP.
+    parameters themselves under FSDP. ``axes_tree`` (same structure, a tuple of mesh axes per
+    leaf) names each leaf's data-parallel group; default :data:`~sharding.mesh.DATA_AXES`.
     """
+    if axes_tree is None:
+        return jax.tree.map(lambda leaf, spec: zero_spec(_shape_of(leaf), spec, mesh),
+                            param_shapes_tree, param_specs_tree)
     return jax.tree.map(
-        lambda leaf, spec: zero_spec(_shape_of(leaf), spec, mesh),
-        param_shapes_tree,
-        param_specs_tree,
+        lambda leaf, spec, axes: zero_spec(_shape_of(leaf), spec, mesh, axes),
+        param_shapes_tree, param_specs_tree, axes_tree,
     )
+
+
+def data_axes_tree(cfg: ParallelConfig, logical_axes_tree: Any) -> Any:
+    """Each parameter's data-parallel group (mesh axes): the expert-data group for routed
+    experts (a leaf whose logical axes include "exp"), the dp x cp group for the rest."""
+    dense, expert = cfg.data_axes(), cfg.data_axes(expert=True)
+    return jax.tree.map(lambda names: expert if "exp" in names else dense, logical_axes_tree,
+                        is_leaf=lambda x: isinstance(x, tuple) or x is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +261,7 @@ def state_specs(
     parameters (replicated over the data ranks), as Megatron's plain DDP optimizer is.
     """
     compute = tree_specs(logical_axes_tree, rules_for(cfg, model_dims), mesh.axis_names)
-    zero = optimizer_state_specs(param_shapes_tree, compute, mesh)
+    zero = optimizer_state_specs(param_shapes_tree, compute, mesh, data_axes_tree(cfg, logical_axes_tree))
     return StateSpecs(
         compute=compute,
         params=zero if cfg.fsdp else compute,
