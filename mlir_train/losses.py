@@ -194,6 +194,7 @@ class LoadBalancing:
 
     coeffs: tuple[tuple[str, float], ...] = ()
     z_loss_coeff: float = 0.0
+    sinkhorn: bool = False  # the router balances by Sinkhorn (no aux loss)
 
     @classmethod
     def from_flags(cls, types, coeffs, z_loss_coeff: float | None = None) -> "LoadBalancing":
@@ -214,16 +215,19 @@ class LoadBalancing:
                 raise LoadBalancingError(f"--moe-router-load-balancing-type {t}: choose from {LOAD_BALANCING_TYPES}")
         if len(set(types)) != len(types):
             raise LoadBalancingError(f"--moe-router-load-balancing-type {' '.join(types)} names a type twice")
-        if "sinkhorn" in types:
+        if "sinkhorn" in types and len(types) > 1:
             raise LoadBalancingError(
-                "--moe-router-load-balancing-type sinkhorn (S-BASE) is not implemented in mlir-train; use aux_loss, "
-                "seq_aux_loss, global_aux_loss, a list of them, or none (with --moe-router-enable-expert-bias for "
-                "aux-loss-free balancing)")
+                f"--moe-router-load-balancing-type {' '.join(types)}: sinkhorn routes by its own balancing and takes no "
+                "aux loss; give it alone (Megatron routes a list by top-k and would silently ignore sinkhorn)")
+        if types == ["sinkhorn"] and any(c != 0 for c in coeffs):
+            raise LoadBalancingError(
+                "--moe-router-load-balancing-type sinkhorn takes no aux loss: drop --moe-aux-loss-coeff or set it to 0 "
+                "(Megatron asserts the same)")
         for c in coeffs:
             if c < 0:
                 raise LoadBalancingError(f"--moe-aux-loss-coeff {c}: must not be negative")
         pairs = tuple((t, float(c)) for t, c in zip(types, coeffs) if t in AUX_LOSS_TYPES and c > 0)
-        return cls(coeffs=pairs, z_loss_coeff=float(z_loss_coeff or 0.0))
+        return cls(coeffs=pairs, z_loss_coeff=float(z_loss_coeff or 0.0), sinkhorn=types == ["sinkhorn"])
 
     def coeff(self, kind: str) -> float:
         return dict(self.coeffs).get(kind, 0.0)

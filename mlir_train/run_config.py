@@ -337,8 +337,8 @@ class MoEFlags:
     moe_router_load_balancing_type: str | list = flag(
         "--moe-router-load-balancing-type", default="aux_loss", nargs="+", action=OneOrList,
         choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
-        help="one type, or a list combined with one --moe-aux-loss-coeff each (sinkhorn is refused at start-up: "
-             "not implemented) (default: aux_loss)")
+        help="one type, or a list combined with one --moe-aux-loss-coeff each; sinkhorn (S-BASE, alone, no aux "
+             "loss) balances the top-k choice by Sinkhorn in training (default: aux_loss)")
     moe_aux_loss_coeff: float | list = flag("--moe-aux-loss-coeff", default=0.0, type=float, nargs="+", action=OneOrList,
                                             help="one coefficient, or one per --moe-router-load-balancing-type "
                                                  "(default: 0.0)")
@@ -404,7 +404,7 @@ class MoEFlags:
             score_function=self.moe_router_score_function, pre_softmax=self.moe_router_pre_softmax,
             topk_scaling_factor=self.moe_router_topk_scaling_factor, num_groups=num_groups, group_topk=group_topk,
             enable_expert_bias=self.moe_router_enable_expert_bias,
-            per_sequence_stats=self.load_balancing().per_sequence,
+            per_sequence_stats=self.load_balancing().per_sequence, sinkhorn=self.load_balancing().sinkhorn,
         )
         try:
             router.check(model_cfg.num_experts, model_cfg.top_k, model_cfg.norm_topk_prob)
@@ -629,10 +629,6 @@ REFUSED: dict[str, Refusal] = {
         lambda v, c: v is None or v == c.parallel.tensor_model_parallel_size,
         "the expert width is split over the tensor-parallel ranks (Megatron's default, ETP = TP); an expert "
         "tensor-parallel size different from --tensor-model-parallel-size is not implemented yet: drop the flag"),
-    "--moe-router-load-balancing-type": Refusal(
-        lambda v, c: "sinkhorn" not in ([v] if isinstance(v, str) else v),
-        "sinkhorn (S-BASE) is not implemented; use aux_loss, seq_aux_loss, global_aux_loss, a list of them, or "
-        "none (with --moe-router-enable-expert-bias for aux-loss-free balancing)"),
     "--moe-router-dtype": Refusal(
         lambda v, c: v in (None, "fp32"),
         "fp64 is not implemented (it would need JAX's x64 mode for the whole program); the router runs in fp32 "
@@ -722,6 +718,7 @@ def check(cfg: RunConfig) -> None:
                           "--pipeline-model-parallel-size > 1")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (as in Megatron)")
+    m.load_balancing()  # the types and their coefficients pair up (names the flags otherwise)
     names = _flag_names()
     for flag_name, refusal in REFUSED.items():
         section, field = names[flag_name]

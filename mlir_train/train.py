@@ -132,6 +132,12 @@ class Trainer:
         self.graphdef, abstract_state = nnx.split(abstract)
         self.stack_kinds = abstract.stack_kinds
         router_cfg = self.model_kwargs.get("router")
+        # The eval step's model: the same weights, routed as in evaluation (Sinkhorn balancing,
+        # like Megatron's, applies in training only).
+        self.eval_graphdef = self.graphdef
+        if model_cfg.is_moe and router_cfg is not None and router_cfg.sinkhorn:
+            eval_kwargs = self.model_kwargs | {"router": dataclasses.replace(router_cfg, training=False)}
+            self.eval_graphdef = nnx.split(nnx.eval_shape(lambda: Qwen3(model_cfg, rngs=nnx.Rngs(0), **eval_kwargs)))[0]
         self.expert_bias = bool(model_cfg.is_moe and router_cfg is not None and router_cfg.enable_expert_bias)
         self.param_shapes = nnx.to_pure_dict(abstract_state)
         self.logical = nnx.to_pure_dict(logical_axes(abstract))
@@ -241,11 +247,11 @@ class Trainer:
             first += n
         return {**params, "layers": layers}
 
-    def _pipeline_loss(self, params, batch, scale):
+    def _pipeline_loss(self, params, batch, scale, graphdef=None):
         """All micro-batches through the pipeline stages at once (see ``mlir_train.pipeline_parallel``)."""
         sc = self.step_cfg
         return pipeline_parallel.pipeline_loss(
-            self.graphdef, self._to_compute(params), batch, schedule=self.schedule,
+            self.graphdef if graphdef is None else graphdef, self._to_compute(params), batch, schedule=self.schedule,
             scale=scale, top_k=self.model_cfg.top_k, aux_loss_coeff=sc.aux_loss_coeff, z_loss_coeff=sc.z_loss_coeff,
             remat=self.model_kwargs.get("remat", "none"), balancing=sc.load_balancing(),
         )
@@ -355,9 +361,10 @@ class Trainer:
         if batch["input_ids"].ndim == 2:
             batch = {k: v[None] for k, v in batch.items()}
         if self.schedule is not None:  # the forward half of the training pipeline
-            _, aux = self._pipeline_loss(params, dict(batch, loss_weight=batch["loss_mask"]), jnp.float32(1.0))
+            _, aux = self._pipeline_loss(params, dict(batch, loss_weight=batch["loss_mask"]), jnp.float32(1.0),
+                                         self.eval_graphdef)
             return {"ce_sum": aux["ce_sum"], "loss_tokens": aux["loss_tokens"]}
-        model = nnx.merge(self.graphdef, self._to_compute(params))
+        model = nnx.merge(self.eval_graphdef, self._to_compute(params))
 
         def micro(acc, mb):
             h, _ = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])

@@ -19,7 +19,6 @@ from mlir_train.run_config import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, REFUSED
 REFUSED_VALUES = {
     "--context-parallel-size": "2",
     "--expert-tensor-parallel-size": "4",
-    "--moe-router-load-balancing-type": "sinkhorn",
     "--recompute-method": "block",
     "--recompute-num-layers": "2",
     "--no-save-optim": None,
@@ -159,8 +158,8 @@ def test_run_config_is_frozen_and_replace_makes_a_new_one():
 
 
 def test_readme_flag_table_is_the_generated_one():
-    """README.md's "Every flag" table is ``python -m mlir_train.run_config``'s output (rerun it
-    and paste between the markers when a flag changes)."""
+    """README.md's "Every flag" table is ``python -m mlir_train.run_config``'s output
+    (``python scripts/update_flag_table.py`` rewrites it when a flag changes)."""
     import os
 
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()

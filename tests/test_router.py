@@ -187,10 +187,60 @@ def test_megatron_checks_refuse_by_flag():
         RouterConfig(group_topk=2).check(E, 2, True)
     with pytest.raises(RouterConfigError, match="must divide"):
         RouterConfig(num_groups=3, group_topk=2).check(E, 2, True)
-    with pytest.raises(losses.LoadBalancingError, match="sinkhorn"):
-        losses.LoadBalancing.from_flags("sinkhorn", 0.0)
     with pytest.raises(losses.LoadBalancingError, match="one per type"):
         losses.LoadBalancing.from_flags(["aux_loss", "seq_aux_loss"], [1e-2])
     lb = losses.LoadBalancing.from_flags(["aux_loss", "seq_aux_loss", "none"], [1e-2, 1e-3, 5.0], 1e-3)
     assert lb.coeff("aux_loss") == 1e-2 and lb.coeff("seq_aux_loss") == 1e-3 and lb.per_sequence
     assert losses.LoadBalancing.from_flags("none", 1e-2).coeffs == ()  # Megatron: no aux loss for "none"
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_sinkhorn_routing_matches_megatron(k, training):
+    """Megatron's ``sinkhorn_load_balancing``: top-k of the balanced matrix in training (top-k of
+    the plain scores in evaluation), weighted by sigmoid (k = 1) or softmax scores."""
+    torch, _, make_router = megatron()
+    logits = _logits(11)
+    r = make_router(num_moe_experts=E, moe_router_topk=k, moe_router_load_balancing_type="sinkhorn",
+                    moe_aux_loss_coeff=0.0)
+    r.train(training)
+    with torch.no_grad():
+        probs_SE, _ = r.routing(_to_mcore(logits), padding_mask=None)
+    cfg = RouterConfig(sinkhorn=True, training=training)
+    cfg.check(E, k, True)
+    w, ex, stats = route(jnp.asarray(logits.reshape(B * T, E)), jnp.ones(B * T, bool), top_k=k, norm_topk_prob=True,
+                         cfg=cfg)
+    want = _from_mcore(probs_SE)
+    np.testing.assert_array_equal(_dense(w, ex) > 0, want > 0)  # the same experts
+    np.testing.assert_allclose(_dense(w, ex), want, rtol=RTOL, atol=1e-7)
+    if training:  # the balancing changes the choice (else this test could not tell the modes apart)
+        plain = route(jnp.asarray(logits.reshape(B * T, E)), jnp.ones(B * T, bool), top_k=k, norm_topk_prob=True,
+                      cfg=RouterConfig(sinkhorn=True, training=False))
+        assert np.any(np.asarray(plain[1]) != np.asarray(ex))
+
+
+def test_sinkhorn_balancing_matches_megatron_and_skips_padding():
+    from mlir_train.model.router import sinkhorn
+
+    _, moe_utils, _ = megatron()
+    torch = megatron()[0]
+    logits = _logits(12).reshape(B * T, E)
+    np.testing.assert_allclose(np.asarray(sinkhorn(jnp.asarray(logits), jnp.ones(B * T, bool))),
+                               moe_utils.sinkhorn(torch.from_numpy(logits)).numpy(), rtol=1e-5, atol=1e-9)
+    # Padding counts in neither marginal: the same as Megatron fed only the real tokens.
+    valid = (_segments() != 0).reshape(-1)
+    got = np.asarray(sinkhorn(jnp.asarray(logits), jnp.asarray(valid)))
+    np.testing.assert_allclose(got[valid], moe_utils.sinkhorn(torch.from_numpy(logits[valid])).numpy(),
+                               rtol=1e-5, atol=1e-9)
+    assert not got[~valid].any()
+
+
+def test_sinkhorn_flag_checks():
+    lb = losses.LoadBalancing.from_flags("sinkhorn", 0.0)
+    assert lb.sinkhorn and lb.coeffs == ()
+    with pytest.raises(losses.LoadBalancingError, match="takes no aux loss"):
+        losses.LoadBalancing.from_flags("sinkhorn", 1e-2)
+    with pytest.raises(losses.LoadBalancingError, match="give it alone"):
+        losses.LoadBalancing.from_flags(["sinkhorn", "aux_loss"], [0.0, 1e-2])
+    with pytest.raises(RouterConfigError, match="sinkhorn"):
+        RouterConfig(sinkhorn=True, score_function="sigmoid").check(E, 2, True)

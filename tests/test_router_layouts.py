@@ -42,9 +42,13 @@ SLOW = {"DP8"}
 SINGLE = "1 device"
 
 
-@functools.cache
-def run(layout: str):
-    cfg = MODELS["moe"].replace(top_k=4)
+# Sinkhorn balancing (no aux loss; z-loss only), top-2.
+SINKHORN = RouterConfig(sinkhorn=True)
+SINKHORN_BALANCING = losses.LoadBalancing(z_loss_coeff=1e-3, sinkhorn=True)
+
+
+def make_trainer(layout: str, router: RouterConfig = ROUTER, balancing: losses.LoadBalancing = BALANCING, top_k: int = 4):
+    cfg = MODELS["moe"].replace(top_k=top_k)
     if layout == SINGLE:
         parallel = ParallelConfig(num_devices=1)
         mesh = make_mesh(parallel, devices=jax.devices()[:1])
@@ -53,9 +57,16 @@ def run(layout: str):
         mesh = make_mesh(parallel)
     schedule = megatron_lr_schedule(lr=1e-3, min_lr=1e-4, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=0.9, beta2=0.95, clip_grad=1.0)
-    trainer = Trainer(cfg, StepConfig(num_micro_batches=MICRO, balancing=BALANCING, expert_bias_update_rate=RATE,
-                                      pipeline_schedule=PIPELINE_SCHEDULE.get(layout, "1f1b")),
-                      optimizer, parallel, mesh, model_kwargs={"router": ROUTER})
+    return Trainer(cfg, StepConfig(num_micro_batches=MICRO, balancing=balancing, expert_bias_update_rate=RATE,
+                                   pipeline_schedule=PIPELINE_SCHEDULE.get(layout, "1f1b")),
+                   optimizer, parallel, mesh, model_kwargs={"router": router})
+
+
+@functools.cache
+def run(layout: str, variant: str = "bias"):
+    trainer = (make_trainer(layout) if variant == "bias" else
+               make_trainer(layout, SINKHORN, SINKHORN_BALANCING, top_k=2))
+    cfg = trainer.model_cfg
     state = trainer.init_state(SEED)
     batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(cfg.vocab_size).items()}
     compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)
@@ -81,6 +92,25 @@ def test_router_variants_match_single_device(layout):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-30), err_msg=f"gradient {path}")
     bias, ref_bias = params["layers"][0]["mlp"]["expert_bias"], ref_params["layers"][0]["mlp"]["expert_bias"]
     np.testing.assert_array_equal(bias, ref_bias)
+
+
+@pytest.mark.parametrize("layout", ["EP4xTP2", pytest.param("PP2xEP2xDP2", marks=pytest.mark.slow)])
+def test_sinkhorn_matches_single_device_and_evaluates_without_balancing(layout):
+    _, ref_state, ref = run(SINGLE, "sinkhorn")
+    trainer, state, got = run(layout, "sinkhorn")
+    for key in ("lm loss", "grad-norm", "z_loss"):
+        np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_array_equal(got["tokens_per_expert"], ref["tokens_per_expert"])
+    for (path, a), (_, b) in zip(_named_leaves(_adam_mu(state["opt_state"])), _named_leaves(_adam_mu(ref_state["opt_state"]))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-30), err_msg=f"gradient {path}")
+    # Evaluation routes by the plain softmax top-k (Megatron's eval mode): the same eval loss as
+    # a pre-softmax top-2 router on the same weights, and not the training routing.
+    plain = make_trainer(layout, RouterConfig(pre_softmax=True), losses.LoadBalancing(z_loss_coeff=1e-3), top_k=2)
+    batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(trainer.model_cfg.vocab_size).items()}
+    got_eval = jax.device_get(trainer.eval_step(state["params"], batch))
+    want_eval = jax.device_get(plain.eval_step(state["params"], batch))
+    np.testing.assert_allclose(got_eval["ce_sum"], want_eval["ce_sum"], rtol=1e-6)
+    assert trainer.eval_graphdef is not trainer.graphdef
 
 
 def test_expert_bias_moves_against_the_load_and_is_checkpointed(tmp_path):
@@ -150,7 +180,7 @@ def test_cli_router_flags_train_in_bf16_and_log_per_layer(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--moe-router-load-balancing-type", "sinkhorn"], "sinkhorn"),
+    (["--moe-router-load-balancing-type", "sinkhorn"], "takes no aux loss"),  # _sft_args sets a coefficient
     (["--moe-router-dtype", "fp64"], "--moe-router-dtype fp64"),
     (["--moe-router-enable-expert-bias"], "--moe-router-score-function sigmoid"),
     (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], "one per type"),

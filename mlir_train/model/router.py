@@ -42,8 +42,15 @@ to (the load that is logged and that drives the expert bias):
   a row, so several packed documents in a row are several sequences, as when Megatron is fed
   them unpacked.
 
-Megatron's ``sinkhorn`` balancing and ``--moe-router-dtype fp64`` are not implemented here;
-:meth:`RouterConfig.check` refuses them by name.
+Sinkhorn balancing (``--moe-router-load-balancing-type sinkhorn``, S-BASE), as Megatron's
+``sinkhorn_load_balancing``: in training the experts are the top-k of the Sinkhorn-balanced
+``exp(logits)`` (no gradient through the balancing), weighted by the plain scores of the chosen
+experts (sigmoid for k = 1, softmax over all experts otherwise; not renormalised, not scaled);
+in evaluation (``RouterConfig.training=False``) the top-k of those scores. The balancing runs
+over the micro-batch's non-padding tokens on all data ranks together (Megatron balances each
+rank's tokens, padding included; the same at one data rank without padding), so it does not
+depend on the layout. ``--moe-router-dtype fp64`` is refused at start-up (it would need JAX's
+x64 mode for the whole program).
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class RouterConfig:
     group_topk: int | None = None          # --moe-router-group-topk
     enable_expert_bias: bool = False       # --moe-router-enable-expert-bias
     per_sequence_stats: bool = False       # seq_aux_loss needs per-document statistics
+    sinkhorn: bool = False                 # --moe-router-load-balancing-type sinkhorn
+    training: bool = True                  # sinkhorn balances only in training (the eval step's model: False)
 
     def renormalises(self, norm_topk_prob: bool) -> bool:
         """Whether softmax top-k weights are renormalised over the k chosen."""
@@ -80,11 +89,16 @@ class RouterConfig:
         """Megatron's own start-up checks (``TransformerConfig.__post_init__``), by flag."""
         if self.score_function not in SCORE_FUNCTIONS:
             raise RouterConfigError(f"--moe-router-score-function {self.score_function}: choose one of {SCORE_FUNCTIONS}")
+        if self.sinkhorn and (self.enable_expert_bias or self.group_topk or self.score_function != "softmax"):
+            raise RouterConfigError(
+                "--moe-router-load-balancing-type sinkhorn picks experts by its own balancing and weighs them with "
+                "sigmoid (top-1) or softmax scores, as Megatron does: it does not combine with "
+                "--moe-router-enable-expert-bias, --moe-router-group-topk or --moe-router-score-function sigmoid")
         if self.enable_expert_bias and self.score_function != "sigmoid":
             raise RouterConfigError(
                 "--moe-router-enable-expert-bias: the aux-loss-free expert bias only works with "
                 "--moe-router-score-function sigmoid (as in Megatron)")
-        if top_k == 1 and self.score_function == "softmax" and self.renormalises(norm_topk_prob):
+        if top_k == 1 and not self.sinkhorn and self.score_function == "softmax" and self.renormalises(norm_topk_prob):
             raise RouterConfigError(
                 "--moe-router-topk 1 with a softmax over the chosen expert gives every token weight 1 and the "
                 "router no gradient: add --moe-router-pre-softmax (as Megatron requires)")
@@ -119,7 +133,17 @@ def route(logits_SE: jax.Array, valid_S: jax.Array, *, top_k: int, norm_topk_pro
     valid = valid_S.astype(jnp.float32)
     groups = (cfg.num_groups, cfg.group_topk) if cfg.group_topk else None
     select = lambda scores: _select(scores, top_k, groups)
-    if cfg.score_function == "softmax":
+    if cfg.sinkhorn:
+        # Megatron's _sinkhorn_activation: sigmoid for top-1, softmax over all experts otherwise.
+        scores_SE = jax.nn.sigmoid(logits_SE) if top_k == 1 else jax.nn.softmax(logits_SE, axis=-1)
+        if cfg.training:
+            balanced_SE = jax.lax.stop_gradient(sinkhorn(logits_SE, valid_S))
+            _, experts_SK = select(balanced_SE)
+            weights_SK = jnp.take_along_axis(scores_SE, experts_SK, axis=-1)
+        else:
+            weights_SK, experts_SK = select(scores_SE)
+        aux_scores_SE, aux_experts_SK = scores_SE, experts_SK
+    elif cfg.score_function == "softmax":
         probs_SE = jax.nn.softmax(logits_SE, axis=-1)
         renorm = cfg.renormalises(norm_topk_prob)
         if groups and renorm:
@@ -148,7 +172,7 @@ def route(logits_SE: jax.Array, valid_S: jax.Array, *, top_k: int, norm_topk_pro
         aux_experts_SK = experts_SK if plain else _select(aux_scores_SE, top_k, None)[1]
     else:
         raise RouterConfigError(f"--moe-router-score-function {cfg.score_function}: choose one of {SCORE_FUNCTIONS}")
-    if cfg.topk_scaling_factor:
+    if cfg.topk_scaling_factor and not cfg.sinkhorn:  # Megatron's sinkhorn path does not scale
         weights_SK = weights_SK * cfg.topk_scaling_factor
 
     counts_E = _counts(experts_SK, e, valid)
@@ -166,6 +190,28 @@ def route(logits_SE: jax.Array, valid_S: jax.Array, *, top_k: int, norm_topk_pro
             raise ValueError("seq_aux_loss needs the segment ids of the tokens")
         stats.update(_per_sequence(aux_experts_SK, aux_scores_SE, valid, segment_ids_BT, top_k))
     return weights_SK, experts_SK, stats
+
+
+def sinkhorn(logits_SE: jax.Array, valid_S: jax.Array, tol: float = 1e-4) -> jax.Array:
+    """Megatron's ``moe_utils.sinkhorn`` over the valid tokens: alternately rescale the rows
+    (tokens) and columns (experts) of ``exp(logits)`` towards uniform marginals until the
+    column scales move by less than ``tol`` on average; returns the balanced matrix. Padding
+    rows are zero and count in neither marginal."""
+    valid = valid_S.astype(jnp.float32)
+    cost_SE = jnp.exp(logits_SE.astype(jnp.float32)) * valid[:, None]
+    n = jnp.maximum(jnp.sum(valid), 1.0)
+    e = logits_SE.shape[-1]
+    eps = 1e-8
+
+    def step(carry):
+        _, d1_E, _ = carry
+        d0_S = (1.0 / n) / (jnp.sum(d1_E * cost_SE, axis=1) + eps)
+        new_d1_E = (1.0 / e) / (jnp.sum(d0_S[:, None] * cost_SE, axis=0) + eps)
+        return d0_S, new_d1_E, jnp.mean(jnp.abs(d1_E - new_d1_E))
+
+    init = (jnp.ones(cost_SE.shape[:1], jnp.float32), jnp.ones((e,), jnp.float32), jnp.float32(1e9))
+    d0_S, d1_E, _ = jax.lax.while_loop(lambda c: c[2] > tol, step, init)
+    return d1_E * cost_SE * d0_S[:, None]
 
 
 def _counts(experts_SK, e, valid_S):
