@@ -364,7 +364,8 @@ class MoEFlags:
              "experts (needs --moe-router-score-function sigmoid)")
     moe_router_bias_update_rate: float = flag("--moe-router-bias-update-rate", default=1e-3, type=float)
     moe_router_dtype: str | None = flag("--moe-router-dtype", choices=["fp32", "fp64"],
-                                        help="the router always runs in fp32 here; fp64 is refused at start-up")
+                                        help="the router's gating matmul, scores, top-k and statistics in fp32 "
+                                             "(default) or fp64 (CPU/GPU; not on TPU)")
     moe_per_layer_logging: bool = switch(
         "--moe-per-layer-logging", help="also log each MoE layer's aux / z losses to TensorBoard (moe/<name>_layer_<i>)")
     moe_expert_capacity_factor: float | None = flag(
@@ -405,6 +406,7 @@ class MoEFlags:
             topk_scaling_factor=self.moe_router_topk_scaling_factor, num_groups=num_groups, group_topk=group_topk,
             enable_expert_bias=self.moe_router_enable_expert_bias,
             per_sequence_stats=self.load_balancing().per_sequence, sinkhorn=self.load_balancing().sinkhorn,
+            dtype=self.moe_router_dtype or "fp32",
         )
         try:
             router.check(model_cfg.num_experts, model_cfg.top_k, model_cfg.norm_topk_prob)
@@ -629,10 +631,6 @@ REFUSED: dict[str, Refusal] = {
         lambda v, c: v is None or v == c.parallel.tensor_model_parallel_size,
         "the expert width is split over the tensor-parallel ranks (Megatron's default, ETP = TP); an expert "
         "tensor-parallel size different from --tensor-model-parallel-size is not implemented yet: drop the flag"),
-    "--moe-router-dtype": Refusal(
-        lambda v, c: v in (None, "fp32"),
-        "fp64 is not implemented (it would need JAX's x64 mode for the whole program); the router runs in fp32 "
-        "here: use --moe-router-dtype fp32 or drop the flag"),
     "--recompute-method": Refusal(
         lambda v, c: v is None,
         "recomputing only some layers is not implemented yet: --recompute-granularity full/selective applies "
@@ -844,7 +842,9 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
                           last_stage_layers=p.decoder_last_pipeline_num_layers, num_micro_batches=num_micro)
     except ParallelConfigError as e:
         raise ConfigError(str(e)) from None
-    cfg.moe.router(model_cfg, parallel.expert)  # Megatron's router checks, before anything compiles
+    router = cfg.moe.router(model_cfg, parallel.expert)  # Megatron's router checks, before anything compiles
+    if router is not None and router.dtype == "fp64" and platform == "tpu":
+        raise ConfigError("--moe-router-dtype fp64: TPUs have no float64; use --moe-router-dtype fp32 (the default)")
     if model_cfg.is_moe and cfg.moe.moe_router_num_groups and not cfg.moe.moe_router_group_topk:
         print("mlir-train: --moe-router-num-groups without --moe-router-group-topk routes without groups "
               "(as in Megatron)")

@@ -23,7 +23,6 @@ REFUSED_VALUES = {
     "--recompute-num-layers": "2",
     "--no-save-optim": None,
     "--no-save-rng": None,
-    "--moe-router-dtype": "fp64",
 }
 
 

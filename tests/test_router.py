@@ -244,3 +244,64 @@ def test_sinkhorn_flag_checks():
         losses.LoadBalancing.from_flags(["sinkhorn", "aux_loss"], [0.0, 1e-2])
     with pytest.raises(RouterConfigError, match="sinkhorn"):
         RouterConfig(sinkhorn=True, score_function="sigmoid").check(E, 2, True)
+
+
+@pytest.mark.parametrize("name,fields,cfg,k,norm", [CASES[0], CASES[5]], ids=[CASES[0][0], CASES[5][0]])
+def test_fp64_routing_matches_megatron_fp64(name, fields, cfg, k, norm):
+    """``--moe-router-dtype fp64``: float64 logits routed in an x64 region equal Megatron's
+    fp64 routing to float64 precision, and the weights leave as float32."""
+    import dataclasses
+
+    import jax
+
+    from mlir_train.model.router import route_in
+
+    torch, _, make_router = megatron()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((B * T, 16))
+    w = rng.standard_normal((16, E)) * 0.5
+    r = make_router(num_moe_experts=E, moe_router_topk=k, moe_router_dtype="fp64", moe_aux_loss_coeff=0.0, **fields)
+    with torch.no_grad():
+        logits = (torch.from_numpy(x) @ torch.from_numpy(w)).reshape(B, T, E).transpose(0, 1).contiguous()
+        probs_SE, _ = r.routing(logits, padding_mask=None)
+    assert probs_SE.dtype == torch.float64
+    fp64 = dataclasses.replace(cfg, dtype="fp64")
+    weights, experts, stats = jax.jit(lambda x, w: route_in(fp64, x, w, jnp.ones(B * T, bool), top_k=k,
+                                                           norm_topk_prob=norm))(x.astype(np.float32), w.astype(np.float32))
+    assert weights.dtype == jnp.float32 and stats["probs_per_expert"].dtype == jnp.float32
+    # Our inputs arrive as float32 (the model's activations), so feed Megatron the same values.
+    with torch.no_grad():
+        logits32 = (torch.from_numpy(x.astype(np.float32).astype(np.float64))
+                    @ torch.from_numpy(w.astype(np.float32).astype(np.float64)))
+        probs32, _ = r.routing(logits32.reshape(B, T, E).transpose(0, 1).contiguous(), padding_mask=None)
+    np.testing.assert_allclose(_dense(weights, experts), _from_mcore(probs32).astype(np.float32), rtol=3e-7, atol=1e-8)  # 2 float32 ulps
+    hlo = jax.jit(lambda x, w: route_in(fp64, x, w, jnp.ones(B * T, bool), top_k=k, norm_topk_prob=norm)[0]).lower(
+        x.astype(np.float32), w.astype(np.float32)).as_text()
+    assert "f64" in hlo and "f32" in hlo
+
+
+def test_fp64_router_gradients_match_fp32():
+    """The x64 region's own backward: the router's gradients (through the weights, the aux
+    scores and the z-loss sums) equal the fp32 router's to float32 precision."""
+    import jax
+
+    from mlir_train.model.router import route_in
+
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((B * T, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, E)) * 0.5, jnp.float32)
+    valid = jnp.asarray((_segments() != 0).reshape(-1))
+
+    def objective(dtype):
+        def f(x, w):
+            weights, _, stats = route_in(RouterConfig(dtype=dtype, per_sequence_stats=True), x, w, valid, top_k=2,
+                                         norm_topk_prob=True, segment_ids_BT=jnp.asarray(_segments()))
+            return (jnp.sum(weights * jnp.arange(2.0)) + jnp.sum(stats["probs_per_expert"] * jnp.arange(E))
+                    + 1e-2 * stats["z_loss_sum"] + stats["seq_aux_sum"])
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
+
+    (v32, (gx32, gw32)), (v64, (gx64, gw64)) = objective("fp32"), objective("fp64")
+    assert gx64.dtype == jnp.float32 and gw64.dtype == jnp.float32
+    np.testing.assert_allclose(v64, v32, rtol=1e-6)
+    np.testing.assert_allclose(gx64, gx32, rtol=1e-4, atol=1e-6 * float(jnp.abs(gx32).max()))
+    np.testing.assert_allclose(gw64, gw32, rtol=1e-4, atol=1e-6 * float(jnp.abs(gw32).max()))

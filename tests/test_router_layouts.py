@@ -147,7 +147,7 @@ def test_per_layer_logging_tags_are_megatrons():
 @pytest.mark.slow  # ~100 s on 2 busy cores: data preprocessing and a bf16 step compile
 def test_cli_router_flags_train_in_bf16_and_log_per_layer(tmp_path, capsys):
     """The Megatron flags end to end: a list of balancing types with one coefficient each, sigmoid
-    group-limited routing with the expert bias, in bf16 (the bias stays float32), per-layer logs."""
+    group-limited routing with the expert bias, in bf16 (the bias stays float32) with the router in fp64, per-layer logs."""
     import json
     import os
 
@@ -159,7 +159,7 @@ def test_cli_router_flags_train_in_bf16_and_log_per_layer(tmp_path, capsys):
              "--moe-aux-loss-coeff", "1e-2", "1e-3", "1e-2", "--moe-z-loss-coeff", "1e-3",
              "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
              "--moe-router-bias-update-rate", "1e-2", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
-             "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32", "--moe-per-layer-logging"]
+             "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp64", "--moe-per-layer-logging"]
     args = _sft_args(tmp_path, *flags)
     args[args.index("--eval-iters") + 1] = "0"  # no eval step to compile
     args[args.index("--moe-aux-loss-coeff"):args.index("--moe-aux-loss-coeff") + 2] = []  # the list replaces it
@@ -181,7 +181,6 @@ def test_cli_router_flags_train_in_bf16_and_log_per_layer(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags,message", [
     (["--moe-router-load-balancing-type", "sinkhorn"], "takes no aux loss"),  # _sft_args sets a coefficient
-    (["--moe-router-dtype", "fp64"], "--moe-router-dtype fp64"),
     (["--moe-router-enable-expert-bias"], "--moe-router-score-function sigmoid"),
     (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], "one per type"),
     (["--moe-router-group-topk", "2"], "--moe-router-num-groups"),

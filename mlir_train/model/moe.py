@@ -54,7 +54,7 @@ from mlir_train.model.moe_dispatch import (
 from mlir_train.model.moe_experts import BlockKernels, mosaic_block_kernels, xla_block_kernels
 from mlir_train.model.moe_gpu import BLOCK_ROWS as GPU_BLOCK_ROWS
 from mlir_train.model.moe_parallel import run_experts
-from mlir_train.model.router import RouterConfig, route, router_logits
+from mlir_train.model.router import RouterConfig, route_in
 from sharding import constrain
 
 ROUTER_SCOPE = "moe_router"
@@ -118,11 +118,11 @@ class MoE(nnx.Module):
 
     # ----- routing (mlir_train.model.router) ------------------------------------------------
     def route(self, x_SD: jax.Array, valid_S: jax.Array, segment_ids_BT: jax.Array | None = None):
-        """Router in float32 (Megatron and HF both softmax in fp32; we also matmul in fp32)."""
-        logits_SE = router_logits(x_SD, self.router[...])
+        """Router in float32 (Megatron and HF both softmax in fp32; we also matmul in fp32), or
+        float64 with ``--moe-router-dtype fp64``."""
         bias = self.expert_bias[...] if self.router_cfg.enable_expert_bias else None
-        return route(logits_SE, valid_S, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, cfg=self.router_cfg,
-                     expert_bias_E=bias, segment_ids_BT=segment_ids_BT)
+        return route_in(self.router_cfg, x_SD, self.router[...], valid_S, top_k=self.top_k,
+                        norm_topk_prob=self.norm_topk_prob, expert_bias_E=bias, segment_ids_BT=segment_ids_BT)
 
     # ----- experts -------------------------------------------------------------------------
     def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array, segment_ids_BT: jax.Array | None = None):

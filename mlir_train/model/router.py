@@ -1,5 +1,5 @@
 """MoE routing as Megatron-Core's ``TopKRouter`` does it (``transformer/moe/router.py`` and
-``moe_utils.py`` of megatron-core 0.16.1), in float32, plus the statistics the trainer forms
+``moe_utils.py`` of megatron-core 0.16.1), in float32 (or float64, ``--moe-router-dtype fp64``), plus the statistics the trainer forms
 the load-balancing losses from (:mod:`mlir_train.losses`).
 
 Shape suffixes: S flat tokens (batch*seq), B rows, T sequence, E experts, K top-k slots,
@@ -49,13 +49,18 @@ experts (sigmoid for k = 1, softmax over all experts otherwise; not renormalised
 in evaluation (``RouterConfig.training=False``) the top-k of those scores. The balancing runs
 over the micro-batch's non-padding tokens on all data ranks together (Megatron balances each
 rank's tokens, padding included; the same at one data rank without padding), so it does not
-depend on the layout. ``--moe-router-dtype fp64`` is refused at start-up (it would need JAX's
-x64 mode for the whole program).
+depend on the layout.
+
+``--moe-router-dtype fp64`` (:func:`route_in`): the gating matmul, scores, top-k, Sinkhorn and
+the statistics' sums run in float64 inside a ``jax.enable_x64`` region of the otherwise 32-bit
+program (CPU and GPU; TPUs have no float64); the weights and statistics leave it as float32,
+where the losses are formed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +68,7 @@ import jax.numpy as jnp
 from sharding import logical_shard_map, mesh_axes_of
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64}
 
 
 class RouterConfigError(ValueError):
@@ -77,6 +83,7 @@ class RouterConfig:
     num_groups: int | None = None          # --moe-router-num-groups
     group_topk: int | None = None          # --moe-router-group-topk
     enable_expert_bias: bool = False       # --moe-router-enable-expert-bias
+    dtype: str = "fp32"                    # --moe-router-dtype fp32 | fp64
     per_sequence_stats: bool = False       # seq_aux_loss needs per-document statistics
     sinkhorn: bool = False                 # --moe-router-load-balancing-type sinkhorn
     training: bool = True                  # sinkhorn balances only in training (the eval step's model: False)
@@ -89,6 +96,8 @@ class RouterConfig:
         """Megatron's own start-up checks (``TransformerConfig.__post_init__``), by flag."""
         if self.score_function not in SCORE_FUNCTIONS:
             raise RouterConfigError(f"--moe-router-score-function {self.score_function}: choose one of {SCORE_FUNCTIONS}")
+        if self.dtype not in ROUTER_DTYPES:
+            raise RouterConfigError(f"--moe-router-dtype {self.dtype}: choose one of {tuple(ROUTER_DTYPES)}")
         if self.sinkhorn and (self.enable_expert_bias or self.group_topk or self.score_function != "softmax"):
             raise RouterConfigError(
                 "--moe-router-load-balancing-type sinkhorn picks experts by its own balancing and weighs them with "
@@ -120,17 +129,63 @@ class RouterConfig:
                     f"--moe-router-topk {top_k} experts")
 
 
-def router_logits(x_SD: jax.Array, w_DE: jax.Array) -> jax.Array:
-    """The gating linear in float32 (``--moe-router-dtype fp32``; HF also takes it in fp32)."""
-    return jnp.einsum("sd,de->se", x_SD.astype(jnp.float32), w_DE.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+def router_logits(x_SD: jax.Array, w_DE: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """The gating linear in float32 (``--moe-router-dtype fp32``; HF also takes it in fp32),
+    or float64 inside :func:`route_in`'s x64 region."""
+    return jnp.einsum("sd,de->se", x_SD.astype(dtype), w_DE.astype(dtype), precision=jax.lax.Precision.HIGHEST)
+
+
+def route_in(cfg: "RouterConfig", x_SD: jax.Array, w_DE: jax.Array, valid_S: jax.Array, *, top_k: int,
+             norm_topk_prob: bool, expert_bias_E: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
+    """Gating linear + :func:`route` in ``cfg.dtype``; returns float32 weights and statistics."""
+    extras = {k: v for k, v in (("expert_bias_E", expert_bias_E), ("segment_ids_BT", segment_ids_BT)) if v is not None}
+    if cfg.dtype == "fp32":
+        return route(router_logits(x_SD, w_DE), valid_S, cfg=cfg, top_k=top_k, norm_topk_prob=norm_topk_prob, **extras)
+    return _route_x64(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras)
+
+
+def _x64_forward(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras):
+    with jax.enable_x64(True):
+        weights_SK, experts_SK, stats = route(router_logits(x_SD, w_DE, ROUTER_DTYPES[cfg.dtype]), valid_S, cfg=cfg,
+                                              top_k=top_k, norm_topk_prob=norm_topk_prob, **extras)
+        return (weights_SK.astype(jnp.float32), experts_SK.astype(jnp.int32),
+                {k: v.astype(jnp.float32) for k, v in stats.items()})
+
+
+# The x64 region must hold the backward too: left to autodiff, the transpose of the float64 ops
+# is traced after the region has closed, where its constants come out 32-bit.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _route_x64(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras):
+    return _x64_forward(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras)
+
+
+def _route_x64_fwd(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras):
+    return _x64_forward(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras), (x_SD, w_DE, valid_S, extras)
+
+
+def _route_x64_bwd(cfg, top_k, norm_topk_prob, res, cotangents):
+    x_SD, w_DE, valid_S, extras = res
+    ct_weights, _, ct_stats = cotangents
+    with jax.enable_x64(True):
+        def differentiable(x, w):
+            weights_SK, _, stats = _x64_forward(cfg, top_k, norm_topk_prob, x, w, valid_S, extras)
+            return weights_SK, stats
+
+        _, vjp = jax.vjp(differentiable, x_SD, w_DE)
+        dx, dw = vjp((ct_weights, ct_stats))
+    return dx, dw, None, None
+
+
+_route_x64.defvjp(_route_x64_fwd, _route_x64_bwd)
 
 
 def route(logits_SE: jax.Array, valid_S: jax.Array, *, top_k: int, norm_topk_prob: bool, cfg: RouterConfig,
           expert_bias_E: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
-    """``(weights [S, K] float32, experts [S, K] int32, stats)`` for float32 router logits."""
+    """``(weights [S, K], experts [S, K] int32, stats)`` for router logits, all in the logits'
+    floating dtype (float32; float64 in :func:`route_in`'s x64 region)."""
     e = logits_SE.shape[-1]
-    valid = valid_S.astype(jnp.float32)
+    dt = logits_SE.dtype
+    valid = valid_S.astype(dt)
     groups = (cfg.num_groups, cfg.group_topk) if cfg.group_topk else None
     select = lambda scores: _select(scores, top_k, groups)
     if cfg.sinkhorn:
@@ -160,7 +215,7 @@ def route(logits_SE: jax.Array, valid_S: jax.Array, *, top_k: int, norm_topk_pro
         scores_SE = jax.nn.sigmoid(logits_SE)
         if expert_bias_E is not None:
             # The bias chooses, the scores weigh; it is state updated outside the gradient.
-            bias_E = jax.lax.stop_gradient(expert_bias_E.astype(jnp.float32))
+            bias_E = jax.lax.stop_gradient(expert_bias_E.astype(dt))
             _, experts_SK = select(scores_SE + bias_E)
             weights_SK = jnp.take_along_axis(scores_SE, experts_SK, axis=-1)
         else:
@@ -197,8 +252,9 @@ def sinkhorn(logits_SE: jax.Array, valid_S: jax.Array, tol: float = 1e-4) -> jax
     (tokens) and columns (experts) of ``exp(logits)`` towards uniform marginals until the
     column scales move by less than ``tol`` on average; returns the balanced matrix. Padding
     rows are zero and count in neither marginal."""
-    valid = valid_S.astype(jnp.float32)
-    cost_SE = jnp.exp(logits_SE.astype(jnp.float32)) * valid[:, None]
+    dt = logits_SE.dtype
+    valid = valid_S.astype(dt)
+    cost_SE = jnp.exp(logits_SE) * valid[:, None]
     n = jnp.maximum(jnp.sum(valid), 1.0)
     e = logits_SE.shape[-1]
     eps = 1e-8
@@ -209,13 +265,13 @@ def sinkhorn(logits_SE: jax.Array, valid_S: jax.Array, tol: float = 1e-4) -> jax
         new_d1_E = (1.0 / e) / (jnp.sum(d0_S[:, None] * cost_SE, axis=0) + eps)
         return d0_S, new_d1_E, jnp.mean(jnp.abs(d1_E - new_d1_E))
 
-    init = (jnp.ones(cost_SE.shape[:1], jnp.float32), jnp.ones((e,), jnp.float32), jnp.float32(1e9))
+    init = (jnp.ones(cost_SE.shape[:1], dt), jnp.ones((e,), dt), jnp.asarray(1e9, dt))
     d0_S, d1_E, _ = jax.lax.while_loop(lambda c: c[2] > tol, step, init)
     return d1_E * cost_SE * d0_S[:, None]
 
 
 def _counts(experts_SK, e, valid_S):
-    return jnp.sum(jax.nn.one_hot(experts_SK, e, dtype=jnp.float32) * valid_S[:, None, None], axis=(0, 1))
+    return jnp.sum(jax.nn.one_hot(experts_SK, e, dtype=valid_S.dtype) * valid_S[:, None, None], axis=(0, 1))
 
 
 def _per_sequence(experts_SK, scores_SE, valid_S, segment_ids_BT, top_k):
@@ -224,7 +280,7 @@ def _per_sequence(experts_SK, scores_SE, valid_S, segment_ids_BT, top_k):
     stay independent."""
     b, t = segment_ids_BT.shape
     e = scores_SE.shape[-1]
-    map_BTE = (jnp.sum(jax.nn.one_hot(experts_SK, e, dtype=jnp.float32), axis=1) * valid_S[:, None]).reshape(b, t, e)
+    map_BTE = (jnp.sum(jax.nn.one_hot(experts_SK, e, dtype=valid_S.dtype), axis=1) * valid_S[:, None]).reshape(b, t, e)
     scores_BTE = (scores_SE * valid_S[:, None]).reshape(b, t, e)
     valid_BT = valid_S.reshape(b, t)
     seg_BT = segment_ids_BT.astype(jnp.int32)
@@ -238,7 +294,7 @@ def _per_sequence(experts_SK, scores_SE, valid_S, segment_ids_BT, top_k):
     n_BD = jnp.maximum(n_BD, 1.0)
     aux_BD = e * jnp.sum(c_BDE * p_BDE, axis=-1) / (top_k * n_BD * n_BD)
     return {"seq_aux_sum": jnp.sum(jnp.where(is_doc_BD, aux_BD, 0.0)),
-            "num_sequences": jnp.sum(is_doc_BD.astype(jnp.float32))}
+            "num_sequences": jnp.sum(is_doc_BD.astype(valid_S.dtype))}
 
 
 def _select(scores_SE, k, groups):
