@@ -26,8 +26,8 @@ import json
 import sys
 from typing import Any, Iterable, Sequence
 
-from mlir_train.run_config import (ARCH_IMPLIED_FLAGS, GROUP_TITLES, NOOP_FLAG_GROUPS, NOOP_FLAGS, SEED_GROUPS,
-                                   ConfigError, RunConfig, build, section_fields)
+from mlir_train.run_config import (ARCH_IMPLIED_FLAGS, GROUP_TITLES, NOOP_FLAG_GROUPS, NOOP_FLAGS,
+                                   NOT_IMPLEMENTED_FLAGS, SEED_GROUPS, ConfigError, RunConfig, build, section_fields)
 
 __all__ = ["parse", "build_parser", "flag_value", "FLAG_GROUPS", "ALL_FLAGS", "SEED_GROUPS", "GROUP_TITLES"]
 
@@ -82,11 +82,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {self.error_context}{message}\n")
 
 
+class _RefusedAction(argparse.Action):
+    """A Megatron flag of a feature we do not implement: stops the run naming it."""
+
+    def __init__(self, option_strings, dest, why: str = "", **kwargs):
+        self.why = why
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.why}")
+
+
+def _arity(nargs: int | str):
+    return {0: 0, 1: None}.get(nargs, nargs)
+
+
 def _add_ignored(group, flag: str, nargs: int, allowed=None, help_text=None) -> None:
     group.add_argument(
         flag,
         action=_IgnoredAction,
-        nargs=0 if nargs == 0 else None,
+        nargs=_arity(nargs),
         allowed=allowed,
         metavar="VALUE" if nargs else None,
         help=help_text or "ignored under JAX",
@@ -116,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                              + (f" (only {'/'.join(allowed)})" if allowed else ""))
     for flag, (nargs, why) in NOOP_FLAGS.items():
         _add_ignored(groups[NOOP_FLAG_GROUPS.get(flag, "ignored")], flag, nargs, help_text=f"no effect: {why}")
+    for flag, (nargs, why) in NOT_IMPLEMENTED_FLAGS.items():
+        groups["refused"].add_argument(flag, action=_RefusedAction, nargs=_arity(nargs), why=why,
+                                       metavar="VALUE" if nargs else None, help=f"refused: {why}")
     for action in p._actions:
         if action.help is None and not _hidden_default(action):
             action.help = "default: %(default)s"

@@ -279,6 +279,7 @@ def _trainer(cfg: RunConfig, layout: Layout, num_devices: int, devices=None):
                       data_parallel_sharding_strategy="no_shard",
                       # the pipeline's own flags mean nothing to (and are refused by) a PP1 layout
                       **({} if layout.pipeline > 1 else dict(num_layers_per_virtual_pipeline_stage=None,
+                                                             num_virtual_stages_per_pipeline_rank=None,
                                                              decoder_first_pipeline_num_layers=None,
                                                              decoder_last_pipeline_num_layers=None,
                                                              pipeline_schedule=None))),

@@ -43,6 +43,7 @@ GROUP_TITLES = {
     "checkpointing": "checkpointing",
     "mlir-train": "mlir-train extras (no Megatron equivalent)",
     "ignored": "accepted for Megatron compatibility, no effect under JAX (reported once as ignored)",
+    "refused": "Megatron features not implemented here (the run stops naming the flag)",
 }
 
 
@@ -441,6 +442,10 @@ class ParallelFlags:
         "--use-megatron-fsdp", "--use-custom-fsdp",
         help="accepted for Megatron-FSDP scripts; the sharding follows --data-parallel-sharding-strategy")
     num_layers_per_virtual_pipeline_stage: int | None = flag("--num-layers-per-virtual-pipeline-stage", type=int)
+    num_virtual_stages_per_pipeline_rank: int | None = flag(
+        "--num-virtual-stages-per-pipeline-rank", type=int,
+        help="interleaved 1F1B with this many model chunks per stage (the other spelling of "
+             "--num-layers-per-virtual-pipeline-stage = layers / (PP x this))")
     decoder_first_pipeline_num_layers: int | None = flag("--decoder-first-pipeline-num-layers", type=int)
     decoder_last_pipeline_num_layers: int | None = flag("--decoder-last-pipeline-num-layers", type=int)
     pipeline_schedule: str | None = flag(
@@ -449,6 +454,23 @@ class ParallelFlags:
              "--num-layers-per-virtual-pipeline-stage; activations of at most ~2 x stages micro-batches), "
              "gpipe, or circular (needs --num-layers-per-virtual-pipeline-stage; both keep every "
              "micro-batch's activations)")
+
+    def layers_per_virtual_stage(self, num_layers: int) -> int | None:
+        """Layers per virtual pipeline stage, from either of Megatron's two spellings."""
+        v, per = self.num_virtual_stages_per_pipeline_rank, self.num_layers_per_virtual_pipeline_stage
+        if v is None:
+            return per
+        if per is not None:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+                              "are mutually exclusive (as in Megatron): give one")
+        pp = self.pipeline_model_parallel_size
+        if v < 1 or num_layers % (pp * v):
+            raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {v}: the {num_layers} layers do not split into "
+                              f"{pp} stages x {v} chunks of equal size")
+        if self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers:
+            raise ConfigError("--num-virtual-stages-per-pipeline-rank with uneven stages (--decoder-first/last-"
+                              "pipeline-num-layers) is not implemented; drop one of them")
+        return None if v == 1 else num_layers // (pp * v)
 
     @property
     def fsdp(self) -> bool:
@@ -593,7 +615,75 @@ NOOP_FLAGS: dict[str, tuple[int, str]] = {
         "--log-memory-to-tensorboard": 0, "--log-validation-ppl-to-tensorboard": 0,
         "--log-world-size-to-tensorboard": 0, "--timing-log-level": 1, "--timing-log-option": 1,
         "--tensorboard-queue-size": 1}.items()},
+    # Megatron's MoE / parallelism tuning of its own communication and kernels
+    **{f: (n, "communication/kernel tuning of Megatron's own collectives and dispatchers: XLA inserts, "
+              "fuses and overlaps the collectives (see platform_setup's GPU flags)") for f, n in {
+        "--create-all-gather-group": 0, "--ddp-bucket-size": 1, "--ddp-num-buckets": 1,
+        "--ddp-pad-buckets-for-high-nccl-busbw": 0, "--disable-symmetric-registration": 0,
+        "--distributed-timeout-seconds-after-init": 1, "--fsdp-double-buffer": 0, "--fsdp-manual-registration": 0,
+        "--nccl-communicator-config-path": 1, "--no-align-grad-reduce": 0, "--no-align-param-gather": 0,
+        "--no-gradient-reduce-div-fusion": 0, "--no-overlap-p2p-communication": 0,
+        "--no-scatter-gather-tensors-in-pipeline": 0, "--no-tp-comm-bulk-dgrad": 0, "--disable-tp-comm-bulk-dgrad": 0,
+        "--no-tp-comm-bulk-wgrad": 0, "--disable-tp-comm-bulk-wgrad": 0, "--no-tp-comm-overlap-ag": 0,
+        "--disable-tp-comm-overlap-ag": 0, "--no-tp-comm-overlap-rs": 0, "--disable-tp-comm-overlap-rs": 0,
+        "--no-tp-comm-split-ag": 0, "--disable-tp-comm-split-ag": 0, "--no-tp-comm-split-rs": 0,
+        "--disable-tp-comm-split-rs": 0, "--tp-comm-overlap-rs-dgrad": 0, "--tp-comm-bootstrap-backend": 1,
+        "--overlap-moe-expert-parallel-comm": 0, "--overlap-p2p-communication-warmup-flush": 0,
+        "--overlap-param-gather-with-optimizer-step": 0, "--pipeline-model-parallel-comm-backend": 1,
+        "--sharp-enabled-group": 1, "--use-sharp": 0, "--suggested-communication-unit-size": 1, "--use-nccl-ub": 0,
+        "--ep-overlap-early-attn-memory-release": 0, "--moe-enable-deepep": 0, "--moe-deepep-num-sms": 1,
+        "--moe-flex-dispatcher-backend": 1, "--moe-hybridep-num-sms": 1, "--torch-fsdp2-no-reshard-after-forward": 0,
+        "--fake-process-group": 0}.items()},
+    "--ddp-reduce-scatter-with-fp32-accumulation": (0, "gradients are reduced in float32 here already"),
+    "--microbatch-group-size-per-virtual-pipeline-stage": (
+        1, "the interleaved schedule's micro-batch grouping changes Megatron's issue order, not the numbers; "
+           "our 1F1B is one compiled program"),
+    "--keep-fp8-transpose-cache": (0, "FP8 is not used here"),
+    "--moe-router-padding-for-fp8": (0, "FP8 is not used here"),
+    "--moe-router-padding-for-quantization": (0, "FP8/FP4 is not used here"),
+    "--inference-fuse-tp-communication": (0, "inference only"),
+    "--moe-pad-experts-for-cuda-graph-inference": (0, "inference (CUDA graphs) only"),
+    "--mtp-loss-scaling-factor": (1, "only with --mtp-num-layers, which is refused (Qwen3 has no MTP head)"),
 }
+
+# Megatron flags of features we do not implement: accepted by the parser only to stop the run
+# naming the flag and saying why / what to use. flag -> (arity, why).
+NOT_IMPLEMENTED_FLAGS: dict[str, tuple[int | str, str]] = {
+    "--account-for-embedding-in-pipeline-split": (0, "not implemented: use --decoder-first-pipeline-num-layers / "
+                                                     "--decoder-last-pipeline-num-layers for an uneven split"),
+    "--account-for-loss-in-pipeline-split": (0, "not implemented: use --decoder-first-pipeline-num-layers / "
+                                                "--decoder-last-pipeline-num-layers for an uneven split"),
+    "--pipeline-model-parallel-layout": (1, "custom layout strings are not implemented: use "
+                                            "--decoder-first/last-pipeline-num-layers and "
+                                            "--num-layers-per-virtual-pipeline-stage"),
+    "--use-tp-pp-dp-mapping": (0, "the mesh numbers ranks in Megatron's default tp-cp-ep-dp-pp order only"),
+    "--enable-full-sharding-in-hsdp": (0, "hybrid-sharded FSDP (HSDP) is not implemented: use "
+                                          "--use-torch-fsdp2 or --use-distributed-optimizer"),
+    "--outer-dp-sharding-strategy": (1, "hybrid-sharded FSDP (HSDP) is not implemented: use "
+                                        "--use-torch-fsdp2 or --use-distributed-optimizer"),
+    "--model-parallel-size": (1, "Megatron's deprecated spelling: use --tensor-model-parallel-size"),
+    "--moe-extended-tp": (0, "Megatron's deprecated spelling: use --expert-tensor-parallel-size"),
+    "--hierarchical-context-parallel-sizes": ("+", "hierarchical (a2a+p2p) context parallelism is not implemented: "
+                                                   "use --context-parallel-size alone"),
+    "--hybrid-context-parallel": (0, "hybrid (dynamic) context parallelism is not implemented: use "
+                                     "--context-parallel-size"),
+    "--max-seqlen-per-dp-cp-rank": (1, "belongs to hybrid context parallelism, which is not implemented"),
+    "--moe-apply-probs-on-input": (0, "not implemented: the routing weights scale the expert outputs"),
+    "--moe-enable-routing-replay": (0, "routing replay is not implemented"),
+    "--moe-input-jitter-eps": (1, "router input jitter is not implemented (it is random noise on the router input; "
+                                  "drop the flag)"),
+    "--moe-latent-size": (1, "latent MoE projections are not part of Qwen3-MoE"),
+    "--moe-router-force-load-balancing": (0, "Megatron's benchmarking mode (random router logits) is not "
+                                             "implemented"),
+    "--moe-shared-expert-intermediate-size": (1, "Qwen3-MoE has no shared experts"),
+    "--moe-shared-expert-gate": (0, "Qwen3-MoE has no shared experts"),
+    "--moe-shared-expert-overlap": (0, "Qwen3-MoE has no shared experts"),
+    "--moe-use-upcycling": (0, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
+    "--moe-upcycling-granularity": (1, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
+    "--mtp-num-layers": (1, "multi-token prediction is not part of Qwen3"),
+    "--mtp-standalone": (0, "multi-token prediction is not part of Qwen3"),
+}
+
 
 # --help group of a no-op flag the seed script puts in one of its arrays (default: "ignored").
 NOOP_FLAG_GROUPS = {"--distributed-backend": "model-parallel"}
@@ -669,6 +759,7 @@ def flag_table() -> list[tuple[str, str, str]]:
                 f" ({help_text})" if help_text and "%(" not in help_text else "")
         rows.append((fl.name, fl.group or cls.GROUP, what))
     rows += [(name, "ignored", f"no-op under XLA: {why}") for name, (_, why) in NOOP_FLAGS.items()]
+    rows += [(name, "refused", f"refused: {why}") for name, (_, why) in NOT_IMPLEMENTED_FLAGS.items()]
     rows += [(name, "model", "accepted: the Qwen3 architecture implies it"
               + (f" (only {'/'.join(ok)})" if ok else "")) for name, (_, ok) in ARCH_IMPLIED_FLAGS.items()]
     return rows
@@ -783,7 +874,7 @@ class Run:
 
         m = self.config.moe
         return StepConfig(num_micro_batches=self.num_micro_batches, compute_dtype=self.compute_dtype,
-                          layers_per_virtual_stage=self.config.parallel.num_layers_per_virtual_pipeline_stage,
+                          layers_per_virtual_stage=self.config.parallel.layers_per_virtual_stage(self.model.num_layers),
                           pipeline_schedule=self.config.parallel.pipeline_schedule or "1f1b",
                           first_stage_layers=self.config.parallel.decoder_first_pipeline_num_layers,
                           last_stage_layers=self.config.parallel.decoder_last_pipeline_num_layers,
@@ -837,7 +928,7 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
             from mlir_train.pipeline_parallel import make_schedule
 
             make_schedule(model_cfg.num_layers, parallel.pipeline, kind=p.pipeline_schedule or "1f1b",
-                          layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+                          layers_per_virtual_stage=p.layers_per_virtual_stage(model_cfg.num_layers),
                           first_stage_layers=p.decoder_first_pipeline_num_layers,
                           last_stage_layers=p.decoder_last_pipeline_num_layers, num_micro_batches=num_micro)
     except ParallelConfigError as e:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mlir_train import cli, run_config
-from mlir_train.run_config import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, REFUSED
+from mlir_train.run_config import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, NOT_IMPLEMENTED_FLAGS, REFUSED
 
 # A value of each refused flag that must stop the run (None: a switch).
 REFUSED_VALUES = {
@@ -38,7 +38,9 @@ def test_every_parser_flag_is_in_exactly_one_group():
     honoured = {o for o in options if o in fields and fields[o] not in REFUSED}
     refused = {o for o in options if o in fields and fields[o] in REFUSED}
     noop = options & (set(NOOP_FLAGS) | set(ARCH_IMPLIED_FLAGS))
-    unclassified = options - honoured - refused - noop
+    not_implemented = options & set(NOT_IMPLEMENTED_FLAGS)
+    unclassified = options - honoured - refused - noop - not_implemented
+    assert not (not_implemented & (noop | set(fields))), sorted(not_implemented & (noop | set(fields)))
     assert not unclassified, f"flags in no group: {sorted(unclassified)}"
     assert not (set(NOOP_FLAGS) & set(ARCH_IMPLIED_FLAGS))
     assert not (noop & set(fields)), f"a no-op flag is also a field: {sorted(noop & set(fields))}"
@@ -46,7 +48,33 @@ def test_every_parser_flag_is_in_exactly_one_group():
     # The flag table covers the same flags, one row each.
     table = run_config.flag_table()
     assert len({row[0] for row in table}) == len(table)
-    assert {row[0] for row in table} == set(fields.values()) | set(NOOP_FLAGS) | set(ARCH_IMPLIED_FLAGS)
+    assert {row[0] for row in table} == (set(fields.values()) | set(NOOP_FLAGS) | set(ARCH_IMPLIED_FLAGS)
+                                         | set(NOT_IMPLEMENTED_FLAGS))
+
+
+@pytest.mark.parametrize("flag", sorted(NOT_IMPLEMENTED_FLAGS))
+def test_not_implemented_flag_stops_naming_itself(flag, capsys):
+    nargs, why = NOT_IMPLEMENTED_FLAGS[flag]
+    argv = [flag] + {0: [], 1: ["2"], "+": ["2", "2"]}[nargs]
+    with pytest.raises(SystemExit) as e:
+        cli.parse(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and why in err, err
+
+
+def test_megatrons_moe_and_parallel_flags_are_all_known():
+    """Every flag of Megatron-LM core_v0.16.1's MoE / distributed groups and of its
+    TransformerConfig's MoE / parallelism fields, as its own parser spells them
+    (tests/megatron_moe_parallel_flags.txt, dumped from megatron/training/arguments.py):
+    each is honoured, a listed no-op or refused by name here."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "megatron_moe_parallel_flags.txt")
+    megatron = [line.split()[0] for line in open(path) if line.strip() and not line.startswith("#")]
+    assert len(megatron) > 100
+    options = {o for a in cli.build_parser()._actions for o in a.option_strings}
+    assert [f for f in megatron if f not in options] == []
 
 
 def test_every_refused_flag_has_a_refusing_value():
@@ -208,3 +236,22 @@ def test_moe_layer_freq_sets_the_model_layers():
         True, False, True, False)
     with pytest.raises(run_config.ConfigError, match="--moe-layer-freq"):
         cli.parse(["--num-layers", "4", "--moe-layer-freq", "[1,0]"]).model.model_config(None)
+
+
+def test_num_virtual_stages_is_the_other_spelling_of_layers_per_virtual_stage():
+    base = ["--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "16", "--lr", "1e-3",
+            "--train-iters", "1", "--model-name", "qwen3-moe-tiny", "--num-layers", "8",
+            "--pipeline-model-parallel-size", "2"]
+
+    def step(*extra):
+        cfg = cli.parse(base + list(extra))
+        return run_config.resolve(cfg, cfg.model.model_config(256), num_devices=8).step_config()
+
+    assert step("--num-virtual-stages-per-pipeline-rank", "2").layers_per_virtual_stage == 2
+    assert (step("--num-virtual-stages-per-pipeline-rank", "2").layers_per_virtual_stage
+            == step("--num-layers-per-virtual-pipeline-stage", "2").layers_per_virtual_stage)
+    assert step("--num-virtual-stages-per-pipeline-rank", "1").layers_per_virtual_stage is None
+    with pytest.raises(run_config.ConfigError, match="mutually exclusive"):
+        step("--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "2")
+    with pytest.raises(run_config.ConfigError, match="--num-virtual-stages-per-pipeline-rank 3"):
+        step("--num-virtual-stages-per-pipeline-rank", "3")
