@@ -139,3 +139,16 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def all_from_process_0(ok: bool) -> bool:
+    """Process 0's ``ok``, on every process (a decision only process 0 can make, e.g. taking the
+    ``--save`` lock, must stop all of them alike). ``ok`` itself with one process."""
+    import jax
+
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))

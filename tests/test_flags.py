@@ -22,8 +22,6 @@ REFUSED_VALUES = {
     "--moe-router-load-balancing-type": "sinkhorn",
     "--recompute-method": "block",
     "--recompute-num-layers": "2",
-    "--no-save-optim": None,
-    "--no-save-rng": None,
     "--moe-router-dtype": "fp64",
 }
 
