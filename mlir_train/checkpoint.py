@@ -7,6 +7,8 @@ A checkpoint directory holds one Orbax step directory per saved iteration::
     DIR/<iteration>/loss_scale  fp16 loss-scaler state (absent without --fp16)
     DIR/<iteration>/meta        JSON: iteration, consumed samples, data-loader position, seed,
                                 model config, tokenizer size, parallel layout, the run's flags
+    DIR/<iteration>/checksums.json  size and BLAKE2b of every other file of the step
+    DIR/.lock                   the job saving into DIR (while it runs)
 
 Arrays are written from each device's own shards and restored straight into an abstract
 target (``jax.ShapeDtypeStruct`` with the *new* run's shardings), so a checkpoint written under
@@ -175,6 +177,10 @@ class CheckpointManager:
         error, self._finish_error = self._finish_error, None
         try:
             if error is not None:
+                try:  # Orbax raises a failed write again on the next wait (seen with 0.12.8): consume it here
+                    self._mgr.wait_until_finished()
+                except Exception:  # noqa: BLE001 - the same failure, reported below
+                    pass
                 raise error
             self._mgr.wait_until_finished()
         except Exception as e:

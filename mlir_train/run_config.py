@@ -493,10 +493,10 @@ class CheckpointFlags:
     finetune: bool = switch("--finetune", help="load weights only and restart the iteration count at 0")
     ckpt_step: int | None = flag("--ckpt-step", type=int, metavar="N",
                                  help="load iteration N of --load instead of the newest (no fallback if it is corrupt)")
-    no_save_optim: bool = switch("--no-save-optim", help="weights-only checkpoints: no optimizer/loss-scaler state "
-                                 "(resume them with --no-load-optim, as Megatron)")
-    no_save_rng: bool = switch("--no-save-rng", help="no seed/data order in checkpoints, the data position kept "
-                               "(resume them with --no-load-rng, as Megatron)")
+    no_save_optim: bool = switch("--no-save-optim", help="weights-only checkpoints: no optimizer or loss-scaler "
+                                 "state; resuming one needs --no-load-optim")
+    no_save_rng: bool = switch("--no-save-rng", help="no seed (so no data order) in checkpoints, the data position "
+                               "kept; resuming one needs --no-load-rng")
     save_retain: int | None = flag("--save-retain", type=int, metavar="K",
                                    help="keep only the newest K checkpoints in --save (default: keep all)")
     save_hf: str | None = flag("--save-hf", metavar="DIR", help="at the end, also write the weights as an HF model directory")
