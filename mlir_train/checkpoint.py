@@ -573,7 +573,15 @@ class Checkpointer:
             self.release()
 
     def release(self) -> None:
-        """Free ``DIR/.lock`` (idempotent; the entry point calls it however the run ends)."""
+        """Finish a save still in flight (so it gets its checksums rather than counting as
+        corrupt), then free ``DIR/.lock``. Idempotent; the entry point calls it however the run
+        ends, so a failed write is only printed here (``close`` raises it)."""
+        manager = getattr(self, "manager", None)
+        if manager is not None:
+            try:
+                manager.wait()
+            except CheckpointError as e:
+                print(f"mlir-train: WARNING: {e}")
         if self.lock is not None:
             self.lock.release()
             self.lock = None

@@ -202,6 +202,8 @@ def test_second_saver_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys, m
         proc.kill()  # dies holding it: the file stays, the flock goes
         proc.wait()
     assert os.path.exists(os.path.join(ck, ".lock"))
+    # A job killed before its first save leaves only the lock: still "no checkpoint yet" to --load.
+    assert checkpoint.resolve_start(ck).kind == "scratch" and "no complete checkpoint there" in capsys.readouterr().out
     saver = checkpoint.Checkpointer(ck, save_interval=1, retain=None, meta=lambda it: {"model": {}})
     out = capsys.readouterr().out
     assert f"taking over the lock left by job job-A (host {os.uname().nodename}, pid {proc.pid}" in out, out
@@ -290,3 +292,19 @@ def test_weights_only_checkpoints_resume_with_a_fresh_optimizer(shared, tmp_path
     out = capsys.readouterr().out
     assert "holds no optimizer state (--no-save-optim): resuming with a fresh optimizer" in out
     assert [i for i, _ in resumed.history["lm loss"]] == [3] and np.isfinite(resumed.history["lm loss"][0][1])
+
+
+def test_resuming_an_older_step_into_the_same_directory_moves_newer_ones_aside(two_steps, capsys):
+    """--load DIR --ckpt-step 1 --save DIR: this run writes iteration 2 anew, so the old step 2
+    is set aside (renamed, never deleted) instead of silently blocking that save."""
+    saver = checkpoint.Checkpointer(two_steps, save_interval=1, retain=None, meta=lambda it: {"model": {}},
+                                    resume_step=1)
+    assert f"checkpoint {two_steps}/2 is newer than the checkpoint this run resumes from" in capsys.readouterr().out
+    assert checkpoint.CheckpointManager(two_steps, read_only=True).steps() == [1]
+    saver.save(2, tiny_state(5.0))
+    saver.close()
+    reader = checkpoint.CheckpointManager(two_steps, read_only=True)
+    assert reader.steps() == [1, 2] and reader.verify(2).status == "ok"
+    restored = reader.restore(target_of(tiny_state(0.0)), step=2)
+    np.testing.assert_array_equal(np.asarray(restored["params"]["b"]), np.arange(8.0) * 5)
+    assert [n for n in os.listdir(two_steps) if n.startswith("2.superseded-")]
