@@ -349,8 +349,8 @@ def resume_check(meta: dict[str, Any], where: str, *, load_optim: bool, load_rng
     if load_optim and "opt_state" not in meta["items"]:
         raise CheckpointError(
             f"checkpoint {where} (iteration {it}) holds no optimizer state (written with --no-save-optim). As Megatron, "
-            f"add --no-load-optim to resume at iteration {it} with a fresh optimizer (zero Adam moments, LR schedule "
-            "restarting its warm-up), or --finetune to take the weights and restart at iteration 0")
+            f"add --no-load-optim to resume at iteration {it} with a fresh optimizer (zero Adam moments, the LR "
+            "schedule's step count from 0), or --finetune to take the weights and restart at iteration 0")
     if load_rng and "rng" not in meta:
         raise CheckpointError(
             f"checkpoint {where} (iteration {it}) holds no RNG state (written with --no-save-rng: no seed, so no data "
@@ -535,23 +535,13 @@ class Checkpointer:
     ``<step>.superseded-<time>``, since this run writes those iterations anew."""
 
     def __init__(self, directory: str, *, save_interval: int | None, retain: int | None, meta: Callable[[int], dict],
-                 save_optim: bool = True, save_rng: bool = True, resume_step: int | None = None):
-        from mlir_train import distributed
-
+                 save_optim: bool = True, save_rng: bool = True, resume_step: int | None = None,
+                 claimed: bool = False, lock: integrity.SaveLock | None = None):
         self.directory, self._meta = directory, meta
         self.save_optim, self.save_rng = save_optim, save_rng
-        self.lock, error = None, None
-        if jax.process_index() == 0:
-            try:
-                self.lock = integrity.SaveLock.acquire(os.path.abspath(directory))
-                if resume_step is not None:
-                    _set_aside_newer(os.path.abspath(directory), resume_step)
-            except (integrity.SaveLockError, OSError) as e:
-                error = e
-        if not distributed.all_from_process_0(error is None):  # every process stops, not only process 0
-            self.release()
-            raise CheckpointError(str(error) if error else f"--save {directory}: process 0 could not take the "
-                                  "directory (see its log)")
+        # ``claimed``: the entry point ran claim_save_dir first thing (``lock``: its result, None
+        # on processes other than 0); else the directory is claimed here.
+        self.lock = lock if claimed else claim_save_dir(directory, resume_step=resume_step)
         self.manager = CheckpointManager(directory, max_to_keep=retain, save_interval=save_interval)
 
     def should_save(self, iteration: int) -> bool:
@@ -585,6 +575,28 @@ class Checkpointer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+def claim_save_dir(directory: str, *, resume_step: int | None = None) -> integrity.SaveLock | None:
+    """Take ``DIR/.lock`` for this job (process 0; the others follow its verdict, so a refused
+    multi-host job stops on every process) and, with ``resume_step``, move aside the steps newer
+    than it (see :class:`Checkpointer`). Raises CheckpointError naming the holder."""
+    from mlir_train import distributed
+
+    lock, error = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = integrity.SaveLock.acquire(os.path.abspath(directory))
+            if resume_step is not None:
+                _set_aside_newer(os.path.abspath(directory), resume_step)
+        except (integrity.SaveLockError, OSError) as e:
+            error = e
+    if not distributed.all_from_process_0(error is None):
+        if lock is not None:
+            lock.release()
+        raise CheckpointError(str(error) if error else f"--save {directory}: process 0 could not take the directory "
+                              "(see its log)")
+    return lock
 
 
 def _set_aside_newer(directory: str, resume_step: int) -> None:

@@ -217,7 +217,12 @@ class SaveLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
-            raise SaveLockError(_refusal(directory, _read_info(fd), "it holds the lock")) from None
+            holder = _read_info(fd)
+            if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+                # This very process holds it through a lock an earlier run in it never released
+                # (it stopped with an error before its cleanup): that run is over, take it again.
+                return True
+            raise SaveLockError(_refusal(directory, holder, "it holds the lock")) from None
         except OSError as e:
             if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 return False  # no flock on this file system: the file's contents decide

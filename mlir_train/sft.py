@@ -100,6 +100,11 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     if start.kind == "ours":  # Megatron's rule: what the checkpoint lacks, the flags must waive
         checkpoint.resume_check(start.meta, start.describe(), load_optim=not ck.no_load_optim,
                                 load_rng=not ck.no_load_rng, finetune=ck.finetune)
+    # --save: one job per directory, refused now rather than after loading; resuming into the
+    # directory it loaded from, the steps after the one resumed (a corrupt one skipped) are set aside.
+    same_dir = (start.kind == "ours" and not ck.finetune
+                and os.path.realpath(ck.save or "") == os.path.realpath(start.path))
+    save_lock = checkpoint.claim_save_dir(ck.save, resume_step=start.step if same_dir else None) if ck.save else None
     if start.seed is not None and not (ck.no_load_rng or ck.finetune) and start.seed != cfg.training.seed:
         print(f"mlir-train: --seed {cfg.training.seed} replaced by the checkpoint's {start.seed} (--no-load-rng keeps yours)")
         cfg = cfg.replace(training={"seed": start.seed})
@@ -145,10 +150,9 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     evaluate = Evaluator(trainer, data.valid if data.valid.num_rows else None, global_batch_size=gbs,
                          eval_iters=t.eval_iters, seed=seed, split=cfg.data.split, process_index=pid,
                          process_count=nproc, logger=logger, timers=timers)
-    same_dir = start.kind == "ours" and os.path.realpath(ck.save or "") == os.path.realpath(start.path)
     saver = None if not ck.save else checkpoint.Checkpointer(
         ck.save, save_interval=ck.save_interval, retain=ck.save_retain, save_optim=not ck.no_save_optim,
-        save_rng=not ck.no_save_rng, resume_step=start_iteration if same_dir else None,
+        save_rng=not ck.no_save_rng, claimed=True, lock=save_lock,
         meta=lambda it: checkpoint.run_json(iteration=it, global_batch_size=gbs, loader=train_loader, seed=seed,
                                             model_cfg=model_cfg, tokenizer_size=len(tokenizer), parallel=parallel,
                                             flags=cfg.flat()))

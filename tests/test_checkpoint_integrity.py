@@ -308,3 +308,24 @@ def test_resuming_an_older_step_into_the_same_directory_moves_newer_ones_aside(t
     restored = reader.restore(target_of(tiny_state(0.0)), step=2)
     np.testing.assert_array_equal(np.asarray(restored["params"]["b"]), np.arange(8.0) * 5)
     assert [n for n in os.listdir(two_steps) if n.startswith("2.superseded-")]
+
+
+def test_a_second_sft_job_is_refused_at_start_up(shared, tmp_path, capsys):
+    """Through the CLI: the refusal comes before any weights or data are loaded (exit status 2),
+    and a run in the same process after one that died with an error can still take the directory."""
+    ck = str(tmp_path / "busy")
+    proc = holder(ck)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            sft.main(tiny_argv(shared, tmp_path, "second", "--save", ck))
+        assert exc.value.code == 2
+        captured = capsys.readouterr()
+        assert f"is in use by job job-A on host {os.uname().nodename}, pid {proc.pid}" in captured.err
+        assert "devices, mesh" not in captured.out  # before the mesh, the weights and the data
+    finally:
+        proc.kill()
+        proc.wait()
+    stale = integrity.SaveLock.acquire(ck)  # left unreleased, as by a run that raised
+    again = integrity.SaveLock.acquire(ck)
+    again.release()
+    assert not os.path.exists(os.path.join(ck, ".lock")) and stale.info["pid"] == os.getpid()
