@@ -262,17 +262,20 @@ def test_load_falls_back_past_a_flipped_bit_and_resumes_exactly(shared, tmp_path
 def test_weights_only_checkpoints_resume_with_a_fresh_optimizer(shared, tmp_path, capsys):
     """--no-save-optim --no-save-rng, as Megatron: no optimizer state and no seed in the checkpoint;
     resuming needs --no-load-optim / --no-load-rng (an error naming them otherwise), then runs on
-    from the saved iteration and data position with zero Adam moments."""
+    from the saved iteration and data position with zero Adam moments. Iteration 3's loss is the
+    forward of step 2's weights on batch 3, so resuming step 2 must reproduce it bitwise."""
     ck = str(tmp_path / "w")
-    first = sft.main(tiny_argv(shared, tmp_path, "first", "--save", ck, "--save-interval", "2", "--train-iters", "2",
+    first = sft.main(tiny_argv(shared, tmp_path, "first", "--save", ck, "--save-interval", "2", "--train-iters", "3",
                                "--no-save-optim", "--no-save-rng"))
-    meta = checkpoint.CheckpointManager(ck, read_only=True).read_meta(2)
+    reader = checkpoint.CheckpointManager(ck, read_only=True)
+    assert reader.steps() == [2, 3]
+    meta = reader.read_meta(2)
     assert meta["items"] == ["params"] and "rng" not in meta and "seed" not in meta["data_loader"]
     assert meta["data_loader"]["position"] == 16 and meta["consumed_samples"] == 16
     assert not os.path.exists(os.path.join(ck, "2", "opt_state"))
 
-    state, _ = checkpoint.load_state(ck, first.trainer)
-    assert int(state["iteration"]) == 2
+    state, _ = checkpoint.load_state(ck, first.trainer, step=3)
+    assert int(state["iteration"]) == 3
     for a, b in zip(jax.tree.leaves(first.state["params"]), jax.tree.leaves(state["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim > 0]
@@ -283,14 +286,16 @@ def test_weights_only_checkpoints_resume_with_a_fresh_optimizer(shared, tmp_path
     capsys.readouterr()
     for extra, needed in (((), "--no-load-optim"), (("--no-load-optim",), "--no-load-rng")):
         with pytest.raises(SystemExit) as exc:
-            sft.main(tiny_argv(shared, tmp_path, "refused", "--load", ck, *extra))
+            sft.main(tiny_argv(shared, tmp_path, "refused", "--load", ck, "--ckpt-step", "2", "--train-iters", "3",
+                               *extra))
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert f"add {needed} to resume at iteration 2" in err and "--finetune" in err, err
-    resumed = sft.main(tiny_argv(shared, tmp_path, "resumed", "--load", ck, "--no-load-optim", "--no-load-rng",
-                                 "--train-iters", "3"))
+    resumed = sft.main(tiny_argv(shared, tmp_path, "resumed", "--load", ck, "--ckpt-step", "2", "--no-load-optim",
+                                 "--no-load-rng", "--train-iters", "3"))
     out = capsys.readouterr().out
     assert "holds no optimizer state (--no-save-optim): resuming with a fresh optimizer" in out
+    assert resumed.history["lm loss"] == first.history["lm loss"][2:]
     assert [i for i, _ in resumed.history["lm loss"]] == [3] and np.isfinite(resumed.history["lm loss"][0][1])
 
 
