@@ -88,6 +88,40 @@ def _complete(step_dir: str) -> bool:
             and os.path.exists(os.path.join(step_dir, "meta", "metadata")))
 
 
+def _complete_steps(directory: str) -> list[int]:
+    """The complete steps in ``directory``, oldest first, from the files alone: code that runs on
+    process 0 only must not build an Orbax manager (its constructor synchronises the processes)."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(int(n) for n in names if _is_step_name(n) and _complete(os.path.join(directory, n)))
+
+
+def _newest_verified(directory: str, below: int | None = None) -> int | None:
+    """The newest step (older than ``below``, if given) that verifies or predates checksums."""
+    for s in reversed(_complete_steps(directory)):
+        if (below is None or s < below) and integrity.verify_step(os.path.join(directory, str(s))).usable:
+            return s
+    return None
+
+
+def _corrupt_error(directory: str, check: integrity.StepCheck) -> CheckpointError:
+    good = _newest_verified(directory)
+    where = os.path.join(check.step_dir, check.file) if check.file else check.step_dir
+    hint = (f"the newest checkpoint in {directory} that verifies is iteration {good} "
+            f"({os.path.join(directory, str(good))}): resume from it with --load {directory} "
+            f"--ckpt-step {good} (a plain --load {directory} falls back to it with a warning)"
+            if good is not None else f"no checkpoint in {directory} verifies")
+    return CheckpointError(f"checkpoint {check.step_dir} is corrupt: {where}: {check.problem}; {hint}")
+
+
+def _check_step(directory: str, step: int) -> None:
+    """Raise a :func:`_corrupt_error` unless ``step`` verifies; one warning if it cannot be verified."""
+    check = integrity.verify_step(os.path.join(directory, str(step)))
+    if not check.usable:
+        raise _corrupt_error(directory, check)
+    if check.status == "unverified":
+        print(f"mlir-train: WARNING: checkpoint {check.step_dir} {check.problem}")
+
+
 class CheckpointManager:
     """A thin wrapper over ``orbax.checkpoint.CheckpointManager`` for the trainer's state dict.
 
@@ -234,29 +268,12 @@ class CheckpointManager:
 
     def newest_verified(self, below: int | None = None) -> int | None:
         """The newest step (older than ``below``, if given) that verifies or predates checksums."""
-        for s in reversed(self.steps()):
-            if (below is None or s < below) and self.verify(s).usable:
-                return s
-        return None
-
-    def corrupt_error(self, check: integrity.StepCheck) -> CheckpointError:
-        step = int(os.path.basename(check.step_dir))
-        good = self.newest_verified(below=None)
-        good = good if good != step else None
-        where = os.path.join(check.step_dir, check.file) if check.file else check.step_dir
-        hint = (f"the newest checkpoint in {self.directory} that verifies is iteration {good} "
-                f"({os.path.join(self.directory, str(good))}): resume from it with --load {self.directory} "
-                f"--ckpt-step {good} (a plain --load {self.directory} falls back to it with a warning)"
-                if good is not None else f"no checkpoint in {self.directory} verifies")
-        return CheckpointError(f"checkpoint {check.step_dir} is corrupt: {where}: {check.problem}; {hint}")
+        return _newest_verified(self.directory, below)
 
     def check_step(self, step: int) -> None:
-        """Raise a :meth:`corrupt_error` unless ``step`` verifies; one warning if it cannot be verified."""
-        check = self.verify(step)
-        if not check.usable:
-            raise self.corrupt_error(check)
-        if check.status == "unverified":
-            print(f"mlir-train: WARNING: checkpoint {check.step_dir} {check.problem}")
+        """Raise a CheckpointError naming the file unless ``step`` verifies (and the newest
+        step that does); one warning if it cannot be verified (written before checksums)."""
+        _check_step(self.directory, step)
 
     def restore(self, target: dict[str, Any], step: int | None = None, *, verify: bool = True) -> dict[str, Any]:
         """Restore the items of ``target`` (trees of ``jax.ShapeDtypeStruct`` with shardings;
@@ -448,21 +465,41 @@ def has_checkpoint(path: str) -> bool:
 def _verified_step(load: str, step: int | None) -> int:
     """The step of ours to load: ``step`` if given (it must verify: no fallback from an explicit
     choice), else the newest that verifies, with a warning naming each newer corrupt step, its
-    file and the step used instead. No step verifies: an error, never a fresh start."""
-    mgr = CheckpointManager(load, read_only=True)
+    file and the step used instead. No step verifies: an error, never a fresh start. Process 0
+    alone reads and hashes the files (one read of the checkpoint, not one per host); the
+    others take its choice, or stop too."""
+    from mlir_train import distributed
+
+    chosen, error = -1, None
+    if jax.process_index() == 0:
+        try:
+            chosen = _choose_step(load, step)
+        except CheckpointError as e:
+            error = e
+    chosen = distributed.from_process_0(chosen)
+    if error is not None:
+        raise error
+    if chosen < 0:
+        raise CheckpointError(f"--load {load}: process 0 found no checkpoint there to load (its log says why)")
+    return chosen
+
+
+def _choose_step(load: str, step: int | None) -> int:
+    directory, steps = os.path.abspath(load), _complete_steps(load)
     if step is not None:
-        mgr._step_or_latest(step)
-        mgr.check_step(step)
+        if step not in steps:
+            raise CheckpointError(f"{directory}: no complete checkpoint for iteration {step} (have {steps})")
+        _check_step(directory, step)
         return step
     corrupt = []
-    for s in reversed(mgr.steps()):
-        check = mgr.verify(s)
+    for s in reversed(steps):
+        check = integrity.verify_step(os.path.join(directory, str(s)))
         if not check.usable:
             corrupt.append(check)
             continue
         for bad in corrupt:
             print(f"mlir-train: WARNING: {bad.describe()}; falling back to the newest checkpoint that verifies, "
-                  f"{os.path.join(mgr.directory, str(s))} (iteration {s}): the {int(os.path.basename(bad.step_dir)) - s} "
+                  f"{os.path.join(directory, str(s))} (iteration {s}): the {int(os.path.basename(bad.step_dir)) - s} "
                   f"iterations after it are trained again")
         if check.status == "unverified":
             print(f"mlir-train: WARNING: checkpoint {check.step_dir} {check.problem}")
@@ -591,7 +628,7 @@ def claim_save_dir(directory: str, *, resume_step: int | None = None) -> integri
                 _set_aside_newer(os.path.abspath(directory), resume_step)
         except (integrity.SaveLockError, OSError) as e:
             error = e
-    if not distributed.all_from_process_0(error is None):
+    if not distributed.from_process_0(error is None):
         if lock is not None:
             lock.release()
         raise CheckpointError(str(error) if error else f"--save {directory}: process 0 could not take the directory "
@@ -630,8 +667,7 @@ def verify_main(argv: list[str] | None = None) -> int:
         if _is_step_name(base) and _complete(d):
             checks = [integrity.verify_step(os.path.normpath(d))]
         else:  # files only: no JAX backend (or GPU plugin) starts for this
-            steps = sorted(int(n) for n in (os.listdir(d) if os.path.isdir(d) else [])
-                           if _is_step_name(n) and _complete(os.path.join(d, n)))
+            steps = _complete_steps(d)
             if not steps:
                 print(f"error: {d}: no complete checkpoint in it", file=sys.stderr)
                 status = max(status, 2)

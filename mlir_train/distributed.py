@@ -141,14 +141,15 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def all_from_process_0(ok: bool) -> bool:
-    """Process 0's ``ok``, on every process (a decision only process 0 can make, e.g. taking the
-    ``--save`` lock, must stop all of them alike). ``ok`` itself with one process."""
+def from_process_0(value: int) -> int:
+    """Process 0's ``value`` on every process, for a decision only process 0 makes (taking the
+    ``--save`` lock, verifying a checkpoint's checksums) so that all processes act alike.
+    ``value`` itself with one process."""
     import jax
 
     if jax.process_count() == 1:
-        return ok
+        return int(value)
     import numpy as np
     from jax.experimental import multihost_utils
 
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))

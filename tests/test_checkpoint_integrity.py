@@ -334,3 +334,55 @@ def test_a_second_sft_job_is_refused_at_start_up(shared, tmp_path, capsys):
     again = integrity.SaveLock.acquire(ck)
     again.release()
     assert not os.path.exists(os.path.join(ck, ".lock")) and stale.info["pid"] == os.getpid()
+
+
+# ----- two JAX processes agree (process 0 verifies and locks; the others follow) -----------------
+AGREE = textwrap.dedent("""
+    import sys
+    from mlir_train import distributed
+    layout = distributed.initialize_from_env(cpu_devices=1)
+    import jax
+    from mlir_train import checkpoint
+    corrupt_dir, held_dir = sys.argv[1:3]
+    print("fallback", checkpoint.resolve_start(corrupt_dir).step, flush=True)
+    for what, call in (("explicit", lambda: checkpoint.resolve_start(corrupt_dir, step=2)),
+                       ("lock", lambda: checkpoint.claim_save_dir(held_dir))):
+        try:
+            call()
+            print(what, "taken")
+        except checkpoint.CheckpointError as e:
+            print(what, "refused:", e)
+    distributed.shutdown(layout)
+""")
+
+
+def test_two_processes_follow_process_0_on_verification_and_the_lock(two_steps, tmp_path):
+    import socket
+
+    flip_bit(data_file(os.path.join(two_steps, "2")))
+    held = str(tmp_path / "held")
+    proc = holder(held)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WORLD_SIZE", "RANK", "NNODES", "NODE_RANK")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd(), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2")
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", AGREE, two_steps, held], env={**env, "RANK": str(r)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        proc.kill()
+        proc.wait()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err[-3000:]
+        lines = out.splitlines()
+        assert "fallback 1" in lines, out
+        assert any(line.startswith("explicit refused:") for line in lines), out
+        assert any(line.startswith("lock refused:") for line in lines), out
+    # only process 0 hashed the files and warned about step 2
+    assert "CORRUPT" in outs[0][0] and "CORRUPT" not in outs[1][0]
+    assert f"explicit refused: --load {two_steps}: checkpoint {two_steps}/2 is corrupt" in outs[0][0]
+    assert f"explicit refused: --load {two_steps}: process 0 found no checkpoint there to load" in outs[1][0]
+    assert "lock refused: --save" in outs[0][0] and "is in use by job job-A" in outs[0][0]
+    assert "could not take the directory (see its log)" in outs[1][0]
