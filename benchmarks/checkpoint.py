@@ -7,8 +7,10 @@ own shardings on all local devices, distributed optimizer) is saved through
 ``mlir_train.checkpoint.CheckpointManager`` with ``async_save=True`` and ``False``. Reported per
 mode, median over rounds after one warm-up save (the first save compiles Orbax's per-shard copy
 programs): *blocked* = the time ``save()`` takes to return, i.e. how long the training loop
-cannot dispatch its next step; *total* = until the files are committed (``wait()``). The ratio
-line is sync blocked / async blocked (> 1: async blocks the step that much less).
+cannot dispatch its next step; *total* = until the files are committed and their checksums
+written (``wait()``); *sums* = hashing every file into ``checksums.json`` (part of *total*, in
+the background thread); *verify* = re-hashing the step as a load does. The ratio lines are sync
+blocked / async blocked (> 1: async blocks the step that much less) and checksum time / total.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax
 import optax
 
 from mlir_train import checkpoint
+from mlir_train import checkpoint_integrity as integrity
 from mlir_train.config import get_model_config
 from mlir_train.train import StepConfig, Trainer, model_dims
 from sharding.mesh import ParallelConfig, make_mesh, validate
@@ -47,11 +50,12 @@ def build(size: str) -> tuple[Trainer, dict]:
     return trainer, state
 
 
-def time_saves(root: str, trainer: Trainer, state: dict, async_save: bool, rounds: int) -> tuple[float, float]:
+def time_saves(root: str, trainer: Trainer, state: dict, async_save: bool,
+               rounds: int) -> tuple[float, float, float, float]:
     path = os.path.join(root, f"{'async' if async_save else 'sync'}")
     mgr = checkpoint.CheckpointManager(path, max_to_keep=1, async_save=async_save)
     meta = {"model": dataclasses.asdict(trainer.model_cfg)}
-    blocked, total = [], []
+    blocked, total, sums, verify = [], [], [], []
     for step in range(rounds + 1):
         t0 = time.perf_counter()
         mgr.save(step, state, meta, force=True)
@@ -61,9 +65,13 @@ def time_saves(root: str, trainer: Trainer, state: dict, async_save: bool, round
         if step:  # step 0 is the warm-up
             blocked.append(t1 - t0)
             total.append(t2 - t0)
+            sums.append(mgr.last_manifest_seconds)
+            t3 = time.perf_counter()
+            assert integrity.verify_step(os.path.join(path, str(step))).status == "ok"
+            verify.append(time.perf_counter() - t3)
     mgr.close()
     shutil.rmtree(path)
-    return statistics.median(blocked), statistics.median(total)
+    return tuple(statistics.median(x) for x in (blocked, total, sums, verify))
 
 
 def main() -> None:
@@ -76,22 +84,28 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)
     print(f"checkpoint save, {jax.device_count()} {jax.devices()[0].platform} device(s), {os.cpu_count()} CPU cores, "
           f"jax {jax.__version__}, median of {rounds} after 1 warm-up, in {root}")
-    print(f"{'size':<8}{'params':>10}{'state MB':>10}{'mode':>7}{'blocked ms':>12}{'total ms':>10}{'MB/s':>8}")
+    print(f"{'size':<8}{'params':>10}{'state MB':>10}{'mode':>7}{'blocked ms':>12}{'total ms':>10}{'MB/s':>8}"
+          f"{'sums ms':>9}{'verify ms':>11}")
     results = {}
     try:
         for size in sizes:
             trainer, state = build(size)
             nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
             for async_save in (True, False):
-                blocked, total = time_saves(root, trainer, state, async_save, rounds)
+                blocked, total, sums, verify = time_saves(root, trainer, state, async_save, rounds)
                 mode = "async" if async_save else "sync"
                 results[size, mode] = blocked
+                results[size, mode, "sums"] = (sums, total, verify)
                 print(f"{size:<8}{trainer.model_cfg.num_params() / 1e6:>9.1f}M{nbytes / 1e6:>10.1f}{mode:>7}"
-                      f"{blocked * 1e3:>12.1f}{total * 1e3:>10.1f}{nbytes / 1e6 / total:>8.0f}")
+                      f"{blocked * 1e3:>12.1f}{total * 1e3:>10.1f}{nbytes / 1e6 / total:>8.0f}"
+                      f"{sums * 1e3:>9.1f}{verify * 1e3:>11.1f}")
             del state
         for size in sizes:
             print(f"ratio {size}: sync blocks {results[size, 'sync'] / results[size, 'async']:.2f}x as long as async "
                   f"({results[size, 'async'] * 1e3:.1f} ms vs {results[size, 'sync'] * 1e3:.1f} ms)")
+            sums, total, verify = results[size, "async", "sums"]
+            print(f"ratio {size} checksums: {sums / total:.2f} of an async save's total ({sums * 1e3:.1f} ms of "
+                  f"{total * 1e3:.1f} ms, none of it blocking); verify on load {verify * 1e3:.1f} ms")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

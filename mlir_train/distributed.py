@@ -139,3 +139,17 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def from_process_0(value: int) -> int:
+    """Process 0's ``value`` on every process, for a decision only process 0 makes (taking the
+    ``--save`` lock, verifying a checkpoint's checksums) so that all processes act alike.
+    ``value`` itself with one process."""
+    import jax
+
+    if jax.process_count() == 1:
+        return int(value)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))

@@ -255,7 +255,8 @@ def identify(path: str) -> str | None:
     if not os.path.isdir(path):
         return None
     names = [n for n in os.listdir(path) if not n.startswith(".")] or os.listdir(path)
-    ours_partial = lambda n: re.fullmatch(r"\d+(\.orbax-checkpoint-tmp.*|\.partial-\d+)?", n)
+    # interrupted or set-aside writes of ours, and a --save lock left behind: still no checkpoint
+    ours_partial = lambda n: re.fullmatch(r"\d+(\.orbax-checkpoint-tmp.*|\.(partial|corrupt|superseded)-\d+)?|\.lock", n)
     if not names or all(ours_partial(n) for n in names):
         return None
     has = set(names)

@@ -516,8 +516,12 @@ class CheckpointFlags:
         "--exit-on-missing-checkpoint", group="training",
         help="an error if --load holds no checkpoint (default: warn and start from scratch, as Megatron)")
     finetune: bool = switch("--finetune", help="load weights only and restart the iteration count at 0")
-    no_save_optim: bool = switch("--no-save-optim", help="not implemented: checkpoints always hold the optimizer state")
-    no_save_rng: bool = switch("--no-save-rng", help="not implemented: checkpoints always hold the data order")
+    ckpt_step: int | None = flag("--ckpt-step", type=int, metavar="N",
+                                 help="load iteration N of --load instead of the newest (no fallback if it is corrupt)")
+    no_save_optim: bool = switch("--no-save-optim", help="weights-only checkpoints: no optimizer or loss-scaler "
+                                 "state; resuming one needs --no-load-optim")
+    no_save_rng: bool = switch("--no-save-rng", help="no seed (so no data order) in checkpoints, the data position "
+                               "kept; resuming one needs --no-load-rng")
     save_retain: int | None = flag("--save-retain", type=int, metavar="K",
                                    help="keep only the newest K checkpoints in --save (default: keep all)")
     save_hf: str | None = flag("--save-hf", metavar="DIR", help="at the end, also write the weights as an HF model directory")
@@ -729,14 +733,6 @@ REFUSED: dict[str, Refusal] = {
         lambda v, c: v is None,
         "recomputing only some layers is not implemented yet: --recompute-granularity full/selective applies "
         "to every layer; drop --recompute-method/--recompute-num-layers"),
-    "--no-save-optim": Refusal(
-        lambda v, c: not v,
-        "weights-only checkpoints are not implemented yet: checkpoints always hold the optimizer state "
-        "(--save-hf writes the weights alone as an HF directory)"),
-    "--no-save-rng": Refusal(
-        lambda v, c: not v,
-        "checkpoints always hold the data order and seed (needed for exact resume); drop the flag "
-        "(--no-load-rng at load time ignores them)"),
 }
 
 

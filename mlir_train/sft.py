@@ -96,7 +96,15 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     # ----- the starting point ---------------------------------------------------------------
     tokenizer = load_tokenizer(cfg.data.tokenizer_path)
     ck = cfg.checkpoint
-    start = checkpoint.resolve_start(ck.load, exit_on_missing=ck.exit_on_missing_checkpoint)
+    start = checkpoint.resolve_start(ck.load, step=ck.ckpt_step, exit_on_missing=ck.exit_on_missing_checkpoint)
+    if start.kind == "ours":  # Megatron's rule: what the checkpoint lacks, the flags must waive
+        checkpoint.resume_check(start.meta, start.describe(), load_optim=not ck.no_load_optim,
+                                load_rng=not ck.no_load_rng, finetune=ck.finetune)
+    # --save: one job per directory, refused now rather than after loading; resuming into the
+    # directory it loaded from, the steps after the one resumed (a corrupt one skipped) are set aside.
+    same_dir = (start.kind == "ours" and not ck.finetune
+                and os.path.realpath(ck.save or "") == os.path.realpath(start.path))
+    save_lock = checkpoint.claim_save_dir(ck.save, resume_step=start.step if same_dir else None) if ck.save else None
     if start.seed is not None and not (ck.no_load_rng or ck.finetune) and start.seed != cfg.training.seed:
         print(f"mlir-train: --seed {cfg.training.seed} replaced by the checkpoint's {start.seed} (--no-load-rng keeps yours)")
         cfg = cfg.replace(training={"seed": start.seed})
@@ -143,7 +151,8 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
                          eval_iters=t.eval_iters, seed=seed, split=cfg.data.split, process_index=pid,
                          process_count=nproc, logger=logger, timers=timers)
     saver = None if not ck.save else checkpoint.Checkpointer(
-        ck.save, save_interval=ck.save_interval, retain=ck.save_retain,
+        ck.save, save_interval=ck.save_interval, retain=ck.save_retain, save_optim=not ck.no_save_optim,
+        save_rng=not ck.no_save_rng, claimed=True, lock=save_lock,
         meta=lambda it: checkpoint.run_json(iteration=it, global_batch_size=gbs, loader=train_loader, seed=seed,
                                             model_cfg=model_cfg, tokenizer_size=len(tokenizer), parallel=parallel,
                                             flags=cfg.flat()))
@@ -186,6 +195,8 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
             saver.close()
     finally:
         stop.close()
+        if saver is not None:
+            saver.release()  # the --save lock, however the loop ended
     if not stopped and not (t.eval_interval and t.train_iters % t.eval_interval == 0):
         evaluate(t.train_iters, state["params"])
     if not stopped and ck.save_hf:
@@ -296,10 +307,13 @@ def _initial_state(cfg: RunConfig, start, trainer, train_loader):
     if start.kind == "ours":
         what = "weights only, iteration 0 (--finetune)" if ck.finetune else "weights" if ck.no_load_optim else "full state"
         print(f"mlir-train: loading {what} from checkpoint {start.path} (iteration {start.iteration})")
+        if not ck.finetune and "opt_state" not in start.meta["items"] and start.iteration:
+            print(f"mlir-train: checkpoint {start.describe()} holds no optimizer state (--no-save-optim): resuming "
+                  "with a fresh optimizer (zero Adam moments, the LR schedule's step count from 0)")
         state, meta = checkpoint.load_state(start.path, trainer, load_optim=not ck.no_load_optim,
-                                            finetune=ck.finetune, step=start.iteration)
+                                            finetune=ck.finetune, step=start.step, verify=False)
         if not ck.finetune:
-            checkpoint.restore_loader(train_loader, meta, exact=start.seed in (None, cfg.training.seed))
+            checkpoint.restore_loader(train_loader, meta, exact=start.seed == cfg.training.seed)
         return state
     return trainer.init_state(cfg.training.seed)
 

@@ -67,6 +67,7 @@ def test_flops_check_quick():
 def test_checkpoint_benchmark_quick(tmp_path):
     out = _run("checkpoint.py", "--quick", "--dir", str(tmp_path))
     assert re.search(r"^ratio tiny: sync blocks \d+\.\d+x as long as async", out, re.MULTILINE), out
+    assert re.search(r"^ratio tiny checksums: \d+\.\d+ of an async save's total", out, re.MULTILINE), out
 
 
 @pytest.mark.slow

@@ -21,8 +21,6 @@ REFUSED_VALUES = {
     "--expert-tensor-parallel-size": "4",
     "--recompute-method": "block",
     "--recompute-num-layers": "2",
-    "--no-save-optim": None,
-    "--no-save-rng": None,
 }
 
 

@@ -1,0 +1,261 @@
+"""Checkpoints that cannot rot silently: per-step checksum manifests and the ``--save`` lock.
+
+**Checksums.** Once a step directory is committed (Orbax renamed it into place), its files are
+hashed and ``DIR/<step>/checksums.json`` records, for every file under the step directory (the
+OCDBT/zarr data files, Orbax's metadata, our JSON ``meta``), its size and BLAKE2b-256 digest.
+The manifest is written to a temporary name and renamed, so it is either absent or whole.
+:func:`verify_step` re-hashes a step and reports the first file that is missing, truncated,
+changed or unexpected. A step without a manifest is ``unverified`` when its ``meta`` says it was
+written before manifests existed (``format`` < :data:`MANIFEST_SINCE_FORMAT`), else ``corrupt``:
+a job killed between Orbax's commit and the manifest, or a manifest deleted by hand, leaves a
+step nobody can vouch for.
+
+**The save lock.** ``DIR/.lock`` names the job writing ``DIR`` (host, pid, job id, start time)
+and is held with ``fcntl.flock`` for the job's life: a second job saving into the same directory
+is refused at start-up naming the holder. The kernel drops a flock when its holder dies, so a
+lock file left by a crashed job is taken over (with a warning naming it). Where the file system
+has no flock (some Lustre mounts), the file's contents decide: a live or unknowable holder
+(another host) refuses, a dead pid on this host is taken over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+MANIFEST = "checksums.json"
+MANIFEST_SINCE_FORMAT = 2  # checkpoint.FORMAT_VERSION from which every step carries a manifest
+LOCK_NAME = ".lock"
+_CHUNK = 8 << 20
+
+
+def _hash_file(path: str) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):  # hashlib releases the GIL on large buffers: threads scale
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(step_dir: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(step_dir):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), step_dir)
+            if rel != MANIFEST and not rel.startswith(MANIFEST + ".tmp"):
+                out.append(rel)
+    return sorted(out)
+
+
+def _hash_all(step_dir: str, rels: list[str]) -> dict[str, str]:
+    workers = max(1, min(8, os.cpu_count() or 1, len(rels)))
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(rels, pool.map(lambda r: _hash_file(os.path.join(step_dir, r)), rels)))
+
+
+def write_manifest(step_dir: str) -> dict:
+    """Hash every file under ``step_dir`` and write ``checksums.json`` atomically (tmp, fsync,
+    rename). Returns the manifest."""
+    rels = _files(step_dir)
+    digests = _hash_all(step_dir, rels)
+    manifest = {"algorithm": "blake2b-256", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "files": {r: {"size": os.path.getsize(os.path.join(step_dir, r)), "blake2b": digests[r]}
+                          for r in rels}}
+    tmp = os.path.join(step_dir, f"{MANIFEST}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+    return manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCheck:
+    """The verdict on one step directory: ``status`` "ok", "unverified" (older format, no
+    manifest) or "corrupt", with the offending ``file`` (relative to the step) and ``problem``."""
+
+    step_dir: str
+    status: str
+    problem: str = ""
+    file: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.status != "corrupt"
+
+    def describe(self) -> str:
+        if self.status == "ok":
+            return f"{self.step_dir}: OK"
+        if self.status == "unverified":
+            return f"{self.step_dir}: UNVERIFIED ({self.problem})"
+        where = os.path.join(self.step_dir, self.file) if self.file else self.step_dir
+        return f"{self.step_dir}: CORRUPT: {where}: {self.problem}"
+
+
+def verify_step(step_dir: str) -> StepCheck:
+    """Check ``step_dir`` against its manifest: sizes first (cheap: a truncated or missing file
+    needs no hashing), then every digest."""
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.exists(path):
+        return _without_manifest(step_dir)
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return StepCheck(step_dir, "corrupt", f"unreadable checksum manifest ({type(e).__name__}: {e})", MANIFEST)
+    on_disk = set(_files(step_dir))
+    for rel in sorted(files):
+        if rel not in on_disk:
+            return StepCheck(step_dir, "corrupt", "missing (listed in checksums.json)", rel)
+        size = os.path.getsize(os.path.join(step_dir, rel))
+        if size != files[rel]["size"]:
+            return StepCheck(step_dir, "corrupt", f"{size} bytes where {files[rel]['size']} were written "
+                             f"({'truncated' if size < files[rel]['size'] else 'grown'})", rel)
+    extra = sorted(on_disk - set(files))
+    if extra:
+        return StepCheck(step_dir, "corrupt", "not written by the save (absent from checksums.json)"
+                         + (f"; and {len(extra) - 1} more" if len(extra) > 1 else ""), extra[0])
+    digests = _hash_all(step_dir, sorted(files))
+    for rel in sorted(files):
+        if digests[rel] != files[rel]["blake2b"]:
+            return StepCheck(step_dir, "corrupt", "checksum mismatch (its bytes changed since the save)", rel)
+    return StepCheck(step_dir, "ok")
+
+
+def _without_manifest(step_dir: str) -> StepCheck:
+    meta = os.path.join(step_dir, "meta", "metadata")
+    try:
+        with open(meta) as f:
+            fmt = int(json.load(f).get("format", 1))
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        return StepCheck(step_dir, "corrupt", f"no {MANIFEST} and unreadable meta ({type(e).__name__})",
+                         os.path.join("meta", "metadata"))
+    if fmt >= MANIFEST_SINCE_FORMAT:
+        return StepCheck(step_dir, "corrupt", f"missing: this checkpoint format (version {fmt}) records checksums, "
+                         "so the save did not finish (killed while hashing?) or the file was removed", MANIFEST)
+    return StepCheck(step_dir, "unverified", f"written before checkpoints carried checksums (format {fmt}); "
+                     "it cannot be verified")
+
+
+# ----- one writer per --save directory --------------------------------------------------------
+def _job_id() -> str:
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID"):
+        if os.environ.get(name):
+            return f"{name}={os.environ[name]}"
+    return f"local-{uuid.uuid4().hex[:12]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SaveLockError(RuntimeError):
+    """Another job holds the ``--save`` directory."""
+
+
+class SaveLock:
+    """``DIR/.lock`` held (flock) by the one job saving into ``DIR``; :meth:`release` (or the
+    process's death) frees it."""
+
+    def __init__(self, directory: str, fd: int, info: dict):
+        self.directory, self.path, self._fd, self.info = directory, os.path.join(directory, LOCK_NAME), fd, info
+
+    @classmethod
+    def acquire(cls, directory: str, *, job_id: str | None = None) -> "SaveLock":
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, LOCK_NAME)
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id or _job_id(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        for _ in range(10):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                has_flock = cls._flock(fd, path, directory)
+                # The holder may have released (unlinked) the file between our open and flock:
+                # then we hold a lock on a name nobody sees. Retry on the current file.
+                if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                    os.close(fd)
+                    continue
+            except FileNotFoundError:
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            previous = _read_info(fd)
+            if previous and not has_flock and not _stale_without_flock(previous):
+                os.close(fd)
+                raise SaveLockError(_refusal(directory, previous, "its lock file names a job that may still run "
+                                             "(this file system has no flock to tell)"))
+            if previous and previous.get("pid") != info["pid"]:
+                print(f"mlir-train: WARNING: --save {directory}: taking over the lock left by job {previous.get('job')} "
+                      f"(host {previous.get('host')}, pid {previous.get('pid')}, since {previous.get('started')}), "
+                      "which no longer holds it (it ended without releasing it)")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+            os.fsync(fd)
+            return cls(directory, fd, info)
+        raise SaveLockError(f"--save {directory}: could not take {path} (it keeps being replaced)")
+
+    @staticmethod
+    def _flock(fd: int, path: str, directory: str) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            holder = _read_info(fd)
+            if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+                # This very process holds it through a lock an earlier run in it never released
+                # (it stopped with an error before its cleanup): that run is over, take it again.
+                return True
+            raise SaveLockError(_refusal(directory, holder, "it holds the lock")) from None
+        except OSError as e:
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return False  # no flock on this file system: the file's contents decide
+            raise
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            if _read_info(self._fd).get("pid") == self.info["pid"]:
+                os.unlink(self.path)  # while still holding the flock: nobody can take it half-released
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read_info(fd: int) -> dict:
+    try:
+        raw = os.pread(fd, 1 << 16, 0)
+        return json.loads(raw) if raw.strip() else {}
+    except (OSError, ValueError):
+        return {"job": "unknown (unreadable lock file)"}
+
+
+def _stale_without_flock(previous: dict) -> bool:
+    return previous.get("host") == socket.gethostname() and not _pid_alive(int(previous.get("pid", -1)))
+
+
+def _refusal(directory: str, holder: dict, why: str) -> str:
+    who = (f"job {holder.get('job')} on host {holder.get('host')}, pid {holder.get('pid')}, since "
+           f"{holder.get('started')}") if holder else "another process"
+    return (f"--save {directory} is in use by {who}: {why}. Two jobs saving into one directory would overwrite "
+            f"each other's checkpoints. Give this job its own --save directory, or stop that job first (if it is "
+            f"certainly gone, delete {os.path.join(directory, LOCK_NAME)})")
