@@ -20,8 +20,6 @@ REFUSED_VALUES = {
     "--context-parallel-size": "2",
     "--expert-tensor-parallel-size": "4",
     "--moe-router-load-balancing-type": "sinkhorn",
-    "--recompute-method": "block",
-    "--recompute-num-layers": "2",
     "--no-save-optim": None,
     "--no-save-rng": None,
     "--moe-router-dtype": "fp64",
