@@ -19,7 +19,8 @@ transformer branch, no MLA, no MTP), for ``B`` sequences of ``s`` tokens, hidden
   input embedding lookup, the loss.
 * Activation recomputation is not counted: this is *model* FLOPs, and MFU compares it with the
   peak, as Megatron's "TFLOP/s/GPU" does. ``recompute_full=True`` adds one more forward pass
-  (factor 4 instead of 3) for a hardware-FLOPs figure.
+  (factor 4 instead of 3) for a hardware-FLOPs figure; a float adds that fraction of one
+  (``--recompute-method block``: the share of each stage's layers recomputed).
 * MoE vs dense layers follow the HF Qwen3-MoE rule (``ModelConfig.layer_kinds``), where Megatron
   reads ``--moe-layer-freq``.
 
@@ -68,7 +69,7 @@ def num_floating_point_operations(
     batch_size: int,
     *,
     causal: bool = True,
-    recompute_full: bool = False,
+    recompute_full: bool | float = False,
     shared_expert_ffn: int = 0,
 ) -> float:
     """Megatron's model FLOPs for one step over ``batch_size`` sequences of ``seq_length``."""
@@ -86,7 +87,7 @@ def num_floating_point_operations(
     core_attn = q * s / 2 * 2 if causal else q * s * 2
     attn = cfg.num_layers * (h * (q + 2 * kv) + core_attn + q * h)
     logits = h * cfg.vocab_size
-    passes = 4 if recompute_full else 3
+    passes = 3 + float(recompute_full)  # a fraction: the share of layers recomputed (--recompute-method block)
     return float(passes * 2 * batch_size * s * (mlp + attn + logits))
 
 

@@ -101,6 +101,7 @@ import numpy as np
 from flax import nnx
 
 from mlir_train import losses
+from mlir_train.model.recompute import RecomputePolicy
 from mlir_train.model.transformer import run_stack
 from sharding import logical_shard_map, mesh_axes_of
 from sharding.mesh import ParallelConfigError
@@ -246,6 +247,9 @@ class Segment:
     is_moe: bool
     src: np.ndarray     # [P, R, S] int
     active: np.ndarray  # [P, R, S] bool
+    # where slot 0 sits in its chunk, over the chunks that run layers here (for the recompute
+    # method's per-chunk layer positions: one value unless stages start this run differently)
+    offsets: tuple[int, ...] = (0,)
 
     @property
     def slots(self) -> int:
@@ -291,13 +295,16 @@ def stage_program(schedule: Schedule, stack_kinds: tuple[tuple[int, int, bool], 
         is_moe = first_kind if g % 2 == 0 else not first_kind
         src = np.zeros((p, r, slots), np.int64)
         active = np.zeros((p, r, slots), bool)
+        offsets = set()
         for (s, c), segs in placed.items():
             run = segs[g] if g < len(segs) else []
             rows = [int(kind_row[l]) for l in run]
             src[s, c, :len(rows)] = rows
             src[s, c, len(rows):] = rows[-1] if rows else 0
             active[s, c, :len(rows)] = True
-        segments.append(Segment(is_moe=is_moe, src=src, active=active))
+            if run:
+                offsets.add(sum(len(x) for x in segs[:g]))
+        segments.append(Segment(is_moe=is_moe, src=src, active=active, offsets=tuple(sorted(offsets))))
     return segments
 
 
@@ -341,7 +348,7 @@ def _chunk_forward(stack_graphs, program, states_r, active_r, x, context, remat)
     stats = []
     for seg, state, on in zip(program, states_r, active_r):
         stack = nnx.merge(stack_graphs[seg.is_moe], state)
-        x, st = run_stack(stack, x, context, remat, None if seg.active.all() else on)
+        x, st = run_stack(stack, x, context, remat, None if seg.active.all() else on, offsets=seg.offsets)
         if seg.is_moe:
             stats.append(st)
     return x, stats
@@ -478,7 +485,7 @@ def _shard_map(body, segs, active, rest, batch, scalars, out_names):
 
 
 def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
-                  scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: str,
+                  scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: RecomputePolicy | str,
                   balancing: losses.LoadBalancing | None = None):
     """The scaled training objective of all ``M`` micro-batches of ``batch`` (leaves
     ``[M, B, T]``, with the per-token ``loss_weight`` of :func:`losses.loss_token_weights`)
@@ -557,7 +564,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
 
 
 def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
-                            scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: str,
+                            scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: RecomputePolicy | str,
                             balancing: losses.LoadBalancing | None = None):
     """``((objective * scale, aux), d(objective * scale)/d params)`` by the 1F1B schedule
     (interleaved when ``schedule.virtual > 1``): the arguments and the first two results are

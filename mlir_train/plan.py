@@ -66,11 +66,14 @@ micro-batch from the model's shapes for the recompute policy -- per decoder laye
 residual stream, q/k/v/o and the attention's float32 log-sum-exp (its custom gradient
 recomputes the ``[heads, T, T]`` probabilities, so those live only while one layer runs),
 the router logits and the ragged expert buffers (``EP x tokens x top_k`` rows, their upper
-bound); ``none`` keeps all of it for every layer, ``selective`` the outputs of dots without
-batch dimensions (projections, router, dense MLP: not the attention core or the experts),
-``full`` only each layer's input; one layer's working set (twice its
-activations when recomputing: the recomputed forward and its gradients, plus the float32
-attention matrices) and the float32 logits twice (logits and their gradient) come on top. The CPU temp figure is printed alongside, labelled, as a cross-check.
+bound); ``none`` keeps all of it for every layer; ``selective`` drops what its
+``--recompute-modules`` recompute (core_attn: the attention output and log-sum-exp; layernorm:
+the two norm outputs; moe_act: the expert activation; mlp / moe: the block's activations but
+its input); ``full`` keeps only each recomputed layer's input (uniform: one per group of
+``--recompute-num-layers``; block: the first N layers of a chunk, the others keep everything);
+one layer's working set (with full recompute, that of a recomputed group and its gradients,
+plus the float32 attention matrices) and the float32 logits twice (logits and their gradient)
+come on top. The CPU temp figure is printed alongside, labelled, as a cross-check.
 
 Pipeline parallelism: layouts with ``PP > 1`` are planned only where ``mlir_train.sft`` runs
 them (otherwise they are reported as not implemented); a device then holds ``L / PP`` layers
@@ -119,14 +122,21 @@ class Layout:
     expert: int = 1
     pipeline: int = 1
     distributed_optimizer: bool = False
-    recompute: str = "none"  # none | selective | full
+    # a RecomputePolicy (mlir_train.model.recompute), or "none" | "selective" | "full"
+    recompute: Any = "none"
     sequence_parallel: bool = False
+
+    @property
+    def policy(self):
+        from mlir_train.model.recompute import RecomputePolicy
+
+        return RecomputePolicy.of(self.recompute)
 
     def name(self, num_devices: int) -> str:
         dp = num_devices // (self.tensor * self.pipeline)
         parts = [f"TP{self.tensor}", f"PP{self.pipeline}", f"EP{self.expert}", f"DP{dp}"]
         extra = (["SP"] if self.sequence_parallel else []) + (["distopt"] if self.distributed_optimizer else [])
-        return "x".join(parts) + "".join("+" + e for e in extra) + f" recompute={self.recompute}"
+        return "x".join(parts) + "".join("+" + e for e in extra) + f" recompute={self.policy.name}"
 
 
 @dataclasses.dataclass
@@ -247,15 +257,36 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     chunks = schedule.virtual if schedule is not None else 1
     n = max(schedule.stage_layers) if schedule is not None and schedule.stage_layers else len(per_layer) // (layout.pipeline * chunks)
     per_layer = per_layer[:max(1, n)]  # the (largest) stage's, or one chunk's, layers
-    if layout.recompute == "none":
-        saved = sum(per_layer)
-    elif layout.recompute == "selective":
-        # Only dots without batch dimensions are kept (projections, router, dense MLP): the
-        # attention core and the expert matmuls (batched, looped or ragged) are recomputed.
-        saved = sum(per_layer) - len(per_layer) * attn_core - sum(kinds[:len(per_layer)]) * experts
+    policy = layout.policy
+    layer_input = a * rows * d // sp
+    if policy.granularity == "selective":
+        # The submodules' kept tensors go: the attention core's output and log-sum-exp, the norms'
+        # outputs (2 per layer), the expert activation's output, a dense MLP's or MoE layer's
+        # activations but its input.
+        saved = 0
+        for is_moe, act in zip(kinds, per_layer):
+            drop = (attn_core if policy.recomputes("core_attn") else 0) + (
+                2 * layer_input if policy.recomputes("layernorm") else 0)
+            if is_moe:
+                drop += (moe - layer_input if policy.recomputes("moe") else
+                         a * m * f if policy.recomputes("moe_act") else 0)
+            elif policy.recomputes("mlp"):
+                drop += dense - layer_input
+            saved += act - drop
+        # one layer's backward, plus a recomputed MoE layer / MLP's forward
+        working = max(per_layer) + attn_matrices + max(
+            (moe if policy.recomputes("moe") and is_moe else dense if policy.recomputes("mlp") and not is_moe else 0)
+            for is_moe in kinds[:len(per_layer)])
+    elif policy.granularity == "full":
+        # The recomputed layers keep their input (uniform: one per group of N), block's others all
+        # of their activations; a group of N is recomputed at once.
+        group = policy.num_layers if policy.method == "uniform" else 1
+        recomputed = len(per_layer) if policy.method != "block" else min(policy.num_layers, len(per_layer))
+        saved = -(-recomputed // group) * layer_input + sum(per_layer[recomputed:])
+        working = (group + 1) * max(per_layer) + attn_matrices
     else:
-        saved = len(per_layer) * a * rows * d // sp
-    working = (1 if layout.recompute == "none" else 2) * max(per_layer) + attn_matrices
+        saved = sum(per_layer)
+        working = max(per_layer) + attn_matrices
     logits = 2 * 4 * rows * (cfg.vocab_size // tp)
     if layout.pipeline > 1 and schedule is not None and schedule.saved_inputs() is not None:
         return int(schedule.saved_inputs() * a * rows * d // sp + saved + working + logits)
@@ -283,7 +314,9 @@ def _trainer(cfg: RunConfig, layout: Layout, num_devices: int, devices=None):
                                                              decoder_first_pipeline_num_layers=None,
                                                              decoder_last_pipeline_num_layers=None,
                                                              pipeline_schedule=None))),
-        training=dict(recompute_granularity=None if layout.recompute == "none" else layout.recompute,
+        training=dict(recompute_granularity=layout.policy.granularity, recompute_method=layout.policy.method,
+                      recompute_num_layers=layout.policy.num_layers,
+                      recompute_modules=layout.policy.modules or None, moe_layer_recompute=False,
                       recompute_activations=False, lr=cfg.training.lr or 1e-5,
                       train_iters=cfg.training.train_iters or 1))
     vocab = cfg.model.vocab_size or cfg.model.model_config(None).vocab_size
@@ -337,9 +370,10 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
                                              num_micro=num_micro, schedule=trainer.schedule)
     plan.flops_per_step = flops_lib.num_floating_point_operations(model_cfg, cfg.data.seq_length, gbs)
     if peak_tflops:
-        hardware = plan.flops_per_step * (4 / 3 if layout.recompute == "full" else 1.0)
+        per_stage = model_cfg.num_layers // layout.pipeline
+        hardware = plan.flops_per_step * (3 + layout.policy.recomputed_fraction(per_stage)) / 3
         if trainer.schedule is not None:  # the pipeline bubble (and 1F1B's recomputed chunk forward)
-            hardware *= trainer.schedule.step_factor(num_micro, layout.recompute)
+            hardware *= trainer.schedule.step_factor(num_micro, layout.policy.kind)
         plan.step_time_s = hardware / (num_devices * peak_tflops * 1e12 * assumed_mfu)
         plan.tokens_per_s = gbs * cfg.data.seq_length / plan.step_time_s
     if compile_step:
@@ -441,7 +475,7 @@ def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
         ("optimizer state", plan.optimizer_bytes),
         ("compute weights (gathered)", plan.compute_weight_bytes),
         ("gradients (micro + fp32 accumulator)", plan.gradient_bytes),
-        (f"activations (estimate, recompute={plan.layout.recompute})", plan.activation_bytes),
+        (f"activations (estimate, recompute={plan.layout.policy.name})", plan.activation_bytes),
         ("batch", plan.batch_bytes),
         ("total per device", plan.total_bytes),
     ]
@@ -526,7 +560,7 @@ def main(argv: list[str] | None = None) -> list[Plan]:
           + (f" -- {note}" if note else ""))
     if not own.search:
         layout = Layout(par.tensor_model_parallel_size, par.expert_model_parallel_size,
-                        par.pipeline_model_parallel_size, par.distributed_optimizer, t.remat, par.sequence_parallel)
+                        par.pipeline_model_parallel_size, par.distributed_optimizer, t.recompute, par.sequence_parallel)
         plan = plan_layout(cfg, layout, num_devices, **common)
         print(format_plan(plan, own.device_kind, own.assumed_mfu))
         _write_json(own.json, [plan])

@@ -268,10 +268,30 @@ class TrainingFlags:
     loss_scale: float | None = flag("--loss-scale", type=float, help="static loss scale (fp16)")
     attention_dropout: float = flag("--attention-dropout", default=0.0, type=float, help="only 0 is supported")
     hidden_dropout: float = flag("--hidden-dropout", default=0.0, type=float, help="only 0 is supported")
-    recompute_granularity: str | None = flag("--recompute-granularity", choices=["full", "selective"],
-                                             help="rematerialisation: full layers or attention core only")
-    recompute_method: str | None = flag("--recompute-method", choices=["uniform", "block"])
-    recompute_num_layers: int | None = flag("--recompute-num-layers", type=int)
+    recompute_granularity: str | None = flag(
+        "--recompute-granularity", choices=["full", "selective"],
+        help="full: whole decoder layers (every layer unless --recompute-method says which; megatron-core "
+             "requires the method); selective: the --recompute-modules submodules")
+    recompute_method: str | None = flag(
+        "--recompute-method", choices=["uniform", "block"],
+        help="with --recompute-granularity full: uniform checkpoints groups of --recompute-num-layers layers "
+             "(which must divide each pipeline chunk's layers); block only the first --recompute-num-layers "
+             "layers of each pipeline chunk")
+    recompute_num_layers: int | None = flag("--recompute-num-layers", type=int,
+                                            help="layers per group (uniform) or per chunk (block)")
+    recompute_modules: tuple[str, ...] | None = flag(
+        "--recompute-modules", nargs="+", metavar="MODULE",
+        choices=["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"],
+        help="with --recompute-granularity selective (default: core_attn): core_attn (the softmax(qk)v core; "
+             "our attention keeps only its output and log-sum-exp already, so this saves little, as for "
+             "megatron-core's fused attention), moe_act (the expert activation: only fc1's outputs kept; the "
+             "dropless CPU/GPU expert kernels do that already), layernorm (the input and pre-MLP norms' outputs "
+             "recomputed), mlp (dense layers' MLP), moe (the whole MoE layer); mla_up_proj and shared_experts "
+             "are refused (Qwen3 has no MLA or shared experts); moe_act needs no --moe-grouped-gemm here")
+    moe_layer_recompute: bool = switch(
+        "--moe-layer-recompute", group="moe",
+        help="Megatron's deprecated spelling of --recompute-granularity selective --recompute-modules ... moe "
+             "(added to the modules, core_attn by default)")
     recompute_activations: bool = switch("--recompute-activations",
                                          help="Megatron's alias of --recompute-granularity selective")
     eval_interval: int = flag("--eval-interval", default=1000, type=int)
@@ -292,9 +312,26 @@ class TrainingFlags:
         return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
 
     @property
+    def recompute(self):
+        """The :class:`~mlir_train.model.recompute.RecomputePolicy` of these flags, as megatron-core
+        0.16 reads them (``--recompute-activations`` and ``--moe-layer-recompute`` make the
+        granularity selective; the modules default to core_attn; ``--moe-layer-recompute`` adds
+        moe). :func:`check` has refused the combinations it would not run."""
+        from mlir_train.model.recompute import RecomputePolicy
+
+        selective = self.recompute_activations or self.moe_layer_recompute
+        granularity = "selective" if selective else self.recompute_granularity
+        if granularity != "selective":
+            return RecomputePolicy(granularity, self.recompute_method, self.recompute_num_layers)
+        modules = tuple(self.recompute_modules or ("core_attn",))
+        if self.moe_layer_recompute and "moe" not in modules:
+            modules += ("moe",)
+        return RecomputePolicy("selective", modules=modules)
+
+    @property
     def remat(self) -> str:
-        granularity = self.recompute_granularity or ("selective" if self.recompute_activations else None)
-        return granularity or "none"
+        """The recompute granularity: "none" | "full" | "selective"."""
+        return self.recompute.kind
 
     def lr_schedule(self, global_batch_size: int):
         from mlir_train.schedule import megatron_lr_schedule
@@ -725,14 +762,6 @@ REFUSED: dict[str, Refusal] = {
         lambda v, c: v is None or v == c.parallel.tensor_model_parallel_size,
         "the expert width is split over the tensor-parallel ranks (Megatron's default, ETP = TP); an expert "
         "tensor-parallel size different from --tensor-model-parallel-size is not implemented yet: drop the flag"),
-    "--recompute-method": Refusal(
-        lambda v, c: v is None,
-        "recomputing only some layers is not implemented yet: --recompute-granularity full/selective applies "
-        "to every layer; drop --recompute-method/--recompute-num-layers"),
-    "--recompute-num-layers": Refusal(
-        lambda v, c: v is None,
-        "recomputing only some layers is not implemented yet: --recompute-granularity full/selective applies "
-        "to every layer; drop --recompute-method/--recompute-num-layers"),
 }
 
 
@@ -804,12 +833,47 @@ def check(cfg: RunConfig) -> None:
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (as in Megatron)")
     m.load_balancing()  # the types and their coefficients pair up (names the flags otherwise)
+    check_recompute(t)
     names = _flag_names()
     for flag_name, refusal in REFUSED.items():
         section, field = names[flag_name]
         value = getattr(getattr(cfg, section), field)
         if not refusal.accepted(value, cfg):
             raise ConfigError(f"{flag_name} {_show(value)}: {refusal.message}")
+
+
+def check_recompute(t: TrainingFlags) -> None:
+    """megatron-core 0.16's checks of the recompute flags (``TransformerConfig.__post_init__``
+    and ``validate_args``), naming the flags; where it silently ignores or overrides one (a
+    method without a granularity, --recompute-activations over full) we refuse instead."""
+    from mlir_train.model.recompute import ABSENT_MODULES
+
+    g, method, n = t.recompute_granularity, t.recompute_method, t.recompute_num_layers
+    if t.recompute_activations and g == "full":
+        raise ConfigError("--recompute-activations is Megatron's --recompute-granularity selective, which it would "
+                          "silently put in place of --recompute-granularity full: give only one")
+    if t.moe_layer_recompute and g == "full":
+        raise ConfigError("--moe-layer-recompute with --recompute-granularity full: megatron-core refuses it "
+                          "(\"Do not set --moe-layer-recompute with full recompute granularity\"); drop one")
+    selective = g == "selective" or t.recompute_activations or t.moe_layer_recompute
+    if method is not None and g != "full":
+        raise ConfigError(f"--recompute-method {method} needs --recompute-granularity full (megatron-core: "
+                          "\"recompute method is not yet supported for selective recomputing granularity\"; "
+                          "without a granularity it is ignored)")
+    if n is not None and method is None:
+        raise ConfigError(f"--recompute-num-layers {n} needs --recompute-granularity full and --recompute-method "
+                          "uniform|block (megatron-core: recompute_num_layers must be None for selective)")
+    if method is not None and n is None:
+        raise ConfigError(f"--recompute-method {method} needs --recompute-num-layers (megatron-core: between 1 "
+                          "and the layers per pipeline stage)")
+    if n is not None and n < 1:
+        raise ConfigError(f"--recompute-num-layers {n}: must be at least 1")
+    if t.recompute_modules and not selective:
+        raise ConfigError("--recompute-modules applies to --recompute-granularity selective only "
+                          f"(got {g or 'no --recompute-granularity'})")
+    for m in t.recompute_modules or ():
+        if m in ABSENT_MODULES:
+            raise ConfigError(f"--recompute-modules {m}: {ABSENT_MODULES[m]}; drop it")
 
 
 def _show(value: Any) -> str:
@@ -842,6 +906,10 @@ class Run:
         return self.config.training.compute_dtype
 
     @property
+    def recompute(self):
+        return self.config.training.recompute
+
+    @property
     def remat(self) -> str:
         return self.config.training.remat
 
@@ -858,7 +926,7 @@ class Run:
         the recompute policy and, for MoE, the capacity and drop policy."""
         from mlir_train.model import platform_model_kwargs
 
-        kwargs = platform_model_kwargs(self.platform, is_moe=self.model.is_moe) | dict(remat=self.remat)
+        kwargs = platform_model_kwargs(self.platform, is_moe=self.model.is_moe) | dict(remat=self.recompute)
         if self.model.is_moe:
             m = self.config.moe
             kwargs |= dict(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy,
@@ -920,15 +988,25 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
         parallel = validate(parallel, dims, global_batch_size=gbs,
                             micro_batch_size=t.micro_batch_size, seq_length=cfg.data.seq_length)
         num_micro = gbs // (t.micro_batch_size * parallel.data_parallel)
+        chunks = [model_cfg.num_layers]  # the layers of each pipeline chunk (megatron-core's recompute unit)
         if parallel.pipeline > 1:
             from mlir_train.pipeline_parallel import make_schedule
 
-            make_schedule(model_cfg.num_layers, parallel.pipeline, kind=p.pipeline_schedule or "1f1b",
-                          layers_per_virtual_stage=p.layers_per_virtual_stage(model_cfg.num_layers),
-                          first_stage_layers=p.decoder_first_pipeline_num_layers,
-                          last_stage_layers=p.decoder_last_pipeline_num_layers, num_micro_batches=num_micro)
+            schedule = make_schedule(model_cfg.num_layers, parallel.pipeline, kind=p.pipeline_schedule or "1f1b",
+                                     layers_per_virtual_stage=p.layers_per_virtual_stage(model_cfg.num_layers),
+                                     first_stage_layers=p.decoder_first_pipeline_num_layers,
+                                     last_stage_layers=p.decoder_last_pipeline_num_layers, num_micro_batches=num_micro)
+            chunks = [len(c) for stage in schedule.chunk_layers(model_cfg.num_layers) for c in stage]
     except ParallelConfigError as e:
         raise ConfigError(str(e)) from None
+    recompute = t.recompute
+    try:
+        recompute.check_chunks(chunks, "pipeline chunk" if parallel.pipeline > 1 else "model (no pipeline)")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not model_cfg.is_moe and any(recompute.recomputes(m) for m in ("moe", "moe_act")):
+        print("mlir-train: --recompute-modules moe/moe_act (or --moe-layer-recompute) have no effect: the model has "
+              "no MoE layers")
     router = cfg.moe.router(model_cfg, parallel.expert)  # Megatron's router checks, before anything compiles
     if router is not None and router.dtype == "fp64" and platform == "tpu":
         raise ConfigError("--moe-router-dtype fp64: TPUs have no float64; use --moe-router-dtype fp32 (the default)")

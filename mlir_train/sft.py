@@ -142,7 +142,8 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
         tensorboard_log_interval=lg.tensorboard_log_interval, check_nan=t.check_for_nan_in_loss_and_grad,
         global_batch_size=gbs, seq_length=run.seq_length, lr_at=schedule.lr_at,
         flops_per_step=flops_lib.num_floating_point_operations(model_cfg, run.seq_length, gbs,
-                                                               recompute_full=run.remat == "full"),
+                                                               recompute_full=run.recompute.recomputed_fraction(
+                                                                   model_cfg.num_layers // run.parallel.pipeline)),
         num_devices=jax.device_count(), peak_tflops=flops_lib.device_peak_tflops(
             "bf16" if run.compute_dtype != "float32" else "fp32", cfg.extras.peak_tflops),
         log_timers=lg.log_timers_to_tensorboard, timers=timers, model_cfg=model_cfg,

@@ -19,8 +19,6 @@ from mlir_train.run_config import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, NOT_IMPLEMENTE
 REFUSED_VALUES = {
     "--context-parallel-size": "2",
     "--expert-tensor-parallel-size": "4",
-    "--recompute-method": "block",
-    "--recompute-num-layers": "2",
 }
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlir_train.model.recompute import checkpointed
 from sharding import constrain, logical_shard_map, mesh_axes_of
 
 # How attention runs: "xla" is masked_attention below (any platform; it computes the whole
@@ -192,10 +193,15 @@ class Attention(nnx.Module):
     ``[B, T, S]`` boolean mask of :func:`attention_mask` for "xla", the ``[B, T]`` segment
     ids for "flash" (``Qwen3.layer_context`` builds the right one)."""
 
-    def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32, impl: str = "xla"):
+    def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32, impl: str = "xla",
+                 recompute_core_attn: bool = False):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention implementation {impl!r}; choose one of {ATTENTION_IMPLS}")
         self.impl = impl
+        # megatron-core's "core_attn" recompute: softmax(q k^T) v from the roped q, k and v.
+        # Both implementations already keep only their output and log-sum-exp (FlashAttention's
+        # residuals), so this drops those and runs the attention forward once more.
+        self.recompute_core_attn = recompute_core_attn
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         std = cfg.init_std
         self.q_proj = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), std, dtype)
@@ -207,23 +213,35 @@ class Attention(nnx.Module):
         self.num_kv_heads = k
         self.head_dim = h
 
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask) -> jax.Array:
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask, norm=None, recompute_norm: bool = False) -> jax.Array:
+        """``norm`` (the layer's input norm) runs first when given; ``recompute_norm`` makes it
+        megatron-core's output-discarding "layernorm" recompute: norm and q/k/v projections
+        are one checkpoint, whose backward reruns only the norm (the projections' outputs are
+        not needed to differentiate them), so the normed input is not kept for the projections'
+        weight gradients."""
         dt = x_BTD.dtype
-        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...].astype(dt))
-        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...].astype(dt))
-        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...].astype(dt))
-        q_BTNH = constrain(q_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        k_BTKH = constrain(k_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
-        v_BTKH = constrain(v_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+
+        def project(x_BTD):
+            if norm is not None:
+                x_BTD = norm(x_BTD)
+            q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...].astype(dt))
+            k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...].astype(dt))
+            v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...].astype(dt))
+            return (constrain(q_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim")),
+                    constrain(k_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")),
+                    constrain(v_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")))
+
+        q_BTNH, k_BTKH, v_BTKH = checkpointed(project, recompute_norm)(x_BTD)
         q_BTNH = apply_rope(self.q_norm(q_BTNH), cos_BTH, sin_BTH)
         k_BTKH = apply_rope(self.k_norm(k_BTKH), cos_BTH, sin_BTH)
 
         b, t, n, h = q_BTNH.shape
         if self.impl == "flash":
-            o_BTNH = flash_attention(q_BTNH, k_BTKH, v_BTKH, mask)
+            o_BTNH = checkpointed(flash_attention, self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
         else:
             g = n // self.num_kv_heads
-            o_BTKGH = masked_attention(q_BTNH.reshape(b, t, self.num_kv_heads, g, h), k_BTKH, v_BTKH, mask)
+            o_BTKGH = checkpointed(masked_attention, self.recompute_core_attn)(
+                q_BTNH.reshape(b, t, self.num_kv_heads, g, h), k_BTKH, v_BTKH, mask)
             o_BTNH = o_BTKGH.reshape(b, t, n, h)
         o_BTNH = constrain(o_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         return jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))
@@ -237,9 +255,16 @@ class MLP(nnx.Module):
         self.up_proj = param(rngs, (hidden, width), ("embed", "mlp"), std, dtype)
         self.down_proj = param(rngs, (width, hidden), ("mlp", "embed"), out_std, dtype)
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, norm=None, recompute_norm: bool = False) -> jax.Array:
+        """``norm``, ``recompute_norm``: the pre-MLP norm, as :meth:`Attention.__call__`'s."""
         dt = x_BTD.dtype
-        g_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_proj[...].astype(dt))
-        u_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_proj[...].astype(dt))
+
+        def fc1(x_BTD):
+            if norm is not None:
+                x_BTD = norm(x_BTD)
+            return (jnp.einsum("btd,df->btf", x_BTD, self.gate_proj[...].astype(dt)),
+                    jnp.einsum("btd,df->btf", x_BTD, self.up_proj[...].astype(dt)))
+
+        g_BTF, u_BTF = checkpointed(fc1, recompute_norm)(x_BTD)
         h_BTF = constrain(jax.nn.silu(g_BTF) * u_BTF, ("act_batch", "act_seq", "act_mlp"))
         return jnp.einsum("btf,fd->btd", h_BTF, self.down_proj[...].astype(dt))

@@ -51,10 +51,11 @@ from mlir_train.model.layers import param
 from mlir_train.model.moe_dispatch import (
     DEFAULT_MOE_IMPL, MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for,
 )
-from mlir_train.model.moe_experts import BlockKernels, mosaic_block_kernels, xla_block_kernels
+from mlir_train.model.moe_experts import BlockKernels, mosaic_block_kernels, swiglu_down, xla_block_kernels
 from mlir_train.model.moe_gpu import BLOCK_ROWS as GPU_BLOCK_ROWS
 from mlir_train.model.moe_parallel import run_experts
-from mlir_train.model.router import RouterConfig, route_in
+from mlir_train.model.recompute import checkpointed
+from mlir_train.model.router import RouterConfig, route, route_in, router_logits
 from sharding import constrain
 
 ROUTER_SCOPE = "moe_router"
@@ -88,6 +89,7 @@ class MoE(nnx.Module):
         ragged_all_to_all: Callable | None = None,
         block_kernels: BlockKernels | None = None,
         router: RouterConfig | None = None,
+        recompute_act: bool = False,
     ):
         platform = platform or jax.default_backend()
         if ragged_all_to_all is None and impl in ("ragged", "grouped") and capacity_factor is None:
@@ -97,6 +99,7 @@ class MoE(nnx.Module):
         self.plan = ExpertsPlan(
             impl=impl, num_experts=cfg.num_experts, capacity_factor=capacity_factor, drop_policy=drop_policy,
             block_loop=block_loop, ragged_all_to_all=ragged_all_to_all, block_kernels=block_kernels,
+            recompute_act=recompute_act,
         )
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.router = param(rngs, (d, e), ("embed", "router_exp"), cfg.init_std, dtype)
@@ -117,23 +120,45 @@ class MoE(nnx.Module):
             self.expert_bias = nnx.Param(jnp.zeros((e,), jnp.float32), logical_axes=("router_exp",))
 
     # ----- routing (mlir_train.model.router) ------------------------------------------------
-    def route(self, x_SD: jax.Array, valid_S: jax.Array, segment_ids_BT: jax.Array | None = None):
+    def route(self, x_SD: jax.Array, valid_S: jax.Array, segment_ids_BT: jax.Array | None = None,
+              logits_SE: jax.Array | None = None):
         """Router in float32 (Megatron and HF both softmax in fp32; we also matmul in fp32), or
-        float64 with ``--moe-router-dtype fp64``."""
+        float64 with ``--moe-router-dtype fp64`` (its own gating matmul, in float64);
+        ``logits_SE``: the float32 router logits of ``x_SD``, already computed."""
         bias = self.expert_bias[...] if self.router_cfg.enable_expert_bias else None
-        return route_in(self.router_cfg, x_SD, self.router[...], valid_S, top_k=self.top_k,
-                        norm_topk_prob=self.norm_topk_prob, expert_bias_E=bias, segment_ids_BT=segment_ids_BT)
+        if self.router_cfg.dtype != "fp32":
+            return route_in(self.router_cfg, x_SD, self.router[...], valid_S, top_k=self.top_k,
+                            norm_topk_prob=self.norm_topk_prob, expert_bias_E=bias, segment_ids_BT=segment_ids_BT)
+        if logits_SE is None:
+            logits_SE = router_logits(x_SD, self.router[...])
+        return route(logits_SE, valid_S, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, cfg=self.router_cfg,
+                     expert_bias_E=bias, segment_ids_BT=segment_ids_BT)
 
     # ----- experts -------------------------------------------------------------------------
-    def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array, segment_ids_BT: jax.Array | None = None):
+    def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
+                 norm=None, recompute_norm: bool = False):
+        """``norm`` (the pre-MLP norm) runs first when given; ``recompute_norm`` makes it
+        megatron-core's output-discarding "layernorm" recompute: norm and router matmul are
+        one checkpoint whose backward reruns only the norm. (The dropless blocked / ragged /
+        grouped experts still keep the normed tokens for their weight gradients.)"""
         b, t, d = x_BTD.shape
-        x_SD = constrain(x_BTD.reshape(b * t, d), ("act_tokens", "act_embed"))
         valid_S = valid_BT.reshape(-1)
+
+        def pre(x_BTD):
+            if norm is not None:
+                x_BTD = norm(x_BTD)
+            x_SD = constrain(x_BTD.reshape(b * t, d), ("act_tokens", "act_embed"))
+            if self.router_cfg.dtype != "fp32":
+                return x_SD, None  # the fp64 router does its own gating matmul
+            with jax.named_scope(ROUTER_SCOPE):  # names the router's matmuls in the HLO (FLOP audits)
+                return x_SD, router_logits(x_SD, self.router[...])
+
+        x_SD, logits_SE = checkpointed(pre, recompute_norm)(x_BTD)
         # Routing stays outside any manual region: XLA reduces the stats over the whole batch,
         # so they are the single-device arrays under every layout (Megatron's aux loss is
         # computed over the global batch too).
-        with jax.named_scope(ROUTER_SCOPE):  # names the router's matmuls in the HLO (FLOP audits)
-            weights_SK, experts_SK, stats = self.route(x_SD, valid_S, segment_ids_BT)
+        with jax.named_scope(ROUTER_SCOPE):
+            weights_SK, experts_SK, stats = self.route(x_SD, valid_S, segment_ids_BT, logits_SE)
         weights_SK = weights_SK.astype(x_SD.dtype)
         if self.impl == "dense":
             # The reference stays plain under every layout; XLA partitions it as it likes.
@@ -151,5 +176,5 @@ class MoE(nnx.Module):
         combine_SE = jnp.sum(jax.nn.one_hot(experts_SK, self.num_experts, dtype=x_SD.dtype) * weights_SK[..., None], axis=1)
         g_SEF = jnp.einsum("sd,edf->sef", x_SD, wg)
         u_SEF = jnp.einsum("sd,edf->sef", x_SD, wu)
-        y_SED = jnp.einsum("sef,efd->sed", jax.nn.silu(g_SEF) * u_SEF, wd)
+        y_SED = swiglu_down(g_SEF, u_SEF, lambda h_SEF: jnp.einsum("sef,efd->sed", h_SEF, wd), self.plan.recompute_act)
         return jnp.einsum("sed,se->sd", y_SED, combine_SE)

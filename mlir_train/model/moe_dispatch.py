@@ -15,7 +15,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from mlir_train.model.moe_experts import BlockKernels, blocked_experts, grouped_experts, ragged_experts, swiglu_experts
+from mlir_train.model.moe_experts import BlockKernels, blocked_experts, grouped_experts, ragged_experts, swiglu_down, swiglu_experts
 from sharding import constrain
 
 MOE_IMPLS = ("dense", "padded", "ragged", "grouped")
@@ -35,6 +35,8 @@ class ExpertsPlan:
     ``block_loop`` forces the dropless blocked experts' loop (True) or batched form (False);
     None picks by size (:func:`mlir_train.model.moe_experts.blocked_experts`).
     ``block_kernels`` are the matmuls of ``impl="grouped"`` (Mosaic-GPU or the XLA reference).
+    ``recompute_act``: the activation is megatron-core's "moe_act" recompute
+    (:func:`mlir_train.model.moe_experts.swiglu_down`).
     """
 
     @property
@@ -51,6 +53,7 @@ class ExpertsPlan:
     block_loop: bool | None = None
     ragged_all_to_all: Callable | None = None
     block_kernels: BlockKernels | None = None
+    recompute_act: bool = False
 
     def __post_init__(self):
         if self.impl not in MOE_IMPLS:
@@ -79,13 +82,13 @@ def sort_assignments(plan: ExpertsPlan, weights_SK, experts_SK):
     return order_A // k, experts_A[order_A], weights_A[order_A]
 
 
-def constrained_swiglu(weights):
+def constrained_swiglu(weights, recompute_act: bool = False):
     """The batched experts on an ``[E, C, D]`` buffer left to XLA's partitioner (one device):
     the buffer's expert and capacity axes carry their logical names."""
 
     def run(buf_ECD):
         buf_ECD = constrain(buf_ECD, ("act_exp", "act_capacity", "act_embed"))
-        out_ECD = swiglu_experts(buf_ECD, *weights)
+        out_ECD = swiglu_experts(buf_ECD, *weights, recompute_act=recompute_act)
         return constrain(out_ECD, ("act_exp", "act_capacity", "act_embed"))
 
     return run
@@ -106,7 +109,7 @@ def local_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weig
         return blocked(plan, x_SD, weights_SK, experts_SK, weights), jnp.zeros((), jnp.float32)
     # Capacity runs, and so few tokens (decoding) that the [E, S, D] buffer, which can
     # never overflow, is smaller than the blocked layout's bound.
-    experts_fn = experts_fn or (lambda buf_ECD: swiglu_experts(buf_ECD, *weights))
+    experts_fn = experts_fn or (lambda buf_ECD: swiglu_experts(buf_ECD, *weights, recompute_act=plan.recompute_act))
     return dispatch_padded(plan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, lambda n: n)
 
 
@@ -246,8 +249,8 @@ def ep_ragged(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes,
     )
     group_sizes_L = jnp.sum(recv_RL, axis=0)
     g_MF = jax.lax.ragged_dot(recv_MD, wg, group_sizes_L)
-    h_MF = jax.nn.silu(g_MF) * jax.lax.ragged_dot(recv_MD, wu, group_sizes_L)
-    out_MD = jax.lax.ragged_dot(h_MF, wd, group_sizes_L)
+    out_MD = swiglu_down(g_MF, jax.lax.ragged_dot(recv_MD, wu, group_sizes_L),
+                         lambda h_MF: jax.lax.ragged_dot(h_MF, wd, group_sizes_L), plan.recompute_act)
     y_AD = ragged_a2a(
         out_MD, jnp.zeros((s * k, d), x_SD.dtype), recv_offsets_E, recv_sizes_E,
         a2a(send_offsets_E), send_sizes_E, axis_name=ep_axes,

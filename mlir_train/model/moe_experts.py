@@ -22,10 +22,21 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from mlir_train.model.recompute import checkpointed
 
-def swiglu_experts(x_ECD, wg_EDF, wu_EDF, wd_EFD):
-    h_ECF = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x_ECD, wg_EDF)) * jnp.einsum("ecd,edf->ecf", x_ECD, wu_EDF)
-    return jnp.einsum("ecf,efd->ecd", h_ECF, wd_EFD)
+
+def swiglu_down(g, u, down, recompute: bool = False):
+    """``down(silu(g) * u)``, the experts' activation and fc2. ``recompute`` makes the
+    activation megatron-core's output-discarding "moe_act" recompute: activation and fc2 are
+    one checkpoint, whose backward reruns only the activation (fc2's output is not needed to
+    differentiate it), so only the fc1 outputs ``g`` and ``u`` are kept. The custom-VJP forms
+    below keep only those two already: their backward recomputes the activation."""
+    return checkpointed(lambda g, u: down(jax.nn.silu(g) * u), recompute)(g, u)
+
+
+def swiglu_experts(x_ECD, wg_EDF, wu_EDF, wd_EFD, recompute_act: bool = False):
+    g_ECF, u_ECF = jnp.einsum("ecd,edf->ecf", x_ECD, wg_EDF), jnp.einsum("ecd,edf->ecf", x_ECD, wu_EDF)
+    return swiglu_down(g_ECF, u_ECF, lambda h_ECF: jnp.einsum("ecf,efd->ecd", h_ECF, wd_EFD), recompute_act)
 
 
 def _swiglu_fwd(x_BD, wg_DF, wu_DF, wd_FD):

@@ -75,7 +75,7 @@ def run_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weight
         return expert_parallel(plan, x_SD, weights_SK, experts_SK, valid_S, weights)
     if mesh_axes_of("act_tokens")[1] > 1 or _kernel_tp_axes(plan):
         return data_parallel(plan, x_SD, weights_SK, experts_SK, valid_S, weights)
-    return moe_dispatch.local_experts(plan, x_SD, weights_SK, experts_SK, valid_S, weights, constrained_swiglu(weights))
+    return moe_dispatch.local_experts(plan, x_SD, weights_SK, experts_SK, valid_S, weights, constrained_swiglu(weights, plan.recompute_act))
 
 
 def _kernel_tp_axes(plan: ExpertsPlan) -> tuple[str, ...]:
@@ -170,7 +170,7 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
             # r; what arrives is indexed (source rank, local expert).
             recv = jax.lax.all_to_all(buf_ECD, ep_axes, 0, 0, tiled=True)
             recv_LCD = recv.reshape(ep, el, c, d).swapaxes(0, 1).reshape(el, ep * c, d)
-            out_LCD = swiglu_experts(recv_LCD, wg, wu, wd)
+            out_LCD = swiglu_experts(recv_LCD, wg, wu, wd, recompute_act=plan.recompute_act)
             out = out_LCD.reshape(el, ep, c, d).swapaxes(0, 1).reshape(e, c, d)
             return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
 

@@ -36,38 +36,63 @@ from mlir_train.config import ModelConfig
 from mlir_train.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
 from mlir_train.model.layers import DEFAULT_ATTENTION_IMPL, MLP, Attention, RMSNorm, attention_mask, param, rope_tables
 from mlir_train.model.moe import DEFAULT_MOE_IMPL, MoE
+from mlir_train.model.recompute import LEGACY, RecomputePolicy, checkpointed
 from mlir_train.model.router import RouterConfig
 from sharding import constrain
 
-REMAT_POLICIES = ("none", "full", "selective")
+REMAT_POLICIES = LEGACY  # the strings ``remat=`` still takes besides a RecomputePolicy
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype,
                  moe_block_loop: bool | None = None, moe_platform: str | None = None, attention_impl: str = "xla",
-                 router: RouterConfig | None = None):
+                 router: RouterConfig | None = None, recompute: RecomputePolicy = RecomputePolicy()):
         # Megatron scales the init of the two output projections by 1/sqrt(2 * num_layers).
         out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, rngs, out_std, dtype, impl=attention_impl)
+        self.attn = Attention(cfg, rngs, out_std, dtype, impl=attention_impl,
+                              recompute_core_attn=recompute.recomputes("core_attn"))
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.is_moe = moe
+        # megatron-core's "moe" (the whole MoE layer) and "mlp" (a dense layer's MLP) modules.
+        self.recompute_mlp = recompute.recomputes("moe" if moe else "mlp")
+        self.recompute_norms = recompute.recomputes("layernorm")
         if moe:
             self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy,
-                           dtype=dtype, block_loop=moe_block_loop, platform=moe_platform, router=router)
+                           dtype=dtype, block_loop=moe_block_loop, platform=moe_platform, router=router,
+                           recompute_act=recompute.recomputes("moe_act"))
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype)
 
     def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_BTS, segment_ids_BT):
-        x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), cos_BTH, sin_BTH, mask_BTS)
+        # The norms run inside their consumers, which make them output-discarding checkpoints
+        # under the "layernorm" recompute.
+        x_BTD = x_BTD + self.attn(x_BTD, cos_BTH, sin_BTH, mask_BTS, self.input_norm, self.recompute_norms)
         x_BTD = constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
-        h_BTD = self.post_attn_norm(x_BTD)
+        norm = (self.post_attn_norm, self.recompute_norms)
         if self.is_moe:
-            y_BTD, stats = self.mlp(h_BTD, segment_ids_BT != 0, segment_ids_BT)
+            y_BTD, stats = _call(self.mlp, self.recompute_mlp, x_BTD, segment_ids_BT != 0, segment_ids_BT, *norm)
         else:
-            y_BTD, stats = self.mlp(h_BTD), {}
+            y_BTD, stats = _call(self.mlp, self.recompute_mlp, x_BTD, *norm), {}
         x_BTD = constrain(x_BTD + y_BTD, ("act_batch", "act_res_seq", "act_embed"))
         return x_BTD, stats
+
+
+def _call(module: nnx.Module, recompute: bool, *args):
+    """``module(*args)``, as a normal checkpoint (its input kept, its insides recomputed in the
+    backward) when ``recompute``."""
+    if not recompute:
+        return module(*args)
+    graphdef, state = nnx.split(module)
+    arrays = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+    rest = list(args)  # modules and flags pass through as they are
+
+    def run(state, *values):
+        for i, v in zip(arrays, values):
+            rest[i] = v
+        return nnx.merge(graphdef, state)(*rest)
+
+    return checkpointed(run, True)(state, *(args[i] for i in arrays))
 
 
 def _stacked(make, n: int, rngs: nnx.Rngs):
@@ -95,16 +120,17 @@ class Qwen3(nnx.Module):
         moe_impl: str = "padded",
         capacity_factor: float | None = None,
         drop_policy: str = "probs",
-        remat: str = "none",
+        remat: RecomputePolicy | str = "none",
         moe_block_loop: bool | None = None,
         moe_platform: str | None = None,
         attention_impl: str = "xla",
         router: RouterConfig | None = None,
     ):
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat policy {remat!r}; choose one of {REMAT_POLICIES}")
         self.cfg = cfg
-        self.remat = remat
+        # What the backward recomputes (mlir_train.model.recompute): the submodules' checkpoints
+        # are built into the layers, the layer-level ones are run_stack's.
+        self.remat = RecomputePolicy.of(remat)
+        self.remat.check_chunks([cfg.num_layers], "model")
         self.attention_impl = attention_impl
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed = param(rngs, (v, d), ("vocab", "embed"), cfg.init_std, param_dtype)
@@ -116,7 +142,7 @@ class Qwen3(nnx.Module):
             make = lambda r, is_moe=is_moe: DecoderLayer(
                 cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype,
                 moe_block_loop=moe_block_loop, moe_platform=moe_platform, attention_impl=attention_impl,
-                router=router,
+                router=router, recompute=self.remat,
             )
             layers.append(_stacked(make, n, rngs))
             kinds.append((start, n, is_moe))
@@ -173,8 +199,8 @@ class Qwen3(nnx.Module):
         context = self.layer_context(segment_ids, positions)
         x_BTD = self.embed_tokens(input_ids_BT)
         stats: list[dict[str, jax.Array]] = []
-        for stack in self.layers:
-            x_BTD, s = run_stack(stack, x_BTD, context, self.remat)
+        for stack, (first, _, _) in zip(self.layers, self.stack_kinds):
+            x_BTD, s = run_stack(stack, x_BTD, context, self.remat, offsets=(first,))
             if s:
                 stats.append(s)
         router_stats = {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]} if stats else {}
@@ -190,14 +216,22 @@ def _constrain_logits(logits_BTV: jax.Array) -> jax.Array:
     return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
 
-def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: str = "none",
-              active_V: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
+def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: RecomputePolicy | str = "none",
+              active_V: jax.Array | None = None, offsets: tuple[int, ...] = (0,)) -> tuple[jax.Array, dict[str, Any]]:
     """Scan ``x`` through a stacked layer module; stats come back with a leading layer axis.
+
+    ``remat`` (a :class:`~mlir_train.model.recompute.RecomputePolicy` or its legacy string)
+    decides the layer-level checkpoints: full recompute per layer, per group of layers
+    (uniform) or for the first layers of the chunk (block), whose first layer this stack's
+    sits at ``offsets`` (one per pipeline stage that disagrees; the layer index without a
+    pipeline); selective recompute's submodule checkpoints are inside the layers.
 
     ``active_V`` (bool per stacked layer) turns layers into the identity where it is False:
     padding of an uneven pipeline stage, which then contributes nothing to ``x`` nor, through
     ``where``'s gradient, to its own weights' gradients (its stats are the caller's to mask)."""
+    policy = RecomputePolicy.of(remat)
     graphdef, state = nnx.split(stack)
+    count = jax.tree.leaves(state)[0].shape[0]
 
     def body(x, xs):
         layer_state, on = xs
@@ -205,13 +239,25 @@ def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: str = "none",
         y, stats = layer(x, *context)
         return (y if on is None else jnp.where(on, y, x)), stats
 
-    if remat == "full":
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    elif remat == "selective":
-        # Keep matmul outputs, recompute the cheap elementwise work (norms, activations,
-        # softmax): Megatron's "selective" recompute in spirit, at XLA's granularity.
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return jax.lax.scan(body, x_BTD, (state, active_V))
+    def group(x, xs):  # several layers recomputed together: one checkpoint around their scan
+        return jax.lax.scan(body, x, xs)
+
+    parts = []
+    for start, length, size in policy.pieces(count, offsets):
+        xs = (state, active_V)
+        if (start, length) != (0, count):
+            xs = jax.tree.map(lambda a: a[start:start + length], xs)
+        if size == 0:
+            x_BTD, stats = jax.lax.scan(body, x_BTD, xs)
+        elif size == 1:
+            x_BTD, stats = jax.lax.scan(checkpointed(body, True), x_BTD, xs)
+        else:
+            xs = jax.tree.map(lambda a: a.reshape(length // size, size, *a.shape[1:]), xs)
+            x_BTD, stats = jax.lax.scan(checkpointed(group, True), x_BTD, xs)
+            stats = jax.tree.map(lambda a: a.reshape(length, *a.shape[2:]), stats)
+        parts.append(stats)
+    stats = parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+    return x_BTD, stats
 
 
 def logical_axes(model: nnx.Module) -> Any:
