@@ -162,6 +162,37 @@ def test_dropless_dispatchers_equal_the_dense_reference(impl, name):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
 
 
+# ----- checkpoints --------------------------------------------------------------------------
+
+
+def test_checkpoint_saved_under_folding_restores_into_etp_equal_tp(tmp_path):
+    """Our checkpoints hold global arrays: the state after a folding step (experts over EP4 with
+    the tensor ranks among them, ETP1) restores exactly into TP2 x EP2 (ETP = TP, experts F-split
+    over "tensor", ZeRO-1 moments), each array in the target's own sharding."""
+    import dataclasses
+
+    from mlir_train import checkpoint
+    from mlir_train.optim import make_optimizer
+    from mlir_train.train import StepConfig, Trainer, model_dims
+
+    saved = _run("TP2xEP4xETP1+SP")
+    mgr = checkpoint.CheckpointManager(str(tmp_path / "ck"), max_to_keep=1)
+    assert mgr.save(1, saved.state, {"model": dataclasses.asdict(MOE)}, force=True)
+    mgr.close()
+    parallel = sharding.validate(ParallelConfig(tensor=2, expert=2, distributed_optimizer=True), model_dims(MOE))
+    target = Trainer(MOE, StepConfig(), make_optimizer(lr_schedule=lambda i: 1e-3, weight_decay=0.1, beta1=0.9,
+                                                       beta2=0.95, clip_grad=1.0),
+                     parallel, sharding.make_mesh(parallel), model_kwargs=None)
+    state, meta = checkpoint.load_state(str(tmp_path / "ck"), target)
+    assert meta["iteration"] == 1
+    for key in ("params", "opt_state"):
+        assert jax.tree.structure(saved.state[key]) == jax.tree.structure(state[key]), key
+        for (path, a), b, sh in zip(_named_leaves(jax.device_get(saved.state[key])), jax.tree.leaves(state[key]),
+                                    jax.tree.leaves(target.state_shardings[key])):
+            np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{key} {path}")
+            assert b.sharding.is_equivalent_to(sh, b.ndim), (path, b.sharding, sh)
+
+
 # ----- the CLI ------------------------------------------------------------------------------
 
 
