@@ -55,6 +55,19 @@ experts, runs its L = E / EP local experts, and sends the results back; the comb
   blocks only. With "moe_mlp" split over tensor ranks the region is manual over those axes too
   (a kernel's custom call cannot be split by XLA) and the down projection's partial sums are
   added with a ``psum``; the same holds for the data-parallel region.
+
+Expert-tensor parallelism different from TP (Megatron's MoE parallel folding)
+----------------------------------------------------------------------------
+The rules decide which ranks hold distinct tokens (``"act_tokens"``): with ETP below TP the
+dense tensor ranks that are expert (or expert-data) ranks are among them, so "exp" may span
+tensor ranks and the all-to-all above runs over them unchanged, each rank dispatching its own
+tokens. With ETP above TP the expert width is split over ranks that are dense *data* ranks
+(:func:`width_token_axes`), so those ranks hold different tokens and different F shards: as
+Megatron's expert-tensor group does, they all-gather each other's rows, each computes its F
+shard's partial output for all of them, and a reduce-scatter sums the partials and returns
+each rank's own rows. The padded dispatchers gather the rank's padded slots after its own
+(per-rank) drop decision, so a capacity stays per rank; the dropless ones (blocked, ragged,
+grouped) gather the tokens before dispatching (the same result, whoever sorts the rows).
 """
 
 from __future__ import annotations
