@@ -142,7 +142,8 @@ def rules_for(cfg: ParallelConfig, model_dims: Mapping[str, int] | None = None) 
     role, the expert dimension to the expert role, the expert width to the expert-tensor role
     (= tensor unless --expert-tensor-parallel-size differs), the batch to the data role, and,
     under context parallelism, the sequence to the context role (the MoE's flattened tokens
-    and capacity slots to data x context). ``model_dims`` is only read for ``num_kv_heads``:
+    and capacity slots to data x context, and under MoE parallel folding to the tensor ranks
+    that are expert or expert-data ranks too). ``model_dims`` is only read for ``num_kv_heads``:
     when TP exceeds it, k/v heads are replicated over the tensor ranks instead of split.
     Overlays for sizes of 1 are left out, so the table says what is actually split.
     """
