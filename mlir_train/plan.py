@@ -390,19 +390,23 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
 
 def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
     """TP (within one 8-device node), EP, PP that divide the model, distributed optimizer on/off,
-    recompute none/full; DP is what is left."""
+    recompute none/full; DP is what is left. A given --expert-tensor-parallel-size is kept for
+    every candidate (EP then ranges over what ETP x EP leaves of a stage's ranks: folding)."""
     cfg = run_cfg.model.model_config(None)
+    etp = run_cfg.parallel.expert_tensor_parallel_size
     divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
     pipelines = [p for p in divisors if cfg.num_layers % p == 0]
     out = []
     for pp in pipelines:
         for tp in (d for d in divisors if d <= 8 and num_devices % (d * pp) == 0):
             dp = num_devices // (tp * pp)
-            experts = [e for e in divisors if dp % e == 0 and cfg.is_moe and cfg.num_experts % e == 0] or [1]
+            room = dp if etp is None else num_devices // (pp * etp)
+            experts = [e for e in divisors if room % e == 0 and cfg.is_moe and cfg.num_experts % e == 0] or [1]
             for ep in experts:
                 for distopt in ((True, False) if dp > 1 else (False,)):  # ZeRO needs data ranks
                     for recompute in ("none", "full"):
-                        out.append(Layout(tp, ep, pp, distopt, recompute, run_cfg.parallel.sequence_parallel and tp > 1))
+                        out.append(Layout(tp, ep, pp, distopt, recompute, run_cfg.parallel.sequence_parallel and tp > 1,
+                                          etp))
     return out
 
 

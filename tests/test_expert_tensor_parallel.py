@@ -211,3 +211,25 @@ def test_cli_folding_agrees_with_data_parallel(tmp_path):
     for a, b in zip(dp, fold):
         for key in ("lm loss", "grad-norm", "load_balancing_loss"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=f"iteration {a['iteration']} {key}")
+
+
+# ----- the planner --------------------------------------------------------------------------
+
+
+def test_planner_layouts_carry_etp():
+    """The planner names ETP where it differs from TP, builds the trainer with it (the exact state
+    sizes come from its shardings) and splits the estimated expert activations by it."""
+    from mlir_train import cli
+    from mlir_train.config import get_model_config
+    from mlir_train.plan import Layout, activation_bytes, candidate_layouts
+
+    fold = Layout(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)
+    assert fold.etp == 1 and "ETP1" in fold.name(8) and "ETP" not in Layout(tensor=2, expert=2).name(8)
+    cfg = get_model_config("qwen3-30b-a3b")
+    est = lambda layout: activation_bytes(cfg, layout, micro_batch=1, seq=4096, dtype_bytes=2)
+    # ETP1 under TP2: half the tokens per rank dispatched, each to experts of full width.
+    assert est(fold) != est(Layout(tensor=2, expert=4, sequence_parallel=True))
+    run_cfg = cli.parse(["--model-name", "qwen3-moe-tiny", "--expert-tensor-parallel-size", "1"])
+    layouts = candidate_layouts(run_cfg, 8)
+    assert {l.expert_tensor for l in layouts} == {1}
+    assert any(l.tensor == 2 and l.expert == 8 for l in layouts)  # EP beyond DP: folding
