@@ -420,8 +420,10 @@ class _LegacySource(_Source):
         self.etp = int(a.get("expert_tensor_parallel_size") or self.tp)
         if self.etp > self.tp or self.tp % self.etp:
             raise MegatronCheckpointError(
-                f"{ckpt.directory}: expert_tensor_parallel_size {self.etp} with TP {self.tp}: the legacy format names "
-                "files by the dense TP rank, so it cannot hold that layout")
+                f"{ckpt.directory}: expert_tensor_parallel_size {self.etp} with TP {self.tp} "
+                "(--expert-tensor-parallel-size must divide --tensor-model-parallel-size here): the legacy format "
+                "names files by the dense TP rank (Megatron's get_checkpoint_name), so expert-tensor ranks beyond it "
+                "would share one file; a torch_dist checkpoint (--ckpt-format torch_dist) holds any layout")
         for t in range(self.tp):
             for p in range(self.pp):
                 if not any((t, p, e) in self.files for e in range(self.ep)):

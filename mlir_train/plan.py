@@ -66,7 +66,10 @@ micro-batch from the model's shapes for the recompute policy -- per decoder laye
 residual stream, q/k/v/o and the attention's float32 log-sum-exp (its custom gradient
 recomputes the ``[heads, T, T]`` probabilities, so those live only while one layer runs),
 the router logits and the ragged expert buffers (``EP x tokens x top_k`` rows, their upper
-bound); ``none`` keeps all of it for every layer; ``selective`` drops what its
+bound; with ``--expert-tensor-parallel-size`` below TP each tensor rank that is an expert rank
+dispatches its own share of the tokens, above TP the expert-tensor ranks gather ``ETP / TP``
+ranks' rows, and the expert width is split ``F / ETP``); ``none`` keeps all of it for every
+layer; ``selective`` drops what its
 ``--recompute-modules`` recompute (core_attn: the attention output and log-sum-exp; layernorm:
 the two norm outputs; moe_act: the expert activation; mlp / moe: the block's activations but
 its input); ``full`` keeps only each recomputed layer's input (uniform: one per group of
@@ -125,6 +128,11 @@ class Layout:
     # a RecomputePolicy (mlir_train.model.recompute), or "none" | "selective" | "full"
     recompute: Any = "none"
     sequence_parallel: bool = False
+    expert_tensor: int | None = None  # --expert-tensor-parallel-size (None: = tensor)
+
+    @property
+    def etp(self) -> int:
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
 
     @property
     def policy(self):
@@ -134,7 +142,8 @@ class Layout:
 
     def name(self, num_devices: int) -> str:
         dp = num_devices // (self.tensor * self.pipeline)
-        parts = [f"TP{self.tensor}", f"PP{self.pipeline}", f"EP{self.expert}", f"DP{dp}"]
+        parts = [f"TP{self.tensor}", f"PP{self.pipeline}", f"EP{self.expert}"]
+        parts += ([f"ETP{self.etp}"] if self.etp != self.tensor else []) + [f"DP{dp}"]
         extra = (["SP"] if self.sequence_parallel else []) + (["distopt"] if self.distributed_optimizer else [])
         return "x".join(parts) + "".join("+" + e for e in extra) + f" recompute={self.policy.name}"
 
@@ -244,9 +253,13 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     kinds = cfg.layer_kinds()
     if cfg.is_moe:
         s, k = rows // sp, cfg.top_k
+        etp = layout.etp
+        if etp < tp:  # folding: the tensor ranks that are expert ranks hold their own tokens
+            s = rows // (tp // etp)
         local = cfg.num_experts // layout.expert
-        m = layout.expert * s * min(k, local)
-        f = cfg.moe_intermediate_size // tp
+        # ETP > TP: the expert-tensor ranks that are data ranks gather each other's rows
+        m = layout.expert * s * min(k, local) * max(1, etp // tp)
+        f = cfg.moe_intermediate_size // etp
         router = a * rows * d + 2 * 4 * s * cfg.num_experts
         experts = 2 * a * s * k * d + (a * m * d if layout.expert > 1 else 0) + 3 * a * m * f + a * m * d
     else:
@@ -305,7 +318,8 @@ def _trainer(cfg: RunConfig, layout: Layout, num_devices: int, devices=None):
 
     cfg = cfg.replace(
         parallel=dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
-                      expert_model_parallel_size=layout.expert, sequence_parallel=layout.sequence_parallel,
+                      expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.expert_tensor,
+                      sequence_parallel=layout.sequence_parallel,
                       use_distributed_optimizer=layout.distributed_optimizer, use_torch_fsdp2=False,
                       data_parallel_sharding_strategy="no_shard",
                       # the pipeline's own flags mean nothing to (and are refused by) a PP1 layout
@@ -412,19 +426,23 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
 
 def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
     """TP (within one 8-device node), EP, PP that divide the model, distributed optimizer on/off,
-    recompute none/full; DP is what is left."""
+    recompute none/full; DP is what is left. A given --expert-tensor-parallel-size is kept for
+    every candidate (EP then ranges over what ETP x EP leaves of a stage's ranks: folding)."""
     cfg = run_cfg.model.model_config(None)
+    etp = run_cfg.parallel.expert_tensor_parallel_size
     divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
     pipelines = [p for p in divisors if cfg.num_layers % p == 0]
     out = []
     for pp in pipelines:
         for tp in (d for d in divisors if d <= 8 and num_devices % (d * pp) == 0):
             dp = num_devices // (tp * pp)
-            experts = [e for e in divisors if dp % e == 0 and cfg.is_moe and cfg.num_experts % e == 0] or [1]
+            room = dp if etp is None else num_devices // (pp * etp)
+            experts = [e for e in divisors if room % e == 0 and cfg.is_moe and cfg.num_experts % e == 0] or [1]
             for ep in experts:
                 for distopt in ((True, False) if dp > 1 else (False,)):  # ZeRO needs data ranks
                     for recompute in ("none", "full"):
-                        out.append(Layout(tp, ep, pp, distopt, recompute, run_cfg.parallel.sequence_parallel and tp > 1))
+                        out.append(Layout(tp, ep, pp, distopt, recompute, run_cfg.parallel.sequence_parallel and tp > 1,
+                                          etp))
     return out
 
 
@@ -560,7 +578,8 @@ def main(argv: list[str] | None = None) -> list[Plan]:
           + (f" -- {note}" if note else ""))
     if not own.search:
         layout = Layout(par.tensor_model_parallel_size, par.expert_model_parallel_size,
-                        par.pipeline_model_parallel_size, par.distributed_optimizer, t.recompute, par.sequence_parallel)
+                        par.pipeline_model_parallel_size, par.distributed_optimizer, t.recompute, par.sequence_parallel,
+                        par.expert_tensor_parallel_size)
         plan = plan_layout(cfg, layout, num_devices, **common)
         print(format_plan(plan, own.device_kind, own.assumed_mfu))
         _write_json(own.json, [plan])

@@ -461,7 +461,9 @@ class ParallelFlags:
     expert_model_parallel_size: int = flag("--expert-model-parallel-size", default=1, type=int)
     expert_tensor_parallel_size: int | None = flag(
         "--expert-tensor-parallel-size", type=int,
-        help="default: --tensor-model-parallel-size (the only value implemented)")
+        help="the routed experts' width split over its own ranks, independent of TP (Megatron's MoE parallel "
+             "folding: e.g. attention TP4, experts ETP1 x EP8 on the same 8 ranks) (default: "
+             "--tensor-model-parallel-size)")
     context_parallel_size: int = flag("--context-parallel-size", default=1, type=int,
                                       help="only 1 (context parallelism is not implemented)")
     sequence_parallel: bool = switch("--sequence-parallel")
@@ -758,10 +760,6 @@ REFUSED: dict[str, Refusal] = {
         lambda v, c: v == 1,
         "context parallelism is not implemented yet; use --context-parallel-size 1 (sequence parallelism, "
         "--sequence-parallel with --tensor-model-parallel-size > 1, also splits activations over the sequence)"),
-    "--expert-tensor-parallel-size": Refusal(
-        lambda v, c: v is None or v == c.parallel.tensor_model_parallel_size,
-        "the expert width is split over the tensor-parallel ranks (Megatron's default, ETP = TP); an expert "
-        "tensor-parallel size different from --tensor-model-parallel-size is not implemented yet: drop the flag"),
 }
 
 

@@ -142,12 +142,19 @@ def rules_for(cfg: ParallelConfig, model_dims: Mapping[str, int] | None = None) 
     role, the expert dimension to the expert role, the expert width to the expert-tensor role
     (= tensor unless --expert-tensor-parallel-size differs), the batch to the data role, and,
     under context parallelism, the sequence to the context role (the MoE's flattened tokens
-    and capacity slots to data x context). ``model_dims`` is only read for ``num_kv_heads``:
+    and capacity slots to data x context, and under MoE parallel folding to the tensor ranks
+    that are expert or expert-data ranks too). ``model_dims`` is only read for ``num_kv_heads``:
     when TP exceeds it, k/v heads are replicated over the tensor ranks instead of split.
     Overlays for sizes of 1 are left out, so the table says what is actually split.
     """
     data = cfg.role_axes("data")
-    tokens = tuple(a for a in ALL_MESH_AXES if a in set(data) | set(cfg.role_axes("context")))
+    # The MoE's tokens are split over every rank that holds distinct tokens for the experts:
+    # the data (and context) ranks, and under MoE parallel folding (ETP < TP) the dense
+    # tensor ranks that are expert or expert-data ranks too. Under --sequence-parallel those
+    # already hold their own sequence chunk (Megatron's folding dispatches from there); without
+    # it each takes a slice of the replicated tokens and the output is all-gathered.
+    folded = set(cfg.role_axes("tensor")) - set(cfg.role_axes("expert_tensor"))
+    tokens = tuple(a for a in ALL_MESH_AXES if a in set(data) | set(cfg.role_axes("context")) | folded)
     overlays: list[Mapping[str, MeshAxes]] = [
         {"act_batch": _entry(data), "act_tokens": _entry(tokens), "act_capacity": _entry(tokens)}]
     if cfg.tensor > 1:

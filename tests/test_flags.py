@@ -18,7 +18,6 @@ from mlir_train.run_config import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, NOT_IMPLEMENTE
 # A value of each refused flag that must stop the run (None: a switch).
 REFUSED_VALUES = {
     "--context-parallel-size": "2",
-    "--expert-tensor-parallel-size": "4",
 }
 
 
@@ -98,6 +97,14 @@ def test_refusals_accept_the_default_and_megatron_equivalents():
     cfg = cli.parse(["--context-parallel-size", "1", "--tensor-model-parallel-size", "2",
                      "--expert-tensor-parallel-size", "2"])  # ETP = TP is Megatron's default and ours
     assert cfg.parallel.expert_tensor_parallel_size == 2
+
+
+def test_expert_tensor_parallel_size_reaches_the_layout():
+    """MoE parallel folding (ETP != TP) is honoured: the flag is the layout's expert-tensor size."""
+    folding = cli.parse(["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4",
+                         "--expert-tensor-parallel-size", "1", "--sequence-parallel"]).parallel.parallel_config(8)
+    assert (folding.tensor, folding.expert, folding.etp) == (2, 4, 1)
+    assert cli.parse([]).parallel.parallel_config(8).etp == 1  # default: = TP
 
 
 def test_load_balancing_none_drops_the_aux_loss():

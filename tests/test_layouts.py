@@ -148,16 +148,21 @@ def _adam_mu(opt_state) -> Any:
 def run_step(model: str, layout: str, per_token: bool = False) -> StepResult:
     """One train step of ``model`` on ``layout`` (or on ``SINGLE``), compiled once and cached
     for the module: the equivalence, collective and memory tests all read the same run."""
-    cfg = MODELS[model]
-    if layout == SINGLE:
+    model_kwargs = {"moe-ragged": {"moe_impl": "ragged"}, "moe-loop": {"moe_block_loop": True}}.get(model)
+    return train_one_step(MODELS[model], None if layout == SINGLE else LAYOUTS[layout], model_kwargs, per_token)
+
+
+def train_one_step(cfg, layout: ParallelConfig | None, model_kwargs: dict | None = None,
+                   per_token: bool = False) -> StepResult:
+    """One train step of model ``cfg`` on ``layout`` (None: one device) on :func:`packed_batch`."""
+    if layout is None:
         parallel = ParallelConfig(num_devices=1)
         mesh = make_mesh(parallel, devices=jax.devices()[:1])
     else:
-        parallel = validate(LAYOUTS[layout], model_dims(cfg), seq_length=SEQ)
+        parallel = validate(layout, model_dims(cfg), seq_length=SEQ)
         mesh = make_mesh(parallel)
     schedule = megatron_lr_schedule(lr=LR, min_lr=LR / 10, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
-    model_kwargs = {"moe-ragged": {"moe_impl": "ragged"}, "moe-loop": {"moe_block_loop": True}}.get(model)
     step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, micro_batch_size=MICRO_BATCH_SIZE,
                           per_token_loss=per_token)
     trainer = Trainer(cfg, step_cfg, optimizer, parallel, mesh, model_kwargs=model_kwargs)
@@ -196,11 +201,15 @@ def _named_leaves(tree) -> list[tuple[str, np.ndarray]]:
                          ids=[f"{m}-{l}" for m, l in CASES] + [f"{m}-{l}-per-token" for m, l in PER_TOKEN_CASES])
 def test_step_matches_single_device(model, layout, per_token):
     ref = run_step("moe" if model.startswith("moe") else model, SINGLE, per_token)
-    got = run_step(model, layout, per_token)
+    assert_step_matches(run_step(model, layout, per_token), ref, moe=model.startswith("moe"))
+
+
+def assert_step_matches(got: StepResult, ref: StepResult, *, moe: bool) -> None:
+    """One step of a layout equals the one-device step (tolerances: the module docstring)."""
     for (path, a), (_, b) in zip(_named_leaves(got.init_params), _named_leaves(ref.init_params)):
         np.testing.assert_array_equal(a, b, err_msg=f"initial {path}")
     assert got.metrics["loss tokens"] == ref.metrics["loss tokens"]
-    for key in ("lm loss", "grad-norm") + (("load_balancing_loss",) if model.startswith("moe") else ()):
+    for key in ("lm loss", "grad-norm") + (("load_balancing_loss",) if moe else ()):
         np.testing.assert_allclose(got.metrics[key], ref.metrics[key], rtol=1e-5, err_msg=key)
     assert ref.metrics["grad-norm"] > 1.0  # clipping is active, so its global norm is exercised too
     for (path, a), (_, b) in zip(_named_leaves(got.adam_mu), _named_leaves(ref.adam_mu)):

@@ -55,6 +55,19 @@ experts, runs its L = E / EP local experts, and sends the results back; the comb
   blocks only. With "moe_mlp" split over tensor ranks the region is manual over those axes too
   (a kernel's custom call cannot be split by XLA) and the down projection's partial sums are
   added with a ``psum``; the same holds for the data-parallel region.
+
+Expert-tensor parallelism different from TP (Megatron's MoE parallel folding)
+----------------------------------------------------------------------------
+The rules decide which ranks hold distinct tokens (``"act_tokens"``): with ETP below TP the
+dense tensor ranks that are expert (or expert-data) ranks are among them, so "exp" may span
+tensor ranks and the all-to-all above runs over them unchanged, each rank dispatching its own
+tokens. With ETP above TP the expert width is split over ranks that are dense *data* ranks
+(:func:`width_token_axes`), so those ranks hold different tokens and different F shards: as
+Megatron's expert-tensor group does, they all-gather each other's rows, each computes its F
+shard's partial output for all of them, and a reduce-scatter sums the partials and returns
+each rank's own rows. The padded dispatchers gather the rank's padded slots after its own
+(per-rank) drop decision, so a capacity stays per rank; the dropless ones (blocked, ragged,
+grouped) gather the tokens before dispatching (the same result, whoever sorts the rows).
 """
 
 from __future__ import annotations
@@ -82,9 +95,41 @@ def _kernel_tp_axes(plan: ExpertsPlan) -> tuple[str, ...]:
     """The mesh axes splitting the expert width F that the region must make manual: XLA cannot
     split a kernel's custom call (it would gather the weights and do every rank's work on each),
     so with the grouped kernels each tensor rank runs its F shard and the down projection's
-    partial sums are added over those axes."""
-    axes, size = mesh_axes_of("moe_mlp")
-    return tuple(axes) if size > 1 and plan.dropless_dispatch == "grouped" else ()
+    partial sums are added over those axes. Only axes over which the tokens are replicated:
+    the width axes that hold distinct tokens are manual anyway (:func:`width_token_axes`)."""
+    tokens = set(mesh_axes_of("act_tokens")[0])
+    axes = tuple(a for a in mesh_axes_of("moe_mlp")[0] if a not in tokens)
+    return axes if plan.dropless_dispatch == "grouped" else ()
+
+
+def width_token_axes() -> tuple[str, ...]:
+    """The mesh axes that split the expert width F *and* hold distinct tokens: with
+    --expert-tensor-parallel-size above --tensor-model-parallel-size the expert-tensor group
+    takes in dense data-parallel ranks. Inside the manual region each such rank holds its own
+    tokens and its own F shard of the weights, so, as Megatron's expert-tensor group does,
+    the rows are all-gathered over these axes before the experts, every rank computes its F
+    shard's partial output for all of them, and a reduce-scatter sums the partials and hands
+    each rank its own rows back (:func:`_gather_rows`)."""
+    tokens = set(mesh_axes_of("act_tokens")[0])
+    return tuple(a for a in mesh_axes_of("moe_mlp")[0] if a in tokens)
+
+
+def _gather_rows(fn, axes, axis: int = 0):
+    """``fn`` on the rows (along ``axis``) of every rank of ``axes`` (see
+    :func:`width_token_axes`); each rank gets its own rows of the summed outputs back. The
+    first argument is the row-indexed buffer; the others (row-indexed too) are gathered alike
+    and only the first output is reduce-scattered."""
+    if not axes:
+        return fn
+
+    def run(*rows):
+        full = [jax.lax.all_gather(r, axes, axis=axis, tiled=True) for r in rows]
+        out = fn(*full)
+        if isinstance(out, tuple):
+            return (jax.lax.psum_scatter(out[0], axes, scatter_dimension=axis, tiled=True),) + out[1:]
+        return jax.lax.psum_scatter(out, axes, scatter_dimension=axis, tiled=True)
+
+    return run
 
 
 def _tensor_manual(plan: ExpertsPlan, tp_axes, experts):
@@ -110,13 +155,21 @@ def data_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weig
     every rank. Capacity drops are per rank, as under EP and in Megatron."""
     axes = token_axes(x_SD.shape[0])
     tp_axes = _kernel_tp_axes(plan)
+    w_axes = width_token_axes()
 
     def body(x_SD, weights_SK, experts_SK, valid_S, *weights):
         # The weights are the same on every rank, their per-rank gradients are not: mark
         # them varying over the token axes, whose transpose sums the gradients over the
         # ranks (the custom VJPs inside must see one type for a weight and its gradient).
         weights = _varying(weights, axes)
-        experts = _tensor_manual(plan, tp_axes, lambda x_SD, *a: moe_dispatch.local_experts(plan, x_SD, *a, weights))
+        if plan.capacity_factor is not None:
+            # Each rank drops from its own tokens (Megatron's per-rank capacity); the padded
+            # buffers' slots are gathered over the expert-tensor ranks that hold other tokens.
+            swiglu = _gather_rows(lambda buf_ECD: swiglu_experts(buf_ECD, *weights), w_axes, axis=1)
+            experts = lambda x_SD, *a: moe_dispatch.local_experts(plan, x_SD, *a, weights, swiglu)
+        else:  # dropless: the same whichever rank sorts the rows, so gather the tokens first
+            experts = _gather_rows(lambda x_SD, *a: moe_dispatch.local_experts(plan, x_SD, *a, weights), w_axes)
+        experts = _tensor_manual(plan, tp_axes, experts)
         y_SD, dropped = experts(x_SD, weights_SK, experts_SK, valid_S)
         return y_SD, (jax.lax.psum(dropped, axes) if axes else dropped)
 
@@ -150,18 +203,22 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
         )
     dispatcher = plan.dropless_dispatch if plan.ragged_all_to_all is not None else None
     tp_axes = _kernel_tp_axes(plan) if dispatcher == "grouped" else ()
+    w_axes = width_token_axes()
 
     def body(x_SD, weights_SK, experts_SK, valid_S, wg, wu, wd):
         if dispatcher == "ragged":
-            y_SD = moe_dispatch.ep_ragged(plan, x_SD, weights_SK, experts_SK, (wg, wu, wd), ep_axes, ep)
-            return y_SD, jnp.zeros((), jnp.float32)
+            # Dropless: the expert-tensor ranks holding other tokens gather them first, and
+            # each dispatches them all to the ranks of its own F shard.
+            experts = _gather_rows(lambda x_SD, w_SK, e_SK: moe_dispatch.ep_ragged(
+                plan, x_SD, w_SK, e_SK, (wg, wu, wd), ep_axes, ep), w_axes)
+            return experts(x_SD, weights_SK, experts_SK), jnp.zeros((), jnp.float32)
         if dispatcher == "grouped":
             # The kernels' custom VJP needs a weight and its gradient (summed over the token
             # ranks by the region's transpose) to have one type.
             weights = _varying((wg, wu, wd), manual_axes)
-            experts = _tensor_manual(plan, tp_axes, lambda x_SD: (
-                moe_dispatch.ep_grouped(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep), jnp.zeros((), jnp.float32)))
-            return experts(x_SD)
+            experts = _gather_rows(lambda x_SD, w_SK, e_SK: (
+                moe_dispatch.ep_grouped(plan, x_SD, w_SK, e_SK, weights, ep_axes, ep), jnp.zeros((), jnp.float32)), w_axes)
+            return _tensor_manual(plan, tp_axes, experts)(x_SD, weights_SK, experts_SK)
 
         def experts_fn(buf_ECD):
             _, c, d = buf_ECD.shape
@@ -170,7 +227,9 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
             # r; what arrives is indexed (source rank, local expert).
             recv = jax.lax.all_to_all(buf_ECD, ep_axes, 0, 0, tiled=True)
             recv_LCD = recv.reshape(ep, el, c, d).swapaxes(0, 1).reshape(el, ep * c, d)
-            out_LCD = swiglu_experts(recv_LCD, wg, wu, wd, recompute_act=plan.recompute_act)
+            # Each rank's own slots; with expert-tensor ranks that hold other tokens, the
+            # slots of all of them meet on each rank's F shard (Megatron's ETP all-gather).
+            out_LCD = _gather_rows(lambda r_LCD: swiglu_experts(r_LCD, wg, wu, wd, recompute_act=plan.recompute_act), w_axes, axis=1)(recv_LCD)
             out = out_LCD.reshape(el, ep, c, d).swapaxes(0, 1).reshape(e, c, d)
             return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
 
