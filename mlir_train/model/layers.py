@@ -69,15 +69,21 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
     return (x_BTNH.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x_BTNH.dtype)
 
 
-def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
+def attention_mask(segment_ids_BT: jax.Array, order_T: jax.Array | None = None) -> jax.Array:
     """Causal mask restricted to equal segment ids: packed documents never see each other.
 
-    Padding (segment 0) attends only to padding, which keeps its softmax rows finite.
+    ``order_T`` is the original index of each position (default ``0..T-1``): under context
+    parallelism the sequence arrives in Megatron's load-balanced order
+    (:func:`sharding.context.sequence_order`) and causality is by original index. Padding
+    (segment 0) attends only to padding, which keeps its softmax rows finite. Under context
+    parallelism the mask is ``[B, T, S]`` with its query positions split like the sequence:
+    each rank holds its queries' rows against every key.
     """
     t = segment_ids_BT.shape[1]
-    causal_TS = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+    order_T = jnp.arange(t, dtype=jnp.int32) if order_T is None else order_T
+    causal_TS = order_T[:, None] >= order_T[None, :]
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-    return causal_TS[None] & same_BTS
+    return constrain(causal_TS[None] & same_BTS, ("act_batch", "act_seq", None))
 
 
 def _scores(q_BKMH, k_BKSH, mask_BTS):
@@ -143,6 +149,30 @@ def masked_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
     return o_BKMH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
 
 
+def context_parallel_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
+    """:func:`masked_attention` with the sequence split over the context ranks: each rank's
+    queries attend to every key of the row, so K and V are all-gathered over the context axes
+    inside a region manual over them (their gradients come back reduce-scattered: the
+    transpose of the all-gather). The gathered keys are in the layout's order, which is also
+    the key order of the mask rows this rank holds (:func:`attention_mask`). Batch and heads
+    stay under XLA's automatic partitioning (data, tensor) inside the region.
+
+    All-gather rather than a ring of K/V blocks: with GQA the K/V of a whole row are small
+    (Qwen3-30B-A3B: 4 kv heads, 32k tokens, 2 x 32 MiB in bf16 per layer), one gather per layer
+    overlaps with the q projection, and the score matrix, which is what grows, is already
+    ``1/CP`` per rank. ``benchmarks/README.md`` has the compiled figures."""
+    axes, _ = mesh_axes_of("act_seq")
+    q_names = ("act_batch", "act_seq", "act_kv_heads", None, None)
+    kv_names = ("act_batch", "act_seq", "act_kv_heads", None)
+
+    def run(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
+        k_BSKH, v_BSKH = (jax.lax.all_gather(a, axes, axis=1, tiled=True) for a in (k_BSKH, v_BSKH))
+        return masked_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS)
+
+    return logical_shard_map(run, in_names=(q_names, kv_names, kv_names, ("act_batch", "act_seq", None)),
+                             out_names=q_names, manual=("act_seq",))(q_BTKGH, k_BSKH, v_BSKH, mask_BTS)
+
+
 def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool = False):
     """Causal GQA attention within packed documents (equal segment ids; padding, segment 0,
     attends to padding) with the Pallas FlashAttention kernel: the same function as
@@ -152,6 +182,11 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
     batch and head axes; ``interpret`` runs the kernel in Pallas' interpreter (CPU tests)."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
+    if mesh_axes_of("act_seq")[1] > 1:
+        # The kernel masks causally from index 0 of one sequence shared by q and k; the
+        # context-parallel layout needs the original token order (see context_parallel_attention).
+        raise ValueError("the flash attention kernel does not run with the sequence split over context-parallel "
+                         "ranks (--context-parallel-size > 1); build the model with attention_impl='xla'")
     n, h = q_BTNH.shape[2], q_BTNH.shape[3]
     g = n // k_BSKH.shape[2]
     t = q_BTNH.shape[1]
@@ -223,7 +258,8 @@ class Attention(nnx.Module):
             o_BTNH = flash_attention(q_BTNH, k_BTKH, v_BTKH, mask)
         else:
             g = n // self.num_kv_heads
-            o_BTKGH = masked_attention(q_BTNH.reshape(b, t, self.num_kv_heads, g, h), k_BTKH, v_BTKH, mask)
+            attend = context_parallel_attention if mesh_axes_of("act_seq")[1] > 1 else masked_attention
+            o_BTKGH = attend(q_BTNH.reshape(b, t, self.num_kv_heads, g, h), k_BTKH, v_BTKH, mask)
             o_BTNH = o_BTKGH.reshape(b, t, n, h)
         o_BTNH = constrain(o_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         return jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))

@@ -38,6 +38,7 @@ from mlir_train.model.layers import DEFAULT_ATTENTION_IMPL, MLP, Attention, RMSN
 from mlir_train.model.moe import DEFAULT_MOE_IMPL, MoE
 from mlir_train.model.router import RouterConfig
 from sharding import constrain
+from sharding.context import sequence_order
 
 REMAT_POLICIES = ("none", "full", "selective")
 
@@ -160,7 +161,10 @@ class Qwen3(nnx.Module):
         segment ids (0 = padding; the router counts per document), all derived from one
         micro-batch's ids and positions."""
         cos_BTH, sin_BTH = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling_factor)
-        mask = segment_ids_BT if self.attention_impl == "flash" else attention_mask(segment_ids_BT)
+        # Under context parallelism the sequence arrives in the layout's load-balanced order
+        # (sharding.context): the mask is causal in the original order.
+        order_T = sequence_order(segment_ids_BT.shape[1])
+        mask = segment_ids_BT if self.attention_impl == "flash" else attention_mask(segment_ids_BT, order_T)
         return cos_BTH, sin_BTH, mask, segment_ids_BT
 
     def hidden_states(self, input_ids_BT, *, segment_ids=None, positions=None):
@@ -169,7 +173,7 @@ class Qwen3(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            positions = jnp.broadcast_to(sequence_order(t), (b, t))
         context = self.layer_context(segment_ids, positions)
         x_BTD = self.embed_tokens(input_ids_BT)
         stats: list[dict[str, jax.Array]] = []

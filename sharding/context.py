@@ -1,0 +1,69 @@
+"""The sequence order of context parallelism: Megatron's load-balanced ("zig-zag") layout.
+
+Under ``--context-parallel-size N`` the sequence of every row is split over the ranks that
+carry the context role. A causal mask makes a plain contiguous split unbalanced (the last rank's
+queries see the whole sequence, the first rank's almost nothing), so Megatron cuts the sequence
+into ``2N`` equal chunks and gives context rank ``r`` chunks ``r`` and ``2N-1-r``
+(``megatron.core.utils.get_batch_on_this_cp_rank``): every rank then holds one early and one
+late chunk and does the same attention work.
+
+Here the whole batch is laid out in that order once, on the host (:func:`zigzag_order`
+permutes the sequence axis), and the permuted sequence is split *contiguously* over the
+context axes by the ordinary ``"act_seq"`` rule, so each rank receives exactly Megatron's two
+chunks. Everything position-wise (embeddings, norms, MLP, MoE, the loss sums, the router's
+per-document statistics keyed by segment id) does not care about the order; attention masks
+causally by the original index of each token, which :func:`sequence_order` gives the model
+for the active layout (the identity when the sequence is not split).
+
+Nothing here imports ``mlir_train``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from sharding.manual import mesh_axes_of
+
+
+def zigzag_order(seq_len: int, cp: int) -> np.ndarray:
+    """Original index of each position of the load-balanced layout, ``[seq_len]`` int32.
+
+    ``seq_len`` is cut into ``2 * cp`` chunks; the layout is, for ``r = 0 .. cp-1``, chunk ``r``
+    followed by chunk ``2*cp-1-r``. Split contiguously into ``cp`` parts, part ``r`` is what
+    Megatron's ``get_batch_on_this_cp_rank`` gives context rank ``r``. ``cp == 1`` is the identity.
+    """
+    if cp < 1:
+        raise ValueError(f"context-parallel size must be positive, got {cp}")
+    if cp == 1:
+        return np.arange(seq_len, dtype=np.int32)
+    if seq_len % (2 * cp):
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2 x {cp} equal chunks "
+                         f"(--seq-length must be divisible by 2 x --context-parallel-size)")
+    chunks = np.arange(seq_len, dtype=np.int32).reshape(2 * cp, seq_len // (2 * cp))
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)])
+
+
+def to_zigzag(x: np.ndarray, cp: int, axis: int = -1) -> np.ndarray:
+    """``x`` with its sequence ``axis`` in the load-balanced layout of :func:`zigzag_order`."""
+    if cp == 1:
+        return x
+    return np.take(x, zigzag_order(x.shape[axis], cp), axis=axis)
+
+
+def from_zigzag(x: np.ndarray, cp: int, axis: int = -1) -> np.ndarray:
+    """The inverse of :func:`to_zigzag`: back to the original sequence order."""
+    if cp == 1:
+        return x
+    return np.take(x, np.argsort(zigzag_order(x.shape[axis], cp)), axis=axis)
+
+
+def context_parallel_size() -> int:
+    """How many ranks the sequence (``"act_seq"``) is split over under the active rules and mesh."""
+    return mesh_axes_of("act_seq")[1]
+
+
+def sequence_order(seq_len: int) -> jnp.ndarray:
+    """Original index ``[seq_len]`` of each sequence position as the active layout lays the
+    batch out: :func:`zigzag_order` over the context ranks, the identity without them."""
+    return jnp.asarray(zigzag_order(seq_len, context_parallel_size()))
