@@ -69,6 +69,8 @@ LAYOUTS = {
     "CP4xTP2-SP": ParallelConfig(context=4, tensor=2, sequence_parallel=True, num_devices=8),
     "CP2xEP4-distopt": ParallelConfig(context=2, expert=4, distributed_optimizer=True, num_devices=8),
     "CP2xTP2xPP2-SP": ParallelConfig(context=2, tensor=2, pipeline=2, sequence_parallel=True, num_devices=8),
+    # TP 4 > the model's 2 kv heads: each tensor rank holds both and attends with its own one
+    "CP2xTP4-SP": ParallelConfig(context=2, tensor=4, sequence_parallel=True, num_devices=8),
 }
 
 
@@ -83,3 +85,70 @@ def test_context_parallel_step_equals_one_device(name, reference):
     out = _one_step(parallel, jax.devices()[:8])
     _assert_same_step(out, reference)
     assert "all-gather" in out[2]
+
+
+def test_context_parallel_attention_gathers_kv_over_the_context_ranks():
+    """The CP2xDP4 step attends with K/V all-gathered over groups of 2 (the context ranks), and
+    each rank's forward scores cover its own queries only: [rows/DP, K, G * SEQ/CP, SEQ]."""
+    from tests.test_layouts import collectives
+
+    parallel = validate(LAYOUTS["CP2xDP4"], seq_length=SEQ)
+    _, _, hlo = _one_step(parallel, jax.devices()[:8])
+    rows = ROWS // MICRO // parallel.data_parallel
+    kv, g, h = CFG.num_kv_heads, CFG.num_heads // CFG.num_kv_heads, CFG.head_dim
+    gathers = [c for c in collectives(hlo) if c.kind == "all-gather" and c.group == 2]
+    assert any((rows, SEQ, kv, h) in c.shapes for c in gathers), gathers
+    assert f"f32[{rows},{kv},{g * SEQ // 2},{SEQ}]" in hlo  # half the queries against every key
+    assert f"f32[{rows},{kv},{g * SEQ},{SEQ}]" not in hlo
+
+
+# ----- flags -------------------------------------------------------------------------------------
+
+
+def test_seq_length_is_checked_as_megatron_does():
+    with pytest.raises(ParallelConfigError, match=r"--seq-length \(36\) is not divisible by 2 x --context-parallel-size = 8"):
+        validate(ParallelConfig(context=4, num_devices=8), seq_length=36)
+    with pytest.raises(ParallelConfigError, match=r"--context-parallel-size \(2\) x --tensor-model-parallel-size \(4\)"):
+        validate(ParallelConfig(context=2, tensor=4, sequence_parallel=True, num_devices=8), seq_length=12)
+    validate(ParallelConfig(context=2, tensor=4, sequence_parallel=True, num_devices=8), seq_length=16)
+
+
+def test_flash_attention_is_not_picked_under_context_parallelism():
+    from mlir_train.model import platform_model_kwargs
+
+    assert platform_model_kwargs("gpu", is_moe=False)["attention_impl"] == "flash"
+    assert platform_model_kwargs("gpu", is_moe=False, context_parallel=2)["attention_impl"] == "xla"
+
+
+@pytest.mark.slow  # ~80 s on 2 cores: two CLI runs
+def test_cli_context_parallel_run_equals_data_parallel(tmp_path):
+    """Three iterations on the bundled data: DP8 against CP2 x TP2 + SP (DP2), both 2 micro-batches
+    of the same 8 rows per step (the aux loss is formed per micro-batch), with
+    --calculate-per-token-loss so the rows per data-parallel micro-batch may differ."""
+    from tests.test_layouts import _cli_metrics
+
+    per_token = ["--calculate-per-token-loss"]
+    dp = _cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1", *per_token])
+    cp = _cli_metrics(tmp_path, "cp", ["--micro-batch-size", "4", "--context-parallel-size", "2",
+                                       "--tensor-model-parallel-size", "2", "--sequence-parallel", *per_token])
+    assert [r["iteration"] for r in dp] == [r["iteration"] for r in cp] == [1, 2, 3]
+    for a, b in zip(dp, cp):
+        for key in ("lm loss", "grad-norm", "load_balancing_loss"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=f"iteration {a['iteration']} {key}")
+        assert a["loss tokens"] == b["loss tokens"]
+
+
+def test_cli_flags_reach_the_layout():
+    """--context-parallel-size is no longer refused; Megatron's --seq-length check names the flags."""
+    from mlir_train.config import get_model_config
+    from mlir_train.cli import parse
+    from mlir_train.run_config import ConfigError, resolve
+
+    base = ["--model-name", "qwen3-moe-tiny", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--context-parallel-size", "2", "--cp-comm-type", "p2p"]
+    model = get_model_config("qwen3-moe-tiny")
+    run = resolve(parse([*base, "--seq-length", "64"]), model, num_devices=8, platform="cpu")
+    assert (run.parallel.context, run.parallel.data_parallel, run.num_micro_batches) == (2, 4, 2)
+    assert run.model_kwargs()["attention_impl"] == "xla"
+    with pytest.raises(ConfigError, match="--seq-length"):
+        resolve(parse([*base, "--seq-length", "66"]), model, num_devices=8, platform="cpu")

@@ -17,7 +17,6 @@ from mlir_train.run_config import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, REFUSED
 
 # A value of each refused flag that must stop the run (None: a switch).
 REFUSED_VALUES = {
-    "--context-parallel-size": "2",
     "--expert-tensor-parallel-size": "4",
     "--moe-router-load-balancing-type": "sinkhorn",
     "--recompute-method": "block",

@@ -149,28 +149,40 @@ def masked_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
     return o_BKMH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
 
 
-def context_parallel_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
+def context_parallel_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
     """:func:`masked_attention` with the sequence split over the context ranks: each rank's
     queries attend to every key of the row, so K and V are all-gathered over the context axes
     inside a region manual over them (their gradients come back reduce-scattered: the
     transpose of the all-gather). The gathered keys are in the layout's order, which is also
     the key order of the mask rows this rank holds (:func:`attention_mask`). Batch and heads
-    stay under XLA's automatic partitioning (data, tensor) inside the region.
+    are manual too (left to XLA inside the region, it gathers the batch over the data ranks).
+    When TP exceeds the kv heads (each rank holds every kv head, see
+    ``sharding.mesh.kv_heads_replicated``) a rank's query heads all belong to one kv head,
+    which it picks by its tensor rank.
 
     All-gather rather than a ring of K/V blocks: with GQA the K/V of a whole row are small
-    (Qwen3-30B-A3B: 4 kv heads, 32k tokens, 2 x 32 MiB in bf16 per layer), one gather per layer
-    overlaps with the q projection, and the score matrix, which is what grows, is already
-    ``1/CP`` per rank. ``benchmarks/README.md`` has the compiled figures."""
-    axes, _ = mesh_axes_of("act_seq")
-    q_names = ("act_batch", "act_seq", "act_kv_heads", None, None)
+    (Qwen3-30B-A3B: 4 kv heads, 32k tokens, 2 x 32 MiB in bf16 per layer), one gather per layer,
+    and the score matrix, which is what grows, is already ``1/CP`` per rank.
+    ``benchmarks/README.md`` has the compiled figures."""
+    seq_axes, _ = mesh_axes_of("act_seq")
+    head_axes, tp = mesh_axes_of("act_heads")
+    kv_split = mesh_axes_of("act_kv_heads")[1] > 1
+    n, kv = q_BTNH.shape[2], k_BSKH.shape[2]
+    q_names = ("act_batch", "act_seq", "act_heads", None)
     kv_names = ("act_batch", "act_seq", "act_kv_heads", None)
 
-    def run(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
-        k_BSKH, v_BSKH = (jax.lax.all_gather(a, axes, axis=1, tiled=True) for a in (k_BSKH, v_BSKH))
-        return masked_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS)
+    def run(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
+        k_BSKH, v_BSKH = (jax.lax.all_gather(a, seq_axes, axis=1, tiled=True) for a in (k_BSKH, v_BSKH))
+        b, t, n_local, h = q_BTNH.shape
+        if tp > 1 and not kv_split:  # replicated kv heads: this rank's query heads share one
+            first = jax.lax.axis_index(head_axes) * n_local // (n // kv)
+            k_BSKH, v_BSKH = (jax.lax.dynamic_slice_in_dim(a, first, 1, axis=2) for a in (k_BSKH, v_BSKH))
+        k_local = k_BSKH.shape[2]
+        o_BTKGH = masked_attention(q_BTNH.reshape(b, t, k_local, n_local // k_local, h), k_BSKH, v_BSKH, mask_BTS)
+        return o_BTKGH.reshape(b, t, n_local, h)
 
     return logical_shard_map(run, in_names=(q_names, kv_names, kv_names, ("act_batch", "act_seq", None)),
-                             out_names=q_names, manual=("act_seq",))(q_BTKGH, k_BSKH, v_BSKH, mask_BTS)
+                             out_names=q_names, manual=("act_seq", "act_batch", "act_heads"))(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
 
 
 def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool = False):
@@ -256,10 +268,11 @@ class Attention(nnx.Module):
         b, t, n, h = q_BTNH.shape
         if self.impl == "flash":
             o_BTNH = flash_attention(q_BTNH, k_BTKH, v_BTKH, mask)
+        elif mesh_axes_of("act_seq")[1] > 1:
+            o_BTNH = context_parallel_attention(q_BTNH, k_BTKH, v_BTKH, mask)
         else:
             g = n // self.num_kv_heads
-            attend = context_parallel_attention if mesh_axes_of("act_seq")[1] > 1 else masked_attention
-            o_BTKGH = attend(q_BTNH.reshape(b, t, self.num_kv_heads, g, h), k_BTKH, v_BTKH, mask)
+            o_BTKGH = masked_attention(q_BTNH.reshape(b, t, self.num_kv_heads, g, h), k_BTKH, v_BTKH, mask)
             o_BTNH = o_BTKGH.reshape(b, t, n, h)
         o_BTNH = constrain(o_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         return jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))

@@ -226,11 +226,17 @@ def logical_axes(model: nnx.Module) -> Any:
     )
 
 
-def platform_model_kwargs(platform: str, *, is_moe: bool) -> dict[str, Any]:
+def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int = 1) -> dict[str, Any]:
     """The kernels a model compiled for ``platform`` ("cpu", "gpu", "tpu": the mesh devices'
     ``.platform``) runs: attention (:data:`~mlir_train.model.layers.DEFAULT_ATTENTION_IMPL`)
-    and, for MoE models, the experts (:data:`~mlir_train.model.moe.DEFAULT_MOE_IMPL`)."""
-    kwargs: dict[str, Any] = {"attention_impl": DEFAULT_ATTENTION_IMPL.get(platform, "xla")}
+    and, for MoE models, the experts (:data:`~mlir_train.model.moe.DEFAULT_MOE_IMPL`).
+
+    With the sequence split over ``context_parallel`` > 1 ranks attention is the "xla" path
+    on every platform: the flash kernel masks causally from position 0 of one sequence shared
+    by queries and keys, which the load-balanced layout's two chunks per rank are not
+    (:func:`~mlir_train.model.layers.context_parallel_attention`)."""
+    impl = "xla" if context_parallel > 1 else DEFAULT_ATTENTION_IMPL.get(platform, "xla")
+    kwargs: dict[str, Any] = {"attention_impl": impl}
     if is_moe:
         kwargs |= {"moe_impl": DEFAULT_MOE_IMPL.get(platform, "padded"), "moe_platform": platform}
     return kwargs
