@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -121,10 +122,13 @@ class Layout:
     distributed_optimizer: bool = False
     recompute: str = "none"  # none | selective | full
     sequence_parallel: bool = False
+    context: int = 1  # --context-parallel-size
 
     def name(self, num_devices: int) -> str:
-        dp = num_devices // (self.tensor * self.pipeline)
+        dp = num_devices // (self.tensor * self.pipeline * self.context)
         parts = [f"TP{self.tensor}", f"PP{self.pipeline}", f"EP{self.expert}", f"DP{dp}"]
+        if self.context > 1:
+            parts.insert(1, f"CP{self.context}")
         extra = (["SP"] if self.sequence_parallel else []) + (["distopt"] if self.distributed_optimizer else [])
         return "x".join(parts) + "".join("+" + e for e in extra) + f" recompute={self.recompute}"
 
@@ -218,7 +222,10 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     inputs plus one chunk's activations while its backward recomputes it."""
     from sharding.mesh import kv_heads_replicated
 
-    a, b, t, d, tp = dtype_bytes, micro_batch, seq, cfg.hidden_size, layout.tensor
+    a, b, d, tp = dtype_bytes, micro_batch, cfg.hidden_size, layout.tensor
+    # Under context parallelism a rank holds T / CP tokens of each row, and its queries' scores
+    # against all T keys (the gathered K/V, counted with the working set).
+    t, keys = seq // layout.context, seq
     sp = tp if layout.sequence_parallel else 1
     heads = cfg.num_heads // tp
     kv = cfg.num_kv_heads if kv_heads_replicated(tp, cfg.num_kv_heads) else max(1, cfg.num_kv_heads // tp)
@@ -230,7 +237,7 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     # while one layer runs, so they count in the working set, not per layer.
     attn_core = a * rows * heads * hd + 4 * b * heads * t  # output + log-sum-exp
     attn = a * rows * (d + (heads + 2 * kv) * hd + (heads + kv) * hd) + attn_core
-    attn_matrices = 3 * 4 * b * heads * t * t
+    attn_matrices = 3 * 4 * b * heads * t * keys + (2 * a * b * keys * kv * hd if layout.context > 1 else 0)
     kinds = cfg.layer_kinds()
     if cfg.is_moe:
         s, k = rows // sp, cfg.top_k
@@ -275,6 +282,7 @@ def _trainer(cfg: RunConfig, layout: Layout, num_devices: int, devices=None):
     cfg = cfg.replace(
         parallel=dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
                       expert_model_parallel_size=layout.expert, sequence_parallel=layout.sequence_parallel,
+                      context_parallel_size=layout.context,
                       use_distributed_optimizer=layout.distributed_optimizer, use_torch_fsdp2=False,
                       data_parallel_sharding_strategy="no_shard",
                       # the pipeline's own flags mean nothing to (and are refused by) a PP1 layout
@@ -377,8 +385,10 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
 
 def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
     """TP (within one 8-device node), EP, PP that divide the model, distributed optimizer on/off,
-    recompute none/full; DP is what is left."""
+    recompute none/full, and for long rows (``--seq-length`` >= 8192, what CP is for) context
+    parallelism of 1, 2, 4 or 8 ranks; DP is what is left (EP is carved out of CP x DP)."""
     cfg = run_cfg.model.model_config(None)
+    seq = run_cfg.data.seq_length or 0
     divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
     pipelines = [p for p in divisors if cfg.num_layers % p == 0]
     out = []
@@ -386,10 +396,13 @@ def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
         for tp in (d for d in divisors if d <= 8 and num_devices % (d * pp) == 0):
             dp = num_devices // (tp * pp)
             experts = [e for e in divisors if dp % e == 0 and cfg.is_moe and cfg.num_experts % e == 0] or [1]
-            for ep in experts:
+            sp = run_cfg.parallel.sequence_parallel and tp > 1
+            contexts = [c for c in (1, 2, 4, 8) if dp % c == 0 and seq % (2 * c) == 0
+                        and (not sp or seq % (c * tp) == 0)] if seq >= 8192 else [1]
+            for ep, cp in itertools.product(experts, contexts):
                 for distopt in ((True, False) if dp > 1 else (False,)):  # ZeRO needs data ranks
                     for recompute in ("none", "full"):
-                        out.append(Layout(tp, ep, pp, distopt, recompute, run_cfg.parallel.sequence_parallel and tp > 1))
+                        out.append(Layout(tp, ep, pp, distopt, recompute, sp, cp))
     return out
 
 
@@ -525,7 +538,8 @@ def main(argv: list[str] | None = None) -> list[Plan]:
           + (f" -- {note}" if note else ""))
     if not own.search:
         layout = Layout(par.tensor_model_parallel_size, par.expert_model_parallel_size,
-                        par.pipeline_model_parallel_size, par.distributed_optimizer, t.remat, par.sequence_parallel)
+                        par.pipeline_model_parallel_size, par.distributed_optimizer, t.remat, par.sequence_parallel,
+                        par.context_parallel_size)
         plan = plan_layout(cfg, layout, num_devices, **common)
         print(format_plan(plan, own.device_kind, own.assumed_mfu))
         _write_json(own.json, [plan])
