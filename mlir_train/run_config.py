@@ -857,9 +857,10 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
 
         platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
     if parallel.context > 1 and platform == "gpu":
-        print(f"mlir-train: --context-parallel-size {parallel.context}: attention runs as XLA einsums (the scores "
-              "of each rank's queries against the whole row, 1/CP of them per rank), not the flash kernel, "
-              "which cannot mask the load-balanced chunks by their original positions")
+        print(f"mlir-train: --context-parallel-size {parallel.context}: attention runs as XLA ops "
+              "(mlir_train.model.layers.blocked_attention: each rank's queries against the gathered row, one key "
+              "block at a time), not the flash kernel, which cannot mask the load-balanced chunks by their "
+              "original positions")
     return Run(cfg, model_cfg, parallel, gbs, num_micro, platform=platform)
 
 

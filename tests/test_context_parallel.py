@@ -80,7 +80,10 @@ def reference():
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_parallel_step_equals_one_device(name, reference):
+def test_context_parallel_step_equals_one_device(name, reference, monkeypatch):
+    from mlir_train.model import layers
+
+    monkeypatch.setattr(layers, "KEY_BLOCK", 8)  # the gathered row of 32 keys in 4 blocks
     parallel = validate(LAYOUTS[name], seq_length=SEQ)
     out = _one_step(parallel, jax.devices()[:8])
     _assert_same_step(out, reference)
@@ -98,8 +101,36 @@ def test_context_parallel_attention_gathers_kv_over_the_context_ranks():
     kv, g, h = CFG.num_kv_heads, CFG.num_heads // CFG.num_kv_heads, CFG.head_dim
     gathers = [c for c in collectives(hlo) if c.kind == "all-gather" and c.group == 2]
     assert any((rows, SEQ, kv, h) in c.shapes for c in gathers), gathers
-    assert f"f32[{rows},{kv},{g * SEQ // 2},{SEQ}]" in hlo  # half the queries against every key
+    # half the queries against one block (here: the whole row) of keys
+    assert f"f32[{rows},{kv},{g * SEQ // 2},{SEQ}]" in hlo
     assert f"f32[{rows},{kv},{g * SEQ},{SEQ}]" not in hlo
+
+
+@pytest.mark.parametrize("order", ["plain", "zigzag"])
+def test_blocked_attention_equals_masked_attention(order):
+    """The key-blocked online softmax (the CP attention core), forward and gradients, against
+    the whole-matrix masked attention on packed rows, with queries in the original or the
+    load-balanced order and keys in blocks of 8 of 32."""
+    import jax.numpy as jnp
+
+    from mlir_train.model.layers import attention_mask, blocked_attention, masked_attention
+
+    rng = np.random.default_rng(0)
+    b, t, kv, g, h = 2, 32, 2, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+               for shape in ((b, t, kv, g, h), (b, t, kv, h), (b, t, kv, h)))
+    seg = _batch()["segment_ids"][:b]
+    order_T = jnp.asarray(zigzag_order(t, 2 if order == "zigzag" else 1))
+    perm = lambda x: jnp.take(x, order_T, axis=1)  # the rows in the layout's order
+    ref = lambda q, k, v: jnp.sum(jnp.sin(masked_attention(q, k, v, attention_mask(jnp.asarray(seg)))))
+    seg_p = perm(jnp.asarray(seg))
+    got = lambda q, k, v: jnp.sum(jnp.sin(blocked_attention(perm(q), perm(k), perm(v), seg_p, seg_p, order_T, order_T,
+                                                            block=8)))
+    a, ga = jax.value_and_grad(ref, argnums=(0, 1, 2))(q, k, v)
+    z, gz = jax.value_and_grad(got, argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(z, a, rtol=1e-6)
+    for x, y in zip(gz, ga):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-6 * np.abs(y).max())
 
 
 # ----- flags -------------------------------------------------------------------------------------

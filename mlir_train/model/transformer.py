@@ -38,7 +38,7 @@ from mlir_train.model.layers import DEFAULT_ATTENTION_IMPL, MLP, Attention, RMSN
 from mlir_train.model.moe import DEFAULT_MOE_IMPL, MoE
 from mlir_train.model.router import RouterConfig
 from sharding import constrain
-from sharding.context import sequence_order
+from sharding.context import context_parallel_size, sequence_order
 
 REMAT_POLICIES = ("none", "full", "selective")
 
@@ -162,9 +162,12 @@ class Qwen3(nnx.Module):
         micro-batch's ids and positions."""
         cos_BTH, sin_BTH = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling_factor)
         # Under context parallelism the sequence arrives in the layout's load-balanced order
-        # (sharding.context): the mask is causal in the original order.
-        order_T = sequence_order(segment_ids_BT.shape[1])
-        mask = segment_ids_BT if self.attention_impl == "flash" else attention_mask(segment_ids_BT, order_T)
+        # (sharding.context) and attention masks block by block from the segment ids and
+        # original indices (layers.context_parallel_attention).
+        if self.attention_impl == "flash" or context_parallel_size() > 1:
+            mask = segment_ids_BT
+        else:
+            mask = attention_mask(segment_ids_BT)
         return cos_BTH, sin_BTH, mask, segment_ids_BT
 
     def hidden_states(self, input_ids_BT, *, segment_ids=None, positions=None):
