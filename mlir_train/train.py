@@ -58,7 +58,8 @@ from mlir_train.model import Qwen3, logical_axes
 from mlir_train.model.router import updated_expert_bias
 from mlir_train.optim import LossScaler, global_norm, select_tree
 from sharding import logical_to_spec, use_rules
-from sharding.context import to_zigzag
+from sharding.context import split_within_processes, to_zigzag
+from sharding.logical import axes_tuple
 from sharding.mesh import ParallelConfig
 from sharding.rules import StateSpecs, rules_for, state_specs
 
@@ -160,6 +161,11 @@ class Trainer:
             # Under context parallelism each row's tokens are split over the context ranks, in
             # the load-balanced order shard_batch lays them out in (sharding.context).
             batch_spec = logical_to_spec((None, "act_batch", "act_seq"), self.rules, mesh.axis_names)
+        if not split_within_processes(mesh, axes_tuple(batch_spec[2] if len(batch_spec) > 2 else None)):
+            raise ValueError(
+                f"--context-parallel-size {parallel.context}: a row's context ranks span several processes "
+                "(hosts), and feeding rows split across hosts is not implemented; keep --tensor-model-parallel-size "
+                "x --context-parallel-size within one host's devices")
         self.batch_sharding = NamedSharding(mesh, batch_spec)       # [micro, rows, seq]
         self.eval_batch_sharding = NamedSharding(mesh, PartitionSpec(*batch_spec[1:]))  # [rows, seq]
         self._train_step = None

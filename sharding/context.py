@@ -67,3 +67,14 @@ def sequence_order(seq_len: int) -> jnp.ndarray:
     """Original index ``[seq_len]`` of each sequence position as the active layout lays the
     batch out: :func:`zigzag_order` over the context ranks, the identity without them."""
     return jnp.asarray(zigzag_order(seq_len, context_parallel_size()))
+
+
+def split_within_processes(mesh, axes: tuple[str, ...]) -> bool:
+    """Whether every group of devices along mesh ``axes`` (a row's context ranks) lies in one
+    process: then each process feeds whole rows and the split happens on its own devices."""
+    if not axes:
+        return True
+    names = list(mesh.axis_names)
+    devices = np.moveaxis(mesh.devices, [names.index(a) for a in axes], list(range(-len(axes), 0)))
+    groups = devices.reshape(-1, int(np.prod([mesh.shape[a] for a in axes])))
+    return all(len({d.process_index for d in group}) == 1 for group in groups)

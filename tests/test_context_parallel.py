@@ -183,3 +183,18 @@ def test_cli_flags_reach_the_layout():
     assert run.model_kwargs()["attention_impl"] == "xla"
     with pytest.raises(ConfigError, match="--seq-length"):
         resolve(parse([*base, "--seq-length", "66"]), model, num_devices=8, platform="cpu")
+
+
+def test_context_ranks_across_processes_are_detected():
+    """A row fed by one process must land on that process's devices (shard_batch feeds whole rows)."""
+    import types
+
+    from sharding.context import split_within_processes
+    from sharding.mesh import make_mesh
+
+    mesh = make_mesh(ParallelConfig(context=2, num_devices=8))
+    assert split_within_processes(mesh, ("context",))
+    fake = types.SimpleNamespace(axis_names=mesh.axis_names, shape=mesh.shape,
+                                 devices=np.vectorize(lambda d: types.SimpleNamespace(process_index=d.id % 2))(mesh.devices))
+    assert not split_within_processes(fake, ("context",))
+    assert split_within_processes(fake, ())
