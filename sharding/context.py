@@ -15,6 +15,21 @@ per-document statistics keyed by segment id) does not care about the order; atte
 causally by the original index of each token, which :func:`sequence_order` gives the model
 for the active layout (the identity when the sequence is not split).
 
+Against Megatron (megatron-core 0.16.1 ``get_batch_on_this_cp_rank`` /
+``get_thd_batch_on_this_cp_rank``; Megatron-LM main's per-sequence and per-document balancing):
+
+* a packed row is zig-zagged as one sequence and attention masks by segment id and original
+  index, which is Megatron-LM's "per-sequence balancing" for inter-document masking. With
+  ``cu_seqlens`` (THD) Megatron instead cuts *each document* into 2N chunks, padding every
+  document to a multiple of 2N (``cu_seqlens_padded``) and Transformer Engine's
+  ``thd_get_partitioned_indices`` picks the chunks. The attention output is the same; we add no
+  padding, so no document has to be a multiple of 2N long, and the balance is per row;
+* losses are sums over all tokens either way (Megatron all-reduces each CP rank's sums over the
+  CP group). With ``--moe-expert-capacity-factor`` the tokens compete for capacity as the MoE
+  block groups them ("act_tokens": under EP each data x context rank's own tokens, as
+  Megatron's per-rank capacity), and ``--moe-token-drop-policy position`` ranks them in the
+  layout's order, not the original one; dropless routing (the default) is order-free.
+
 Nothing here imports ``mlir_train``.
 """
 

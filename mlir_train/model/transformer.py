@@ -13,7 +13,10 @@ Calling convention::
                               return_router_stats=True)
 
 ``segment_ids`` (int, 1, 2, ... per packed document, 0 = padding) restrict attention to the
-same document; ``positions`` restart RoPE per document (default ``0..T-1``). ``stats`` maps
+same document; ``positions`` restart RoPE per document (default ``0..T-1``). Under a table that
+splits ``"act_seq"`` (context parallelism) every per-token input is in the load-balanced order
+of :func:`sharding.context.sequence_order` (``Trainer.shard_batch`` lays it out), and attention
+is causal in the original order. ``stats`` maps
 names to arrays with a leading MoE-layer axis: ``tokens_per_expert [L, E]`` (routed),
 ``aux_tokens_per_expert [L, E]`` and ``probs_per_expert [L, E]`` (what the aux losses count
 and sum), ``num_tokens [L]``, ``z_loss_sum [L]``, ``dropped_tokens [L]`` (and per-document
