@@ -237,7 +237,12 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     # while one layer runs, so they count in the working set, not per layer.
     attn_core = a * rows * heads * hd + 4 * b * heads * t  # output + log-sum-exp
     attn = a * rows * (d + (heads + 2 * kv) * hd + (heads + kv) * hd) + attn_core
-    attn_matrices = 3 * 4 * b * heads * t * keys + (2 * a * b * keys * kv * hd if layout.context > 1 else 0)
+    if layout.context > 1:  # blocked_attention: one key block of scores, and the gathered K/V
+        from mlir_train.model.layers import KEY_BLOCK
+
+        attn_matrices = 3 * 4 * b * heads * t * min(keys, KEY_BLOCK) + 2 * a * b * keys * kv * hd
+    else:
+        attn_matrices = 3 * 4 * b * heads * t * keys
     kinds = cfg.layer_kinds()
     if cfg.is_moe:
         s, k = rows // sp, cfg.top_k

@@ -220,3 +220,23 @@ def test_context_parallel_eval_equals_one_device():
     for got, ref in zip(out["cp"], out["one"]):
         assert got["loss_tokens"] == ref["loss_tokens"] > 0
         np.testing.assert_allclose(got["ce_sum"], ref["ce_sum"], rtol=1e-5)
+
+
+def test_planner_search_tries_context_parallelism_for_long_rows():
+    from mlir_train.cli import parse
+    from mlir_train.plan import Layout, activation_bytes, candidate_layouts
+
+    def layouts(seq):
+        return candidate_layouts(parse(["--model-name", "qwen3-30b-a3b", "--seq-length", str(seq),
+                                        "--micro-batch-size", "1"]), 8)
+
+    assert {l.context for l in layouts(2048)} == {1}
+    long = layouts(32768)
+    assert {l.context for l in long} == {1, 2, 4, 8}
+    assert all(8 % (l.tensor * l.pipeline * l.context) == 0 for l in long)
+    from mlir_train.config import get_model_config
+
+    cfg = get_model_config("qwen3-30b-a3b")
+    est = {cp: activation_bytes(cfg, Layout(tensor=2, context=cp, recompute="full"), micro_batch=1, seq=32768,
+                                dtype_bytes=2) for cp in (1, 2, 4)}
+    assert est[1] > 1.9 * est[2] > 3.6 * est[4]  # a context rank holds 1/CP of the row (estimate)
