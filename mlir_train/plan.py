@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -129,6 +130,7 @@ class Layout:
     recompute: Any = "none"
     sequence_parallel: bool = False
     expert_tensor: int | None = None  # --expert-tensor-parallel-size (None: = tensor)
+    context: int = 1  # --context-parallel-size
 
     @property
     def etp(self) -> int:
@@ -141,9 +143,11 @@ class Layout:
         return RecomputePolicy.of(self.recompute)
 
     def name(self, num_devices: int) -> str:
-        dp = num_devices // (self.tensor * self.pipeline)
+        dp = num_devices // (self.tensor * self.pipeline * self.context)
         parts = [f"TP{self.tensor}", f"PP{self.pipeline}", f"EP{self.expert}"]
         parts += ([f"ETP{self.etp}"] if self.etp != self.tensor else []) + [f"DP{dp}"]
+        if self.context > 1:
+            parts.insert(1, f"CP{self.context}")
         extra = (["SP"] if self.sequence_parallel else []) + (["distopt"] if self.distributed_optimizer else [])
         return "x".join(parts) + "".join("+" + e for e in extra) + f" recompute={self.policy.name}"
 
@@ -237,7 +241,10 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     inputs plus one chunk's activations while its backward recomputes it."""
     from sharding.mesh import kv_heads_replicated
 
-    a, b, t, d, tp = dtype_bytes, micro_batch, seq, cfg.hidden_size, layout.tensor
+    a, b, d, tp = dtype_bytes, micro_batch, cfg.hidden_size, layout.tensor
+    # Under context parallelism a rank holds T / CP tokens of each row, and its queries' scores
+    # against all T keys (the gathered K/V, counted with the working set).
+    t, keys = seq // layout.context, seq
     sp = tp if layout.sequence_parallel else 1
     heads = cfg.num_heads // tp
     kv = cfg.num_kv_heads if kv_heads_replicated(tp, cfg.num_kv_heads) else max(1, cfg.num_kv_heads // tp)
@@ -249,7 +256,12 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     # while one layer runs, so they count in the working set, not per layer.
     attn_core = a * rows * heads * hd + 4 * b * heads * t  # output + log-sum-exp
     attn = a * rows * (d + (heads + 2 * kv) * hd + (heads + kv) * hd) + attn_core
-    attn_matrices = 3 * 4 * b * heads * t * t
+    if layout.context > 1:  # blocked_attention: one key block of scores, and the gathered K/V
+        from mlir_train.model.layers import KEY_BLOCK
+
+        attn_matrices = 3 * 4 * b * heads * t * min(keys, KEY_BLOCK) + 2 * a * b * keys * kv * hd
+    else:
+        attn_matrices = 3 * 4 * b * heads * t * keys
     kinds = cfg.layer_kinds()
     if cfg.is_moe:
         s, k = rows // sp, cfg.top_k
@@ -319,7 +331,7 @@ def _trainer(cfg: RunConfig, layout: Layout, num_devices: int, devices=None):
     cfg = cfg.replace(
         parallel=dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
                       expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.expert_tensor,
-                      sequence_parallel=layout.sequence_parallel,
+                      sequence_parallel=layout.sequence_parallel, context_parallel_size=layout.context,
                       use_distributed_optimizer=layout.distributed_optimizer, use_torch_fsdp2=False,
                       data_parallel_sharding_strategy="no_shard",
                       # the pipeline's own flags mean nothing to (and are refused by) a PP1 layout
@@ -426,10 +438,13 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
 
 def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
     """TP (within one 8-device node), EP, PP that divide the model, distributed optimizer on/off,
-    recompute none/full; DP is what is left. A given --expert-tensor-parallel-size is kept for
-    every candidate (EP then ranges over what ETP x EP leaves of a stage's ranks: folding)."""
+    recompute none/full, and for long rows (``--seq-length`` >= 8192, what CP is for) context
+    parallelism of 1, 2, 4 or 8 ranks; DP is what is left (EP is carved out of CP x DP). A given
+    --expert-tensor-parallel-size is kept for every candidate (EP then ranges over what ETP x EP
+    leaves of a stage's ranks: folding)."""
     cfg = run_cfg.model.model_config(None)
     etp = run_cfg.parallel.expert_tensor_parallel_size
+    seq = run_cfg.data.seq_length or 0
     divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
     pipelines = [p for p in divisors if cfg.num_layers % p == 0]
     out = []
@@ -438,11 +453,13 @@ def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
             dp = num_devices // (tp * pp)
             room = dp if etp is None else num_devices // (pp * etp)
             experts = [e for e in divisors if room % e == 0 and cfg.is_moe and cfg.num_experts % e == 0] or [1]
-            for ep in experts:
+            sp = run_cfg.parallel.sequence_parallel and tp > 1
+            contexts = [c for c in (1, 2, 4, 8) if dp % c == 0 and seq % (2 * c) == 0
+                        and (not sp or seq % (c * tp) == 0)] if seq >= 8192 else [1]
+            for ep, cp in itertools.product(experts, contexts):
                 for distopt in ((True, False) if dp > 1 else (False,)):  # ZeRO needs data ranks
                     for recompute in ("none", "full"):
-                        out.append(Layout(tp, ep, pp, distopt, recompute, run_cfg.parallel.sequence_parallel and tp > 1,
-                                          etp))
+                        out.append(Layout(tp, ep, pp, distopt, recompute, sp, etp, context=cp))
     return out
 
 
@@ -579,7 +596,7 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     if not own.search:
         layout = Layout(par.tensor_model_parallel_size, par.expert_model_parallel_size,
                         par.pipeline_model_parallel_size, par.distributed_optimizer, t.recompute, par.sequence_parallel,
-                        par.expert_tensor_parallel_size)
+                        par.expert_tensor_parallel_size, context=par.context_parallel_size)
         plan = plan_layout(cfg, layout, num_devices, **common)
         print(format_plan(plan, own.device_kind, own.assumed_mfu))
         _write_json(own.json, [plan])

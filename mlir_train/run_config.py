@@ -464,8 +464,10 @@ class ParallelFlags:
         help="the routed experts' width split over its own ranks, independent of TP (Megatron's MoE parallel "
              "folding: e.g. attention TP4, experts ETP1 x EP8 on the same 8 ranks) (default: "
              "--tensor-model-parallel-size)")
-    context_parallel_size: int = flag("--context-parallel-size", default=1, type=int,
-                                      help="only 1 (context parallelism is not implemented)")
+    context_parallel_size: int = flag(
+        "--context-parallel-size", default=1, type=int,
+        help="split each row's sequence over N ranks (Megatron's load-balanced 2N-chunk layout; K/V all-gathered "
+             "in attention); --seq-length must be divisible by 2N (and by N x TP with --sequence-parallel)")
     sequence_parallel: bool = switch("--sequence-parallel")
     use_distributed_optimizer: bool = switch("--use-distributed-optimizer",
                                              help="shard optimizer state over data-parallel ranks (ZeRO-1)")
@@ -631,6 +633,8 @@ NOOP_FLAGS: dict[str, tuple[int, str]] = {
         "--apply-query-key-layer-scaling": 0, "--moe-grouped-gemm": 0, "--moe-permute-fusion": 0,
         "--moe-use-legacy-grouped-gemm": 0, "--moe-token-dispatcher-type": 1}.items()},
     "--attention-softmax-in-fp32": (0, "the attention softmax is always float32 here"),
+    "--cp-comm-type": (1, "context parallelism exchanges K/V by one all-gather over the context ranks whatever "
+                          "the type (p2p, a2a, allgather): the attention computed is the same"),
     "--moe-router-fusion": (0, "Transformer Engine's fused top-k / aux-loss kernels: XLA fuses the same ops"),
     # torch.distributed / NCCL / DDP plumbing: XLA inserts and schedules the collectives
     **{f: (n, "torch.distributed/NCCL plumbing: XLA inserts and schedules the collectives") for f, n in {
@@ -756,10 +760,6 @@ class Refusal:
 # flag -> Refusal. Each is a feature Megatron has and we do not (yet): the run stops at
 # start-up naming the flag instead of silently training without it.
 REFUSED: dict[str, Refusal] = {
-    "--context-parallel-size": Refusal(
-        lambda v, c: v == 1,
-        "context parallelism is not implemented yet; use --context-parallel-size 1 (sequence parallelism, "
-        "--sequence-parallel with --tensor-model-parallel-size > 1, also splits activations over the sequence)"),
 }
 
 
@@ -924,7 +924,8 @@ class Run:
         the recompute policy and, for MoE, the capacity and drop policy."""
         from mlir_train.model import platform_model_kwargs
 
-        kwargs = platform_model_kwargs(self.platform, is_moe=self.model.is_moe) | dict(remat=self.recompute)
+        kwargs = platform_model_kwargs(self.platform, is_moe=self.model.is_moe,
+                                       context_parallel=self.parallel.context) | dict(remat=self.recompute)
         if self.model.is_moe:
             m = self.config.moe
             kwargs |= dict(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy,
@@ -1015,6 +1016,11 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
         import jax
 
         platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
+    if parallel.context > 1 and platform == "gpu":
+        print(f"mlir-train: --context-parallel-size {parallel.context}: attention runs as XLA ops "
+              "(mlir_train.model.layers.blocked_attention: each rank's queries against the gathered row, one key "
+              "block at a time), not the flash kernel, which cannot mask the load-balanced chunks by their "
+              "original positions")
     return Run(cfg, model_cfg, parallel, gbs, num_micro, platform=platform)
 
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -57,6 +58,8 @@ from mlir_train.model import Qwen3, logical_axes
 from mlir_train.model.router import updated_expert_bias
 from mlir_train.optim import LossScaler, global_norm, select_tree
 from sharding import logical_to_spec, use_rules
+from sharding.context import split_within_processes, to_zigzag
+from sharding.logical import axes_tuple
 from sharding.mesh import ParallelConfig
 from sharding.rules import StateSpecs, rules_for, state_specs
 
@@ -161,7 +164,14 @@ class Trainer:
             "loss_scale": None if loss_scaler is None else jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), loss_scaler.init()),
         }
         with use_rules(self.rules):
-            batch_spec = logical_to_spec((None, "act_batch", None), self.rules, mesh.axis_names)
+            # Under context parallelism each row's tokens are split over the context ranks, in
+            # the load-balanced order shard_batch lays them out in (sharding.context).
+            batch_spec = logical_to_spec((None, "act_batch", "act_seq"), self.rules, mesh.axis_names)
+        if not split_within_processes(mesh, axes_tuple(batch_spec[2] if len(batch_spec) > 2 else None)):
+            raise ValueError(
+                f"--context-parallel-size {parallel.context}: a row's context ranks span several processes "
+                "(hosts), and feeding rows split across hosts is not implemented; keep --tensor-model-parallel-size "
+                "x --context-parallel-size within one host's devices")
         self.batch_sharding = NamedSharding(mesh, batch_spec)       # [micro, rows, seq]
         self.eval_batch_sharding = NamedSharding(mesh, PartitionSpec(*batch_spec[1:]))  # [rows, seq]
         self._train_step = None
@@ -394,6 +404,11 @@ class Trainer:
         return self.shard_batch({k: v.reshape(m, v.shape[0] // m, *v.shape[1:]) for k, v in rows.items()})
 
     def shard_batch(self, batch: dict[str, Any], *, micro: bool = True) -> dict[str, jax.Array]:
-        """Host numpy arrays of this process's rows -> global sharded arrays."""
+        """Host numpy arrays of this process's rows -> global sharded arrays. Under context
+        parallelism every per-token array is first put in Megatron's load-balanced order
+        (:func:`sharding.context.to_zigzag`), the same permutation for all of them, so each
+        context rank receives chunks ``r`` and ``2CP-1-r`` of every row."""
         sharding = self.batch_sharding if micro else self.eval_batch_sharding
-        return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in BATCH_KEYS}
+        cp = self.parallel.context
+        return {k: jax.make_array_from_process_local_data(sharding, to_zigzag(np.asarray(batch[k]), cp, axis=-1))
+                for k in BATCH_KEYS}

@@ -293,6 +293,17 @@ def validate(
             stacklevel=2,
         )
         cfg = dataclasses.replace(cfg, sequence_parallel=False)
+    if cfg.context > 1 and seq_length is not None:
+        cp = cfg.context
+        if seq_length % (2 * cp):
+            raise ParallelConfigError(
+                f"--context-parallel-size ({cp}) cuts each row into 2 x {cp} chunks (Megatron's load-balanced "
+                f"layout): --seq-length ({seq_length}) is not divisible by 2 x --context-parallel-size = {2 * cp}")
+        if cfg.sequence_parallel and seq_length % (cp * tp):
+            raise ParallelConfigError(
+                f"--sequence-parallel splits each context rank's {seq_length // cp} tokens further over the "
+                f"tensor ranks: --seq-length ({seq_length}) is not divisible by --context-parallel-size ({cp}) x "
+                f"--tensor-model-parallel-size ({tp}) = {cp * tp}")
     if cfg.sequence_parallel and seq_length is not None and seq_length % tp:
         raise ParallelConfigError(
             f"--sequence-parallel splits the sequence over tensor ranks: --seq-length ({seq_length}) "

@@ -17,7 +17,6 @@ from mlir_train.run_config import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, NOT_IMPLEMENTE
 
 # A value of each refused flag that must stop the run (None: a switch).
 REFUSED_VALUES = {
-    "--context-parallel-size": "2",
 }
 
 

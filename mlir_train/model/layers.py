@@ -9,6 +9,7 @@ activations are annotated with :func:`sharding.constrain`. Nothing here names a 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ from flax import nnx
 
 from mlir_train.model.recompute import checkpointed
 from sharding import constrain, logical_shard_map, mesh_axes_of
+from sharding.context import sequence_order
 
 # How attention runs: "xla" is masked_attention below (any platform; it computes the whole
 # [T, S] score matrix, masked half included); "flash" is the Pallas (Triton) FlashAttention
@@ -70,15 +72,21 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
     return (x_BTNH.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x_BTNH.dtype)
 
 
-def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
+def attention_mask(segment_ids_BT: jax.Array, order_T: jax.Array | None = None) -> jax.Array:
     """Causal mask restricted to equal segment ids: packed documents never see each other.
 
-    Padding (segment 0) attends only to padding, which keeps its softmax rows finite.
+    ``order_T`` is the original index of each position (default ``0..T-1``): under context
+    parallelism the sequence arrives in Megatron's load-balanced order
+    (:func:`sharding.context.sequence_order`) and causality is by original index. Padding
+    (segment 0) attends only to padding, which keeps its softmax rows finite. Under context
+    parallelism the mask is ``[B, T, S]`` with its query positions split like the sequence:
+    each rank holds its queries' rows against every key.
     """
     t = segment_ids_BT.shape[1]
-    causal_TS = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+    order_T = jnp.arange(t, dtype=jnp.int32) if order_T is None else order_T
+    causal_TS = order_T[:, None] >= order_T[None, :]
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-    return causal_TS[None] & same_BTS
+    return constrain(causal_TS[None] & same_BTS, ("act_batch", "act_seq", None))
 
 
 def _scores(q_BKMH, k_BKSH, mask_BTS):
@@ -127,6 +135,116 @@ def _attention(q_BKMH, k_BKSH, v_BKSH, mask_BTS):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _block_mask(seg_q_BT, seg_k_BC, order_q_T, order_k_C):
+    """``[B, T, C]``: same document and causal by original index (see :func:`attention_mask`)."""
+    return (seg_q_BT[:, :, None] == seg_k_BC[:, None, :]) & (order_q_T[:, None] >= order_k_C[None, :])[None]
+
+
+def _block_scores(q_BKMH, k_BKCH, mask_BTC):
+    b, kv, m, _ = q_BKMH.shape
+    t = mask_BTC.shape[1]
+    s_BKMC = jnp.einsum("bkmh,bkch->bkmc", q_BKMH, k_BKCH, preferred_element_type=jnp.float32)
+    return s_BKMC, jnp.broadcast_to(mask_BTC[:, None, None], (b, kv, m // t, t, mask_BTC.shape[2])).reshape(s_BKMC.shape)
+
+
+def _key_blocks(x, block, axis):
+    """``x`` with its key axis cut into blocks of ``block``, the block index leading (scan's xs)."""
+    n = x.shape[axis] // block
+    x = x.reshape(*x.shape[:axis], n, block, *x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _varying_like(x, *refs):
+    """``x`` varying over every manual mesh axis one of ``refs`` varies over: a scan carry
+    started from constants must vary as its updates do inside a manual region."""
+    axes = set()
+    for r in refs:
+        aval = jax.typeof(r)
+        manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; later versions: aval.vma
+        axes |= set(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
+def _blocked_fwd(block, q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, order_k_S):
+    b, kv, m, h = q_BKMH.shape
+    xs = (_key_blocks(k_BKSH, block, 2), _key_blocks(v_BKSH, block, 2), _key_blocks(seg_k_BS, block, 1),
+          _key_blocks(order_k_S, block, 0))
+
+    def step(carry, blk):
+        m_BKM, z_BKM, o_BKMH = carry
+        k_BKCH, v_BKCH, seg_k_BC, order_k_C = blk
+        s_BKMC, mask = _block_scores(q_BKMH, k_BKCH, _block_mask(seg_q_BT, seg_k_BC, order_q_T, order_k_C))
+        s_BKMC = jnp.where(mask, s_BKMC, jnp.finfo(jnp.float32).min)
+        new_m = jnp.maximum(m_BKM, jnp.max(s_BKMC, axis=-1))
+        e_BKMC = jnp.where(mask, jnp.exp(s_BKMC - new_m[..., None]), 0.0)
+        rescale = jnp.exp(m_BKM - new_m)
+        o_BKMH = o_BKMH * rescale[..., None] + jnp.einsum(
+            "bkmc,bkch->bkmh", e_BKMC.astype(v_BKCH.dtype), v_BKCH, preferred_element_type=jnp.float32)
+        return (new_m, z_BKM * rescale + jnp.sum(e_BKMC, axis=-1), o_BKMH), None
+
+    init = (jnp.full((b, kv, m), jnp.finfo(jnp.float32).min), jnp.zeros((b, kv, m)), jnp.zeros((b, kv, m, h)))
+    init = _varying_like(init, q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, order_k_S)
+    (m_BKM, z_BKM, o_BKMH), _ = jax.lax.scan(step, init, xs)
+    o_BKMH = (o_BKMH / z_BKM[..., None]).astype(v_BKSH.dtype)
+    lse_BKM = m_BKM + jnp.log(z_BKM)
+    return o_BKMH, (q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, order_k_S, o_BKMH, lse_BKM)
+
+
+def _blocked_bwd(block, res, do_BKMH):
+    q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, order_k_S, o_BKMH, lse_BKM = res
+    dt = q_BKMH.dtype
+    delta_BKM = jnp.sum(o_BKMH.astype(jnp.float32) * do_BKMH.astype(jnp.float32), axis=-1)
+    xs = (_key_blocks(k_BKSH, block, 2), _key_blocks(v_BKSH, block, 2), _key_blocks(seg_k_BS, block, 1),
+          _key_blocks(order_k_S, block, 0))
+
+    def step(dq_BKMH, blk):
+        k_BKCH, v_BKCH, seg_k_BC, order_k_C = blk
+        s_BKMC, mask = _block_scores(q_BKMH, k_BKCH, _block_mask(seg_q_BT, seg_k_BC, order_q_T, order_k_C))
+        p_BKMC = jnp.where(mask, jnp.exp(s_BKMC - lse_BKM[..., None]), 0.0)
+        dv_BKCH = jnp.einsum("bkmc,bkmh->bkch", p_BKMC.astype(dt), do_BKMH, preferred_element_type=jnp.float32)
+        dp_BKMC = jnp.einsum("bkmh,bkch->bkmc", do_BKMH, v_BKCH, preferred_element_type=jnp.float32)
+        ds_BKMC = (p_BKMC * (dp_BKMC - delta_BKM[..., None])).astype(dt)
+        dq_BKMH = dq_BKMH + jnp.einsum("bkmc,bkch->bkmh", ds_BKMC, k_BKCH, preferred_element_type=jnp.float32)
+        dk_BKCH = jnp.einsum("bkmc,bkmh->bkch", ds_BKMC, q_BKMH, preferred_element_type=jnp.float32)
+        return dq_BKMH, (dk_BKCH.astype(dt), dv_BKCH.astype(dt))
+
+    dq0 = _varying_like(jnp.zeros(q_BKMH.shape, jnp.float32), q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS,
+                        order_q_T, order_k_S, do_BKMH)
+    dq_BKMH, (dk_NBKCH, dv_NBKCH) = jax.lax.scan(step, dq0, xs)
+    unblock = lambda x: jnp.moveaxis(x, 0, 2).reshape(k_BKSH.shape)
+    return dq_BKMH.astype(dt), unblock(dk_NBKCH), unblock(dv_NBKCH), None, None, None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blocked_attention(block, q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, order_k_S):
+    return _blocked_fwd(block, q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, order_k_S)[0]
+
+
+_blocked_attention.defvjp(_blocked_fwd, _blocked_bwd)
+
+# Keys per block of blocked_attention: the [rows, block] float32 scores of one block are what
+# it holds at a time (a 16k-query, 8-head group at block 1024: 512 MiB).
+KEY_BLOCK = 1024
+
+
+def blocked_attention(q_BTKGH, k_BSKH, v_BSKH, seg_q_BT, seg_k_BS, order_q_T, order_k_S, *, block: int | None = None):
+    """:func:`masked_attention` of the packed-document causal mask, built block by block from
+    segment ids and original token indices (queries and keys may be different positions: under
+    context parallelism a rank's queries against the whole row's keys), with the keys visited in
+    blocks of ``block`` (default :data:`KEY_BLOCK`, or the whole row if it does not divide) by an
+    online softmax, FlashAttention's recurrence in XLA ops. Neither pass materialises more than
+    one block's ``[rows, block]`` scores; the backward recomputes them from the saved
+    log-sum-exp. Every key block is computed, masked or not (the shapes are static)."""
+    b, t, kv, g, h = q_BTKGH.shape
+    s = k_BSKH.shape[1]
+    block = block or KEY_BLOCK
+    block = block if s % block == 0 else s
+    q_BKMH = (q_BTKGH * (1.0 / math.sqrt(h))).astype(q_BTKGH.dtype).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
+    o_BKMH = _blocked_attention(block, q_BKMH, k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3),
+                                seg_q_BT, seg_k_BS, order_q_T, order_k_S)
+    return o_BKMH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
+
+
 def masked_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
     """Grouped-query softmax attention ``softmax(q k^T / sqrt(H) | mask) v`` -> ``[B, T, K, G, H]``.
 
@@ -144,6 +262,45 @@ def masked_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
     return o_BKMH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
 
 
+def context_parallel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, order_T):
+    """Attention with the sequence split over the context ranks: each rank's queries attend to
+    every key of the row, so K, V and the keys' segment ids and original indices (``order_T``,
+    :func:`sharding.context.sequence_order`) are all-gathered over the context axes inside a
+    region manual over them (the gradients of K and V come back reduce-scattered: the
+    transpose of the all-gather), and :func:`blocked_attention` masks each block of keys by
+    document and original order. Batch and heads are manual too (left to XLA inside the region,
+    the partitioner gathers the batch over the data ranks). When TP exceeds the kv heads (each
+    rank holds every kv head, see ``sharding.mesh.kv_heads_replicated``) a rank's query heads all
+    belong to one kv head, which it picks by its tensor rank.
+
+    All-gather rather than a ring of K/V blocks: with GQA the K/V of a whole row are small
+    (Qwen3-30B-A3B: 4 kv heads, 32k tokens, 2 x 32 MiB in bf16 per layer), one gather per layer,
+    and the scores, which are what grows with the sequence, are held one key block at a time.
+    ``benchmarks/README.md`` has the compiled figures."""
+    seq_axes, _ = mesh_axes_of("act_seq")
+    head_axes, tp = mesh_axes_of("act_heads")
+    kv_split = mesh_axes_of("act_kv_heads")[1] > 1
+    n, kv = q_BTNH.shape[2], k_BSKH.shape[2]
+    q_names = ("act_batch", "act_seq", "act_heads", None)
+    kv_names = ("act_batch", "act_seq", "act_kv_heads", None)
+
+    def run(q_BTNH, k_BSKH, v_BSKH, seg_BT, order_T):
+        gather = lambda a, axis: jax.lax.all_gather(a, seq_axes, axis=axis, tiled=True)
+        k_BSKH, v_BSKH, seg_BS, order_S = gather(k_BSKH, 1), gather(v_BSKH, 1), gather(seg_BT, 1), gather(order_T, 0)
+        b, t, n_local, h = q_BTNH.shape
+        if tp > 1 and not kv_split:  # replicated kv heads: this rank's query heads share one
+            first = jax.lax.axis_index(head_axes) * n_local // (n // kv)
+            k_BSKH, v_BSKH = (jax.lax.dynamic_slice_in_dim(a, first, 1, axis=2) for a in (k_BSKH, v_BSKH))
+        k_local = k_BSKH.shape[2]
+        q_BTKGH = q_BTNH.reshape(b, t, k_local, n_local // k_local, h)
+        o_BTKGH = blocked_attention(q_BTKGH, k_BSKH, v_BSKH, seg_BT, seg_BS, order_T, order_S)
+        return o_BTKGH.reshape(b, t, n_local, h)
+
+    in_names = (q_names, kv_names, kv_names, ("act_batch", "act_seq"), ("act_seq",))
+    return logical_shard_map(run, in_names=in_names, out_names=q_names, manual=("act_seq", "act_batch", "act_heads"))(
+        q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, order_T)
+
+
 def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool = False):
     """Causal GQA attention within packed documents (equal segment ids; padding, segment 0,
     attends to padding) with the Pallas FlashAttention kernel: the same function as
@@ -153,6 +310,11 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
     batch and head axes; ``interpret`` runs the kernel in Pallas' interpreter (CPU tests)."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
+    if mesh_axes_of("act_seq")[1] > 1:
+        # The kernel masks causally from index 0 of one sequence shared by q and k; the
+        # context-parallel layout needs the original token order (see context_parallel_attention).
+        raise ValueError("the flash attention kernel does not run with the sequence split over context-parallel "
+                         "ranks (--context-parallel-size > 1); build the model with attention_impl='xla'")
     n, h = q_BTNH.shape[2], q_BTNH.shape[3]
     g = n // k_BSKH.shape[2]
     t = q_BTNH.shape[1]
@@ -191,7 +353,8 @@ def flash_block_sizes(t: int):
 class Attention(nnx.Module):
     """``impl`` (:data:`ATTENTION_IMPLS`) decides what ``mask`` the call takes: the
     ``[B, T, S]`` boolean mask of :func:`attention_mask` for "xla", the ``[B, T]`` segment
-    ids for "flash" (``Qwen3.layer_context`` builds the right one)."""
+    ids for "flash" and, with the sequence split over context ranks, for
+    :func:`context_parallel_attention` (``Qwen3.layer_context`` builds the right one)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32, impl: str = "xla",
                  recompute_core_attn: bool = False):
@@ -238,6 +401,9 @@ class Attention(nnx.Module):
         b, t, n, h = q_BTNH.shape
         if self.impl == "flash":
             o_BTNH = checkpointed(flash_attention, self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
+        elif mesh_axes_of("act_seq")[1] > 1:  # mask: the segment ids (Qwen3.layer_context)
+            o_BTNH = checkpointed(lambda q, k, v, seg: context_parallel_attention(q, k, v, seg, sequence_order(t)),
+                                  self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
         else:
             g = n // self.num_kv_heads
             o_BTKGH = checkpointed(masked_attention, self.recompute_core_attn)(

@@ -13,7 +13,10 @@ Calling convention::
                               return_router_stats=True)
 
 ``segment_ids`` (int, 1, 2, ... per packed document, 0 = padding) restrict attention to the
-same document; ``positions`` restart RoPE per document (default ``0..T-1``). ``stats`` maps
+same document; ``positions`` restart RoPE per document (default ``0..T-1``). Under a table that
+splits ``"act_seq"`` (context parallelism) every per-token input is in the load-balanced order
+of :func:`sharding.context.sequence_order` (``Trainer.shard_batch`` lays it out), and attention
+is causal in the original order. ``stats`` maps
 names to arrays with a leading MoE-layer axis: ``tokens_per_expert [L, E]`` (routed),
 ``aux_tokens_per_expert [L, E]`` and ``probs_per_expert [L, E]`` (what the aux losses count
 and sum), ``num_tokens [L]``, ``z_loss_sum [L]``, ``dropped_tokens [L]`` (and per-document
@@ -39,6 +42,7 @@ from mlir_train.model.moe import DEFAULT_MOE_IMPL, MoE
 from mlir_train.model.recompute import LEGACY, RecomputePolicy, checkpointed
 from mlir_train.model.router import RouterConfig
 from sharding import constrain
+from sharding.context import context_parallel_size, sequence_order
 
 REMAT_POLICIES = LEGACY  # the strings ``remat=`` still takes besides a RecomputePolicy
 
@@ -186,7 +190,13 @@ class Qwen3(nnx.Module):
         segment ids (0 = padding; the router counts per document), all derived from one
         micro-batch's ids and positions."""
         cos_BTH, sin_BTH = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling_factor)
-        mask = segment_ids_BT if self.attention_impl == "flash" else attention_mask(segment_ids_BT)
+        # Under context parallelism the sequence arrives in the layout's load-balanced order
+        # (sharding.context) and attention masks block by block from the segment ids and
+        # original indices (layers.context_parallel_attention).
+        if self.attention_impl == "flash" or context_parallel_size() > 1:
+            mask = segment_ids_BT
+        else:
+            mask = attention_mask(segment_ids_BT)
         return cos_BTH, sin_BTH, mask, segment_ids_BT
 
     def hidden_states(self, input_ids_BT, *, segment_ids=None, positions=None):
@@ -195,7 +205,7 @@ class Qwen3(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            positions = jnp.broadcast_to(sequence_order(t), (b, t))
         context = self.layer_context(segment_ids, positions)
         x_BTD = self.embed_tokens(input_ids_BT)
         stats: list[dict[str, jax.Array]] = []
@@ -268,11 +278,17 @@ def logical_axes(model: nnx.Module) -> Any:
     )
 
 
-def platform_model_kwargs(platform: str, *, is_moe: bool) -> dict[str, Any]:
+def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int = 1) -> dict[str, Any]:
     """The kernels a model compiled for ``platform`` ("cpu", "gpu", "tpu": the mesh devices'
     ``.platform``) runs: attention (:data:`~mlir_train.model.layers.DEFAULT_ATTENTION_IMPL`)
-    and, for MoE models, the experts (:data:`~mlir_train.model.moe.DEFAULT_MOE_IMPL`)."""
-    kwargs: dict[str, Any] = {"attention_impl": DEFAULT_ATTENTION_IMPL.get(platform, "xla")}
+    and, for MoE models, the experts (:data:`~mlir_train.model.moe.DEFAULT_MOE_IMPL`).
+
+    With the sequence split over ``context_parallel`` > 1 ranks attention is the "xla" path
+    on every platform: the flash kernel masks causally from position 0 of one sequence shared
+    by queries and keys, which the load-balanced layout's two chunks per rank are not
+    (:func:`~mlir_train.model.layers.context_parallel_attention`)."""
+    impl = "xla" if context_parallel > 1 else DEFAULT_ATTENTION_IMPL.get(platform, "xla")
+    kwargs: dict[str, Any] = {"attention_impl": impl}
     if is_moe:
         kwargs |= {"moe_impl": DEFAULT_MOE_IMPL.get(platform, "padded"), "moe_platform": platform}
     return kwargs
