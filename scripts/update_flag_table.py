@@ -8,14 +8,18 @@ tests/test_flags.py fails when the README's table and the flags disagree; this i
 from __future__ import annotations
 
 import pathlib
+import sys
 
-from mlir_train.run_config import flag_table_markdown
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's mlir_train, not an installed one
+
+from mlir_train.run_config import flag_table_markdown  # noqa: E402
 
 BEGIN, END = "<!-- flag-table:begin -->\n", "<!-- flag-table:end -->"
 
 
 def main() -> None:
-    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    readme = ROOT / "README.md"
     text = readme.read_text()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
