@@ -633,7 +633,7 @@ NOOP_FLAGS: dict[str, tuple[int, str]] = {
         "--apply-query-key-layer-scaling": 0, "--moe-grouped-gemm": 0, "--moe-permute-fusion": 0,
         "--moe-use-legacy-grouped-gemm": 0, "--moe-token-dispatcher-type": 1}.items()},
     "--attention-softmax-in-fp32": (0, "the attention softmax is always float32 here"),
-    "--cp-comm-type": (1, "context parallelism exchanges K/V by one all-gather over the context ranks whatever "
+    "--cp-comm-type": ("+", "context parallelism exchanges K/V by one all-gather over the context ranks whatever "
                           "the type (p2p, a2a, allgather): the attention computed is the same"),
     "--moe-router-fusion": (0, "Transformer Engine's fused top-k / aux-loss kernels: XLA fuses the same ops"),
     # torch.distributed / NCCL / DDP plumbing: XLA inserts and schedules the collectives
