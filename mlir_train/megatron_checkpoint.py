@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from mlir_train import checkpoint_integrity as integrity
 from mlir_train.config import ModelConfig
 from mlir_train.errors import CheckpointError
 
@@ -207,6 +208,10 @@ def _is_iteration_dir(path: str) -> bool:
 
 def _read_iteration_dir(path: str, directory: str, iteration: int, release: bool) -> MegatronCheckpoint:
     inside = os.listdir(directory)
+    if integrity.MANIFEST in inside:  # written by our exporter (save_legacy); Megatron's own have none
+        check = integrity.verify_step(directory)
+        if not check.usable:
+            raise MegatronCheckpointError(f"Megatron checkpoint {check.describe()}")
     if "metadata.json" in inside:
         import json
 
@@ -1024,6 +1029,9 @@ def save_legacy(layer_array, global_array, cfg: ModelConfig, dst: str, layout: M
                 torch.save({"args": ns, "checkpoint_version": 3.0, "iteration": iteration or 0, "model": sd}, path)
                 written.append(path)
                 del sd
+    # Megatron records no checksums; ours beside the rank directories (Megatron ignores the file)
+    # let our reader tell a flipped bit from a good export.
+    integrity.write_manifest(os.path.join(dst, sub))
     with open(os.path.join(dst, TRACKER), "w") as f:
         f.write("release" if iteration is None else str(iteration))
     return written

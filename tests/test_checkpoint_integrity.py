@@ -258,6 +258,18 @@ def test_load_falls_back_past_a_flipped_bit_and_resumes_exactly(shared, tmp_path
     assert any(n.startswith("4.corrupt-") for n in os.listdir(ck))
     assert checkpoint.verify_main(["verify", ck]) == 0
 
+    # Our Megatron export carries checksums too: a flipped bit there is named on reading it.
+    from mlir_train import convert
+    from mlir_train import megatron_checkpoint as mc
+
+    mg = str(tmp_path / "megatron")
+    assert convert.main([ck, mg, "--to", "megatron"]) == 0
+    assert mc.find(mg).release
+    rank_file = os.path.join(mg, "release", "mp_rank_00", "model_optim_rng.pt")
+    flip_bit(rank_file, offset=os.path.getsize(rank_file) - 4096)
+    with pytest.raises(checkpoint.CheckpointError, match=f"Megatron checkpoint .*{rank_file}: checksum mismatch"):
+        checkpoint.resolve_start(mg)
+
 
 def test_weights_only_checkpoints_resume_with_a_fresh_optimizer(shared, tmp_path, capsys):
     """--no-save-optim --no-save-rng, as Megatron: no optimizer state and no seed in the checkpoint;

@@ -148,7 +148,7 @@ def test_convert_round_trip_hf_and_back_to_megatron(mcore_small, tmp_path):
 
     assert convert.main([hf_dir, back, "--to", "megatron", "--tensor-model-parallel-size", "1",
                          "--expert-model-parallel-size", "2", "--make-vocab-size-divisible-by", "160"]) == 0
-    assert sorted(os.listdir(os.path.join(back, "release"))) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(os.listdir(os.path.join(back, "release"))) == ["checksums.json", "mp_rank_00_000", "mp_rank_00_001"]
     ckpt = mc.find(back)
     assert ckpt.release and ckpt.args["padded_vocab_size"] == 1600 and ckpt.args["vocab_size"] == VOCAB
     mcore_cpu.run_job({"kind": "load", "layout": {"tp": 1, "ep": 2}, "spec": SPEC, "checkpoint": back},
