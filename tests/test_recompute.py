@@ -118,8 +118,6 @@ def test_full_recompute_methods_order_the_compiled_memory():
          (("none", NONE), ("full", FULL), ("block2", block(2)), ("block3", block(3)), ("uniform2", uniform(2)))}
     assert t["full"] < t["block3"] < t["block2"] < 0.8 * t["none"], t
     assert t["full"] < t["uniform2"] < 0.8 * t["none"], t
-    # uniform 1 is full recompute of every layer, the same program
-    assert _temp_bytes(MOE, uniform(1)) == t["full"]
 
 
 def test_selective_modules_lie_between_none_and_full():
@@ -207,6 +205,7 @@ def test_pieces_follow_megatrons_layer_positions():
     assert block(3).pieces(2, (5,)) == [(0, 2, 0)]
     assert block(3).pieces(4, (0, 2)) == [(0, 3, 1), (3, 1, 0)]  # recomputed where any stage does
     assert FULL.pieces(3) == [(0, 3, 1)] and NONE.pieces(3) == [(0, 3, 0)] == selective("moe").pieces(3)
+    assert uniform(1).pieces(4, (3,)) == FULL.pieces(4)  # uniform 1 is every layer on its own: the same program
 
 
 def test_stage_program_records_where_each_run_starts():
