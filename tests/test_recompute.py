@@ -118,8 +118,6 @@ def test_full_recompute_methods_order_the_compiled_memory():
          (("none", NONE), ("full", FULL), ("block2", block(2)), ("block3", block(3)), ("uniform2", uniform(2)))}
     assert t["full"] < t["block3"] < t["block2"] < 0.8 * t["none"], t
     assert t["full"] < t["uniform2"] < 0.8 * t["none"], t
-    # uniform 1 is full recompute of every layer, the same program
-    assert _temp_bytes(MOE, uniform(1)) == t["full"]
 
 
 def test_selective_modules_lie_between_none_and_full():
@@ -165,11 +163,22 @@ def pp1_reference():
     return _pipeline_step(ParallelConfig(num_devices=1), NONE)
 
 
-@pytest.mark.parametrize("policy,schedule", [(block(1), "1f1b"), pytest.param(uniform(2), "gpipe", marks=pytest.mark.slow)],
-                         ids=["block1-1f1b", "uniform2-gpipe"])
-def test_pipelined_recompute_equals_one_device(policy, schedule, pp1_reference):
-    """PP2 (2 layers per stage) with the recompute method per stage, against PP1 without."""
-    state, metrics = _pipeline_step(ParallelConfig(pipeline=2, num_devices=2), policy, pipeline_schedule=schedule)
+LAYOUT_CASES = {
+    # PP2 (2 layers per stage) with the recompute method per stage
+    "PP2-block1-1f1b": (ParallelConfig(pipeline=2, num_devices=2), block(1), "1f1b"),
+    "PP2-uniform2-gpipe": (ParallelConfig(pipeline=2, num_devices=2), uniform(2), "gpipe"),
+    # the submodule checkpoints around the expert- and tensor-parallel regions
+    "EP2xTP2-selective": (ParallelConfig(expert=2, tensor=2, num_devices=4),
+                          selective("core_attn", "layernorm", "moe_act", "moe"), "1f1b"),
+}
+
+
+@pytest.mark.parametrize("case", [c if c != "PP2-uniform2-gpipe" else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in LAYOUT_CASES])
+def test_recompute_in_a_layout_equals_one_device(case, pp1_reference):
+    """One training step (float32) against one device without recompute."""
+    parallel, policy, schedule = LAYOUT_CASES[case]
+    state, metrics = _pipeline_step(parallel, policy, pipeline_schedule=schedule)
     ref_state, ref_metrics = pp1_reference
     for key in ("lm loss", "grad-norm", "load_balancing_loss", "z_loss"):
         np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=2e-5, err_msg=key)
@@ -196,6 +205,7 @@ def test_pieces_follow_megatrons_layer_positions():
     assert block(3).pieces(2, (5,)) == [(0, 2, 0)]
     assert block(3).pieces(4, (0, 2)) == [(0, 3, 1), (3, 1, 0)]  # recomputed where any stage does
     assert FULL.pieces(3) == [(0, 3, 1)] and NONE.pieces(3) == [(0, 3, 0)] == selective("moe").pieces(3)
+    assert uniform(1).pieces(4, (3,)) == FULL.pieces(4)  # uniform 1 is every layer on its own: the same program
 
 
 def test_stage_program_records_where_each_run_starts():

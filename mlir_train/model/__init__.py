@@ -6,5 +6,6 @@ from mlir_train.model.transformer import (
     REMAT_POLICIES, DecoderLayer, Qwen3, init_model, logical_axes, platform_model_kwargs, run_stack,
 )
 
-__all__ = ["MOE_IMPLS", "MoE", "REMAT_POLICIES", "RecomputePolicy", "DecoderLayer", "Qwen3", "init_model", "logical_axes", "platform_model_kwargs",
+__all__ = ["MOE_IMPLS", "MoE", "REMAT_POLICIES", "RecomputePolicy",
+           "DecoderLayer", "Qwen3", "init_model", "logical_axes", "platform_model_kwargs",
            "run_stack"]

@@ -15,7 +15,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from mlir_train.model.moe_experts import BlockKernels, blocked_experts, grouped_experts, ragged_experts, swiglu_down, swiglu_experts
+from mlir_train.model.moe_experts import (
+    BlockKernels, blocked_experts, grouped_experts, ragged_experts, swiglu_down, swiglu_experts,
+)
 from sharding import constrain
 
 MOE_IMPLS = ("dense", "padded", "ragged", "grouped")

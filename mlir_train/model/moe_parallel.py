@@ -88,7 +88,8 @@ def run_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weight
         return expert_parallel(plan, x_SD, weights_SK, experts_SK, valid_S, weights)
     if mesh_axes_of("act_tokens")[1] > 1 or _kernel_tp_axes(plan):
         return data_parallel(plan, x_SD, weights_SK, experts_SK, valid_S, weights)
-    return moe_dispatch.local_experts(plan, x_SD, weights_SK, experts_SK, valid_S, weights, constrained_swiglu(weights, plan.recompute_act))
+    return moe_dispatch.local_experts(plan, x_SD, weights_SK, experts_SK, valid_S, weights,
+                                      constrained_swiglu(weights, plan.recompute_act))
 
 
 def _kernel_tp_axes(plan: ExpertsPlan) -> tuple[str, ...]:

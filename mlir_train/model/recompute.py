@@ -53,6 +53,10 @@ LEGACY = ("none", "full", "selective")  # the remat strings of earlier callers
 
 @dataclasses.dataclass(frozen=True)
 class RecomputePolicy:
+    """What the backward recomputes (module docstring); built once from the flags
+    (``TrainingFlags.recompute``), read by the layers (submodule checkpoints, fixed when the
+    model is built) and :func:`~mlir_train.model.transformer.run_stack` (layer checkpoints)."""
+
     granularity: str | None = None   # None | "full" | "selective"
     method: str | None = None        # None | "uniform" | "block" (full only)
     num_layers: int | None = None    # with method
