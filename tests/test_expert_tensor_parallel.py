@@ -18,8 +18,9 @@ experts, as Megatron's expert-tensor all-gather does).
   CPU; the grouped path on its ``ragged_dot`` reference kernels) equal the dense reference.
 * One CLI run on the bundled data (folding, SP) agrees with pure DP.
 
-Timing (2 cores shared with other jobs, -O0 compiles): ~30 s per compiled step case (five by
-default, five more marked slow), 2-7 s per block case, ~32 s the CLI pair, ~10 s the checkpoint.
+Timing (2 cores shared with other jobs, cold compile cache, -O0 compiles): 215 s for the
+default set: 9-42 s per compiled step case (the first includes the one-device reference; five
+by default, five more marked slow), 2-5 s per block case, 49 s the CLI pair, 7 s the checkpoint.
 """
 
 from __future__ import annotations
