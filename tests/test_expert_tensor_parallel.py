@@ -236,3 +236,29 @@ def test_planner_layouts_carry_etp():
     layouts = candidate_layouts(run_cfg, 8)
     assert {l.expert_tensor for l in layouts} == {1}
     assert any(l.tensor == 2 and l.expert == 8 for l in layouts)  # EP beyond DP: folding
+
+
+@pytest.mark.slow  # ~60 s of CPU per deviceless XLA:GPU compile
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
+@pytest.mark.parametrize("flags", [
+    ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1"],
+    ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"],
+], ids=["TP2xEP4xETP1", "TP2xEP2xETP4"])
+def test_gpu_grouped_path_compiles_deviceless(flags):
+    """The GPU path (block-grouped Mosaic-GPU experts, ragged all-to-all) under folding and under
+    ETP > TP > 1 (rows gathered over the expert-tensor data ranks, the kernels manual over the
+    tensor ranks), compiled by XLA:GPU for 8 x H200 on this CPU-only machine."""
+    from tests.test_gpu_plan import GPU_MISSING, _run_planner
+
+    if GPU_MISSING is not None:
+        pytest.skip(f"deviceless XLA:GPU: {GPU_MISSING}")
+    enabled = jax.config.jax_enable_compilation_cache
+    try:
+        (p,), out = _run_planner(["--model-name", "qwen3-moe-tiny", "--num-layers", "2", "--moe-ffn-hidden-size", "512",
+                                  "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16", "--bf16",
+                                  "--num-devices", "8", "--device-kind", "h200", "--sequence-parallel", *flags])
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+    assert p.error is None, out
+    assert p.compiled_for_target and p.moe_impl == "grouped", out
+    assert "ragged-all-to-all" in p.collectives, out
