@@ -263,5 +263,6 @@ def token_axes(num_tokens: int) -> tuple[str, ...]:
     """The mesh axes the MoE's tokens are split over; the token count must divide evenly."""
     axes, n_token_ranks = mesh_axes_of("act_tokens")
     if num_tokens % n_token_ranks:
-        raise ValueError(f"{num_tokens} tokens (batch x sequence) cannot be split over {n_token_ranks} data-parallel ranks")
+        raise ValueError(f"{num_tokens} tokens (batch x sequence) cannot be split over the MoE's {n_token_ranks} token ranks "
+                         "(data x context ranks, and the tensor ranks folded into the expert grid)")
     return axes
