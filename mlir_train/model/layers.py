@@ -74,18 +74,15 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
 def attention_mask(segment_ids_BT: jax.Array, order_T: jax.Array | None = None) -> jax.Array:
     """Causal mask restricted to equal segment ids: packed documents never see each other.
 
-    ``order_T`` is the original index of each position (default ``0..T-1``): under context
-    parallelism the sequence arrives in Megatron's load-balanced order
-    (:func:`sharding.context.sequence_order`) and causality is by original index. Padding
-    (segment 0) attends only to padding, which keeps its softmax rows finite. Under context
-    parallelism the mask is ``[B, T, S]`` with its query positions split like the sequence:
-    each rank holds its queries' rows against every key.
+    ``order_T`` is the original index of each position (default ``0..T-1``), for a sequence laid
+    out in another order (:func:`sharding.context.zigzag_order`). Padding (segment 0) attends
+    only to padding, which keeps its softmax rows finite.
     """
     t = segment_ids_BT.shape[1]
     order_T = jnp.arange(t, dtype=jnp.int32) if order_T is None else order_T
     causal_TS = order_T[:, None] >= order_T[None, :]
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-    return constrain(causal_TS[None] & same_BTS, ("act_batch", "act_seq", None))
+    return causal_TS[None] & same_BTS
 
 
 def _scores(q_BKMH, k_BKSH, mask_BTS):
