@@ -171,13 +171,7 @@ def _varying_like(x, *refs):
     return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
 
 
-def _visible(order_q_T, order_k_C):
-    """Whether any query may see any key of the block (causally, by original index)."""
-    return jnp.min(order_k_C) <= jnp.max(order_q_T)
-
-
 def _blocked_fwd(block, q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, order_k_S):
-    block, skip = block
     b, kv, m, h = q_BKMH.shape
     xs = (_key_blocks(k_BKSH, block, 2), _key_blocks(v_BKSH, block, 2), _key_blocks(seg_k_BS, block, 1),
           _key_blocks(order_k_S, block, 0))
@@ -195,9 +189,6 @@ def _blocked_fwd(block, q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, o
             "bkmc,bkch->bkmh", e_BKMC.astype(v_BKCH.dtype), v_BKCH, preferred_element_type=jnp.float32)
         return (new_m, z_BKM * rescale + jnp.sum(e_BKMC, axis=-1), o_BKMH), None
 
-    if skip:  # key blocks after every query of this call contribute nothing: not computed
-        attend = step
-        step = lambda carry, blk: jax.lax.cond(_visible(order_q_T, blk[3]), attend, lambda c, _: (c, None), carry, blk)
     init = (jnp.full((b, kv, m), jnp.finfo(jnp.float32).min), jnp.zeros((b, kv, m)), jnp.zeros((b, kv, m, h)))
     init = _varying_like(init, q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, order_k_S)
     (m_BKM, z_BKM, o_BKMH), _ = jax.lax.scan(step, init, xs)
@@ -207,7 +198,6 @@ def _blocked_fwd(block, q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, o
 
 
 def _blocked_bwd(block, res, do_BKMH):
-    block, skip = block
     q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, order_k_S, o_BKMH, lse_BKM = res
     dt = q_BKMH.dtype
     delta_BKM = jnp.sum(o_BKMH.astype(jnp.float32) * do_BKMH.astype(jnp.float32), axis=-1)
@@ -226,14 +216,6 @@ def _blocked_bwd(block, res, do_BKMH):
         dk_BKCH = jnp.einsum("bkmc,bkmh->bkch", ds_BKMC, q_BKMH, preferred_element_type=jnp.float32)
         return dq_BKMH, (dk_BKCH.astype(dt), dv_BKCH.astype(dt))
 
-    if skip:
-        attend = step
-
-        def step(dq_BKMH, blk):
-            zeros = lambda a: _varying_like(jnp.zeros(a.shape, dt), q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS,
-                                            order_q_T, order_k_S, do_BKMH)
-            return jax.lax.cond(_visible(order_q_T, blk[3]), attend,
-                                lambda dq, blk: (dq, (zeros(blk[0]), zeros(blk[1]))), dq_BKMH, blk)
     dq0 = _varying_like(jnp.zeros(q_BKMH.shape, jnp.float32), q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS,
                         order_q_T, order_k_S, do_BKMH)
     dq_BKMH, (dk_NBKCH, dv_NBKCH) = jax.lax.scan(step, dq0, xs)
@@ -253,22 +235,20 @@ _blocked_attention.defvjp(_blocked_fwd, _blocked_bwd)
 KEY_BLOCK = 512
 
 
-def blocked_attention(q_BTKGH, k_BSKH, v_BSKH, seg_q_BT, seg_k_BS, order_q_T, order_k_S, *, block: int | None = None,
-                      skip_masked: bool = False):
+def blocked_attention(q_BTKGH, k_BSKH, v_BSKH, seg_q_BT, seg_k_BS, order_q_T, order_k_S, *, block: int | None = None):
     """:func:`masked_attention` of the packed-document causal mask, built block by block from
     segment ids and original token indices (queries and keys may be different positions: under
     context parallelism a rank's queries against the whole row's keys), with the keys visited in
     blocks of ``block`` (default :data:`KEY_BLOCK`, or the whole row if it does not divide) by an
     online softmax, FlashAttention's recurrence in XLA ops. Neither pass materialises more than
     one block's ``[rows, block]`` scores; the backward recomputes them from the saved
-    log-sum-exp. With ``skip_masked`` a key block whose every key comes after every query (by
-    original index) is skipped (a ``lax.cond`` per block); otherwise every block is computed."""
+    log-sum-exp. Every key block is computed, masked or not (the shapes are static)."""
     b, t, kv, g, h = q_BTKGH.shape
     s = k_BSKH.shape[1]
     block = block or KEY_BLOCK
     block = block if s % block == 0 else s
     q_BKMH = (q_BTKGH * (1.0 / math.sqrt(h))).astype(q_BTKGH.dtype).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
-    o_BKMH = _blocked_attention((block, skip_masked), q_BKMH, k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3),
+    o_BKMH = _blocked_attention(block, q_BKMH, k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3),
                                 seg_q_BT, seg_k_BS, order_q_T, order_k_S)
     return o_BKMH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
 
@@ -321,12 +301,8 @@ def context_parallel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, order_T):
             k_BSKH, v_BSKH = (jax.lax.dynamic_slice_in_dim(a, first, 1, axis=2) for a in (k_BSKH, v_BSKH))
         k_local = k_BSKH.shape[2]
         q_BTKGH = q_BTNH.reshape(b, t, k_local, n_local // k_local, h)
-        # This rank's two chunks (an early and a late one) attend separately, each skipping the
-        # key blocks wholly after it: about half the key blocks of the row, on every rank.
-        halves = [blocked_attention(q_BTKGH[:, part], k_BSKH, v_BSKH, seg_BT[:, part], seg_BS, order_T[part], order_S,
-                                    skip_masked=True)
-                  for part in (slice(0, t // 2), slice(t // 2, t))]
-        return jnp.concatenate(halves, axis=1).reshape(b, t, n_local, h)
+        o_BTKGH = blocked_attention(q_BTKGH, k_BSKH, v_BSKH, seg_BT, seg_BS, order_T, order_S)
+        return o_BTKGH.reshape(b, t, n_local, h)
 
     in_names = (q_names, kv_names, kv_names, ("act_batch", "act_seq"), ("act_seq",))
     return logical_shard_map(run, in_names=in_names, out_names=q_names, manual=("act_seq", "act_batch", "act_heads"))(
