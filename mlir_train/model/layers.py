@@ -75,18 +75,15 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
 def attention_mask(segment_ids_BT: jax.Array, order_T: jax.Array | None = None) -> jax.Array:
     """Causal mask restricted to equal segment ids: packed documents never see each other.
 
-    ``order_T`` is the original index of each position (default ``0..T-1``): under context
-    parallelism the sequence arrives in Megatron's load-balanced order
-    (:func:`sharding.context.sequence_order`) and causality is by original index. Padding
-    (segment 0) attends only to padding, which keeps its softmax rows finite. Under context
-    parallelism the mask is ``[B, T, S]`` with its query positions split like the sequence:
-    each rank holds its queries' rows against every key.
+    ``order_T`` is the original index of each position (default ``0..T-1``), for a sequence laid
+    out in another order (:func:`sharding.context.zigzag_order`). Padding (segment 0) attends
+    only to padding, which keeps its softmax rows finite.
     """
     t = segment_ids_BT.shape[1]
     order_T = jnp.arange(t, dtype=jnp.int32) if order_T is None else order_T
     causal_TS = order_T[:, None] >= order_T[None, :]
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-    return constrain(causal_TS[None] & same_BTS, ("act_batch", "act_seq", None))
+    return causal_TS[None] & same_BTS
 
 
 def _scores(q_BKMH, k_BKSH, mask_BTS):
@@ -135,16 +132,26 @@ def _attention(q_BKMH, k_BKSH, v_BKSH, mask_BTS):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _block_mask(seg_q_BT, seg_k_BC, order_q_T, order_k_C):
-    """``[B, T, C]``: same document and causal by original index (see :func:`attention_mask`)."""
+def _block_mask(seg_q_BT, seg_k_BC, order_q_T, order_k_C, k_BKCH):
+    """``[B, T, C]``: same document and causal by original index (see :func:`attention_mask`).
+
+    The ids pass an optimization barrier together with the block's keys: depending only on
+    integer inputs, the mask would otherwise be split off by JAX's partial evaluation (under
+    rematerialisation) into a separate loop that stacks every block's mask, broadcast to the
+    scores' shape, as a residual."""
+    seg_q_BT, seg_k_BC, order_q_T, order_k_C, _ = jax.lax.optimization_barrier(
+        (seg_q_BT, seg_k_BC, order_q_T, order_k_C, k_BKCH))
     return (seg_q_BT[:, :, None] == seg_k_BC[:, None, :]) & (order_q_T[:, None] >= order_k_C[None, :])[None]
 
 
 def _block_scores(q_BKMH, k_BKCH, mask_BTC):
+    """Scores ``[B, K, G, T, C]`` of one key block and the mask broadcastable to them: kept
+    as ``[B, 1, 1, T, C]`` so that XLA fuses it into the elementwise ops instead of
+    materialising it per query head (or, hoisted out of the key loop, for every block)."""
     b, kv, m, _ = q_BKMH.shape
     t = mask_BTC.shape[1]
     s_BKMC = jnp.einsum("bkmh,bkch->bkmc", q_BKMH, k_BKCH, preferred_element_type=jnp.float32)
-    return s_BKMC, jnp.broadcast_to(mask_BTC[:, None, None], (b, kv, m // t, t, mask_BTC.shape[2])).reshape(s_BKMC.shape)
+    return s_BKMC.reshape(b, kv, m // t, t, -1), mask_BTC[:, None, None]
 
 
 def _key_blocks(x, block, axis):
@@ -173,11 +180,12 @@ def _blocked_fwd(block, q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_q_T, o
     def step(carry, blk):
         m_BKM, z_BKM, o_BKMH = carry
         k_BKCH, v_BKCH, seg_k_BC, order_k_C = blk
-        s_BKMC, mask = _block_scores(q_BKMH, k_BKCH, _block_mask(seg_q_BT, seg_k_BC, order_q_T, order_k_C))
-        s_BKMC = jnp.where(mask, s_BKMC, jnp.finfo(jnp.float32).min)
-        new_m = jnp.maximum(m_BKM, jnp.max(s_BKMC, axis=-1))
-        e_BKMC = jnp.where(mask, jnp.exp(s_BKMC - new_m[..., None]), 0.0)
+        s_BKGTC, mask = _block_scores(q_BKMH, k_BKCH, _block_mask(seg_q_BT, seg_k_BC, order_q_T, order_k_C, k_BKCH))
+        s_BKGTC = jnp.where(mask, s_BKGTC, jnp.finfo(jnp.float32).min)
+        new_m = jnp.maximum(m_BKM, jnp.max(s_BKGTC, axis=-1).reshape(m_BKM.shape))
+        e_BKGTC = jnp.where(mask, jnp.exp(s_BKGTC - new_m.reshape(s_BKGTC.shape[:-1])[..., None]), 0.0)
         rescale = jnp.exp(m_BKM - new_m)
+        e_BKMC = e_BKGTC.reshape(b, kv, m, -1)
         o_BKMH = o_BKMH * rescale[..., None] + jnp.einsum(
             "bkmc,bkch->bkmh", e_BKMC.astype(v_BKCH.dtype), v_BKCH, preferred_element_type=jnp.float32)
         return (new_m, z_BKM * rescale + jnp.sum(e_BKMC, axis=-1), o_BKMH), None
@@ -199,8 +207,9 @@ def _blocked_bwd(block, res, do_BKMH):
 
     def step(dq_BKMH, blk):
         k_BKCH, v_BKCH, seg_k_BC, order_k_C = blk
-        s_BKMC, mask = _block_scores(q_BKMH, k_BKCH, _block_mask(seg_q_BT, seg_k_BC, order_q_T, order_k_C))
-        p_BKMC = jnp.where(mask, jnp.exp(s_BKMC - lse_BKM[..., None]), 0.0)
+        s_BKGTC, mask = _block_scores(q_BKMH, k_BKCH, _block_mask(seg_q_BT, seg_k_BC, order_q_T, order_k_C, k_BKCH))
+        lse_BKGT1 = lse_BKM.reshape(s_BKGTC.shape[:-1])[..., None]
+        p_BKMC = jnp.where(mask, jnp.exp(s_BKGTC - lse_BKGT1), 0.0).reshape(q_BKMH.shape[:3] + (-1,))
         dv_BKCH = jnp.einsum("bkmc,bkmh->bkch", p_BKMC.astype(dt), do_BKMH, preferred_element_type=jnp.float32)
         dp_BKMC = jnp.einsum("bkmh,bkch->bkmc", do_BKMH, v_BKCH, preferred_element_type=jnp.float32)
         ds_BKMC = (p_BKMC * (dp_BKMC - delta_BKM[..., None])).astype(dt)
@@ -223,8 +232,8 @@ def _blocked_attention(block, q_BKMH, k_BKSH, v_BKSH, seg_q_BT, seg_k_BS, order_
 _blocked_attention.defvjp(_blocked_fwd, _blocked_bwd)
 
 # Keys per block of blocked_attention: the [rows, block] float32 scores of one block are what
-# it holds at a time (a 16k-query, 8-head group at block 1024: 512 MiB).
-KEY_BLOCK = 1024
+# it holds at a time (8k queries x 8 heads per kv group, 2 groups, at block 512: 512 MiB).
+KEY_BLOCK = 512
 
 
 def blocked_attention(q_BTKGH, k_BSKH, v_BSKH, seg_q_BT, seg_k_BS, order_q_T, order_k_S, *, block: int | None = None):
