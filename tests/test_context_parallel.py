@@ -79,7 +79,7 @@ def reference():
     return _one_step(ParallelConfig(num_devices=1), jax.devices()[:1])
 
 
-SLOW = {"CP4xTP2-SP"}  # ~25 s; TP + SP with kv heads split is also in CP2xTP2xPP2-SP
+SLOW = {"CP4xTP2-SP", "CP2xDP4"}  # ~10-25 s each; CP over data ranks is also in CP2xEP4-distopt, TP + SP in CP2xTP2xPP2-SP
 
 
 @pytest.mark.parametrize("name", [n if n not in SLOW else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS])

@@ -62,7 +62,7 @@ STEP_CASES = {
 }
 # Left to the slow run (~30 s each on 2 busy cores); the block tests below cover their paths
 # (no SP, capacity, ragged, ETP > TP > 1) at a fraction of the cost.
-SLOW_STEP_CASES = {"TP2xEP4xETP1+distopt", "TP2xEP4xETP1+SP+fsdp", "TP1xEP2xETP2-capacity", "TP1xEP1xETP2-ragged", "TP2xEP2xETP4+SP"}
+SLOW_STEP_CASES = {"TP4xEP2xETP1+SP+distopt", "TP1xEP1xETP2", "TP2xEP4xETP1+distopt", "TP2xEP4xETP1+SP+fsdp", "TP1xEP2xETP2-capacity", "TP1xEP1xETP2-ragged", "TP2xEP2xETP4+SP"}
 
 
 @functools.cache
@@ -204,6 +204,7 @@ def test_checkpoint_saved_under_folding_restores_into_etp_equal_tp(tmp_path):
 # ----- the CLI ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~25-50 s; the flag reaching the layout is in tests/test_flags.py, the step in the cases above
 def test_cli_folding_agrees_with_data_parallel(tmp_path):
     per_token = ["--calculate-per-token-loss"]  # see tests/test_layouts.py's CLI test
     dp = _cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1", *per_token])

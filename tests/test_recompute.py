@@ -186,6 +186,7 @@ def test_recompute_in_a_layout_equals_one_device(case, pp1_reference):
         np.testing.assert_allclose(a, b, atol=5e-5, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow  # ~17-35 s; the unpipelined memory order and PP2 equality stay in the default suite
 def test_pipelined_recompute_orders_the_compiled_memory():
     """GPipe, PP2 of an 8-layer dense model (4 layers a stage), 4 micro-batches in flight: every
     layer < block 2 of each stage's 4 < none."""
