@@ -47,6 +47,7 @@ def test_gpu_h200_smoke():
     assert re.search(r"^result: [\d,]+ tokens/s/device, \d+\.\d+ TFLOP/s/device, MFU n/a", proc.stdout, re.MULTILINE), proc.stdout
 
 
+@pytest.mark.slow  # ~20 s; runs HF torch training beside ours
 def test_vs_hf_quick():
     out = _run("vs_hf.py", "--quick")
     assert re.search(r"^ratio tiny: mlir-train \d+\.\d+x HF transformers train-step tokens/s", out, re.MULTILINE), out
@@ -57,6 +58,7 @@ def test_vs_hf_quick():
     assert first and first.group(1) == first.group(2), out
 
 
+@pytest.mark.slow  # ~15 s; tests/test_flops.py checks the same formulas
 def test_flops_check_quick():
     out = _run("flops_check.py", "--quick")
     for case in ("dense", r"moe padded \(dropless\)", r"moe padded, cf 1\.0"):

@@ -203,6 +203,7 @@ def test_context_ranks_across_processes_are_detected():
     assert split_within_processes(fake, ())
 
 
+@pytest.mark.slow  # ~18 s cold; eval runs the training forward, which the step tests cover
 def test_context_parallel_eval_equals_one_device():
     """Evaluation (forward only, a [micro, rows, seq] batch and one [rows, seq] micro-batch, the
     two ways shard_batch lays rows out) under CP2 x DP4 sums the same token losses as one device."""

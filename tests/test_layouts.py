@@ -396,6 +396,7 @@ def _cli_metrics(tmp_path, name: str, layout_flags: list[str]) -> list[dict]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # ~50 s cold; each layout's step is in test_step_matches_single_device
 def test_cli_iterations_agree_across_layouts(tmp_path):
     # Both runs take 2 micro-batches of the same 8 rows (DP8 x 1 and DP4 x 2): the MoE aux loss
     # is formed per micro-batch (as Megatron's), so a different split would change it. So would

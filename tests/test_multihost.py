@@ -75,6 +75,8 @@ def _two_processes(tmp_path, name: str, *extra: str):
              _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(r))) for r in range(2)]
 
 
+@pytest.mark.slow  # ~90 s: two JAX processes train, save and resume; the other tests here and
+# tests/test_checkpoint_integrity.py keep two-process runs in the default suite
 def test_two_processes_match_one_and_resume_from_their_checkpoint(tmp_path):
     """The 2-process job runs 2 iterations and stops (--exit-interval 2), saving a checkpoint
     both processes write their shards of; a second 2-process job resumes it for iteration 3.

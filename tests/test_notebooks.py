@@ -24,7 +24,8 @@ def data_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("nb_data_cache"))
 
 
-@pytest.mark.parametrize("name", ["quickstart", "sharding_explorer", "moe"])
+@pytest.mark.parametrize("name", ["quickstart", pytest.param("sharding_explorer", marks=pytest.mark.slow),
+                                  pytest.param("moe", marks=pytest.mark.slow)])
 def test_notebook_runs(name, tmp_path, data_cache, monkeypatch):
     monkeypatch.setenv("MLIR_TRAIN_NB_SMALL", "1")
     monkeypatch.setenv("MLIR_TRAIN_NB_WORKDIR", str(tmp_path))
