@@ -76,13 +76,13 @@ def _assert_same(got, ref):
 
 # ----- (a) the numbers do not change ---------------------------------------------------------------
 MOE_KW = dict(moe_impl="padded", capacity_factor=2.0)  # the batched [E, C, D] experts, where moe_act acts
-CASES = {  # the default suite runs uniform2, moe and core_attn+layernorm+moe_act
+CASES = {  # the default suite runs uniform2, moe and dense-mlp+layernorm
     "uniform2": (MOE, uniform(2)), "block1": (MOE, block(1)), "moe": (MOE, selective("moe")),
     "core_attn+layernorm+moe_act": (MOE, selective("core_attn", "layernorm", "moe_act")),
     "dense-mlp+layernorm": (DENSE, selective("mlp", "layernorm")),
     "full": (MOE, FULL), "block3": (MOE, block(3)), "dense-uniform2": (DENSE, uniform(2)),
 }
-SLOW_CASES = {"full", "block3", "dense-uniform2", "block1", "dense-mlp+layernorm"}
+SLOW_CASES = {"full", "block3", "dense-uniform2", "block1", "core_attn+layernorm+moe_act"}  # those modules: EP2xTP2-selective below
 
 
 @pytest.fixture(scope="module")
