@@ -278,6 +278,7 @@ def test_uniform_groups_must_divide_each_chunk():
     assert resolve("block", "--recompute-num-layers", "9").recompute == block(9)  # block: at most all of them
 
 
+@pytest.mark.slow  # ~18 s cold; the compiled memory of each policy is in the two tests above
 def test_planner_compiles_the_policy():
     """``python -m mlir_train.plan`` takes the recompute flags: its compiled temporaries and its
     labelled activation estimate both drop from none to block 3 of 4 to every layer."""

@@ -125,7 +125,8 @@ def _reference_objective(trainer, params, batch, group_rows: int | None) -> tupl
 
 
 @pytest.mark.parametrize("micro_batch_size,num_micro,report", [
-    (1, 2, "objective"), pytest.param(2, 2, "objective", marks=pytest.mark.slow), (4, 1, "token-mean")])
+    (1, 2, "objective"), pytest.param(2, 2, "objective", marks=pytest.mark.slow),
+    pytest.param(4, 1, "token-mean", marks=pytest.mark.slow)])
 def test_default_loss_is_megatrons_mean_of_micro_batch_means(micro_batch_size, num_micro, report):
     """Without --calculate-per-token-loss every data-parallel micro-batch (``--micro-batch-size``
     rows) is normalised by its own loss tokens and the micro-batches are averaged, however the
@@ -237,6 +238,7 @@ def test_cli_run_loss_falls_and_writes_tensorboard_and_metrics(tmp_path, capsys)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
 
 
+@pytest.mark.slow  # ~22 s cold; bf16 through the CLI is also in test_router_layouts' CLI test
 def test_cli_bf16_with_expert_parallelism_runs(tmp_path):
     """Regression: XLA:CPU's all-reduce-promotion pass used to abort bf16 EP steps (sft.py skips it)."""
     from mlir_train.sft import main
