@@ -18,7 +18,6 @@ import pytest
 
 from mlir_train import checkpoint, sft
 from mlir_train import checkpoint_integrity as integrity
-from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
 
 
 def tiny_state(scale: float):
@@ -222,13 +221,9 @@ def shared(tmp_path_factory):
 
 
 def tiny_argv(shared, tmp_path, name, *extra):
-    return [
-        "--model-name", "qwen3-moe-tiny", "--hf-tokenizer-path", DEFAULT_TOKENIZER,
-        "--data-path", DEFAULT_DATA, "--split", "100,0,0", "--chat-template", "alpaca", "--packing-sft-data",
-        "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size", "1", "--train-iters", "4",
-        "--eval-interval", "0", "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1",
-        "--data-cache-path", shared["data"], "--tensorboard-dir", str(tmp_path / "tb" / name), *extra,
-    ]
+    from tests.test_checkpoint import tiny_argv as checkpoint_argv  # the same tiny run as there
+
+    return checkpoint_argv(shared, tmp_path, name, *extra)
 
 
 def test_load_falls_back_past_a_flipped_bit_and_resumes_exactly(shared, tmp_path, capsys):
