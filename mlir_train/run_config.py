@@ -439,11 +439,12 @@ class MoEFlags:
                                   "--moe-router-group-topk with --moe-router-num-groups: give only the new flags")
             # Megatron's translation: device-limited routing over the expert-parallel ranks.
             num_groups, group_topk = expert_parallel, self.moe_router_topk_limited_devices
+        balancing = self.load_balancing()
         router = RouterConfig(
             score_function=self.moe_router_score_function, pre_softmax=self.moe_router_pre_softmax,
             topk_scaling_factor=self.moe_router_topk_scaling_factor, num_groups=num_groups, group_topk=group_topk,
             enable_expert_bias=self.moe_router_enable_expert_bias,
-            per_sequence_stats=self.load_balancing().per_sequence, sinkhorn=self.load_balancing().sinkhorn,
+            per_sequence_stats=balancing.per_sequence, sinkhorn=balancing.sinkhorn,
             dtype=self.moe_router_dtype or "fp32",
         )
         try:
