@@ -24,6 +24,10 @@ import sys
 import tempfile
 import time
 
+from mlir_train.platform_setup import configure_platform  # (imports no jax)
+
+configure_platform()  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
+
 import jax
 import optax
 

@@ -34,6 +34,10 @@ os.environ["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").sp
 import argparse  # noqa: E402
 import math  # noqa: E402
 
+from mlir_train.platform_setup import configure_platform  # noqa: E402
+
+configure_platform(cpu_devices=1)  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

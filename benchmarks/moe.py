@@ -33,6 +33,10 @@ import os
 import statistics
 import time
 
+from mlir_train.platform_setup import configure_platform  # (imports no jax)
+
+configure_platform()  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
+
 import jax
 import jax.numpy as jnp
 from flax import nnx

@@ -36,6 +36,10 @@ import time
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+from mlir_train.platform_setup import configure_platform  # noqa: E402
+
+configure_platform(cpu_devices=8)  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

@@ -31,6 +31,10 @@ flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_cou
 os.environ["XLA_FLAGS"] = flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from mlir_train.platform_setup import configure_platform  # noqa: E402
+
+configure_platform(cpu_devices=8)  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

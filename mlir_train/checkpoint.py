@@ -41,6 +41,11 @@ import threading
 import time
 from typing import Any, Callable
 
+if __name__ == "__main__":  # python -m mlir_train.checkpoint verify: the platform before jax is imported
+    from mlir_train.platform_setup import configure_platform
+
+    configure_platform()
+
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp

@@ -2,7 +2,7 @@
 
 Call :func:`configure_platform` first in every entry point (``sft``, ``plan``, ``convert``, the
 benchmarks, ``tests/conftest.py``), before anything imports jax: ``XLA_FLAGS`` and
-``JAX_PLATFORMS`` are read once, when the first backend initialises. This module imports no jax.
+``JAX_PLATFORMS`` are read once, when the first backend initialises. This module imports no jax at import time.
 
 The platform is decided from what the process will run on, never from which packages are
 installed: a CPU-only machine with ``jax-cuda12-plugin`` installed (for deviceless XLA:GPU
@@ -14,6 +14,10 @@ compiles, see :mod:`mlir_train.targets`) must behave exactly as one without it.
   ``/dev/kfd`` for ROCm, ``/dev/accel*`` or ``/dev/vfio/<N>`` for TPU.
 * No accelerator: ``JAX_PLATFORMS=cpu`` is set, so an installed GPU plugin is never
   initialised (it would print a "Unable to load CUDA" traceback and then fall back to CPU).
+  With a CUDA plugin installed (the test extra's, for deviceless compiles), its discovery is
+  done here, once, with the lines the plugin's libraries print when no driver is found
+  filtered out of stderr (:func:`_quiet_plugin_discovery`): a CPU run prints no plugin noise,
+  and the platform line says what was found.
 
 What each platform gets (a setting the user already has in ``XLA_FLAGS`` or the environment
 is kept as the user wrote it, and reported as kept):
@@ -187,7 +191,50 @@ def configure_platform(platform: str | None = None, *, cpu_devices: int | None =
                                      "XLA_FLAGS left as they were", compile_only=compile_only)
             return _CURRENT
     _CURRENT = apply_platform_settings(os.environ, platform, cpu_devices=cpu_devices, compile_only=compile_only)
+    if _CURRENT.platform == "cpu" and "cuda" in _installed_plugins():
+        _quiet_plugin_discovery()
     return _CURRENT
+
+
+# What the CUDA plugin's libraries print, each with its own absl, when loaded on a machine without
+# a driver (jax 0.10.2): expected on a CPU host, and nothing a user can act on.
+_DRIVERLESS_NOISE = ("All log messages before absl::InitializeLog() is called are written to STDERR",
+                     "Could not find cuda drivers on your machine, GPU will not be used.")
+
+
+def _quiet_plugin_discovery() -> None:
+    """Import jax and register its PJRT plugins now (no backend starts: ``XLA_FLAGS`` and the
+    CPU device count are still read later, when the first backend does), with file descriptor 2
+    redirected, then pass on every captured line except :data:`_DRIVERLESS_NOISE`. Registration
+    is jax's own, done once per process; should its private entry point move, plain discovery
+    happens later as before, and only the noise comes back."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            import jax  # noqa: F401 - its import loads the plugin's libraries
+            from jax._src import xla_bridge
+
+            getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
+        except Exception:  # noqa: BLE001 - discovery then happens at first use, as without us
+            pass
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        kept = drop_driverless_noise(captured.read().decode(errors="replace"))
+    if kept:
+        sys.stderr.write(kept)
+
+
+def drop_driverless_noise(text: str) -> str:
+    """``text`` without the lines of :data:`_DRIVERLESS_NOISE`; every other line kept."""
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not any(noise in line for noise in _DRIVERLESS_NOISE))
 
 
 def apply_platform_settings(env, platform: str | None = None, *, cpu_devices: int | None = None,

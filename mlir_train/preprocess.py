@@ -16,13 +16,15 @@ from __future__ import annotations
 import sys
 import time
 
-from mlir_train import cli
-from mlir_train.data import DataError, build_datasets
-from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
+from mlir_train import cli, platform_setup
 
 
 def main(argv: list[str] | None = None) -> int:
     run_cfg = cli.parse(argv)
+    platform_setup.configure_platform(cpu_devices=run_cfg.extras.cpu_devices)  # before jax starts
+    from mlir_train.data import DataError, build_datasets
+    from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
+
     d = run_cfg.data
     run_cfg = run_cfg.replace(data=dict(data_path=d.data_path or (DEFAULT_DATA,),
                                         hf_tokenizer_path=d.tokenizer_path or DEFAULT_TOKENIZER,
