@@ -96,14 +96,18 @@ def block_matmul(lhs_RK, rhs_EKN, expert_N, used, *, block_rows: int = BLOCK_ROW
 
             pl.run_scoped(scope, plgpu.SMEM((b, tile_n), dtype))
 
+        # One K step has no refill to delay (and emit_pipeline then runs one stage, which
+        # must exceed the delay).
+        delay = 1 if k // tile_k > 1 else 0
+
         @pl.when(live)
         def _():
             def acc_scope(acc_ref):
                 plgpu.emit_pipeline(
                     functools.partial(_wgmma_step, acc_ref),
                     grid=(k // tile_k,),
-                    in_specs=[plgpu.BlockSpec((b, tile_k), lambda kk: (blk, kk), delay_release=1),
-                              plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, ni), delay_release=1)],
+                    in_specs=[plgpu.BlockSpec((b, tile_k), lambda kk: (blk, kk), delay_release=delay),
+                              plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, ni), delay_release=delay)],
                     max_concurrent_steps=STAGES,
                 )(lhs_ref, rhs_ref.at[expert_ref[blk]])
                 return acc_ref[...]
