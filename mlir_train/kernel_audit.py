@@ -8,7 +8,7 @@ Python's streams, so both file descriptors are redirected to a temporary file fo
 The variables are read when the kernel is compiled, so setting them around the call works.
 
 Per kernel (a PTX ``.entry``) the report gives ptxas' registers and spill bytes, the register
-limit (255 per thread on sm_90, or less where ``.maxnreg`` / ``.maxntid`` x ``.minnctapersm``
+limit (255 per thread on sm_90, or less where ``.maxnreg`` / ``.maxntid`` (``.reqntid``) x ``.minnctapersm``
 bound it), and the pipelined loops: a loop is a backward branch to a label (the lines between
 them); it is pipelined when it issues ``wgmma.mma_async``. The loop is safe when it also holds a
 ``wgmma.wait_group``: otherwise the next refill of a shared-memory slot (TMA, in the same loop)
@@ -19,9 +19,8 @@ not counted. The Mosaic-GPU interpreter (CPU tests) runs wgmma synchronously, so
 check that can see that race before a GPU does.
 
 Pallas-Triton kernels (``__gpu$xla.gpu.triton``, e.g. the ``mha`` attention) are compiled by
-XLA, not Mosaic: :func:`triton_ptx_from_dump` reads their PTX from an ``--xla_dump_to``
-directory and :func:`parse_ptx` applies to it too (ptxas' figures are not in that dump; the
-PTX's ``.local`` stack depot is the spill sign there).
+XLA, not Mosaic: :func:`audit_xla_dump` reads their PTX from an ``--xla_dump_to`` directory
+and runs ``ptxas -v`` on it for the registers and spills XLA does not dump.
 """
 
 from __future__ import annotations
@@ -62,6 +61,8 @@ class KernelReport:
     spill_store_bytes: int | None
     spill_load_bytes: int | None
     loops: tuple[PtxLoop, ...]
+    wgmma: int = 0     # wgmma.mma_async instructions (Hopper's asynchronous tensor-core matmul)
+    mma_sync: int = 0  # mma.sync instructions (the pre-Hopper synchronous one)
 
     @property
     def pipelined_loops(self) -> int:
@@ -107,7 +108,7 @@ def _register_limit(entry: str) -> int:
     m = re.search(r"\.maxnreg\s+(\d+)", entry)
     if m:
         return min(int(m.group(1)), MAX_REGISTERS_SM90)
-    threads = re.search(r"\.maxntid\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", entry)
+    threads = re.search(r"\.(?:maxntid|reqntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", entry)
     if not threads:
         return MAX_REGISTERS_SM90
     n = 1
@@ -138,7 +139,8 @@ def parse_ptx(ptx: str, ptxas: str = "") -> list[KernelReport]:
     reports = []
     for name, entry in _entries(ptx).items():
         regs, stores, loads = stats.get(name, (None, None, None))
-        reports.append(KernelReport(name, regs, _register_limit(entry), stores, loads, _loops(entry.splitlines())))
+        reports.append(KernelReport(name, regs, _register_limit(entry), stores, loads, _loops(entry.splitlines()),
+                                    entry.count("wgmma.mma_async"), len(re.findall(r"\bmma\.sync", entry))))
     return reports
 
 
@@ -207,14 +209,37 @@ def audit_kernel(fn, *args, device) -> list[KernelReport]:
     return audit_lowered(jax.jit(fn).lower(*args))
 
 
-def triton_ptx_from_dump(dump_dir: str) -> str:
-    """The PTX XLA wrote for its fusions and Triton kernels into an ``--xla_dump_to`` directory,
-    concatenated (feed it to :func:`parse_ptx`)."""
-    texts = []
+def ptxas_path() -> str | None:
+    """``ptxas`` from the nvidia-cuda-nvcc wheel, else from PATH."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.exists(os.path.join(root, "bin", "ptxas")):
+            return os.path.join(root, "bin", "ptxas")
+    return shutil.which("ptxas")
+
+
+def audit_xla_dump(dump_dir: str, arch: str = "sm_90a") -> list[KernelReport]:
+    """Reports for the kernels whose PTX XLA wrote into an ``--xla_dump_to`` directory (its
+    fusions and Pallas-Triton kernels, one ``.ptx`` per module), with registers and spills from
+    running ``ptxas -v`` on each (XLA does not dump its own ptxas report)."""
+    import subprocess
+
+    ptxas = ptxas_path()
+    reports = []
     for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
         with open(path) as f:
-            texts.append(f.read())
-    return "\n".join(texts)
+            ptx = f.read()
+        if not _ENTRY.search(ptx):
+            continue
+        report = ""
+        if ptxas:
+            report = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull],
+                                    capture_output=True, text=True, check=True).stderr
+        reports.extend(parse_ptx(ptx, report))
+    return reports
 
 
 def moe_kernel_cases(hidden: int = 2048, widths=(768, 384), experts: int = 128, rows: int = 64 * 640):
