@@ -14,8 +14,9 @@ nothing, so this counts the matmuls themselves:
   :func:`MatmulFlops.kernel_flops_for_rows`. Other ``mosaic_gpu`` calls are listed, uncounted;
 * the Pallas FlashAttention kernels (``__gpu$xla.gpu.triton`` calls under ``mha_forward`` /
   ``mha_backward``, :func:`mlir_train.model.layers.flash_attention`): from q's shape
-  ``[B, T, N, H]`` and the kernel's causal loop structure (key tiles up to the diagonal, with
-  the tile sizes of :func:`~mlir_train.model.layers.flash_block_sizes`): the forward does
+  ``[B, T, N, H]`` and the kernel's causal loop structure (key tiles up to the diagonal, the
+  tiles read from the call's launch grid, since :func:`~mlir_train.model.layers.flash_block_sizes`
+  picks them per GPU): the forward does
   2 matmuls per visited (query tile, key tile) pair, the backward 7 (the dK/dV loop
   recomputes the scores and dP, then dV and dK; the dQ loop recomputes both again, then dQ).
 
@@ -246,13 +247,19 @@ def _flash_flops(rest: str) -> float | None:
     if not forward and re.search(r"(^|[/(])mha_backward([/)]|$)", path) is None:
         return None
     b, t, n, h = _dims(re.findall(_SHAPE, layouts.group(1))[0])
-    blocks = flash_block_sizes(t)
+    # The tiles depend on the target GPU (flash_block_sizes): read them from the launch grid,
+    # (T / block_q, B, N) forward and (B, N, T / block_kv) backward, whose tiles are square.
+    grid = re.search(r"grid_x = (\d+)\D+grid_y = (\d+)\D+grid_z = (\d+)", rest)
+    if grid is not None:
+        tile = t // int(grid.group(1 if forward else 3))
+        tiles = (tile, tile)
+    else:
+        blocks = flash_block_sizes(t)
+        tiles = (blocks.block_q, blocks.block_k) if forward else (blocks.block_q_dkv, blocks.block_kv_dkv)
+    pairs = _causal_tile_pairs(t, *tiles) * tiles[0] * tiles[1]
     if forward:
-        pairs = _causal_tile_pairs(t, blocks.block_q, blocks.block_k) * blocks.block_q * blocks.block_k
         return 2 * 2.0 * b * n * h * pairs
-    dkdv = _causal_tile_pairs(t, blocks.block_q_dkv, blocks.block_kv_dkv) * blocks.block_q_dkv * blocks.block_kv_dkv
-    dq = _causal_tile_pairs(t, blocks.block_q_dq, blocks.block_kv_dq) * blocks.block_q_dq * blocks.block_kv_dq
-    return 2.0 * b * n * h * (4 * dkdv + 3 * dq)
+    return 2.0 * b * n * h * 7 * pairs  # dK, dV: 4 matmuls a tile pair; dQ: 3, on the same tiles
 
 
 def custom_call_counters() -> dict:

@@ -107,6 +107,47 @@ def test_train_step_with_gpu_kernels_compiles_for_h200(h200_devices):
     assert flops.unknown_trip_count_loops == 0
 
 
+def _kernel_calls(hlo: str) -> dict[str, int]:
+    """Kernel custom calls of an optimized HLO by kernel: the MoE block kernels (Mosaic-GPU) and
+    the flash attention's Triton kernels, by the name their op_name ends in."""
+    import re
+
+    calls: dict[str, int] = {}
+    for line in hlo.splitlines():
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        name = re.search(r'op_name="[^"]*?(moe_block_matmul_t|moe_block_matmul|mha_forward|mha_backward)\b', line)
+        if target and name and target.group(1) in ("mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton"):
+            calls[name.group(1)] = calls.get(name.group(1), 0) + 1
+    return calls
+
+
+def test_train_step_calls_the_gpu_kernels_without_fallback(h200_devices):
+    """One H200, one MoE layer, the Trainer's whole step with the kernels platform_model_kwargs
+    picks for GPU: per layer 6 block matmuls (3 forward, 3 input gradients) and 3 weight-gradient
+    kernels, the attention's forward and backward Triton kernels, and no ragged-dot (XLA's
+    dense-over-every-expert path) anywhere: nothing fell back (~15 s)."""
+    from mlir_train.model import platform_model_kwargs
+    from mlir_train.optim import make_optimizer
+    from mlir_train.train import BATCH_KEYS, StepConfig, Trainer
+    from sharding import make_mesh
+
+    cfg = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=1, moe_intermediate_size=128)
+    parallel = ParallelConfig(num_devices=1)
+    trainer = Trainer(cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"), make_optimizer(lr_schedule=1e-4, weight_decay=0.1),
+                      parallel, make_mesh(parallel, devices=h200_devices[:1]),
+                      model_kwargs=platform_model_kwargs("gpu", is_moe=True))
+    batch = {k: jax.ShapeDtypeStruct((1, 2, 256), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                     sharding=trainer.batch_sharding) for k in BATCH_KEYS}
+    hlo = compile_without_cache(trainer.lower_train_step(trainer.abstract_state(), batch)).as_text()
+    layers = cfg.num_layers
+    assert _kernel_calls(hlo) == {"moe_block_matmul": 6 * layers, "moe_block_matmul_t": 3 * layers,
+                                  "mha_forward": layers, "mha_backward": layers}
+    # XLA:GPU expands a ragged-dot into a dense dot over every expert whose op_name keeps
+    # "ragged_dot_general".
+    assert "ragged-dot" not in hlo and "ragged_dot" not in hlo
+    assert matmul_flops(hlo).attention_flops > 0
+
+
 def test_kernels_refuse_widths_they_cannot_tile():
     from mlir_train.model import moe_gpu
 

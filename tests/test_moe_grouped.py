@@ -114,19 +114,32 @@ def _interpret():
     return InterpretGPUParams()
 
 
-def test_mosaic_kernels_in_interpreter_equal_reference():
+ROUTINGS = {  # rows per expert, in 6 blocks of 64
+    "an expert without rows": [100, 0, 150],  # 2 + 0 + 3 blocks, one spare
+    "one hot expert": [0, 384, 0],  # every block one expert's: no spare, two experts without rows
+    "skewed": [1, 250, 10],  # 1 + 4 + 1 blocks: single-block experts beside a long one
+}
+
+
+@pytest.mark.parametrize("routing, k", [(r, 128) for r in ROUTINGS] + [("skewed", 64)])
+def test_mosaic_kernels_in_interpreter_equal_reference(routing, k):
     """The two Mosaic-GPU kernels, run by the Mosaic-GPU interpreter on CPU, equal their
-    ``ragged_dot`` reference: used blocks of three experts (one without rows), spare blocks zero."""
-    b, k, n, e = moe_gpu.BLOCK_ROWS, 128, 256, 3  # 2 k steps, 2 output tiles each way
+    ``ragged_dot`` reference (``moe_experts.xla_block_kernels``): spare blocks zero, an expert
+    without rows a zero weight gradient. ``k`` 128: a 2-step pipelined K loop, 64: one step
+    (no delayed release). Output width 256: two tiles."""
+    b, n, e, n_blocks = moe_gpu.BLOCK_ROWS, 256, 3, 6
     rng = np.random.default_rng(0)
-    sizes_E = jnp.asarray([100, 0, 150], jnp.int32)  # 2 + 0 + 3 blocks of 64, one spare
-    layout = moe_dispatch.block_grouping(sizes_E, b, 6)
-    x = jnp.asarray(rng.standard_normal((6 * b, k)), jnp.bfloat16)
+    sizes_E = jnp.asarray(ROUTINGS[routing], jnp.int32)
+    layout = moe_dispatch.block_grouping(sizes_E, b, n_blocks)
+    used = int(layout[1])
+    x = jnp.asarray(rng.standard_normal((n_blocks * b, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((e, k, n)), jnp.bfloat16)
-    dy = jnp.asarray(rng.standard_normal((6 * b, n)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((n_blocks * b, n)), jnp.bfloat16)
     mosaic, ref = moe_experts.mosaic_block_kernels(_interpret()), moe_experts.xla_block_kernels(b)
     got, want = mosaic.matmul(x, w, *layout), ref.matmul(x, w, *layout)
-    assert not np.any(np.asarray(got[5 * b:], np.float32))
+    assert not np.any(np.asarray(got[used * b:], np.float32))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=0.25)
     got_t, want_t = mosaic.matmul_t(x.T, dy, *layout), ref.matmul_t(x.T, dy, *layout)
     np.testing.assert_allclose(np.asarray(got_t), np.asarray(want_t), rtol=1e-4, atol=1e-3)
+    for expert in np.flatnonzero(np.asarray(sizes_E) == 0):
+        assert not np.any(np.asarray(got_t[expert]))

@@ -310,13 +310,17 @@ def context_parallel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, order_T):
         q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, order_T)
 
 
-def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool = False):
+def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool = False,
+                    compute_capability: str | None = None):
     """Causal GQA attention within packed documents (equal segment ids; padding, segment 0,
     attends to padding) with the Pallas FlashAttention kernel: the same function as
     :func:`masked_attention` of ``attention_mask(segment_ids_BT)``. The kernel wants as many
     kv heads as query heads, so each kv head is repeated for its G query heads (its gradient
     sums them back). XLA cannot split a kernel call, so it runs in a region manual over the
-    batch and head axes; ``interpret`` runs the kernel in Pallas' interpreter (CPU tests)."""
+    batch and head axes; ``interpret`` runs the kernel in Pallas' interpreter (CPU tests).
+    The tiles follow the GPU the program is built for (:func:`flash_block_sizes`):
+    ``compute_capability`` ("9.0"), or by default that of the mesh's devices
+    (:func:`target_compute_capability`)."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
     if mesh_axes_of("act_seq")[1] > 1:
@@ -327,15 +331,20 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
     n, h = q_BTNH.shape[2], q_BTNH.shape[3]
     g = n // k_BSKH.shape[2]
     t = q_BTNH.shape[1]
-    block = flash_block_sizes(t)
+    if compute_capability is None:
+        compute_capability = target_compute_capability()
+    block = flash_block_sizes(t, compute_capability)
     if block is None:
         raise ValueError(f"flash attention needs a sequence length (--seq-length) that is a multiple of 16, got {t}")
+    # Hopper's 64x64 backward tiles need 8 warps (2 warpgroups) to hold their accumulators
+    # without spilling; the kernel would pick 4 for tiles under 128x128.
+    num_warps = 8 if block.block_q_dkv == HOPPER_BACKWARD_TILE else None
 
     def run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
         k_BSNH, v_BSNH = (jnp.repeat(a, g, axis=2) for a in (k_BSKH, v_BSKH))
         return pallas_attention.mha(
             q_BTNH, k_BSNH, v_BSNH, segment_ids_BT, sm_scale=1.0 / math.sqrt(h), causal=True,
-            block_sizes=block, interpret=interpret,
+            block_sizes=block, num_warps=num_warps, interpret=interpret,
         )
 
     if mesh_axes_of("act_batch")[1] == 1 and mesh_axes_of("act_heads")[1] == 1:
@@ -347,16 +356,41 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
                              manual=("act_batch", "act_heads"), check_vma=False)(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
 
 
-def flash_block_sizes(t: int):
-    """The kernel's tiles for sequence length ``t``: 128-row forward tiles, 32-row backward
-    tiles (its defaults), smaller when ``t`` is short; None if ``t`` is not a multiple of 16."""
+HOPPER_BACKWARD_TILE = 64
+
+
+def flash_block_sizes(t: int, compute_capability: str | None = None):
+    """The kernel's tiles for sequence length ``t``: 128-row forward tiles, smaller when ``t``
+    is short; None if ``t`` is not a multiple of 16. Backward tiles: on Hopper (compute
+    capability 9.x) 64x64 where they divide ``t``, which Triton compiles to wgmma (with 8
+    warps, no spills, checked by tests/test_gpu_kernels_ptx.py); elsewhere, and for short
+    sequences, the kernel's default 32x32, which compiles to pre-Hopper ``mma.sync``."""
     from jax.experimental.pallas.ops.gpu.attention import BlockSizes
 
     if t % 16:
         return None
     fwd = math.gcd(t, 128)
-    bwd = math.gcd(t, 32)
+    hopper = compute_capability is not None and compute_capability.split(".")[0] == "9"
+    bwd = HOPPER_BACKWARD_TILE if hopper and t % HOPPER_BACKWARD_TILE == 0 else math.gcd(t, 32)
     return BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd)
+
+
+def target_compute_capability() -> str | None:
+    """The CUDA compute capability of the devices the program being traced is for: those of
+    the concrete mesh set with ``jax.set_mesh`` (the trainer and the deviceless compiles set
+    one; it is visible inside ``jit`` and ``shard_map``), else the default backend's; None for
+    devices that are not NVIDIA GPUs."""
+    devices = []
+    try:
+        from jax._src.mesh import get_concrete_mesh  # no public spelling works inside jit
+
+        mesh = get_concrete_mesh()
+        if mesh is not None and not mesh.empty:
+            devices = list(mesh.devices.flat)
+    except (ImportError, AttributeError):
+        pass
+    device = devices[0] if devices else jax.devices()[0]
+    return getattr(device, "compute_capability", None) if device.platform == "gpu" else None
 
 
 class Attention(nnx.Module):

@@ -25,6 +25,8 @@ counts their work from the operand shapes (the static bound) and the block count
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -55,6 +57,18 @@ def _tile(size: int, preferred: int) -> int:
     return tile
 
 
+def _wgmma_step(acc_ref, _, lhs_smem, rhs_smem):
+    """One pipeline step: issue this step's wgmma, then wait until at most it is in flight.
+    wgmma is asynchronous and the pipeline refills a shared-memory slot as soon as the step
+    that read it returns; with ``delay_release=1`` on the block specs the slot refilled after
+    step ``s`` is step ``s - 1``'s, whose wgmma this wait has retired (JAX's Mosaic-GPU
+    pipelining guide). Without both, a refill can overwrite operands a wgmma still reads."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
+    plgpu.wgmma_wait(1)
+
+
 def block_matmul(lhs_RK, rhs_EKN, expert_N, used, *, block_rows: int = BLOCK_ROWS, interpret=None):
     """``out[n*b:(n+1)*b] = lhs[n*b:(n+1)*b] @ rhs[expert_N[n]]`` for blocks ``n < used``, zero
     rows after. ``interpret``: a ``InterpretGPUParams`` to run it on CPU (tests)."""
@@ -82,14 +96,18 @@ def block_matmul(lhs_RK, rhs_EKN, expert_N, used, *, block_rows: int = BLOCK_ROW
 
             pl.run_scoped(scope, plgpu.SMEM((b, tile_n), dtype))
 
+        # One K step has no refill to delay (and emit_pipeline then runs one stage, which
+        # must exceed the delay).
+        delay = 1 if k // tile_k > 1 else 0
+
         @pl.when(live)
         def _():
             def acc_scope(acc_ref):
                 plgpu.emit_pipeline(
-                    lambda _, lhs_smem, rhs_smem: plgpu.wgmma(acc_ref, lhs_smem, rhs_smem),
+                    functools.partial(_wgmma_step, acc_ref),
                     grid=(k // tile_k,),
-                    in_specs=[plgpu.BlockSpec((b, tile_k), lambda kk: (blk, kk)),
-                              plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, ni))],
+                    in_specs=[plgpu.BlockSpec((b, tile_k), lambda kk: (blk, kk), delay_release=delay),
+                              plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, ni), delay_release=delay)],
                     max_concurrent_steps=STAGES,
                 )(lhs_ref, rhs_ref.at[expert_ref[blk]])
                 return acc_ref[...]
@@ -135,10 +153,10 @@ def block_matmul_t(lhs_KR, rhs_RN, first_block_E, num_blocks_E, *, block_rows: i
             @pl.when(count > 0)
             def _():
                 plgpu.emit_pipeline(
-                    lambda _, lhs_smem, rhs_smem: plgpu.wgmma(acc_ref, lhs_smem, rhs_smem),
+                    functools.partial(_wgmma_step, acc_ref),
                     grid=(count,),
-                    in_specs=[plgpu.BlockSpec((tile_m, b), lambda kk: (mi, first + kk)),
-                              plgpu.BlockSpec((b, tile_n), lambda kk: (first + kk, ni))],
+                    in_specs=[plgpu.BlockSpec((tile_m, b), lambda kk: (mi, first + kk), delay_release=1),
+                              plgpu.BlockSpec((b, tile_n), lambda kk: (first + kk, ni), delay_release=1)],
                     max_concurrent_steps=STAGES,
                 )(lhs_ref, rhs_ref)
 

@@ -1,0 +1,70 @@
+"""Registers, spills and wgmma waits of our GPU kernels as ptxas builds them for an H200,
+without a GPU (mlir_train.kernel_audit; the same cases as tests/test_gpu_kernels_ptx.py).
+
+    python -m benchmarks.kernel_ptx
+
+Needs jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cuda-nvcc-cu12 (no driver). Prints one
+markdown row per kernel: registers used / limit, spill store + load bytes, and the pipelined
+wgmma loops (backward branches whose body issues wgmma.mma_async) that hold a
+wgmma.wait_group, over all of them. Then the flash attention's Triton kernels at T 4096 with
+the tiles chosen for a pre-Hopper GPU and for Hopper, both compiled for the H200 (ptxas -v on
+XLA's PTX dump).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from mlir_train.kernel_audit import audit_kernel, audit_xla_dump, moe_kernel_cases  # noqa: E402
+from mlir_train.targets import compile_only_devices  # noqa: E402
+
+
+def attention_reports(device, compute_capability: str, t: int = 4096):
+    """The flash attention's Triton kernels (forward, backward; Qwen3 head_dim 128, bf16) with
+    the tiles :func:`flash_block_sizes` picks for ``compute_capability``, from XLA's PTX dump."""
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from mlir_train.model.layers import flash_attention
+
+    mesh = Mesh(np.array([device]), ("d",))
+    rep = NamedSharding(mesh, PartitionSpec())
+    q = jax.ShapeDtypeStruct((1, t, 4, 128), jnp.bfloat16, sharding=rep)
+    k = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16, sharding=rep)
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=rep)
+    attend = lambda q, k, v, s: jnp.sum(flash_attention(q, k, v, s, compute_capability=compute_capability)  # noqa: E731
+                                        .astype(jnp.float32))
+    jax.config.update("jax_enable_compilation_cache", False)
+    with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh):
+        jax.jit(jax.grad(attend, argnums=(0, 1, 2))).lower(q, k, k, seg).compile({"xla_dump_to": dump})
+        return [r for r in audit_xla_dump(dump) if r.name.startswith("mha")]
+
+
+def main():
+    device = compile_only_devices("h200", 1)[0]
+    print("| kernel | ptx entry | registers / limit | spill bytes (st + ld) | pipelined loops waiting on wgmma |")
+    print("|---|---|---|---|---|")
+    for case, fn, args in moe_kernel_cases():
+        for r in audit_kernel(fn, *args, device=device):
+            print(f"| {case} | {r.name} | {r.registers} / {r.register_limit} | {r.spill_store_bytes} + {r.spill_load_bytes} "
+                  f"| {r.pipelined_loops_with_wait} / {r.pipelined_loops} |", flush=True)
+    print()
+    print("| attention tiles | kernel | registers / limit | spill bytes (st + ld) | wgmma / mma.sync instructions |")
+    print("|---|---|---|---|---|")
+    for cc, label in (("8.0", "32x32 backward, 4 warps (pre-Hopper choice)"), ("9.0", "64x64 backward, 8 warps (Hopper)")):
+        for r in attention_reports(device, cc):
+            print(f"| {label} | {r.name} | {r.registers} / {r.register_limit} | {r.spill_store_bytes} + "
+                  f"{r.spill_load_bytes} | {r.wgmma} / {r.mma_sync} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
