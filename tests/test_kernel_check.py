@@ -126,3 +126,14 @@ def test_auto_fallback_rebuilds_the_trainer(monkeypatch):
     assert "falling back to the padded/blocked XLA experts" in lines[0]
     monkeypatch.setattr(kernel_check, "selected_by", lambda model: [])
     assert kernel_check.checked_trainer(run, trainer) is trainer
+
+
+def test_long_sequences_check_against_the_blocked_reference(monkeypatch):
+    """Past REFERENCE_SCORES the reference is blocked_attention on one kv group (a 32k-token
+    run's [heads, T, T] float32 scores would not fit): it still tells a right kernel from a wrong one."""
+    from mlir_train.model.layers import flash_block_sizes  # noqa: F401  (the Pallas import the flash path needs)
+
+    monkeypatch.setattr(kernel_check, "REFERENCE_SCORES", 0)
+    right = lambda q, k, v, seg: kernel_check.ATTENTION_KERNELS["flash"][1](True)(q, k, v, seg)
+    assert kernel_check.check_attention(right, SHAPES) < 1e-4
+    assert kernel_check.check_attention(lambda q, k, v, seg: q, SHAPES) > 0.1
