@@ -118,7 +118,8 @@ def selected(attention_impl: str | None, block_kernels=None, *, interpret: bool 
     if attention_impl in ATTENTION_KERNELS:
         name, build = ATTENTION_KERNELS[attention_impl]
         fn = build(interpret)
-        out.append(Kernel(attention_impl, name, lambda s: check_attention(fn, s), FALLBACKS.get(attention_impl, ATTENTION_FALLBACK)))
+        out.append(Kernel(attention_impl, name, lambda s: check_attention(fn, s),
+                          FALLBACKS.get(attention_impl, ATTENTION_FALLBACK)))
     if block_kernels is not None and block_kernels.name != "xla":
         name = f"MoE expert matmuls ({block_kernels.name} block kernels)"
         out.append(Kernel(block_kernels.name, name, lambda s: check_block_kernels(block_kernels, s),
@@ -261,7 +262,9 @@ def self_check(kernels: list[Kernel], shapes: Shapes, choices: Mapping[str, Any]
             err, problem = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         results.append((kernel, err, problem))
     failed = _agreed([problem is not None for _, _, problem in results])
-    elapsed = time.perf_counter() - start
+    summary = ", ".join(f"{k.name} {'FAILED' if bad else f'ok ({err:.1e})'}" for (k, err, _), bad in zip(results, failed))
+    log(f"mlir-train: kernel self-check took {time.perf_counter() - start:.1f}s ({shapes.dtype}, tolerance "
+        f"{tol:.0e}): {summary}")
     overrides: dict[str, Any] = {}
     for (kernel, err, problem), bad in zip(results, failed):
         if not bad:
@@ -277,8 +280,6 @@ def self_check(kernels: list[Kernel], shapes: Shapes, choices: Mapping[str, Any]
         log(f"mlir-train: WARNING: kernel self-check: {kernel.name} failed: {problem}; falling back to "
             f"{fb.describe} ({fb.flag} {fb.value} selects it; --no-kernel-self-check skips this check)")
         overrides |= fb.model_kwargs
-    summary = ", ".join(f"{k.name} {'FAILED' if bad else f'ok ({err:.1e})'}" for (k, err, _), bad in zip(results, failed))
-    log(f"mlir-train: kernel self-check took {elapsed:.1f}s ({shapes.dtype}, tolerance {tol:.0e}): {summary}")
     return overrides
 
 
