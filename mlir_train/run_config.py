@@ -579,6 +579,10 @@ class ExtraFlags:
                                    help="fake CPU device count set in XLA_FLAGS before jax starts")
     compilation_cache_dir: str | None = flag("--compilation-cache-dir", help="persistent XLA compilation cache")
     print_sharding: bool = switch("--print-sharding", help="print every parameter's sharding")
+    no_kernel_self_check: bool = switch(
+        "--no-kernel-self-check",
+        help="skip the start-up check of the selected GPU kernels (MoE expert matmuls, fused attention) "
+             "against their XLA references, forward and backward at the run's widths")
     peak_tflops: float | None = flag("--peak-tflops", type=float,
                                      help="per-device peak TFLOP/s for MFU (default: from the device kind)")
 

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> RunResult:
 def _train(cfg: RunConfig, launched: float) -> RunResult:
     import jax
 
-    from mlir_train import checkpoint, exits
+    from mlir_train import checkpoint, exits, kernel_check
     from mlir_train import flops as flops_lib
     from mlir_train.data import BatchLoader, build_datasets, load_tokenizer
     from mlir_train.evaluation import Evaluator
@@ -114,6 +114,8 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     # --num-devices: the first N devices; the kernels follow the platform of the mesh's devices.
     run = resolve(cfg, model_cfg, num_devices=cfg.extras.num_devices)
     trainer = run.trainer()
+    if not cfg.extras.no_kernel_self_check:  # before any state: a kernel that fails may be swapped for its fallback
+        trainer = kernel_check.checked_trainer(run, trainer)
     gbs, num_micro, parallel = run.global_batch_size, run.num_micro_batches, run.parallel
     print(f"mlir-train: {jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(trainer.mesh.shape)}, "
           f"{model_cfg.name} ({model_cfg.num_params() / 1e6:.1f}M params), {run.compute_dtype}, "

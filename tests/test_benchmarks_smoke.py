@@ -97,3 +97,28 @@ def test_gpu_compiled_benchmark_quick():  # ~30 s of CPU per layout; deviceless 
     for layout in ("dp8", "ep8"):
         assert re.search(rf"^{layout}\s+\S+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+yes\s+\d+\.\d+\s+\d+\.\d+x", out, re.MULTILINE), out
     assert "all-to-all" in out
+
+
+def test_gpu_kernels_h200_cpu_smoke():
+    """gpu_kernels_h200.py's whole path at tiny shapes on CPU (~15 s): every backend row (the Mosaic and
+    Pallas kernels in their interpreters), within bf16 error of the float32 reference, repeats bit-identical."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
+                                 if not f.startswith("--xla_force_host_platform_device_count")]
+                                + ["--xla_backend_optimization_level=0"])
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_kernels_h200.py"), "--cpu-smoke"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "| case | backend | fwd max abs | fwd rel | bwd max abs | bwd rel | bit-identical | fwd+bwd ms | TFLOP/s |" in out
+    backends = ["mosaic blocks", "xla ragged_dot", "padded einsum", "pallas mha", "xla masked"]
+    try:
+        import tokamax  # noqa: F401
+        backends += ["tokamax ragged_dot", "tokamax dot_product_attention"]
+    except ImportError:
+        assert "skipped: tokamax not importable" in out, out
+    for name in backends:
+        row = re.search(rf"^\| \w+ smoke \| {name} \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| yes \(2x\) \| [\d.]+ \| ",
+                        out, re.MULTILINE)
+        assert row, (name, out)
+        assert float(row.group(2)) < 3e-2 and float(row.group(4)) < 3e-2, (name, row.group(0))
