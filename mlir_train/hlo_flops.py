@@ -347,12 +347,17 @@ def _tokamax_call(rest: str, result_shape, result_text: str):
 def custom_call_counters() -> dict:
     """This module's kernel counters in :func:`mlir_train.hlo_stats.analyze`'s
     ``custom_call_flops`` form (target -> f(instruction, types)): the flash-attention Triton
-    kernels by their causal tile pairs, the MoE block kernels at their static bound (every
-    block of the buffer: the planner's upper bound, no routing assumed)."""
+    kernels by their causal tile pairs, tokamax's flash attention with one document per row, the
+    MoE block kernels (ours and tokamax's) at their static bound (every block of the buffer: the
+    planner's upper bound, no routing assumed)."""
     def flash(ins, types):
         return _flash_flops(ins.attrs) or 0.0
 
     def block(ins, types):
+        result = re.match(_SHAPE, ins.result_type.lstrip("("))
+        tk = _tokamax_call(ins.attrs, _dims(result.group(0)) if result else None, ins.result_type)
+        if tk is not None:  # tokamax: ragged dots at their static bound, attention with one document per row
+            return tk.flops_bound if isinstance(tk, KernelCall) else tk.flops()
         kernel = _block_kernel(ins.attrs)
         return 0.0 if kernel is None else kernel.flops_bound
 

@@ -590,7 +590,7 @@ class ExtraFlags:
                                  help="attention: tokamax (tokamax's Mosaic-GPU flash attention, skips other "
                                       "documents' key blocks in the forward; needs tokamax), pallas-mha (JAX's Pallas "
                                       "Triton flash attention), xla (masked / blocked XLA ops); auto: the platform's "
-                                      "default (GPU " + "tokamax" + ", else xla; xla under context parallelism). "
+                                      "default (GPU pallas-mha, else xla; xla under context parallelism). "
                                       "(Megatron's --attention-backend is accepted as a no-op)")
 
 

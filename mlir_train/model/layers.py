@@ -27,10 +27,11 @@ from sharding.context import sequence_order
 # documents' segment ids, skips the key blocks above the causal diagonal in the forward and
 # both backward passes, and never materialises the scores; "tokamax" is tokamax's Mosaic-GPU flash
 # attention (mlir_train.model.tokamax_kernels.tokamax_attention), GPU only, whose forward also
-# skips the key blocks of the packed row's earlier documents. The GPU default is chosen from the
-# compiled FLOPs (benchmarks/README.md, "Attention kernels").
+# skips the key blocks of the packed row's earlier documents. The GPU default stays "flash": the
+# compiled FLOPs (benchmarks/README.md) are within 2 % of tokamax's on one document per row and
+# above them only on packed rows, and tokamax's kernel wants --seq-length a multiple of 128.
 ATTENTION_IMPLS = ("xla", "flash", "tokamax")
-DEFAULT_ATTENTION_IMPL = {"cpu": "xla", "gpu": "tokamax", "tpu": "xla"}
+DEFAULT_ATTENTION_IMPL = {"cpu": "xla", "gpu": "flash", "tpu": "xla"}
 SEGMENT_ID_IMPLS = ("flash", "tokamax")  # the kernels that take the segment ids, not a [B, T, S] mask
 
 Axes = tuple[str | None, ...]
@@ -359,6 +360,10 @@ def kernel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation: 
     if mesh_axes_of("act_seq")[1] > 1:
         raise ValueError("--attention-kernel tokamax does not run with the sequence split over context-parallel "
                          "ranks (--context-parallel-size > 1); use --attention-kernel xla")
+    if q_BTNH.shape[1] % 128:
+        raise ValueError(f"--attention-kernel tokamax needs a sequence length (--seq-length) that is a multiple of "
+                         f"128 (its forward reduces the document starts per 128 queries), got {q_BTNH.shape[1]}; "
+                         "use --attention-kernel pallas-mha or xla")
 
     def run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
         return tokamax_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, implementation=implementation)

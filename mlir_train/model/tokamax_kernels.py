@@ -40,6 +40,13 @@ def require_tokamax(flag: str):
     except ImportError as e:
         raise ImportError(f"{flag} tokamax needs the tokamax package (pip install 'mlir-train[cuda]' or "
                           f"pip install 'tokamax>=0.0.12'); or choose another {flag}: {e}") from None
+    from absl import flags
+
+    # tokamax reads its options from absl flags, and parses sys.argv for them on first use if nobody
+    # has: our (Megatron) command line is not absl's, and it aborts on the first unknown flag. Mark
+    # absl's flags parsed with their defaults instead.
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
     return tokamax
 
 
