@@ -1,6 +1,6 @@
 """Compiled XLA:GPU expert FLOPs of one Qwen3-30B-A3B MoE layer on 8 x H200, without a GPU.
 
-    JAX_PLATFORMS=cpu python benchmarks/moe_gpu.py [--quick] [--impls grouped,padded,ragged]
+    JAX_PLATFORMS=cpu python benchmarks/moe_gpu.py [--quick] [--impls grouped,tokamax,padded,ragged]
 
 Needs jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cuda-nvcc-cu12 (0.10.2; no driver). For
 each layout (DP8, EP8, TP2xEP4) and each implementation (``--impls``), dropless and with
@@ -15,6 +15,10 @@ activations, 2048 tokens per token rank) for the device description in
   (the kernels skip spare blocks), with the static bound (every block of the buffer) beside it;
 * the compiled temp memory; while loops in the program (whose bodies are counted once: a
   figure with loops is not a count of the work); the router's matmul FLOPs, not counted above.
+
+``grouped`` is ``--moe-gemm-backend mosaic`` (our block kernels), ``tokamax`` the same layout on
+tokamax's ragged-dot kernels (``--moe-gemm-backend tokamax``), ``padded`` the padded / capacity
+batched matmul, ``ragged`` XLA's ``ragged_dot`` (dense on GPU: what the kernels replace).
 
 ``--quick`` compiles a 1/4-scale layer (D 512, F 256, E 32, K 8, 1024 tokens per rank).
 """
@@ -45,7 +49,7 @@ LAYOUTS = {
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--impls", default="grouped,padded,ragged")
+    p.add_argument("--impls", default="grouped,tokamax,padded,ragged")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     args = p.parse_args(argv)
     try:
@@ -66,10 +70,11 @@ def main(argv=None) -> int:
     for layout in args.layouts.split(","):
         for impl in args.impls.split(","):
             for cf in (None, 1.0):
-                if impl == "ragged" and cf is not None:
-                    continue  # with a capacity "ragged" is the padded path
-                a = audit_moe_layer(cfg, LAYOUTS[layout], devices, impl=impl, capacity_factor=cf,
-                                    tokens_per_rank=tokens, layout=layout)
+                if impl in ("ragged", "tokamax") and cf is not None:
+                    continue  # with a capacity these are the padded path (tokamax: refused by the flag)
+                kernels = "tokamax" if impl == "tokamax" else None
+                a = audit_moe_layer(cfg, LAYOUTS[layout], devices, impl="grouped" if kernels else impl,
+                                    capacity_factor=cf, tokens_per_rank=tokens, layout=layout, block_kernels=kernels)
                 print(f"{layout:9} {impl:8} {'dropless' if cf is None else f'cf {cf}':9} {a.routed_flops / 1e12:9.3f} "
                       f"{a.expert_flops / 1e12:9.3f} {a.ratio:6.2f} {a.ratio_bound:6.2f} {a.temp_bytes / 2**30:8.2f} "
                       f"{a.while_loops:5d} {a.router_flops / 1e12:9.4f}", flush=True)

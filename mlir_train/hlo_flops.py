@@ -12,6 +12,10 @@ nothing, so this counts the matmuls themselves:
   from the operand shapes. The kernels compute only the used blocks, so the work a step does
   is that bound times (used block rows / R), which depends on the routing: see
   :func:`MatmulFlops.kernel_flops_for_rows`. Other ``mosaic_gpu`` calls are listed, uncounted;
+* tokamax's kernels (their ``op_name`` carries the op as JSON): the Mosaic-GPU / Triton ragged
+  dots of ``--moe-gemm-backend tokamax`` as block kernels (:class:`KernelCall`), the Mosaic-GPU
+  flash attention's forward and backward kernels by their tile loops (:class:`AttentionCall`;
+  ``attention_flops`` with one document per row, :meth:`AttentionCall.flops` for packed rows);
 * the Pallas FlashAttention kernels (``__gpu$xla.gpu.triton`` calls under ``mha_forward`` /
   ``mha_backward``, :func:`mlir_train.model.layers.flash_attention`): from q's shape
   ``[B, T, N, H]`` and the kernel's causal loop structure (key tiles up to the diagonal, the
@@ -46,9 +50,10 @@ def _dims(shape: str) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class KernelCall:
-    name: str  # moe_block_matmul | moe_block_matmul_t
+    name: str  # moe_block_matmul | moe_block_matmul_t | tokamax_ragged_dot (+ _t: the weight gradient)
     rows: int  # R: block rows of the buffer (the static bound's rows)
     flops_bound: float  # 2 R K N
+    row_tile: int = 64  # rows per tile the kernel rounds each group up to (tokamax's Triton kernel: 128)
 
     def flops_for_rows(self, used_rows: float) -> float:
         return self.flops_bound * used_rows / self.rows
@@ -60,7 +65,8 @@ class MatmulFlops:
     excluded_flops: float = 0.0  # dots and GEMMs whose op_name names ``exclude_scope``
     batched_dot_flops: float = 0.0  # the part with batch dimensions (expert-batched matmuls)
     kernels: list[KernelCall] = dataclasses.field(default_factory=list)
-    attention_flops: float = 0.0  # flash attention kernels
+    attention_flops: float = 0.0  # flash attention kernels (tokamax's: with one document per row)
+    attention_calls: list["AttentionCall"] = dataclasses.field(default_factory=list)  # tokamax's
     other_custom_calls: list[str] = dataclasses.field(default_factory=list)
     while_loops: int = 0
     unknown_trip_count_loops: int = 0
@@ -134,6 +140,12 @@ def matmul_flops(hlo_text: str, exclude_scope: str | None = None) -> MatmulFlops
                 out.batched_dot_flops += flops if batched else 0.0
             elif target == "__gpu$xla.gpu.triton" and _flash_flops(rest) is not None:
                 out.attention_flops += _flash_flops(rest) * times
+            elif (tk := _tokamax_call(rest, shapes.get(name), result)) is not None:
+                if isinstance(tk, KernelCall):
+                    out.kernels.extend([tk] * times)
+                else:
+                    out.attention_calls.extend([tk] * times)
+                    out.attention_flops += tk.flops() * times
             elif target.startswith("mosaic_gpu"):
                 kernel = _block_kernel(rest)
                 if kernel is None:
@@ -262,15 +274,97 @@ def _flash_flops(rest: str) -> float | None:
     return 2.0 * b * n * h * 7 * pairs  # dK, dV: 4 matmuls a tile pair; dQ: 3, on the same tiles
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One of tokamax's Mosaic-GPU flash attention kernels (sm90), from its op_name's JSON: the
+    forward ("fwd"), or the backward's dQ ("dq") or dK/dV ("dkv") kernel, with q's ``[B, T, N, H]``
+    and the kernel's tiles. The forward visits, per query tile, the key tiles from the tile's lowest
+    document start (``Mask.k_start``) to the causal diagonal; tokamax 0.0.12's backward kernels
+    mask by the document starts but visit every causal tile."""
+    kind: str
+    b: int
+    t: int
+    n: int
+    h: int
+    tile_q: int   # query rows per tile (two warpgroups' blocks)
+    tile_k: int   # key rows per tile
+    k_start: bool
+
+    def flops(self, k_start_T=None) -> float:
+        """The work for the document starts ``k_start_T`` (each position's first visible key; None:
+        one document per row)."""
+        t, tq, tk = self.t, self.tile_q, self.tile_k
+        if self.kind == "dkv":  # per key tile, the query tiles from the diagonal on: 4 matmuls
+            pairs = sum(-(-t // tq) - (j * tk) // tq for j in range(-(-t // tk)))
+            return 4 * 2.0 * self.b * self.n * self.h * pairs * tq * tk
+        pairs = 0
+        for i in range(-(-t // tq)):
+            ub = -(-min(t, (i + 1) * tq) // tk)
+            lb = 0
+            if self.kind == "fwd" and self.k_start and k_start_T is not None:
+                lb = int(min(k_start_T[i * tq:(i + 1) * tq])) // tk
+            pairs += ub - lb
+        return (2 if self.kind == "fwd" else 3) * 2.0 * self.b * self.n * self.h * pairs * tq * tk
+
+
+def _tokamax_json(rest: str):
+    op_name = re.search(r'op_name="((?:[^"\\]|\\.)*)"', rest)
+    if op_name is None or "tokamax:{" not in op_name.group(1):
+        return None
+    text = op_name.group(1).replace('\\"', '"')
+    try:
+        return json.JSONDecoder().raw_decode(text[text.index("tokamax:{") + len("tokamax:"):])[0]
+    except ValueError:
+        return None
+
+
+def _tokamax_call(rest: str, result_shape, result_text: str):
+    """A tokamax kernel call (its op_name carries the op as JSON) as a :class:`KernelCall` (ragged
+    dot: 2 R K N over the ``R`` lhs rows, computed for the rows of the groups only, each rounded up
+    to the kernel's ``block_m``) or an :class:`AttentionCall`; None for anything else."""
+    op = _tokamax_json(rest)
+    if op is None:
+        return None
+    kind = op.get("op", {}).get("__type", "")
+    config = op.get("op", {}).get("config") or {}
+    args = op.get("arguments", {})
+    if kind.endswith("RaggedDot"):
+        lhs = _dims(args["lhs"]) if isinstance(args.get("lhs"), str) else None
+        if lhs is None or result_shape is None:
+            return None
+        tile = int(config.get("block_m", 64))
+        if len(result_shape) == 3:  # ragged contracting: [R, K] x [R, N] -> [E, K, N]
+            _, k, n = result_shape
+            return KernelCall("tokamax_ragged_dot_t", lhs[0], 2.0 * lhs[0] * k * n, tile)
+        r, n = result_shape
+        return KernelCall("tokamax_ragged_dot", r, 2.0 * r * lhs[1] * n, tile)
+    if kind.endswith("PallasMosaicGpuFlashAttention") or kind.endswith("PallasMosaicGpuFlashAttentionVjp"):
+        b, t, n, h = _dims(args["q"])
+        k_start = bool((args.get("mask") or {}).get("k_start"))
+        if kind.endswith("Vjp"):
+            wgs = int(config.get("compute_wgs", 2))
+            if result_text.count("[") >= 2:  # (dk, dv)
+                return AttentionCall("dkv", b, t, n, h, int(config["block_q_dkv"]), wgs * int(config["block_kv_dkv"]),
+                                     k_start)
+            return AttentionCall("dq", b, t, n, h, wgs * int(config["block_q_dq"]), int(config["block_kv_dq"]), k_start)
+        return AttentionCall("fwd", b, t, n, h, 2 * int(config["block_q"]), int(config["block_kv"]), k_start)
+    return None
+
+
 def custom_call_counters() -> dict:
     """This module's kernel counters in :func:`mlir_train.hlo_stats.analyze`'s
     ``custom_call_flops`` form (target -> f(instruction, types)): the flash-attention Triton
-    kernels by their causal tile pairs, the MoE block kernels at their static bound (every
-    block of the buffer: the planner's upper bound, no routing assumed)."""
+    kernels by their causal tile pairs, tokamax's flash attention with one document per row, the
+    MoE block kernels (ours and tokamax's) at their static bound (every block of the buffer: the
+    planner's upper bound, no routing assumed)."""
     def flash(ins, types):
         return _flash_flops(ins.attrs) or 0.0
 
     def block(ins, types):
+        result = re.match(_SHAPE, ins.result_type.lstrip("("))
+        tk = _tokamax_call(ins.attrs, _dims(result.group(0)) if result else None, ins.result_type)
+        if tk is not None:  # tokamax: ragged dots at their static bound, attention with one document per row
+            return tk.flops_bound if isinstance(tk, KernelCall) else tk.flops()
         kernel = _block_kernel(ins.attrs)
         return 0.0 if kernel is None else kernel.flops_bound
 

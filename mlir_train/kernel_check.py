@@ -54,7 +54,7 @@ class Fallback:
         return self.flag.lstrip("-").replace("-", "_")
 
 
-ATTENTION_FALLBACK = Fallback("--attention-backend", "xla", {"attention_impl": "xla"},
+ATTENTION_FALLBACK = Fallback("--attention-kernel", "xla", {"attention_impl": "xla"},
                               "XLA attention (layers.masked_attention)")
 MOE_FALLBACK = Fallback("--moe-gemm-backend", "padded", {"moe_impl": "padded"},
                         "the padded/blocked XLA experts (moe_impl='padded')")
@@ -66,13 +66,22 @@ def _flash(interpret: bool):
     return lambda q, k, v, seg: flash_attention(q, k, v, seg, interpret=interpret)
 
 
+def _tokamax(interpret: bool):
+    """tokamax's Mosaic-GPU flash attention; it has no CPU interpreter here, so ``interpret``
+    runs its XLA implementation (the mask and layout plumbing are ours either way)."""
+    from mlir_train.model.layers import kernel_attention
+
+    return lambda q, k, v, seg: kernel_attention(q, k, v, seg, implementation="xla" if interpret else "mosaic_gpu")
+
+
 # attention_impl -> (kernel name, (interpret) -> fn(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> o_BTNH)
 ATTENTION_KERNELS: dict[str, tuple[str, Callable[[bool], Callable]]] = {
     "flash": ("flash attention (Pallas-Triton mha)", _flash),
+    "tokamax": ("tokamax flash attention (Mosaic-GPU)", _tokamax),
 }
 # kernel name (attention_impl, or BlockKernels.name) -> fallback; MoE block kernels not named
 # here fall back to MOE_FALLBACK.
-FALLBACKS: dict[str, Fallback] = {"flash": ATTENTION_FALLBACK}
+FALLBACKS: dict[str, Fallback] = {"flash": ATTENTION_FALLBACK, "tokamax": ATTENTION_FALLBACK}
 
 
 @dataclasses.dataclass(frozen=True)

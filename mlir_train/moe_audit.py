@@ -26,6 +26,7 @@ from mlir_train.hlo_flops import matmul_flops
 from mlir_train.model import logical_axes
 from mlir_train.model.moe import ROUTER_SCOPE, MoE
 from mlir_train.model.moe_gpu import BLOCK_ROWS
+from mlir_train.platform_setup import compile_target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,7 @@ class MoELayerAudit:
 
 
 def used_block_rows(num_experts: int, top_k: int, tokens_per_rank: int, token_ranks: int, expert_ranks: int,
-                    seed: int = 0) -> float:
+                    seed: int = 0, tile: int = BLOCK_ROWS) -> float:
     """Mean over the expert ranks of the block rows their kernels compute for a uniform random
     routing: per local expert, its rows (from every token rank of its group) rounded up to
     whole blocks."""
@@ -62,20 +63,24 @@ def used_block_rows(num_experts: int, top_k: int, tokens_per_rank: int, token_ra
         s = tokens_per_rank * expert_ranks
         experts_SK = np.argsort(rng.random((s, num_experts)), axis=1)[:, :top_k]
         sizes_E = np.bincount(experts_SK.reshape(-1), minlength=num_experts)
-        blocks_E = -(-sizes_E // BLOCK_ROWS)
-        per_rank += list(blocks_E.reshape(expert_ranks, -1).sum(axis=1) * BLOCK_ROWS)
+        # Each expert's rows fill whole blocks; a kernel with larger row tiles rounds those up again.
+        rows_E = -(-sizes_E // BLOCK_ROWS) * BLOCK_ROWS
+        rows_E = -(-rows_E // tile) * tile
+        per_rank += list(rows_E.reshape(expert_ranks, -1).sum(axis=1))
     return float(np.mean(per_rank))
 
 
 def audit_moe_layer(cfg, parallel: sharding.ParallelConfig, devices, *, impl: str, capacity_factor: float | None = None,
-                    tokens_per_rank: int = 2048, layout: str = "", seed: int = 0) -> MoELayerAudit:
+                    tokens_per_rank: int = 2048, layout: str = "", seed: int = 0,
+                    block_kernels: str | None = None) -> MoELayerAudit:
     """Compile ``value_and_grad`` of one MoE block (float32 parameters, bfloat16 activations) on
-    ``devices`` laid out by ``parallel`` and audit its expert matmuls per device."""
+    ``devices`` laid out by ``parallel`` and audit its expert matmuls per device. ``block_kernels``:
+    ``impl="grouped"``'s kernels ("mosaic", the default on GPU, or "tokamax")."""
     mesh, rules = sharding.make_mesh(parallel, devices=devices), sharding.rules_for(parallel)
     platform = devices[0].platform
-    with jax.set_mesh(mesh), sharding.use_rules(rules):
+    with jax.set_mesh(mesh), sharding.use_rules(rules), compile_target(mesh):
         abstract = nnx.eval_shape(lambda: MoE(cfg, nnx.Rngs(0), cfg.init_std, impl=impl, capacity_factor=capacity_factor,
-                                              platform=platform))
+                                              platform=platform, block_kernels=block_kernels))
         graphdef, state = nnx.split(abstract)
         shardings = sharding.tree_shardings(nnx.to_pure_dict(logical_axes(abstract)), rules, mesh)
         params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh),
@@ -97,11 +102,12 @@ def audit_moe_layer(cfg, parallel: sharding.ParallelConfig, devices, *, impl: st
         compiled = compile_without_cache(jax.jit(step).lower(params, x, x))
     flops = matmul_flops(compiled.as_text(), exclude_scope=ROUTER_SCOPE)
     routed = 6.0 * tokens_per_rank * cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size / tensor_ranks
-    rows = used_block_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, token_ranks, expert_ranks, seed)
-    used = {k.rows: rows for k in flops.kernels}
+    rows = {tile: used_block_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, token_ranks, expert_ranks, seed, tile)
+            for tile in {max(k.row_tile, BLOCK_ROWS) for k in flops.kernels}}
     return MoELayerAudit(
-        layout=layout, impl=impl, capacity_factor=capacity_factor, routed_flops=routed,
-        expert_flops=flops.dot_flops + flops.kernel_flops_for_rows(used),
+        layout=layout, impl=impl if block_kernels is None else f"{impl}:{block_kernels}",
+        capacity_factor=capacity_factor, routed_flops=routed,
+        expert_flops=flops.dot_flops + sum(k.flops_for_rows(rows[max(k.row_tile, BLOCK_ROWS)]) for k in flops.kernels),
         expert_flops_bound=flops.dot_flops + flops.kernel_flops_bound, router_flops=flops.excluded_flops,
         temp_bytes=compiled.memory_analysis().temp_size_in_bytes, while_loops=flops.while_loops,
         kernel_calls=len(flops.kernels),

@@ -300,6 +300,20 @@ def mesh_platform(mesh) -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
+def compile_target(mesh):
+    """A context to trace and compile a program for ``mesh`` in: ``jax.default_device`` of its
+    first device when it is a GPU mesh, else nothing. Kernel libraries that pick their kernel from
+    the default device at trace time (tokamax) then pick the GPU one for a mesh of compile-only
+    XLA:GPU devices built on a CPU host too (deviceless H200 compiles), not XLA's dense path."""
+    import contextlib
+
+    import jax
+
+    if mesh is None or mesh_platform(mesh) != "gpu":
+        return contextlib.nullcontext()
+    return jax.default_device(mesh.devices.flat[0])
+
+
 def default_moe_impl(mesh) -> str:
     """The MoE implementation for a mesh, from its devices' platform (:func:`mesh_platform`;
     the table is :data:`mlir_train.model.moe.DEFAULT_MOE_IMPL`)."""

@@ -585,6 +585,17 @@ class ExtraFlags:
              "against their XLA references, forward and backward at the run's widths")
     peak_tflops: float | None = flag("--peak-tflops", type=float,
                                      help="per-device peak TFLOP/s for MFU (default: from the device kind)")
+    moe_gemm_backend: str = flag("--moe-gemm-backend", default="auto", choices=("auto", "mosaic", "tokamax", "padded"),
+                                 help="MoE expert matmuls: mosaic (our Mosaic-GPU block kernels, dropless), tokamax "
+                                      "(tokamax's ragged-dot kernels on the same layout; needs tokamax), padded "
+                                      "(sorted, padded batched matmul; capacity einsum with a capacity factor); auto: "
+                                      "the platform's default (GPU mosaic, CPU padded, TPU ragged_dot)")
+    attention_kernel: str = flag("--attention-kernel", default="auto", choices=("auto", "tokamax", "pallas-mha", "xla"),
+                                 help="attention: tokamax (tokamax's Mosaic-GPU flash attention, skips other "
+                                      "documents' key blocks in the forward; needs tokamax), pallas-mha (JAX's Pallas "
+                                      "Triton flash attention), xla (masked / blocked XLA ops); auto: the platform's "
+                                      "default (GPU pallas-mha, else xla; xla under context parallelism). "
+                                      "(Megatron's --attention-backend is accepted as a no-op)")
 
 
 SECTIONS: dict[str, type] = {
@@ -929,8 +940,14 @@ class Run:
         the recompute policy and, for MoE, the capacity and drop policy."""
         from mlir_train.model import platform_model_kwargs
 
-        kwargs = platform_model_kwargs(self.platform, is_moe=self.model.is_moe,
-                                       context_parallel=self.parallel.context) | dict(remat=self.recompute)
+        extras = self.config.extras
+        try:
+            kwargs = platform_model_kwargs(self.platform, is_moe=self.model.is_moe, context_parallel=self.parallel.context,
+                                           moe_backend=extras.moe_gemm_backend,
+                                           attention_backend=extras.attention_kernel)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        kwargs |= dict(remat=self.recompute)
         if self.model.is_moe:
             m = self.config.moe
             kwargs |= dict(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy,
@@ -1021,12 +1038,18 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
         import jax
 
         platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
-    if parallel.context > 1 and platform == "gpu":
+    if parallel.context > 1 and platform == "gpu" and cfg.extras.attention_kernel == "auto":
         print(f"mlir-train: --context-parallel-size {parallel.context}: attention runs as XLA ops "
               "(mlir_train.model.layers.blocked_attention: each rank's queries against the gathered row, one key "
               "block at a time), not the flash kernel, which cannot mask the load-balanced chunks by their "
               "original positions")
-    return Run(cfg, model_cfg, parallel, gbs, num_micro, platform=platform)
+    backend = cfg.extras.moe_gemm_backend
+    if model_cfg.is_moe and backend in ("mosaic", "tokamax") and cfg.moe.moe_expert_capacity_factor is not None:
+        raise ConfigError(f"--moe-gemm-backend {backend} runs the dropless block kernels; with "
+                          "--moe-expert-capacity-factor use --moe-gemm-backend padded (or auto)")
+    run = Run(cfg, model_cfg, parallel, gbs, num_micro, platform=platform)
+    run.model_kwargs()  # refuses a kernel choice this platform / layout cannot run, before anything compiles
+    return run
 
 
 if __name__ == "__main__":  # python -m mlir_train.run_config: the flag table README.md carries

@@ -57,6 +57,7 @@ from mlir_train.data.dataset import BATCH_KEYS
 from mlir_train.model import Qwen3, logical_axes
 from mlir_train.model.router import updated_expert_bias
 from mlir_train.optim import LossScaler, global_norm, select_tree
+from mlir_train.platform_setup import compile_target
 from sharding import logical_to_spec, use_rules
 from sharding.context import split_within_processes, to_zigzag
 from sharding.logical import axes_tuple
@@ -358,13 +359,13 @@ class Trainer:
     def train_step(self, state, batch):
         """One optimizer step on a global batch with leaves ``[num_micro, rows, seq]``."""
         step = self._jitted_train_step()
-        with jax.set_mesh(self.mesh), use_rules(self.rules):
+        with jax.set_mesh(self.mesh), use_rules(self.rules), compile_target(self.mesh):
             return step(state, batch)
 
     def lower_train_step(self, state_shapes, batch_shapes):
         """Ahead-of-time lowering, for FLOP and memory analysis without running anything."""
         step = self._jitted_train_step()
-        with jax.set_mesh(self.mesh), use_rules(self.rules):
+        with jax.set_mesh(self.mesh), use_rules(self.rules), compile_target(self.mesh):
             return step.lower(state_shapes, batch_shapes)
 
     def _eval(self, params, batch):
@@ -394,7 +395,7 @@ class Trainer:
             self._eval_step[micro] = jax.jit(
                 self._eval, in_shardings=(self.master_shardings, {k: sharding for k in BATCH_KEYS})
             )
-        with jax.set_mesh(self.mesh), use_rules(self.rules):
+        with jax.set_mesh(self.mesh), use_rules(self.rules), compile_target(self.mesh):
             return self._eval_step[micro](params, batch)
 
     def global_batch(self, rows: dict[str, Any]) -> dict[str, jax.Array]:

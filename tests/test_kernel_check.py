@@ -59,16 +59,16 @@ def test_failing_kernel_under_auto_falls_back_loudly(monkeypatch):
     monkeypatch.setitem(kernel_check.ATTENTION_KERNELS, "flash", ("flash attention (Pallas-Triton mha)", raising))
     lines = []
     kernels = kernel_check.selected("flash", _broken_block_kernels())
-    fallbacks = kernel_check.self_check(kernels, SHAPES, {"attention_backend": "auto"}, log=lines.append)
+    fallbacks = kernel_check.self_check(kernels, SHAPES, {"attention_kernel": "auto"}, log=lines.append)
     assert fallbacks == {"attention_impl": "xla", "moe_impl": "padded"}
     summary, warn_attn, warn_moe = lines  # the seconds first, also when the run stops
     assert "flash attention (Pallas-Triton mha) failed: ValueError: no kernel for this shape" in warn_attn
-    assert "falling back to XLA attention" in warn_attn and "--attention-backend xla selects it" in warn_attn
+    assert "falling back to XLA attention" in warn_attn and "--attention-kernel xla selects it" in warn_attn
     assert "(broken block kernels) failed: max relative error" in warn_moe and "--moe-gemm-backend padded" in warn_moe
     assert summary.startswith("mlir-train: kernel self-check took ") and summary.count("FAILED") == 2
     # The explicit choice stops instead, naming the attention flag.
-    with pytest.raises(ConfigError, match=r"flash attention .* select the fallback with --attention-backend xla"):
-        kernel_check.self_check(kernels[:1], SHAPES, {"attention_backend": "pallas-mha"}, log=lines.append)
+    with pytest.raises(ConfigError, match=r"flash attention .* select the fallback with --attention-kernel xla"):
+        kernel_check.self_check(kernels[:1], SHAPES, {"attention_kernel": "pallas-mha"}, log=lines.append)
 
 
 def test_bf16_tolerance_catches_a_small_error():
@@ -84,7 +84,7 @@ def test_what_is_selected_follows_the_model():
     build = lambda **kw: nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, **kw))
     assert kernel_check.selected_by(build(attention_impl="xla", moe_impl="padded", moe_platform="cpu")) == []
     gpu = kernel_check.selected_by(build(attention_impl="flash", moe_impl="grouped", moe_platform="gpu"))
-    assert [(k.key, k.fallback.flag) for k in gpu] == [("flash", "--attention-backend"), ("mosaic", "--moe-gemm-backend")]
+    assert [(k.key, k.fallback.flag) for k in gpu] == [("flash", "--attention-kernel"), ("mosaic", "--moe-gemm-backend")]
     # With a capacity the grouped block runs the padded experts: no block kernels to check.
     capped = build(attention_impl="xla", moe_impl="grouped", moe_platform="gpu", capacity_factor=1.0)
     assert kernel_check.selected_by(capped) == []

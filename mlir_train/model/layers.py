@@ -25,9 +25,14 @@ from sharding.context import sequence_order
 # [T, S] score matrix, masked half included); "flash" is the Pallas (Triton) FlashAttention
 # kernel of jax.experimental.pallas.ops.gpu.attention, GPU only, which takes the packed
 # documents' segment ids, skips the key blocks above the causal diagonal in the forward and
-# both backward passes, and never materialises the scores.
-ATTENTION_IMPLS = ("xla", "flash")
+# both backward passes, and never materialises the scores; "tokamax" is tokamax's Mosaic-GPU flash
+# attention (mlir_train.model.tokamax_kernels.tokamax_attention), GPU only, whose forward also
+# skips the key blocks of the packed row's earlier documents. The GPU default stays "flash": the
+# compiled FLOPs (benchmarks/README.md) are within 2 % of tokamax's on one document per row and
+# above them only on packed rows, and tokamax's kernel wants --seq-length a multiple of 128.
+ATTENTION_IMPLS = ("xla", "flash", "tokamax")
 DEFAULT_ATTENTION_IMPL = {"cpu": "xla", "gpu": "flash", "tpu": "xla"}
+SEGMENT_ID_IMPLS = ("flash", "tokamax")  # the kernels that take the segment ids, not a [B, T, S] mask
 
 Axes = tuple[str | None, ...]
 
@@ -356,6 +361,29 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
                              manual=("act_batch", "act_heads"), check_vma=False)(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
 
 
+def kernel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation: str = "mosaic_gpu"):
+    """:func:`~mlir_train.model.tokamax_kernels.tokamax_attention` (``--attention-kernel
+    tokamax``) in a region manual over the batch and head axes, as :func:`flash_attention`."""
+    from mlir_train.model.tokamax_kernels import tokamax_attention
+
+    if mesh_axes_of("act_seq")[1] > 1:
+        raise ValueError("--attention-kernel tokamax does not run with the sequence split over context-parallel "
+                         "ranks (--context-parallel-size > 1); use --attention-kernel xla")
+    if q_BTNH.shape[1] % 128:
+        raise ValueError(f"--attention-kernel tokamax needs a sequence length (--seq-length) that is a multiple of "
+                         f"128 (its forward reduces the document starts per 128 queries), got {q_BTNH.shape[1]}; "
+                         "use --attention-kernel pallas-mha or xla")
+
+    def run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+        return tokamax_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, implementation=implementation)
+
+    if mesh_axes_of("act_batch")[1] == 1 and mesh_axes_of("act_heads")[1] == 1:
+        return run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+    heads, kv = ("act_batch", None, "act_heads", None), ("act_batch", None, "act_kv_heads", None)
+    return logical_shard_map(run, in_names=(heads, kv, kv, ("act_batch", None)), out_names=heads,
+                             manual=("act_batch", "act_heads"), check_vma=False)(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+
+
 HOPPER_BACKWARD_TILE = 64
 
 
@@ -396,7 +424,7 @@ def target_compute_capability() -> str | None:
 class Attention(nnx.Module):
     """``impl`` (:data:`ATTENTION_IMPLS`) decides what ``mask`` the call takes: the
     ``[B, T, S]`` boolean mask of :func:`attention_mask` for "xla", the ``[B, T]`` segment
-    ids for "flash" and, with the sequence split over context ranks, for
+    ids for "flash" and "tokamax" and, with the sequence split over context ranks, for
     :func:`context_parallel_attention` (``Qwen3.layer_context`` builds the right one)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32, impl: str = "xla",
@@ -444,6 +472,8 @@ class Attention(nnx.Module):
         b, t, n, h = q_BTNH.shape
         if self.impl == "flash":
             o_BTNH = checkpointed(flash_attention, self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
+        elif self.impl == "tokamax":
+            o_BTNH = checkpointed(kernel_attention, self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
         elif mesh_axes_of("act_seq")[1] > 1:  # mask: the segment ids (Qwen3.layer_context)
             o_BTNH = checkpointed(lambda q, k, v, seg: context_parallel_attention(q, k, v, seg, sequence_order(t)),
                                   self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)

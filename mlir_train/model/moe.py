@@ -72,7 +72,8 @@ class MoE(nnx.Module):
     that collective (tests pass :func:`ragged_all_to_all_dense` to run the ragged dispatcher on
     CPU). ``block_loop`` forces the dropless blocked experts' loop (True) or batched form
     (False); None picks by size. ``block_kernels`` are ``impl="grouped"``'s matmuls: by default
-    the Mosaic-GPU kernels when ``platform`` is "gpu", else the ``ragged_dot`` reference."""
+    (or "mosaic") our Mosaic-GPU kernels when ``platform`` is "gpu", else the ``ragged_dot``
+    reference; "tokamax" tokamax's kernels (:mod:`mlir_train.model.tokamax_kernels`)."""
 
     def __init__(
         self,
@@ -87,14 +88,18 @@ class MoE(nnx.Module):
         block_loop: bool | None = None,
         platform: str | None = None,
         ragged_all_to_all: Callable | None = None,
-        block_kernels: BlockKernels | None = None,
+        block_kernels: BlockKernels | str | None = None,
         router: RouterConfig | None = None,
         recompute_act: bool = False,
     ):
         platform = platform or jax.default_backend()
         if ragged_all_to_all is None and impl in ("ragged", "grouped") and capacity_factor is None:
             ragged_all_to_all = ragged_collective_for(platform)
-        if impl == "grouped" and block_kernels is None:
+        if impl == "grouped" and block_kernels == "tokamax":  # --moe-gemm-backend tokamax
+            from mlir_train.model.tokamax_kernels import tokamax_block_kernels
+
+            block_kernels = tokamax_block_kernels(GPU_BLOCK_ROWS)
+        elif impl == "grouped" and block_kernels in (None, "mosaic"):
             block_kernels = mosaic_block_kernels() if platform in ("gpu", "cuda") else xla_block_kernels(GPU_BLOCK_ROWS)
         self.plan = ExpertsPlan(
             impl=impl, num_experts=cfg.num_experts, capacity_factor=capacity_factor, drop_policy=drop_policy,

@@ -241,12 +241,18 @@ def mosaic_block_kernels(interpret=None) -> BlockKernels:
 
     # A Pallas call's result is typed invariant over every manual mesh axis: give it the
     # variance of its operands, as any other op's result would have.
+    def named(kernel, *args, **kwargs):
+        try:
+            return kernel(*args, **kwargs)
+        except ValueError as e:  # a width the kernels cannot tile: say which flag chose them
+            raise ValueError(f"--moe-gemm-backend mosaic (the GPU default): {e}; or --moe-gemm-backend padded") from None
+
     def matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E):
-        out = moe_gpu.block_matmul(lhs_RK, rhs_EKN, expert_N, used, interpret=interpret)
+        out = named(moe_gpu.block_matmul, lhs_RK, rhs_EKN, expert_N, used, interpret=interpret)
         return _common_vma(out, lhs_RK, rhs_EKN)[0]
 
     def matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E):
-        out = moe_gpu.block_matmul_t(lhs_KR, rhs_RN, first_block_E, num_blocks_E, interpret=interpret)
+        out = named(moe_gpu.block_matmul_t, lhs_KR, rhs_RN, first_block_E, num_blocks_E, interpret=interpret)
         return _common_vma(out, lhs_KR, rhs_RN)[0]
 
     return BlockKernels("mosaic" if interpret is None else "mosaic-interpret", moe_gpu.BLOCK_ROWS, matmul, matmul_t)

@@ -37,7 +37,9 @@ from flax import nnx
 
 from mlir_train.config import ModelConfig
 from mlir_train.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
-from mlir_train.model.layers import DEFAULT_ATTENTION_IMPL, MLP, Attention, RMSNorm, attention_mask, param, rope_tables
+from mlir_train.model.layers import (
+    DEFAULT_ATTENTION_IMPL, MLP, SEGMENT_ID_IMPLS, Attention, RMSNorm, attention_mask, param, rope_tables,
+)
 from mlir_train.model.moe import DEFAULT_MOE_IMPL, MoE
 from mlir_train.model.recompute import LEGACY, RecomputePolicy, checkpointed
 from mlir_train.model.router import RouterConfig
@@ -50,7 +52,8 @@ REMAT_POLICIES = LEGACY  # the strings ``remat=`` still takes besides a Recomput
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype,
                  moe_block_loop: bool | None = None, moe_platform: str | None = None, attention_impl: str = "xla",
-                 router: RouterConfig | None = None, recompute: RecomputePolicy = RecomputePolicy()):
+                 router: RouterConfig | None = None, recompute: RecomputePolicy = RecomputePolicy(),
+                 moe_kernels: str | None = None):
         # Megatron scales the init of the two output projections by 1/sqrt(2 * num_layers).
         out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -64,7 +67,7 @@ class DecoderLayer(nnx.Module):
         if moe:
             self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy,
                            dtype=dtype, block_loop=moe_block_loop, platform=moe_platform, router=router,
-                           recompute_act=recompute.recomputes("moe_act"))
+                           recompute_act=recompute.recomputes("moe_act"), block_kernels=moe_kernels)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype)
 
@@ -129,6 +132,7 @@ class Qwen3(nnx.Module):
         moe_platform: str | None = None,
         attention_impl: str = "xla",
         router: RouterConfig | None = None,
+        moe_kernels: str | None = None,
     ):
         self.cfg = cfg
         # What the backward recomputes (mlir_train.model.recompute): the submodules' checkpoints
@@ -146,7 +150,7 @@ class Qwen3(nnx.Module):
             make = lambda r, is_moe=is_moe: DecoderLayer(
                 cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype,
                 moe_block_loop=moe_block_loop, moe_platform=moe_platform, attention_impl=attention_impl,
-                router=router, recompute=self.remat,
+                router=router, recompute=self.remat, moe_kernels=moe_kernels,
             )
             layers.append(_stacked(make, n, rngs))
             kinds.append((start, n, is_moe))
@@ -193,7 +197,7 @@ class Qwen3(nnx.Module):
         # Under context parallelism the sequence arrives in the layout's load-balanced order
         # (sharding.context) and attention masks block by block from the segment ids and
         # original indices (layers.context_parallel_attention).
-        if self.attention_impl == "flash" or context_parallel_size() > 1:
+        if self.attention_impl in SEGMENT_ID_IMPLS or context_parallel_size() > 1:
             mask = segment_ids_BT
         else:
             mask = attention_mask(segment_ids_BT)
@@ -278,19 +282,49 @@ def logical_axes(model: nnx.Module) -> Any:
     )
 
 
-def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int = 1) -> dict[str, Any]:
+# --moe-gemm-backend / --attention-kernel (mlir_train.run_config) -> what the model runs.
+MOE_BACKENDS = ("auto", "mosaic", "tokamax", "padded")
+ATTENTION_BACKENDS = {"auto": None, "tokamax": "tokamax", "pallas-mha": "flash", "xla": "xla"}
+GPU_ONLY = {"mosaic", "tokamax", "pallas-mha"}
+
+
+def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int = 1, moe_backend: str = "auto",
+                          attention_backend: str = "auto") -> dict[str, Any]:
     """The kernels a model compiled for ``platform`` ("cpu", "gpu", "tpu": the mesh devices'
-    ``.platform``) runs: attention (:data:`~mlir_train.model.layers.DEFAULT_ATTENTION_IMPL`)
-    and, for MoE models, the experts (:data:`~mlir_train.model.moe.DEFAULT_MOE_IMPL`).
+    ``.platform``) runs: attention (``attention_backend``, ``--attention-kernel``: "auto" is
+    :data:`~mlir_train.model.layers.DEFAULT_ATTENTION_IMPL`) and, for MoE models, the experts
+    (``moe_backend``, ``--moe-gemm-backend``: "auto" is :data:`~mlir_train.model.moe.DEFAULT_MOE_IMPL`,
+    with our Mosaic-GPU block kernels under "grouped"; "tokamax" the same dropless block layout on
+    tokamax's kernels; "padded" the capacity / padded batched matmul).
 
     With the sequence split over ``context_parallel`` > 1 ranks attention is the "xla" path
-    on every platform: the flash kernel masks causally from position 0 of one sequence shared
+    on every platform: the kernels mask causally from position 0 of one sequence shared
     by queries and keys, which the load-balanced layout's two chunks per rank are not
-    (:func:`~mlir_train.model.layers.context_parallel_attention`)."""
-    impl = "xla" if context_parallel > 1 else DEFAULT_ATTENTION_IMPL.get(platform, "xla")
+    (:func:`~mlir_train.model.layers.context_parallel_attention`); naming a kernel there is refused.
+    A GPU kernel named off GPU is refused (ValueError naming the flag), never replaced."""
+    if moe_backend not in MOE_BACKENDS:
+        raise ValueError(f"--moe-gemm-backend {moe_backend!r}: choose one of {', '.join(MOE_BACKENDS)}")
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-kernel {attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    for flag, choice in (("--attention-kernel", attention_backend), ("--moe-gemm-backend", moe_backend)):
+        if choice in GPU_ONLY and platform != "gpu":
+            raise ValueError(f"{flag} {choice}: a GPU kernel, and this run compiles for {platform}; "
+                             f"use {flag} auto (or xla / padded)")
+    if context_parallel > 1:
+        if attention_backend not in ("auto", "xla"):
+            raise ValueError(f"--attention-kernel {attention_backend} does not run with --context-parallel-size "
+                             f"{context_parallel} (the kernels cannot mask the load-balanced chunks by their original "
+                             "positions); use --attention-kernel xla or auto")
+        impl = "xla"
+    else:
+        impl = ATTENTION_BACKENDS[attention_backend] or DEFAULT_ATTENTION_IMPL.get(platform, "xla")
     kwargs: dict[str, Any] = {"attention_impl": impl}
     if is_moe:
-        kwargs |= {"moe_impl": DEFAULT_MOE_IMPL.get(platform, "padded"), "moe_platform": platform}
+        moe_impl = "padded" if moe_backend == "padded" else (
+            "grouped" if moe_backend in ("mosaic", "tokamax") else DEFAULT_MOE_IMPL.get(platform, "padded"))
+        kwargs |= {"moe_impl": moe_impl, "moe_platform": platform}
+        if moe_backend == "tokamax":
+            kwargs["moe_kernels"] = "tokamax"
     return kwargs
 
 

@@ -1,0 +1,124 @@
+"""tokamax's maintained GPU kernels as backends of the MoE experts and of attention.
+
+Shape suffixes as in :mod:`mlir_train.model.layers` and :mod:`mlir_train.model.moe_experts`.
+
+* :func:`tokamax_block_kernels` the :class:`~mlir_train.model.moe_experts.BlockKernels` of
+  ``--moe-gemm-backend tokamax``: ``tokamax.ragged_dot`` on the block layout, the Mosaic-GPU
+  kernel (Hopper wgmma) for the forward and input-gradient matmuls and tokamax's Pallas-Triton
+  ragged-contracting kernel for the weight gradients (the Mosaic-GPU one is much slower at the
+  MoE shapes). The groups are each expert's blocks, so the kernels compute the used blocks only.
+* :func:`tokamax_attention` ``--attention-kernel tokamax``: tokamax's Mosaic-GPU flash attention
+  with the packed documents given as per-query key starts (``Mask(k_start=..., is_causal=True)``),
+  whose forward skips the key tiles of earlier documents; native GQA (no repeated K/V).
+
+tokamax picks a kernel from ``jax.extend.backend.get_default_device()`` at trace time: a
+deviceless compile for H200 must trace under ``jax.default_device(<a topology device>)``
+(:func:`mlir_train.platform_setup.compile_target`), or ``tokamax.ragged_dot`` with its default
+implementation quietly lowers to XLA's dense ``ragged_dot``. The implementations here are always
+named, so a wrong device is an error, never a silent dense fallback.
+
+tokamax is imported lazily: the CPU path never needs it (:func:`require_tokamax`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from mlir_train.model.moe_experts import BlockKernels, _common_vma
+
+MOE_FLAG = "--moe-gemm-backend"
+ATTENTION_FLAG = "--attention-kernel"
+
+
+def require_tokamax(flag: str):
+    """The ``tokamax`` module, or an ImportError naming ``flag`` (the choice that needs it)."""
+    try:
+        import tokamax
+    except ImportError as e:
+        raise ImportError(f"{flag} tokamax needs the tokamax package (pip install 'mlir-train[cuda]' or "
+                          f"pip install 'tokamax>=0.0.12'); or choose another {flag}: {e}") from None
+    from absl import flags
+
+    # tokamax reads its options from absl flags, and parses sys.argv for them on first use if nobody
+    # has: our (Megatron) command line is not absl's, and it aborts on the first unknown flag. Mark
+    # absl's flags parsed with their defaults instead.
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return tokamax
+
+
+def _check_gpu_device(flag: str):
+    from jax.extend import backend
+
+    device = backend.get_default_device()
+    if device.platform not in ("gpu", "cuda"):
+        raise ValueError(
+            f"{flag} tokamax: tracing on a {device.platform} default device; tokamax's GPU kernels need a GPU "
+            "default device (a deviceless compile traces under mlir_train.platform_setup.compile_target(mesh))")
+
+
+def tokamax_block_kernels(block_rows: int = 64, *, implementation: str | None = None,
+                          implementation_t: str = "mosaic") -> BlockKernels:
+    """``tokamax.ragged_dot`` on the block layout: expert ``e``'s group is its
+    ``num_blocks_E[e] * block_rows`` rows. ``implementation`` None: Mosaic-GPU forward / input
+    gradients, ``implementation_t`` weight gradients (GPU only); ``"xla"``: tokamax's reference (XLA's
+    ``ragged_dot``), which runs anywhere (the CPU tests compare it with our reference).
+    Rows after the last group (spare blocks) are set to zero: the kernels leave them unwritten."""
+    tokamax = require_tokamax(MOE_FLAG)
+    matmul_impl, matmul_t_impl = (implementation, implementation) if implementation else ("mosaic", implementation_t)
+    contracting = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+    def sizes(num_blocks_E):
+        return (num_blocks_E * block_rows).astype(jnp.int32)
+
+    def matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E):
+        if implementation is None:
+            _check_gpu_device(MOE_FLAG)
+        out_RN = tokamax.ragged_dot(lhs_RK, rhs_EKN.astype(lhs_RK.dtype), sizes(num_blocks_E),
+                                    implementation=matmul_impl)
+        live_R = jnp.arange(lhs_RK.shape[0]) < used * block_rows
+        out_RN = jnp.where(live_R[:, None], out_RN, 0).astype(lhs_RK.dtype)
+        return _common_vma(out_RN, lhs_RK, rhs_EKN)[0]
+
+    def matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E):
+        if implementation is None:
+            _check_gpu_device(MOE_FLAG)
+        # tokamax's ragged-contracting form takes the rows leading on both sides ([R, K] x [R, N]).
+        out = tokamax.ragged_dot_general(lhs_KR.T, rhs_RN.astype(lhs_KR.dtype), sizes(num_blocks_E), contracting,
+                                         preferred_element_type=jnp.float32, implementation=matmul_t_impl)
+        return _common_vma(out, lhs_KR, rhs_RN)[0]
+
+    name = "tokamax" if implementation is None else f"tokamax-{implementation}"
+    return BlockKernels(name, block_rows, matmul, matmul_t)
+
+
+def document_starts(segment_ids_BT: jax.Array) -> jax.Array:
+    """``[B, T]``: the index where each position's run of equal segment ids begins, the first key a
+    query of a packed document may see. Equal to :func:`~mlir_train.model.layers.attention_mask`'s
+    documents when every segment id is one contiguous run (as packing lays them out); padding
+    (segment 0) attends within its own run."""
+    t = segment_ids_BT.shape[1]
+    index_T = jnp.arange(t, dtype=jnp.int32)
+    change_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                                 segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(change_BT, index_T, 0), axis=1)
+
+
+def tokamax_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation: str = "mosaic_gpu"):
+    """Causal GQA attention within packed documents (:func:`document_starts`) with tokamax's flash
+    attention; ``implementation`` ``"mosaic_gpu"`` (GPU), or ``"xla"`` (tokamax's reference, any
+    platform: the CPU tests). The same function as
+    :func:`~mlir_train.model.layers.masked_attention` of ``attention_mask(segment_ids)`` for
+    contiguous documents."""
+    require_tokamax(ATTENTION_FLAG)
+    from tokamax._src.ops.attention import api, base
+
+    if implementation != "xla":
+        _check_gpu_device(ATTENTION_FLAG)
+    h = q_BTNH.shape[-1]
+    mask = base.Mask(k_start=document_starts(segment_ids_BT)[:, None, :], is_causal=True)
+    return api.IMPLEMENTATIONS[implementation](q_BTNH, k_BSKH, v_BSKH, mask=mask, logits_scale=1.0 / math.sqrt(h))
