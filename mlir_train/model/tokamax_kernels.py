@@ -4,9 +4,11 @@ Shape suffixes as in :mod:`mlir_train.model.layers` and :mod:`mlir_train.model.m
 
 * :func:`tokamax_block_kernels` the :class:`~mlir_train.model.moe_experts.BlockKernels` of
   ``--moe-gemm-backend tokamax``: ``tokamax.ragged_dot`` on the block layout, the Mosaic-GPU
-  kernel (Hopper wgmma) for the forward and input-gradient matmuls and tokamax's Pallas-Triton
-  ragged-contracting kernel for the weight gradients (the Mosaic-GPU one is much slower at the
-  MoE shapes). The groups are each expert's blocks, so the kernels compute the used blocks only.
+  kernel (Hopper wgmma) for the forward and input-gradient matmuls and, for the weight gradients,
+  tokamax's Mosaic-GPU ragged-contracting kernel. Its Pallas-Triton one (reported much faster at
+  the MoE shapes) does not compile inside our checked shard_map regions: its output declares no
+  variance over the manual axes (``implementation_t="triton"`` selects it where that does not
+  apply). The groups are each expert's blocks, so the kernels compute the used blocks only.
 * :func:`tokamax_attention` ``--attention-kernel tokamax``: tokamax's Mosaic-GPU flash attention
   with the packed documents given as per-query key starts (``Mask(k_start=..., is_causal=True)``),
   whose forward skips the key tiles of earlier documents; native GQA (no repeated K/V).
