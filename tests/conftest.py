@@ -20,3 +20,19 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # suite's time on 2 cores, so share them through JAX's persistent compilation cache.
 jax.config.update("jax_compilation_cache_dir", os.environ.get("MLIR_TRAIN_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "mlir_train_test_jax_cache")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def h200_devices():
+    """8 compile-only XLA:GPU devices of an H200 topology (mlir_train/targets/h200.txtpb), or
+    a skip naming what to install where the deviceless GPU compiler is absent."""
+    from mlir_train.moe_audit import gpu_topology_devices
+    from mlir_train.targets import DEVICE_KINDS
+
+    try:
+        return gpu_topology_devices(DEVICE_KINDS["h200"].target_config())
+    except Exception as e:  # noqa: BLE001 - any failure to build the topology means no GPU compiler here
+        pytest.skip(f"no deviceless XLA:GPU compiler (install jax-cuda12-plugin, jax-cuda12-pjrt, "
+                    f"nvidia-cuda-nvcc-cu12): {type(e).__name__}: {str(e)[:200]}")
