@@ -136,20 +136,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, end_re
     lo = lax.div(j * bk, bq)
     hi = lax.div(jnp.max(end_ref[pl.ds(j * bk, bk)]), bq) + 1
 
-    def body(step, carry):
-        dk, dv = carry
-        g, qt = lax.div(step, hi - lo), lo + lax.rem(step, hi - lo)
-        qs = pl.ds(qt * bq, bq)
-        q, do = q_ref[qs, g, :], do_ref[qs, g, :]
-        lse, delta = lse_ref[g, qs], delta_ref[g, qs]
-        p = jnp.exp2(_scores(q, k, seg_ref[qs], k_seg, qt * bq + jnp.arange(bq), k_pos, scale) - lse[:, None])
-        dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
-        ds = p * (plgpu.dot(do, v.T) - delta[:, None])
-        dk = dk + plgpu.dot(ds.astype(q.dtype).T, q)
-        return dk, dv
+    def group(g, carry):
+        def body(qt, carry):
+            dk, dv = carry
+            qs = pl.ds(qt * bq, bq)
+            q, do = q_ref[qs, g, :], do_ref[qs, g, :]
+            lse, delta = lse_ref[g, qs], delta_ref[g, qs]
+            p = jnp.exp2(_scores(q, k, seg_ref[qs], k_seg, qt * bq + jnp.arange(bq), k_pos, scale) - lse[:, None])
+            dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
+            ds = p * (plgpu.dot(do, v.T) - delta[:, None])
+            dk = dk + plgpu.dot(ds.astype(q.dtype).T, q)
+            return dk, dv
+
+        return lax.fori_loop(lo, hi, body, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, groups * (hi - lo), body, (zeros, zeros))
+    dk, dv = lax.fori_loop(0, groups, group, (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
