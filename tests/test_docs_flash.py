@@ -174,3 +174,15 @@ def test_h200_compile_holds_the_kernels_and_their_ptx_uses_wgmma_without_spills(
         r = reports[name]
         assert r.wgmma > 0 and r.mma_sync == 0, (r.row(), r.wgmma, r.mma_sync)
         assert r.spill_bytes == 0 and r.registers <= r.register_limit, r.row()
+
+
+def test_kernel_self_check_passes_in_the_interpreter(capsys):
+    """The start-up self-check (mlir_train.kernel_check) runs the kernel's row in interpret mode."""
+    from mlir_train import kernel_check
+
+    shapes = kernel_check.Shapes(hidden=64, moe_width=64, experts=2, heads=4, kv_heads=2, head_dim=32,
+                                 seq_length=64, dtype="float32")
+    kernels = kernel_check.selected("docs-flash", None, interpret=True)
+    assert [k.key for k in kernels] == ["docs-flash"]
+    assert kernel_check.self_check(kernels, shapes) == {}
+    assert "document-skipping flash attention" in capsys.readouterr().out
