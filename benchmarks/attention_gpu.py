@@ -2,7 +2,7 @@
 flash attention vs the XLA attention, on one H200, without a GPU.
 
     JAX_PLATFORMS=cpu python benchmarks/attention_gpu.py [--model qwen3-0.6b] [--layers 4] [--seq-length 8192]
-        [--kernels tokamax,pallas-mha,xla] [--documents 1,4]
+        [--kernels mlir,tokamax,pallas-mha,xla] [--documents 1,4]
 
 Needs jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cuda-nvcc-cu12. Compiles ``jax.grad`` of the
 LM loss (bf16 parameters, one sequence, recompute off) for ``mlir_train/targets/h200.txtpb``
@@ -13,7 +13,9 @@ backward = 2 x forward). The XLA attention computes the whole [T, S] score matri
 kernel skips the key tiles above the diagonal (its backward recomputes the scores twice: 9
 half-matmuls against Megatron's 6). ``--documents N`` packs N equal documents per row (segment ids
 1..N): tokamax's forward also skips the earlier documents' key tiles (its work is counted for that
-packing, :meth:`mlir_train.hlo_flops.AttentionCall.flops`); the other kernels' work does not change.
+packing, :meth:`mlir_train.hlo_flops.AttentionCall.flops`); ``mlir`` (our docs-flash kernel) skips them
+forward and backward (:meth:`mlir_train.hlo_flops.DocsFlashCall.flops`); pallas-mha's and xla's work
+does not change.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=8192)
-    p.add_argument("--kernels", default="tokamax,pallas-mha,xla")
+    p.add_argument("--kernels", default="mlir,tokamax,pallas-mha,xla")
     p.add_argument("--documents", default="1,4")
     args = p.parse_args(argv)
     try:

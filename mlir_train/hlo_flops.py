@@ -22,7 +22,11 @@ nothing, so this counts the matmuls themselves:
   tiles read from the call's launch grid, since :func:`~mlir_train.model.layers.flash_block_sizes`
   picks them per GPU): the forward does
   2 matmuls per visited (query tile, key tile) pair, the backward 7 (the dK/dV loop
-  recomputes the scores and dP, then dV and dK; the dQ loop recomputes both again, then dQ).
+  recomputes the scores and dP, then dV and dK; the dQ loop recomputes both again, then dQ);
+* our document-skipping Pallas-Triton attention (``docs_flash_{fwd,dq,dkv}_q<bq>_k<bk>``,
+  :mod:`mlir_train.model.docs_flash`, ``--attention-kernel mlir``) by the tiles it visits
+  (:class:`DocsFlashCall`; ``attention_flops`` with one document per row,
+  :meth:`DocsFlashCall.flops` for packed rows' document starts).
 
 Instructions inside a ``while`` body count as many times as the loop's ``known_trip_count``
 (XLA's annotation, e.g. a layer ``scan``), nested loops multiplying; a loop without a known
@@ -36,6 +40,7 @@ import dataclasses
 import json
 import math
 import re
+import numpy as np
 
 _SHAPE = r"[a-z0-9]+\[[0-9,]*\]"
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
@@ -140,6 +145,9 @@ def matmul_flops(hlo_text: str, exclude_scope: str | None = None) -> MatmulFlops
                 out.batched_dot_flops += flops if batched else 0.0
             elif target == "__gpu$xla.gpu.triton" and _flash_flops(rest) is not None:
                 out.attention_flops += _flash_flops(rest) * times
+            elif target == "__gpu$xla.gpu.triton" and (dc := _docs_flash_call(rest)) is not None:
+                out.attention_calls.extend([dc] * times)
+                out.attention_flops += dc.flops() * times
             elif (tk := _tokamax_call(rest, shapes.get(name), result)) is not None:
                 if isinstance(tk, KernelCall):
                     out.kernels.extend([tk] * times)
@@ -307,6 +315,50 @@ class AttentionCall:
         return (2 if self.kind == "fwd" else 3) * 2.0 * self.b * self.n * self.h * pairs * tq * tk
 
 
+@dataclasses.dataclass(frozen=True)
+class DocsFlashCall:
+    """One of our document-skipping Pallas-Triton attention kernels
+    (:mod:`mlir_train.model.docs_flash`, op_name ``docs_flash_{fwd,dq,dkv}_q<bq>_k<bk>``), with q's
+    ``[B, T, N, H]``. Forward and dQ visit, per query tile, the key tiles from the tile's first
+    document start to the causal diagonal (2 and 3 matmuls a tile pair); dK/dV, per key tile, the
+    query tiles from the diagonal to the tile's last document end (4 matmuls), for each query head."""
+    kind: str  # fwd | dq | dkv
+    b: int
+    t: int
+    n: int
+    h: int
+    tile_q: int
+    tile_k: int
+
+    def pairs(self, k_start_T=None) -> int:
+        """(query tile, key tile) pairs visited for the document starts ``k_start_T`` (each
+        position's first index of its run of equal segment ids; None: one document per row)."""
+        t, tq, tk = self.t, self.tile_q, self.tile_k
+        start = np.zeros(t, np.int64) if k_start_T is None else np.asarray(k_start_T, np.int64)
+        if self.kind == "dkv":
+            # a run's last index: the position before the next run's start
+            nxt = np.append(np.nonzero(np.diff(start))[0], t - 1)  # last index of each run
+            end = np.repeat(nxt, np.diff(np.concatenate([[-1], nxt])))
+            return int(sum(int(end[j * tk:(j + 1) * tk].max()) // tq + 1 - (j * tk) // tq for j in range(t // tk)))
+        return int(sum(-(-((i + 1) * tq) // tk) - int(start[i * tq:(i + 1) * tq].min()) // tk for i in range(t // tq)))
+
+    def flops(self, k_start_T=None) -> float:
+        matmuls = {"fwd": 2, "dq": 3, "dkv": 4}[self.kind]
+        return matmuls * 2.0 * self.b * self.n * self.h * self.pairs(k_start_T) * self.tile_q * self.tile_k
+
+
+def _docs_flash_call(rest: str) -> DocsFlashCall | None:
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", rest)
+    if op_name is None or layouts is None:
+        return None
+    kernel = re.search(r"(?:^|[/(])docs_flash_(fwd|dq|dkv)_q(\d+)_k(\d+)(?:[/)]|$)", op_name.group(1))
+    if kernel is None:
+        return None
+    b, t, n, h = _dims(re.findall(_SHAPE, layouts.group(1))[0])
+    return DocsFlashCall(kernel.group(1), b, t, n, h, int(kernel.group(2)), int(kernel.group(3)))
+
+
 def _tokamax_json(rest: str):
     op_name = re.search(r'op_name="((?:[^"\\]|\\.)*)"', rest)
     if op_name is None or "tokamax:{" not in op_name.group(1):
@@ -358,7 +410,8 @@ def custom_call_counters() -> dict:
     MoE block kernels (ours and tokamax's) at their static bound (every block of the buffer: the
     planner's upper bound, no routing assumed)."""
     def flash(ins, types):
-        return _flash_flops(ins.attrs) or 0.0
+        docs = _docs_flash_call(ins.attrs)
+        return docs.flops() if docs is not None else (_flash_flops(ins.attrs) or 0.0)
 
     def block(ins, types):
         result = re.match(_SHAPE, ins.result_type.lstrip("("))

@@ -74,14 +74,22 @@ def _tokamax(interpret: bool):
     return lambda q, k, v, seg: kernel_attention(q, k, v, seg, implementation="xla" if interpret else "mosaic_gpu")
 
 
+def _docs_flash(interpret: bool):
+    from mlir_train.model.layers import docs_flash_attention
+
+    return lambda q, k, v, seg: docs_flash_attention(q, k, v, seg, interpret=interpret)
+
+
 # attention_impl -> (kernel name, (interpret) -> fn(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> o_BTNH)
 ATTENTION_KERNELS: dict[str, tuple[str, Callable[[bool], Callable]]] = {
     "flash": ("flash attention (Pallas-Triton mha)", _flash),
     "tokamax": ("tokamax flash attention (Mosaic-GPU)", _tokamax),
+    "docs-flash": ("document-skipping flash attention (our Pallas-Triton, --attention-kernel mlir)", _docs_flash),
 }
 # kernel name (attention_impl, or BlockKernels.name) -> fallback; MoE block kernels not named
 # here fall back to MOE_FALLBACK.
-FALLBACKS: dict[str, Fallback] = {"flash": ATTENTION_FALLBACK, "tokamax": ATTENTION_FALLBACK}
+FALLBACKS: dict[str, Fallback] = {"flash": ATTENTION_FALLBACK, "tokamax": ATTENTION_FALLBACK,
+                                  "docs-flash": ATTENTION_FALLBACK}
 
 
 @dataclasses.dataclass(frozen=True)

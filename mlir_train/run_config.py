@@ -590,9 +590,11 @@ class ExtraFlags:
                                       "(tokamax's ragged-dot kernels on the same layout; needs tokamax), padded "
                                       "(sorted, padded batched matmul; capacity einsum with a capacity factor); auto: "
                                       "the platform's default (GPU mosaic, CPU padded, TPU ragged_dot)")
-    attention_kernel: str = flag("--attention-kernel", default="auto", choices=("auto", "tokamax", "pallas-mha", "xla"),
-                                 help="attention: tokamax (tokamax's Mosaic-GPU flash attention, skips other "
-                                      "documents' key blocks in the forward; needs tokamax), pallas-mha (JAX's Pallas "
+    attention_kernel: str = flag("--attention-kernel", default="auto",
+                                 choices=("auto", "tokamax", "pallas-mha", "mlir", "xla"),
+                                 help="attention: mlir (our Pallas-Triton flash attention, mlir_train.model.docs_flash: "
+                                      "skips other documents' tiles forward and backward), tokamax (tokamax's "
+                                      "Mosaic-GPU flash attention, skips other documents' key blocks in the forward; needs tokamax), pallas-mha (JAX's Pallas "
                                       "Triton flash attention), xla (masked / blocked XLA ops); auto: the platform's "
                                       "default (GPU pallas-mha, else xla; xla under context parallelism). "
                                       "(Megatron's --attention-backend is accepted as a no-op)")

@@ -30,9 +30,11 @@ from sharding.context import sequence_order
 # skips the key blocks of the packed row's earlier documents. The GPU default stays "flash": the
 # compiled FLOPs (benchmarks/README.md) are within 2 % of tokamax's on one document per row and
 # above them only on packed rows, and tokamax's kernel wants --seq-length a multiple of 128.
-ATTENTION_IMPLS = ("xla", "flash", "tokamax")
+# "docs-flash" is our Pallas (Triton) kernel (mlir_train.model.docs_flash, --attention-kernel mlir),
+# GPU only, whose forward and both backward passes skip the tiles outside a tile's documents.
+ATTENTION_IMPLS = ("xla", "flash", "tokamax", "docs-flash")
 DEFAULT_ATTENTION_IMPL = {"cpu": "xla", "gpu": "flash", "tpu": "xla"}
-SEGMENT_ID_IMPLS = ("flash", "tokamax")  # the kernels that take the segment ids, not a [B, T, S] mask
+SEGMENT_ID_IMPLS = ("flash", "tokamax", "docs-flash")  # the kernels that take the segment ids, not a [B, T, S] mask
 
 Axes = tuple[str | None, ...]
 
@@ -384,6 +386,29 @@ def kernel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation: 
                              manual=("act_batch", "act_heads"), check_vma=False)(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
 
 
+def docs_flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool = False):
+    """:func:`mlir_train.model.docs_flash.docs_flash_attention` (``--attention-kernel mlir``: our
+    Pallas-Triton kernel that skips other documents' tiles, forward and backward; GQA mapped in
+    its index maps) in a region manual over the batch and head axes, as :func:`flash_attention`."""
+    from mlir_train.model import docs_flash
+
+    if mesh_axes_of("act_seq")[1] > 1:
+        raise ValueError("--attention-kernel mlir does not run with the sequence split over context-parallel "
+                         "ranks (--context-parallel-size > 1); use --attention-kernel xla")
+    if q_BTNH.shape[1] % 16:
+        raise ValueError(f"--attention-kernel mlir needs a sequence length (--seq-length) that is a multiple of 16, "
+                         f"got {q_BTNH.shape[1]}")
+
+    def run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+        return docs_flash.docs_flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, interpret=interpret)
+
+    if mesh_axes_of("act_batch")[1] == 1 and mesh_axes_of("act_heads")[1] == 1:
+        return run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+    heads, kv = ("act_batch", None, "act_heads", None), ("act_batch", None, "act_kv_heads", None)
+    return logical_shard_map(run, in_names=(heads, kv, kv, ("act_batch", None)), out_names=heads,
+                             manual=("act_batch", "act_heads"), check_vma=False)(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+
+
 HOPPER_BACKWARD_TILE = 64
 
 
@@ -424,7 +449,7 @@ def target_compute_capability() -> str | None:
 class Attention(nnx.Module):
     """``impl`` (:data:`ATTENTION_IMPLS`) decides what ``mask`` the call takes: the
     ``[B, T, S]`` boolean mask of :func:`attention_mask` for "xla", the ``[B, T]`` segment
-    ids for "flash" and "tokamax" and, with the sequence split over context ranks, for
+    ids for "flash", "tokamax" and "docs-flash" and, with the sequence split over context ranks, for
     :func:`context_parallel_attention` (``Qwen3.layer_context`` builds the right one)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32, impl: str = "xla",
@@ -474,6 +499,8 @@ class Attention(nnx.Module):
             o_BTNH = checkpointed(flash_attention, self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
         elif self.impl == "tokamax":
             o_BTNH = checkpointed(kernel_attention, self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
+        elif self.impl == "docs-flash":
+            o_BTNH = checkpointed(docs_flash_attention, self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
         elif mesh_axes_of("act_seq")[1] > 1:  # mask: the segment ids (Qwen3.layer_context)
             o_BTNH = checkpointed(lambda q, k, v, seg: context_parallel_attention(q, k, v, seg, sequence_order(t)),
                                   self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)

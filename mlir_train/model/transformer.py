@@ -284,8 +284,8 @@ def logical_axes(model: nnx.Module) -> Any:
 
 # --moe-gemm-backend / --attention-kernel (mlir_train.run_config) -> what the model runs.
 MOE_BACKENDS = ("auto", "mosaic", "tokamax", "padded")
-ATTENTION_BACKENDS = {"auto": None, "tokamax": "tokamax", "pallas-mha": "flash", "xla": "xla"}
-GPU_ONLY = {"mosaic", "tokamax", "pallas-mha"}
+ATTENTION_BACKENDS = {"auto": None, "tokamax": "tokamax", "pallas-mha": "flash", "mlir": "docs-flash", "xla": "xla"}
+GPU_ONLY = {"mosaic", "tokamax", "pallas-mha", "mlir"}
 
 
 def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int = 1, moe_backend: str = "auto",
