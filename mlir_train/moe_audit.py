@@ -114,13 +114,14 @@ def audit_moe_layer(cfg, parallel: sharding.ParallelConfig, devices, *, impl: st
     )
 
 
-def compile_without_cache(lowered):
-    """``lowered.compile()`` bypassing the persistent compilation cache: an executable for
-    compile-only devices cannot be loaded back from it (jax warns on every read)."""
+def compile_without_cache(lowered, compiler_options: dict | None = None):
+    """``lowered.compile(compiler_options)`` bypassing the persistent compilation cache: an
+    executable for compile-only devices cannot be loaded back from it (jax warns on every read).
+    ``compiler_options`` e.g. ``{"xla_dump_to": DIR}`` for the per-kernel PTX."""
     saved = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        return lowered.compile()
+        return lowered.compile(compiler_options)
     finally:
         jax.config.update("jax_enable_compilation_cache", saved)
 

@@ -130,42 +130,22 @@ def test_counted_work_on_packed_rows_is_below_megatrons_causal_count():
 
 
 @pytest.fixture(scope="module")
-def h200_mesh():
-    from jax.sharding import Mesh
+def h200_mesh(h200_devices):
+    from gpu_helpers import one_device_mesh
 
-    from mlir_train.moe_audit import gpu_topology_devices
-    from mlir_train.targets import DEVICE_KINDS
-
-    try:
-        device = gpu_topology_devices(DEVICE_KINDS["h200"].target_config(), 1)[0]
-    except Exception as e:  # noqa: BLE001 - no deviceless GPU compiler here
-        pytest.skip(f"no deviceless XLA:GPU compiler: {type(e).__name__}: {str(e)[:200]}")
-    return Mesh(np.array([device]), ("d",))
+    return one_device_mesh(h200_devices)
 
 
 def test_h200_compile_holds_the_kernels_and_their_ptx_uses_wgmma_without_spills(h200_mesh, tmp_path):
     """Forward and backward compiled deviceless for an H200 (bf16, T 2048, G 2, H 128): three
     Triton kernel calls, no dot or GEMM (no dense attention fallback); each kernel's PTX issues
     wgmma, no mma.sync, no spills, registers within the limit (about 20 s)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
+    from gpu_helpers import compiled_attention_grads
     from mlir_train.hlo_flops import matmul_flops
     from mlir_train.kernel_audit import audit_xla_dump
-    from mlir_train.model.layers import docs_flash_attention as sharded
+    from mlir_train.model.layers import docs_flash_attention
 
-    b, t, kv, g, h = 1, 2048, 2, 2, 128
-    rep = NamedSharding(h200_mesh, PartitionSpec())
-    q = jax.ShapeDtypeStruct((b, t, kv * g, h), jnp.bfloat16, sharding=rep)
-    k = jax.ShapeDtypeStruct((b, t, kv, h), jnp.bfloat16, sharding=rep)
-    seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rep)
-    loss = jax.grad(lambda q, k, v, s: jnp.sum(sharded(q, k, v, s).astype(jnp.float32)), argnums=(0, 1, 2))
-    saved = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        with jax.set_mesh(h200_mesh):
-            hlo = jax.jit(loss).lower(q, k, k, seg).compile({"xla_dump_to": str(tmp_path)}).as_text()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", saved)
+    hlo = compiled_attention_grads(docs_flash_attention, h200_mesh, t=2048, dump_to=tmp_path).as_text()
     flops = matmul_flops(hlo)
     assert sorted(c.kind for c in flops.attention_calls) == ["dkv", "dq", "fwd"], flops
     assert flops.dot_flops == 0 and " dot(" not in hlo and "__cublas" not in hlo

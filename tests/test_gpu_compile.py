@@ -6,7 +6,6 @@ jax-cuda12-plugin (and -pjrt, nvidia-cuda-nvcc-cu12) is not installed."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from mlir_train.targets import DEVICE_KINDS
@@ -50,23 +49,19 @@ def test_capacity_moe_flops_on_h200(h200_devices):
 
 
 def test_flash_attention_compiles_and_skips_the_masked_half(h200_devices):
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import contextlib
 
+    from gpu_helpers import compiled_attention_grads, one_device_mesh
     from mlir_train.model.layers import attention_mask, flash_attention, masked_attention
 
     b, t, kv, g, h = 1, 1024, 2, 4, 128
-    mesh = Mesh(np.array(h200_devices[:1]), ("d",))
-    rep = NamedSharding(mesh, P())
-    q = jax.ShapeDtypeStruct((b, t, kv * g, h), jnp.bfloat16, sharding=rep)
-    k = jax.ShapeDtypeStruct((b, t, kv, h), jnp.bfloat16, sharding=rep)
-    seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rep)
+    mesh = one_device_mesh(h200_devices)
 
-    def grads(attend):
-        return jax.jit(jax.grad(lambda q, k, v, s: jnp.sum(attend(q, k, v, s).astype(jnp.float32)), argnums=(0, 1, 2)))
+    def compiled(attend):  # traced without a mesh set: the kernel's default (non-Hopper) tiles
+        return compiled_attention_grads(attend, mesh, t=t, kv=kv, g=g, h=h, under=contextlib.nullcontext()).as_text()
 
-    flash = matmul_flops(compile_without_cache(grads(flash_attention).lower(q, k, k, seg)).as_text())
-    xla = matmul_flops(compile_without_cache(grads(lambda q, k, v, s: masked_attention(
-        q.reshape(b, t, kv, g, h), k, v, attention_mask(s))).lower(q, k, k, seg)).as_text())
+    flash = matmul_flops(compiled(flash_attention))
+    xla = matmul_flops(compiled(lambda q, k, v, s: masked_attention(q.reshape(b, t, kv, g, h), k, v, attention_mask(s))))
     full = 2.0 * b * kv * g * t * t * h  # one [T, S] matmul over every position pair
     assert xla.attention_flops == 0 and xla.dot_flops == pytest.approx(6 * full, rel=0.01)  # fwd 2 + bwd 4, unmasked
     # Causal: about half of the pairs; the kernel's backward does 7 matmuls (fwd 2).

@@ -16,14 +16,8 @@ H200 = DEVICE_KINDS["h200"]
 
 
 @pytest.fixture(scope="module")
-def h200_device():
-    from mlir_train.moe_audit import gpu_topology_devices
-
-    try:
-        return gpu_topology_devices(H200.target_config(), 1)[0]
-    except Exception as e:  # noqa: BLE001 - any failure to build the topology means no GPU compiler here
-        pytest.skip(f"no deviceless XLA:GPU compiler (install jax-cuda12-plugin, jax-cuda12-pjrt, "
-                    f"nvidia-cuda-nvcc-cu12): {type(e).__name__}: {str(e)[:200]}")
+def h200_device(h200_devices):
+    return h200_devices[0]
 
 
 CASES = [c[0] for c in moe_kernel_cases()]  # 8 kernels, about a second each to compile
@@ -93,28 +87,11 @@ def test_flash_attention_tiles_follow_the_target():
 def test_flash_attention_backward_uses_wgmma_without_spills_on_h200(h200_device, tmp_path):
     """The Pallas-Triton attention, compiled under a mesh of H200s (its tiles follow the mesh's
     devices), forward and backward, read from XLA's per-module PTX with ptxas -v (~10 s)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
+    from gpu_helpers import compiled_attention_grads, one_device_mesh
     from mlir_train.kernel_audit import audit_xla_dump
     from mlir_train.model.layers import flash_attention
 
-    b, t, kv, g, h = 1, 2048, 2, 2, 128
-    mesh = Mesh(np.array([h200_device]), ("d",))
-    rep = NamedSharding(mesh, PartitionSpec())
-    q = jax.ShapeDtypeStruct((b, t, kv * g, h), jnp.bfloat16, sharding=rep)
-    k = jax.ShapeDtypeStruct((b, t, kv, h), jnp.bfloat16, sharding=rep)
-    seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rep)
-    loss = jax.grad(lambda q, k, v, s: jnp.sum(flash_attention(q, k, v, s).astype(jnp.float32)), argnums=(0, 1, 2))
-    saved = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        with jax.set_mesh(mesh):
-            jax.jit(loss).lower(q, k, k, seg).compile({"xla_dump_to": str(tmp_path)})
-    finally:
-        jax.config.update("jax_enable_compilation_cache", saved)
+    compiled_attention_grads(flash_attention, one_device_mesh([h200_device]), t=2048, dump_to=tmp_path)
     reports = {r.name: r for r in audit_xla_dump(str(tmp_path))}
     for name in ("mha_forward", "mha_backward"):
         r = reports[name]

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from mlir_train.config import get_model_config
 from mlir_train.model import moe_dispatch, moe_experts, platform_model_kwargs
@@ -146,23 +145,15 @@ def test_tokamax_attention_compiles_and_skips_other_documents_on_h200(h200_devic
     per row the forward's work drops below the one-document figure (earlier documents' key tiles
     skipped). tokamax 0.0.12's backward visits every causal tile, so fwd+bwd stays above
     Megatron's causal count (6 half-matmuls): 9 half-matmuls for one document, ~8.3 for four."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
+    from gpu_helpers import compiled_attention_grads, one_device_mesh
     from mlir_train.hlo_flops import matmul_flops
     from mlir_train.model.tokamax_kernels import document_starts, tokamax_attention
-    from mlir_train.moe_audit import compile_without_cache
     from mlir_train.platform_setup import compile_target
 
     b, t, kv, g, h = 1, 1024, 2, 4, 128
-    mesh = Mesh(np.array(h200_devices[:1]), ("d",))
-    rep = NamedSharding(mesh, P())
-    q = jax.ShapeDtypeStruct((b, t, kv * g, h), jnp.bfloat16, sharding=rep)
-    k = jax.ShapeDtypeStruct((b, t, kv, h), jnp.bfloat16, sharding=rep)
-    seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rep)
-    step = jax.jit(jax.grad(lambda q, k, v, s: jnp.sum(tokamax_attention(q, k, v, s).astype(jnp.float32)),
-                            argnums=(0, 1, 2)))
-    with compile_target(mesh):
-        flops = matmul_flops(compile_without_cache(step.lower(q, k, k, seg)).as_text())
+    mesh = one_device_mesh(h200_devices)
+    flops = matmul_flops(compiled_attention_grads(tokamax_attention, mesh, t=t, kv=kv, g=g, h=h,
+                                                  under=compile_target(mesh)).as_text())
     assert sorted(c.kind for c in flops.attention_calls) == ["dkv", "dq", "fwd"] and flops.dot_flops == 0
     full = 2.0 * b * kv * g * t * t * h  # one [T, S] matmul over every position pair
     one_doc = flops.attention_flops
