@@ -29,16 +29,23 @@ def test_moe_benchmark_quick():
                          out, re.MULTILINE), out
 
 
+def _one_device_unoptimised_env() -> dict:
+    """The environment without the fake device count (the script picks its own) and with LLVM's
+    optimisation of the CPU code off: the steps are only run, not timed for a figure."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
+                                 if not f.startswith("--xla_force_host_platform_device_count")]
+                                + ["--xla_backend_optimization_level=0"])
+    return env
+
+
 def test_gpu_h200_smoke():
     """gpu_h200.py's whole path (AOT compile + memory check, bf16 steps, tokens/s, MFU line) at tiny sizes on CPU.
 
     Its steps are only run, not timed for a figure, so LLVM's optimisation of the CPU code is skipped: that
     halves the compile, which is most of this test's time.
     """
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if not f.startswith("--xla_force_host_platform_device_count")]
-                                + ["--xla_backend_optimization_level=0"])
+    env = _one_device_unoptimised_env()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_h200.py"), "--smoke"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -102,10 +109,7 @@ def test_gpu_compiled_benchmark_quick():  # ~30 s of CPU per layout; deviceless 
 def test_gpu_kernels_h200_cpu_smoke():
     """gpu_kernels_h200.py's whole path at tiny shapes on CPU (~15 s): every backend row (the Mosaic and
     Pallas kernels in their interpreters), within bf16 error of the float32 reference, repeats bit-identical."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if not f.startswith("--xla_force_host_platform_device_count")]
-                                + ["--xla_backend_optimization_level=0"])
+    env = _one_device_unoptimised_env()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_kernels_h200.py"), "--cpu-smoke"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
