@@ -5,7 +5,7 @@ Imports nothing from ``mlir_train``: the model only ever names logical axes.
 
 from sharding.table import sharding_rows, sharding_table
 from sharding.logical import Rules, active_rules, constrain, logical_to_spec, tree_shardings, tree_specs, use_rules
-from sharding.manual import logical_shard_map, mesh_axes_of
+from sharding.manual import logical_shard_map, mesh_axes_of, varying_axes
 from sharding.mesh import (
     ALL_MESH_AXES,
     DATA_AXES,
@@ -64,5 +64,6 @@ __all__ = [
     "tree_specs",
     "use_rules",
     "validate",
+    "varying_axes",
     "zero_spec",
 ]

@@ -103,3 +103,12 @@ def logical_shard_map(
         axis_names=manual_axes,
         check_vma=check_vma,
     )
+
+
+def varying_axes(x) -> frozenset[str]:
+    """The manual mesh axes ``x`` is typed as varying over inside a ``shard_map`` region (empty
+    outside one). jax 0.10 keeps them in ``aval.manual_axis_type.varying``, later versions in
+    ``aval.vma``."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())

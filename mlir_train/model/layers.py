@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlir_train.model.recompute import checkpointed
-from sharding import constrain, logical_shard_map, mesh_axes_of
+from sharding import constrain, logical_shard_map, mesh_axes_of, varying_axes
 from sharding.context import sequence_order
 
 # How attention runs: "xla" is masked_attention below (any platform; it computes the whole
@@ -171,11 +171,7 @@ def _key_blocks(x, block, axis):
 def _varying_like(x, *refs):
     """``x`` varying over every manual mesh axis one of ``refs`` varies over: a scan carry
     started from constants must vary as its updates do inside a manual region."""
-    axes = set()
-    for r in refs:
-        aval = jax.typeof(r)
-        manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; later versions: aval.vma
-        axes |= set(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
+    axes = set().union(*(varying_axes(r) for r in refs))
     return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mlir_train.model.recompute import checkpointed
+from sharding import varying_axes
 
 
 def swiglu_down(g, u, down, recompute: bool = False):
@@ -307,9 +308,9 @@ def grouped_experts(kernels: BlockKernels, x_RD, weight_R, wg_EDF, wu_EDF, wd_EF
 
 
 def _common_vma(*arrays):
-    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
+    axes = set().union(*(varying_axes(a) for a in arrays))
     out = []
     for a in arrays:
-        missing = tuple(sorted(axes - set(jax.typeof(a).manual_axis_type.varying)))
+        missing = tuple(sorted(axes - varying_axes(a)))
         out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
     return tuple(out)

@@ -78,7 +78,7 @@ import jax.numpy as jnp
 from mlir_train.model import moe_dispatch
 from mlir_train.model.moe_dispatch import ExpertsPlan, constrained_swiglu
 from mlir_train.model.moe_experts import swiglu_experts
-from sharding import logical_shard_map, mesh_axes_of
+from sharding import logical_shard_map, mesh_axes_of, varying_axes
 
 
 def run_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weights):
@@ -254,7 +254,7 @@ def _varying(arrays, axes):
     """``arrays`` marked varying over those of ``axes`` they do not vary over yet."""
     out = []
     for a in arrays:
-        missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
+        missing = tuple(ax for ax in axes if ax not in varying_axes(a))
         out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
     return tuple(out)
 
