@@ -4,7 +4,7 @@
 
 For each model the full training state (float32 master weights + AdamW moments, the trainer's
 own shardings on all local devices, distributed optimizer) is saved through
-``mlir_train.checkpoint.CheckpointManager`` with ``async_save=True`` and ``False``. Reported per
+``mlir_train.checkpoint.orbax.CheckpointManager`` with ``async_save=True`` and ``False``. Reported per
 mode, median over rounds after one warm-up save (the first save compiles Orbax's per-shard copy
 programs): *blocked* = the time ``save()`` takes to return, i.e. how long the training loop
 cannot dispatch its next step; *total* = until the files are committed and their checksums
@@ -24,17 +24,17 @@ import sys
 import tempfile
 import time
 
-from mlir_train.platform_setup import configure_platform  # (imports no jax)
+from mlir_train.runtime.platform_setup import configure_platform  # (imports no jax)
 
 configure_platform()  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
 
 import jax
 import optax
 
-from mlir_train import checkpoint
-from mlir_train import checkpoint_integrity as integrity
-from mlir_train.config import get_model_config
-from mlir_train.train import StepConfig, Trainer, model_dims
+from mlir_train.checkpoint import orbax as checkpoint
+from mlir_train.checkpoint import integrity
+from mlir_train.config.models import get_model_config
+from mlir_train.train.trainer import StepConfig, Trainer, model_dims
 from sharding.mesh import ParallelConfig, make_mesh, validate
 
 SIZES = {

@@ -3,7 +3,7 @@
     python benchmarks/gpu_compiled.py [--layers 48] [--seq-length 2048] [--global-batch-size 128]
                                       [--layouts dp8,ep8,tp2ep4,seed] [--device-kind h200]
 
-For each layout it compiles the real training step (``mlir_train.plan.plan_layout``: the
+For each layout it compiles the real training step (``mlir_train.planner.plan.plan_layout``: the
 planner's code path, the Trainer ``sft`` builds, the GPU runtime flags ``sft`` sets on GPU, the
 MoE implementation the GPU mesh selects) and prints per device: the compiled arguments,
 temporaries and total need; the matmul FLOPs read from the optimized HLO as a ratio to
@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlir_train.platform_setup import configure_platform  # noqa: E402  (imports no jax)
+from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402  (imports no jax)
 
 configure_platform(compile_only=True)
 
@@ -36,7 +36,9 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from mlir_train import cli, plan, targets  # noqa: E402
+from mlir_train.config import cli
+from mlir_train.planner import plan
+from mlir_train.planner import targets  # noqa: E402
 
 LAYOUTS = {
     "dp8": plan.Layout(),
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
               + (f"  [{r.conditionals} conditionals, costliest branches; cheapest: "
                  f"{r.compiled_matmul_flops_cheapest * 8 / r.flops_per_step:.2f}x, "
                  f"{plan.format_collectives(r.collectives_cheapest)}]" if r.conditionals else ""))
-    print(f"\nratio: compiled matmul FLOPs / Megatron's model FLOPs (mlir_train.flops); need = arguments + "
+    print(f"\nratio: compiled matmul FLOPs / Megatron's model FLOPs (mlir_train.planner.flops); need = arguments + "
           f"unaliased outputs + temp; fits = need <= {plan.USABLE_FRACTION:.0%} of {kind.memory_bytes / g:.1f} GiB")
     return 0
 

@@ -7,7 +7,7 @@
 
 The model is Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 kv heads of 128, 128 experts of
 width 768, top-8, vocab 151936) with as many layers as fit one device (``--layers``; the full
-model has 48). It trains with :class:`mlir_train.train.Trainer` on a 1-device mesh exactly as
+model has 48). It trains with :class:`mlir_train.train.trainer.Trainer` on a 1-device mesh exactly as
 ``mlir_train.sft`` would: bf16 forward/backward, float32 master weights and AdamW moments,
 gradient clipping, the MoE aux loss; experts by ``jax.lax.ragged_dot`` (``--moe-impl ragged``,
 the GPU path; ``padded`` on CPU). The batch is random tokens, ``micro-batch-size x seq-length``.
@@ -19,7 +19,7 @@ the median gives tokens/s and
 
     MFU = num_floating_point_operations(cfg, seq, batch) / (step time * peak)
 
-with Megatron's FLOPs formula (``mlir_train.flops``: model FLOPs, recomputation not counted)
+with Megatron's FLOPs formula (``mlir_train.planner.flops``: model FLOPs, recomputation not counted)
 and the bf16 dense peak of the device (989 TFLOP/s for an H200; ``--peak-tflops`` overrides).
 """
 
@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlir_train.platform_setup import configure_platform  # noqa: E402  (imports no jax)
+from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402  (imports no jax)
 
 # As sft: the platform from the machine, the GPU runtime settings on GPU (printed below);
 # --compile-only: a CPU host compiling for XLA:GPU with those settings, as the planner does.
@@ -42,12 +42,14 @@ SETUP = configure_platform(compile_only="--compile-only" in sys.argv)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlir_train import flops, hlo_stats, plan  # noqa: E402
-from mlir_train import platform_setup  # noqa: E402
+from mlir_train.planner import flops
+from mlir_train.planner import hlo as hlo_stats
+from mlir_train.planner import plan  # noqa: E402
+from mlir_train.runtime import platform_setup  # noqa: E402
 from mlir_train.model import platform_model_kwargs  # noqa: E402
-from mlir_train.config import get_model_config  # noqa: E402
-from mlir_train.optim import make_optimizer  # noqa: E402
-from mlir_train.train import BATCH_KEYS, StepConfig, Trainer  # noqa: E402
+from mlir_train.config.models import get_model_config  # noqa: E402
+from mlir_train.train.optim import make_optimizer  # noqa: E402
+from mlir_train.train.trainer import BATCH_KEYS, StepConfig, Trainer  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 
 H200_PEAK_BF16 = 989.0
@@ -79,7 +81,7 @@ def main(argv=None) -> None:
     parser.add_argument("--recompute", default="selective", choices=("none", "selective", "full"),
                         help="activation recomputation (Megatron's --recompute-granularity)")
     parser.add_argument("--moe-impl", default=None, choices=("grouped", "ragged", "padded", "dense"),
-                        help="expert path (default: the device platform's, mlir_train.model.moe.DEFAULT_MOE_IMPL)")
+                        help="expert path (default: the device platform's, mlir_train.model.moe.block.DEFAULT_MOE_IMPL)")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile for one H200 deviceless (XLA:GPU, no GPU needed), print the audit and stop")
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -91,7 +93,7 @@ def main(argv=None) -> None:
     iters = args.iters or (2 if args.smoke else 10)
 
     if args.compile_only:
-        from mlir_train.targets import compile_only_devices
+        from mlir_train.planner.targets import compile_only_devices
 
         device = compile_only_devices("h200", 1)[0]
     else:
@@ -124,12 +126,12 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     compiled = trainer.lower_train_step(trainer.abstract_state(), batch_shapes).compile()
     print(f"compiled in {time.perf_counter() - start:.1f}s")
-    # The planner's audit of the compiled step (mlir_train.hlo_stats): memory analysis, matmul
+    # The planner's audit of the compiled step (mlir_train.planner.hlo): memory analysis, matmul
     # FLOPs and collectives from the optimized HLO, as `python -m mlir_train.plan` reports them.
     step = hlo_stats.audit_compiled(compiled)
     need = step.needed_bytes
     if args.compile_only:  # a compile-only device has no allocator: the description's memory
-        from mlir_train.targets import DEVICE_KINDS
+        from mlir_train.planner.targets import DEVICE_KINDS
 
         limit = DEVICE_KINDS["h200"].memory_bytes * platform_setup.GPU_MEM_FRACTION
     else:

@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlir_train.platform_setup import configure_platform  # noqa: E402  (imports no jax)
+from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402  (imports no jax)
 
 SMOKE = "--cpu-smoke" in sys.argv
 SETUP = configure_platform("cpu", cpu_devices=1) if SMOKE else configure_platform()
@@ -112,7 +112,7 @@ def _expert_rows(sizes_E, a):
 
 
 def moe_padded(sizes_E, capacity):
-    from mlir_train.model.moe_experts import swiglu_experts
+    from mlir_train.model.moe.experts import swiglu_experts
 
     def fn(x, wg, wu, wd):
         e, a, d = wg.shape[0], x.shape[0], x.shape[1]
@@ -132,8 +132,8 @@ def moe_ragged(ragged_dot, sizes_E):
 
 
 def moe_blocks(kernels, sizes_E):
-    from mlir_train.model.moe_dispatch import block_grouping
-    from mlir_train.model.moe_experts import grouped_experts
+    from mlir_train.model.moe.dispatch import block_grouping
+    from mlir_train.model.moe.experts import grouped_experts
 
     def fn(x, wg, wu, wd):
         e, a, d = wg.shape[0], x.shape[0], x.shape[1]
@@ -151,7 +151,7 @@ def moe_blocks(kernels, sizes_E):
 
 def moe_backends(sizes_E, capacity):
     """(name, fn or None, why skipped) per MoE backend."""
-    from mlir_train.model.moe_experts import mosaic_block_kernels
+    from mlir_train.model.moe.experts import mosaic_block_kernels
 
     out = []
     if SMOKE:

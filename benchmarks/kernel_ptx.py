@@ -1,5 +1,5 @@
 """Registers, spills and wgmma waits of our GPU kernels as ptxas builds them for an H200,
-without a GPU (mlir_train.kernel_audit; the same cases as tests/test_gpu_kernels_ptx.py).
+without a GPU (mlir_train.planner.kernel_audit; the same cases as tests/planner/test_gpu_kernels_ptx.py).
 
     python -m benchmarks.kernel_ptx
 
@@ -20,8 +20,8 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from mlir_train.kernel_audit import audit_kernel, audit_xla_dump, moe_kernel_cases  # noqa: E402
-from mlir_train.targets import compile_only_devices  # noqa: E402
+from mlir_train.planner.kernel_audit import audit_kernel, audit_xla_dump, moe_kernel_cases  # noqa: E402
+from mlir_train.planner.targets import compile_only_devices  # noqa: E402
 
 
 def attention_reports(device, compute_capability: str, t: int = 4096):

@@ -3,7 +3,7 @@
     python benchmarks/layouts.py [--quick] [--iters N] [--models tiny,small]
 
 For each model and each layout of issue 5 (plus a 1-device mesh) it builds the
-:class:`~mlir_train.train.Trainer`, compiles the train step ahead of time and reads:
+:class:`~mlir_train.train.trainer.Trainer`, compiles the train step ahead of time and reads:
 
 * the training state per device from the state shardings (float32 master weights and Adam
   state, i.e. what ``--use-distributed-optimizer`` and TP/EP split), checked against the bytes
@@ -36,17 +36,17 @@ import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-from mlir_train.platform_setup import configure_platform  # noqa: E402
+from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402
 
 configure_platform(cpu_devices=8)  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlir_train.config import ModelConfig, get_model_config  # noqa: E402
-from mlir_train.optim import make_optimizer  # noqa: E402
-from mlir_train.schedule import megatron_lr_schedule  # noqa: E402
-from mlir_train.train import StepConfig, Trainer, model_dims  # noqa: E402
+from mlir_train.config.models import ModelConfig, get_model_config  # noqa: E402
+from mlir_train.train.optim import make_optimizer  # noqa: E402
+from mlir_train.train.schedule import megatron_lr_schedule  # noqa: E402
+from mlir_train.train.trainer import StepConfig, Trainer, model_dims  # noqa: E402
 from sharding.table import held_bytes  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh, validate  # noqa: E402
 

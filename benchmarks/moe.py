@@ -2,7 +2,7 @@
 
     python benchmarks/moe.py [--quick] [--dtype float32|bfloat16] [--iters N] [--impls dense,padded,ragged]
 
-For each layer size and each ``mlir_train.model.moe.MoE`` implementation, times one jitted
+For each layer size and each ``mlir_train.model.moe.block.MoE`` implementation, times one jitted
 ``jax.grad`` of the layer (router, experts, gradients for the parameters and the input) on a
 fixed random batch: one warmup call, then the median of ``--iters`` timed calls, each waited for
 with ``block_until_ready``. In the same run it times a jitted square matmul of the same dtype as
@@ -17,7 +17,7 @@ Reported per path:
   the router and the dispatch are not counted, as in Megatron's MFU), and its fraction of the
   matmul peak. The reference executes ``E / K`` times that work; "padded" (dropless: the
   blocked grouped matmul) at most ``1 + E * b / (T * K)`` times it for its block size ``b``
-  (``mlir_train.model.moe.block_rows``), under 1.5x.
+  (``mlir_train.model.moe.block.block_rows``), under 1.5x.
 
 Sizes: "tiny" is the ``qwen3-moe-tiny`` layer; "30b-a3b-s" is a Qwen3-30B-A3B MoE layer
 (D 2048, F 768, E 128, K 8) with D and F divided by 8 and E and K by 4, which keeps its
@@ -33,7 +33,7 @@ import os
 import statistics
 import time
 
-from mlir_train.platform_setup import configure_platform  # (imports no jax)
+from mlir_train.runtime.platform_setup import configure_platform  # (imports no jax)
 
 configure_platform()  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
 
@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlir_train.config import get_model_config
+from mlir_train.config.models import get_model_config
 from mlir_train.model import MOE_IMPLS
-from mlir_train.model.moe import MoE
+from mlir_train.model.moe.block import MoE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ each layout (DP8, EP8, TP2xEP4) and each implementation (``--impls``), dropless 
 (``jax.value_and_grad`` for the parameters and the input; float32 parameters, bfloat16
 activations, 2048 tokens per token rank) for the device description in
 ``mlir_train/targets/h200.txtpb`` and prints per device, from the optimized HLO
-(``mlir_train.moe_audit``):
+(``mlir_train.planner.moe_audit``):
 
 * the expert matmul FLOPs over the routed FLOPs ``6 * S * K * 3 * D * F / TP`` ("ratio");
   for the block kernels of ``grouped`` the work of the blocks a uniformly random routing uses
@@ -33,9 +33,9 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from mlir_train.targets import DEVICE_KINDS
-from mlir_train.config import get_model_config  # noqa: E402
-from mlir_train.moe_audit import audit_moe_layer, gpu_topology_devices  # noqa: E402
+from mlir_train.planner.targets import DEVICE_KINDS
+from mlir_train.config.models import get_model_config  # noqa: E402
+from mlir_train.planner.moe_audit import audit_moe_layer, gpu_topology_devices  # noqa: E402
 from sharding import ParallelConfig  # noqa: E402
 
 H200 = DEVICE_KINDS["h200"]  # mlir_train/targets/h200.txtpb

@@ -13,7 +13,7 @@ per stage), and reports:
   (DP8, ``M / P`` micro-batches of one row per rank): the same useful work, every device busy
   all the time;
 * ``bubble``: ``1 - ideal / step`` measured, next to the schedule's theoretical
-  idle-tick fraction (``mlir_train.pipeline_parallel``): ``(P - 1) / (M * R + P - 1)`` for GPipe and
+  idle-tick fraction (``mlir_train.train.pipeline.parallel``): ``(P - 1) / (M * R + P - 1)`` for GPipe and
   circular, ``(R * P + P - 2) / (M * R + R * P + P - 2)`` for (interleaved) 1F1B, whose ticks
   also recompute the chunk's forward (so its measured figure also holds that ~1/3 extra work);
 * ``temp MB``: XLA's temporary buffer size per device from the ahead-of-time compile
@@ -36,16 +36,16 @@ import time
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-from mlir_train.platform_setup import configure_platform  # noqa: E402
+from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402
 
 configure_platform(cpu_devices=8)  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlir_train.config import get_model_config  # noqa: E402
-from mlir_train.optim import make_optimizer  # noqa: E402
-from mlir_train.train import StepConfig, Trainer  # noqa: E402
+from mlir_train.config.models import get_model_config  # noqa: E402
+from mlir_train.train.optim import make_optimizer  # noqa: E402
+from mlir_train.train.trainer import StepConfig, Trainer  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 
 LAYERS = 8

@@ -31,7 +31,7 @@ flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_cou
 os.environ["XLA_FLAGS"] = flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from mlir_train.platform_setup import configure_platform  # noqa: E402
+from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402
 
 configure_platform(cpu_devices=8)  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
 
@@ -41,9 +41,9 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peak_buffers import peak_buffers  # noqa: E402
 
-from mlir_train.config import get_model_config  # noqa: E402
-from mlir_train.optim import make_optimizer  # noqa: E402
-from mlir_train.train import BATCH_KEYS, StepConfig, Trainer, model_dims  # noqa: E402
+from mlir_train.config.models import get_model_config  # noqa: E402
+from mlir_train.train.optim import make_optimizer  # noqa: E402
+from mlir_train.train.trainer import BATCH_KEYS, StepConfig, Trainer, model_dims  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh, validate  # noqa: E402
 
 CFG = get_model_config("qwen3-moe-tiny", vocab_size=8192, num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2,

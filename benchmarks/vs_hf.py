@@ -4,12 +4,12 @@
                                [--hf-experts eager]
 
 For each size, one process builds the same Qwen3-MoE twice, with the *same weights*: ours is
-initialised (``Trainer.init_state``), written with ``mlir_train.hf.save_pretrained`` and read by
+initialised (``Trainer.init_state``), written with ``mlir_train.checkpoint.hf.save_pretrained`` and read by
 ``transformers.Qwen3MoeForCausalLM.from_pretrained``. Both then train on the same random
 token batch (``rows x seq`` tokens, every token a loss token), float32, with AdamW, gradient
 clipping at 1.0 and the MoE aux loss at 1e-2:
 
-* mlir-train: :class:`mlir_train.train.Trainer` on a 1-device mesh, one jitted step (forward,
+* mlir-train: :class:`mlir_train.train.trainer.Trainer` on a 1-device mesh, one jitted step (forward,
   backward, clipping, AdamW update; the state donated), the CPU fast MoE path ("padded");
 * HF: the eager PyTorch training step, ``model(input_ids, labels=...)`` with
   ``output_router_logits=True`` (its loss includes the aux loss), ``loss.backward()``,
@@ -49,7 +49,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-from mlir_train.platform_setup import configure_platform  # noqa: E402
+from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402
 
 configure_platform(cpu_devices=1)  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
 
@@ -57,10 +57,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlir_train.config import ModelConfig, get_model_config  # noqa: E402
-from mlir_train.hf import save_pretrained  # noqa: E402
-from mlir_train.optim import make_optimizer  # noqa: E402
-from mlir_train.train import StepConfig, Trainer  # noqa: E402
+from mlir_train.config.models import ModelConfig, get_model_config  # noqa: E402
+from mlir_train.checkpoint.hf import save_pretrained  # noqa: E402
+from mlir_train.train.optim import make_optimizer  # noqa: E402
+from mlir_train.train.trainer import StepConfig, Trainer  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 
 LR, WEIGHT_DECAY, BETA2, CLIP, AUX_COEFF = 1e-4, 0.1, 0.95, 1.0, 1e-2

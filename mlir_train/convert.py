@@ -33,7 +33,7 @@ import sys
 def _trainer(model_cfg):
     import optax
 
-    from mlir_train.train import StepConfig, Trainer, model_dims
+    from mlir_train.train.trainer import StepConfig, Trainer, model_dims
     from sharding.mesh import ParallelConfig, make_mesh, validate
 
     parallel = validate(ParallelConfig(distributed_optimizer=True), model_dims(model_cfg))
@@ -44,8 +44,8 @@ def _hf_params(src: str):
     import numpy as np
     from flax import nnx
 
-    from mlir_train.config import ModelConfig
-    from mlir_train.hf import load_pretrained
+    from mlir_train.config.models import ModelConfig
+    from mlir_train.checkpoint.hf import load_pretrained
 
     trainer = _trainer(ModelConfig.from_hf_json(src))
     model = load_pretrained(src, dtype=np.float32, mesh=trainer.mesh, rules=trainer.rules)
@@ -58,7 +58,7 @@ def hf_to_checkpoint(src: str, dst: str) -> None:
 
 
 def _save_ours(trainer, params, dst: str, src: str) -> None:
-    from mlir_train import checkpoint
+    from mlir_train.checkpoint import orbax as checkpoint
 
     mgr = checkpoint.CheckpointManager(dst)
     if mgr.latest_step() is not None:
@@ -71,7 +71,7 @@ def _save_ours(trainer, params, dst: str, src: str) -> None:
 
 
 def _ours_params(src: str, step: int | None):
-    from mlir_train import checkpoint
+    from mlir_train.checkpoint import orbax as checkpoint
 
     meta = checkpoint.CheckpointManager(src, read_only=True).read_meta(step)
     trainer = _trainer(checkpoint.model_config(meta))
@@ -87,13 +87,13 @@ def checkpoint_to_hf(src: str, dst: str, *, step: int | None = None, dtype: str 
 def _save_hf(trainer, params, dst: str, dtype: str | None) -> None:
     import jax.numpy as jnp
 
-    from mlir_train.hf import save_pretrained
+    from mlir_train.checkpoint.hf import save_pretrained
 
     save_pretrained(trainer.model(params), dst, dtype=None if dtype is None else jnp.dtype(dtype))
 
 
 def _megatron_params(src: str, step: int | None, vocab_size: int | None):
-    from mlir_train import megatron_checkpoint as mc
+    from mlir_train.checkpoint.megatron import read as mc
 
     ckpt = mc.find(src, iteration=step)
     if ckpt is None:
@@ -123,7 +123,7 @@ def to_megatron(trainer, params, dst: str, layout, *, iteration: int | None = No
     import jax
     import numpy as np
 
-    from mlir_train import megatron_checkpoint as mc
+    from mlir_train.checkpoint.megatron import read as mc
 
     if os.path.isdir(dst) and os.listdir(dst):
         raise mc.MegatronCheckpointError(f"{dst} is not empty; give an empty or new directory")
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--iteration", type=int, default=None, help="write iter_N (default: release)")
     args = p.parse_args(argv)
 
-    from mlir_train import megatron_checkpoint as mc
-    from mlir_train.errors import CheckpointError
+    from mlir_train.checkpoint.megatron import read as mc
+    from mlir_train.runtime.errors import CheckpointError
 
     is_hf = os.path.exists(os.path.join(args.src, "config.json"))
     try:
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if to != "hf":
                 raise CheckpointError(f"{args.src}: a mlir-train checkpoint converts to hf or megatron (--to {to})")
-            from mlir_train.checkpoint import has_checkpoint
+            from mlir_train.checkpoint.orbax import has_checkpoint
 
             found = None if has_checkpoint(args.src) else mc.identify(args.src)
             if found:
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from mlir_train.platform_setup import configure_platform
+    from mlir_train.runtime.platform_setup import configure_platform
 
     configure_platform(cpu_devices=8)  # a CPU-only host converts through fake devices like the trainer does
     sys.exit(main())

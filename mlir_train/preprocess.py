@@ -16,7 +16,8 @@ from __future__ import annotations
 import sys
 import time
 
-from mlir_train import cli, platform_setup
+from mlir_train.config import cli
+from mlir_train.runtime import platform_setup
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,10 @@ import sys
 import time
 from typing import Any
 
-from mlir_train import cli, platform_setup
+from mlir_train.config import cli
+from mlir_train.runtime import platform_setup
 from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
-from mlir_train.run_config import ConfigError, RunConfig, require, resolve
+from mlir_train.config.flags import ConfigError, RunConfig, require, resolve
 
 DEFAULT_ARGV = [
     "--model-name", "qwen3-moe-tiny",
@@ -61,9 +62,10 @@ def main(argv: list[str] | None = None) -> RunResult:
               "(qwen3-moe-tiny on the bundled alpaca tasks, 8 fake CPU devices).")
     if cfg.ignored_flags:
         print(f"mlir-train: ignoring flags that mean nothing under JAX/XLA: {' '.join(cfg.ignored_flags)}")
-    from mlir_train import checkpoint, distributed
+    from mlir_train.checkpoint import orbax as checkpoint
+    from mlir_train.runtime import distributed
     from mlir_train.data import DataError
-    from mlir_train.metrics import NonFiniteLoss
+    from mlir_train.train.metrics import NonFiniteLoss
 
     try:
         require(cfg, "--train-iters", "--lr", "--seq-length", "--micro-batch-size", "--data-path", "--hf-tokenizer-path")
@@ -81,11 +83,13 @@ def main(argv: list[str] | None = None) -> RunResult:
 def _train(cfg: RunConfig, launched: float) -> RunResult:
     import jax
 
-    from mlir_train import checkpoint, exits, kernel_check
-    from mlir_train import flops as flops_lib
+    from mlir_train.checkpoint import orbax as checkpoint
+    from mlir_train.train import exits
+    from mlir_train.train import kernel_check
+    from mlir_train.planner import flops as flops_lib
     from mlir_train.data import BatchLoader, build_datasets, load_tokenizer
-    from mlir_train.evaluation import Evaluator
-    from mlir_train.metrics import MetricsWriter, StepLogger, Timers
+    from mlir_train.train.evaluation import Evaluator
+    from mlir_train.train.metrics import MetricsWriter, StepLogger, Timers
 
     if jax.process_index() != 0:
         sys.stdout = open(os.devnull, "w")  # console lines from process 0 only, as Megatron's rank 0
@@ -128,7 +132,7 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     state = _initial_state(cfg, start, trainer, train_loader)
     start_iteration = 0 if ck.finetune else start.iteration
     if cfg.extras.print_sharding:
-        from mlir_train.sharding_report import sharding_report
+        from mlir_train.train.sharding_report import sharding_report
 
         print(sharding_report(trainer))  # compute layout, fp32 master weights and optimizer state
 
@@ -203,7 +207,7 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     if not stopped and not (t.eval_interval and t.train_iters % t.eval_interval == 0):
         evaluate(t.train_iters, state["params"])
     if not stopped and ck.save_hf:
-        from mlir_train.hf import save_pretrained
+        from mlir_train.checkpoint.hf import save_pretrained
 
         save_pretrained(trainer.model(state["params"]), ck.save_hf)
         print(f"mlir-train: wrote the HF model to {ck.save_hf}")
@@ -225,8 +229,9 @@ def _model_config(cfg: RunConfig, start, tokenizer_size: int):
     """The model: the starting point's own config (HF config.json, our checkpoint's, or a
     Megatron checkpoint's args), which ``--model-name`` (if given) and the architecture
     overrides must agree with; else the named one with the vocabulary padded as Megatron pads it."""
-    from mlir_train import checkpoint, megatron_checkpoint
-    from mlir_train.config import ModelConfig
+    from mlir_train.checkpoint import orbax as checkpoint
+    from mlir_train.checkpoint.megatron import read as megatron_checkpoint
+    from mlir_train.config.models import ModelConfig
 
     m = cfg.model
     if start.kind == "scratch":
@@ -267,7 +272,7 @@ def _datasets(cfg: RunConfig, tokenizer, build_datasets):
     share the cache directory, build their own without racing it)."""
     import jax
 
-    from mlir_train import distributed
+    from mlir_train.runtime import distributed
 
     if jax.process_index() != 0:
         distributed.barrier("data-cache")
@@ -278,14 +283,14 @@ def _datasets(cfg: RunConfig, tokenizer, build_datasets):
 
 
 def _initial_state(cfg: RunConfig, start, trainer, train_loader):
-    from mlir_train import checkpoint
+    from mlir_train.checkpoint import orbax as checkpoint
 
     ck = cfg.checkpoint
     if start.kind == "hf":
         import numpy as np
         from flax import nnx
 
-        from mlir_train.hf import load_pretrained
+        from mlir_train.checkpoint.hf import load_pretrained
 
         print(f"mlir-train: loading HF weights from {start.path}")
         model = load_pretrained(start.path, dtype=np.float32, mesh=trainer.mesh, rules=trainer.rules,
@@ -295,7 +300,7 @@ def _initial_state(cfg: RunConfig, start, trainer, train_loader):
         import jax
         import numpy as np
 
-        from mlir_train import megatron_checkpoint
+        from mlir_train.checkpoint.megatron import read as megatron_checkpoint
 
         ckpt = start.megatron
         print(f"mlir-train: loading weights from {ckpt.describe()}")

@@ -1,8 +1,8 @@
-"""Rewrite README.md's flag table (between the flag-table markers) from mlir_train.run_config.
+"""Rewrite README.md's flag table (between the flag-table markers) from mlir_train.config.flags.
 
     python scripts/update_flag_table.py
 
-tests/test_flags.py fails when the README's table and the flags disagree; this is the fix.
+tests/config/test_flags.py fails when the README's table and the flags disagree; this is the fix.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's mlir_train, not an installed one
 
-from mlir_train.run_config import flag_table_markdown  # noqa: E402
+from mlir_train.config.flags import flag_table_markdown  # noqa: E402
 
 BEGIN, END = "<!-- flag-table:begin -->\n", "<!-- flag-table:end -->"
 

@@ -2,7 +2,7 @@
 
 import os
 
-from mlir_train.platform_setup import configure_platform
+from mlir_train.runtime.platform_setup import configure_platform
 
 # As every entry point does, first: fake CPU devices and the XLA:CPU workaround (its
 # all-reduce-promotion pass aborts on bf16 EP steps), JAX_PLATFORMS=cpu so an installed GPU
@@ -28,8 +28,8 @@ import pytest  # noqa: E402
 def h200_devices():
     """8 compile-only XLA:GPU devices of an H200 topology (mlir_train/targets/h200.txtpb), or
     a skip naming what to install where the deviceless GPU compiler is absent."""
-    from mlir_train.moe_audit import gpu_topology_devices
-    from mlir_train.targets import DEVICE_KINDS
+    from mlir_train.planner.moe_audit import gpu_topology_devices
+    from mlir_train.planner.targets import DEVICE_KINDS
 
     try:
         return gpu_topology_devices(DEVICE_KINDS["h200"].target_config())

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mlir_train.moe_audit import compile_without_cache
+from mlir_train.planner.moe_audit import compile_without_cache
 
 
 def one_device_mesh(devices) -> Mesh:

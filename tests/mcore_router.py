@@ -1,5 +1,5 @@
-"""megatron-core's own router on CPU, as the oracle for ``mlir_train.model.router`` and the
-router losses (``tests/test_router.py``).
+"""megatron-core's own router on CPU, as the oracle for ``mlir_train.model.moe.router`` and the
+router losses (``tests/model/test_router.py``).
 
 megatron-core 0.16.1's ``TopKRouter`` runs in this process once (measured 2026-12-01, torch 2.13
 CPU): ``torch.cuda.current_device`` returns ``"cpu"``, ``moe_utils.te_general_gemm = None``

@@ -412,7 +412,7 @@ def flash_block_sizes(t: int, compute_capability: str | None = None):
     """The kernel's tiles for sequence length ``t``: 128-row forward tiles, smaller when ``t``
     is short; None if ``t`` is not a multiple of 16. Backward tiles: on Hopper (compute
     capability 9.x) 64x64 where they divide ``t``, which Triton compiles to wgmma (with 8
-    warps, no spills, checked by tests/test_gpu_kernels_ptx.py); elsewhere, and for short
+    warps, no spills, checked by tests/planner/test_gpu_kernels_ptx.py); elsewhere, and for short
     sequences, the kernel's default 32x32, which compiles to pre-Hopper ``mma.sync``."""
     from jax.experimental.pallas.ops.gpu.attention import BlockSizes
 

@@ -3,7 +3,7 @@
 One frozen :class:`RecomputePolicy` is built from the flags (``--recompute-granularity``,
 ``--recompute-method``, ``--recompute-num-layers``, ``--recompute-modules``,
 ``--moe-layer-recompute``) and handed to the model; nothing else changes the numbers, only
-what the compiled step saves for its backward (``tests/test_recompute.py`` checks both).
+what the compiled step saves for its backward (``tests/model/test_recompute.py`` checks both).
 
 * **full** granularity checkpoints whole decoder layers (``jax.checkpoint`` that saves nothing
   but its inputs). ``method="uniform"`` with ``num_layers=N`` splits each pipeline chunk's

@@ -1,8 +1,8 @@
 """tokamax's maintained GPU kernels as backends of the MoE experts and of attention.
 
-Shape suffixes as in :mod:`mlir_train.model.layers` and :mod:`mlir_train.model.moe_experts`.
+Shape suffixes as in :mod:`mlir_train.model.layers` and :mod:`mlir_train.model.moe.experts`.
 
-* :func:`tokamax_block_kernels` the :class:`~mlir_train.model.moe_experts.BlockKernels` of
+* :func:`tokamax_block_kernels` the :class:`~mlir_train.model.moe.experts.BlockKernels` of
   ``--moe-gemm-backend tokamax``: ``tokamax.ragged_dot`` on the block layout, the Mosaic-GPU
   kernel (Hopper wgmma) for the forward and input-gradient matmuls and, for the weight gradients,
   tokamax's Mosaic-GPU ragged-contracting kernel. Its Pallas-Triton one (reported much faster at
@@ -15,7 +15,7 @@ Shape suffixes as in :mod:`mlir_train.model.layers` and :mod:`mlir_train.model.m
 
 tokamax picks a kernel from ``jax.extend.backend.get_default_device()`` at trace time: a
 deviceless compile for H200 must trace under ``jax.default_device(<a topology device>)``
-(:func:`mlir_train.platform_setup.compile_target`), or ``tokamax.ragged_dot`` with its default
+(:func:`mlir_train.runtime.platform_setup.compile_target`), or ``tokamax.ragged_dot`` with its default
 implementation quietly lowers to XLA's dense ``ragged_dot``. The implementations here are always
 named, so a wrong device is an error, never a silent dense fallback.
 
@@ -29,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mlir_train.model.moe_experts import BlockKernels, _common_vma
+from mlir_train.model.moe.experts import BlockKernels, _common_vma
 
 MOE_FLAG = "--moe-gemm-backend"
 ATTENTION_FLAG = "--attention-kernel"
@@ -59,7 +59,7 @@ def _check_gpu_device(flag: str):
     if device.platform not in ("gpu", "cuda"):
         raise ValueError(
             f"{flag} tokamax: tracing on a {device.platform} default device; tokamax's GPU kernels need a GPU "
-            "default device (a deviceless compile traces under mlir_train.platform_setup.compile_target(mesh))")
+            "default device (a deviceless compile traces under mlir_train.runtime.platform_setup.compile_target(mesh))")
 
 
 def tokamax_block_kernels(block_rows: int = 64, *, implementation: str | None = None,

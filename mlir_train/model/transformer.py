@@ -21,7 +21,7 @@ names to arrays with a leading MoE-layer axis: ``tokens_per_expert [L, E]`` (rou
 ``aux_tokens_per_expert [L, E]`` and ``probs_per_expert [L, E]`` (what the aux losses count
 and sum), ``num_tokens [L]``, ``z_loss_sum [L]``, ``dropped_tokens [L]`` (and per-document
 sums for ``seq_aux_loss``), all excluding padding tokens (segment id 0); see
-``mlir_train.model.router`` for their definitions and ``mlir_train.losses`` for the aux / z
+``mlir_train.model.moe.router`` for their definitions and ``mlir_train.model.losses`` for the aux / z
 losses formed from them.
 """
 
@@ -35,14 +35,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlir_train.config import ModelConfig
-from mlir_train.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
+from mlir_train.config.models import ModelConfig
+from mlir_train.model.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
 from mlir_train.model.layers import (
     DEFAULT_ATTENTION_IMPL, MLP, SEGMENT_ID_IMPLS, Attention, RMSNorm, attention_mask, param, rope_tables,
 )
-from mlir_train.model.moe import DEFAULT_MOE_IMPL, MoE
+from mlir_train.model.moe.block import DEFAULT_MOE_IMPL, MoE
 from mlir_train.model.recompute import LEGACY, RecomputePolicy, checkpointed
-from mlir_train.model.router import RouterConfig
+from mlir_train.model.moe.router import RouterConfig
 from sharding import constrain
 from sharding.context import context_parallel_size, sequence_order
 
@@ -282,7 +282,7 @@ def logical_axes(model: nnx.Module) -> Any:
     )
 
 
-# --moe-gemm-backend / --attention-kernel (mlir_train.run_config) -> what the model runs.
+# --moe-gemm-backend / --attention-kernel (mlir_train.config.flags) -> what the model runs.
 MOE_BACKENDS = ("auto", "mosaic", "tokamax", "padded")
 ATTENTION_BACKENDS = {"auto": None, "tokamax": "tokamax", "pallas-mha": "flash", "mlir": "docs-flash", "xla": "xla"}
 GPU_ONLY = {"mosaic", "tokamax", "pallas-mha", "mlir"}
@@ -293,7 +293,7 @@ def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int 
     """The kernels a model compiled for ``platform`` ("cpu", "gpu", "tpu": the mesh devices'
     ``.platform``) runs: attention (``attention_backend``, ``--attention-kernel``: "auto" is
     :data:`~mlir_train.model.layers.DEFAULT_ATTENTION_IMPL`) and, for MoE models, the experts
-    (``moe_backend``, ``--moe-gemm-backend``: "auto" is :data:`~mlir_train.model.moe.DEFAULT_MOE_IMPL`,
+    (``moe_backend``, ``--moe-gemm-backend``: "auto" is :data:`~mlir_train.model.moe.block.DEFAULT_MOE_IMPL`,
     with our Mosaic-GPU block kernels under "grouped"; "tokamax" the same dropless block layout on
     tokamax's kernels; "padded" the capacity / padded batched matmul).
 

@@ -1,0 +1,1 @@
+"""Megatron-LM / AIAK checkpoints."""

@@ -1,0 +1,679 @@
+"""Training checkpoints: Orbax, asynchronous, restorable into any mesh and parallel layout.
+
+A checkpoint directory holds one Orbax step directory per saved iteration::
+
+    DIR/<iteration>/params      float32 master weights (the model's nnx state as pure arrays)
+    DIR/<iteration>/opt_state   optax state (absent when written with --no-save-optim)
+    DIR/<iteration>/loss_scale  fp16 loss-scaler state (absent without --fp16)
+    DIR/<iteration>/meta        JSON: iteration, consumed samples, data-loader position, seed,
+                                model config, tokenizer size, parallel layout, the run's flags
+    DIR/<iteration>/checksums.json  size and BLAKE2b of every other file of the step
+    DIR/.lock                   the job saving into DIR (while it runs)
+
+Arrays are written from each device's own shards and restored straight into an abstract
+target (``jax.ShapeDtypeStruct`` with the *new* run's shardings), so a checkpoint written under
+TP2 x EP2 with the distributed optimizer loads under DP8 or EP4 with no conversion step, and
+nothing is ever gathered onto one device.
+
+``save`` blocks only while the arrays are copied off the devices; the files are written in a
+background thread (``async_save=True``), so training continues. A step directory appears under
+its final name only once it is complete (Orbax writes ``<step>.orbax-checkpoint-tmp`` and
+renames it), so a job killed mid-write leaves the previous checkpoint as the newest; step
+directories that lack Orbax's commit marker anyway (copied or truncated by hand) are set aside
+as ``<step>.partial`` and ignored.
+
+Every step also carries ``checksums.json`` (:mod:`mlir_train.checkpoint.integrity`), written
+in the background once Orbax has committed the step; a load verifies it first. ``--load DIR``
+takes the newest step that verifies (a warning names any newer corrupt one and its file); an
+explicit step (``--ckpt-step N``, or ``--load DIR/N``) that fails is an error. The ``Checkpointer``
+holds ``DIR/.lock`` so a second job saving into the same directory is refused.
+``python -m mlir_train.checkpoint verify DIR`` checks every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from mlir_train.checkpoint import integrity
+from mlir_train.config.models import ModelConfig
+from mlir_train.runtime.errors import CheckpointError
+
+# 1: no checksums; 2: every step carries checksums.json (a format-2 step without one is corrupt).
+FORMAT_VERSION = integrity.MANIFEST_SINCE_FORMAT
+# Fields that change parameter shapes: a mismatch is an error. Other architecture fields
+# (rope_theta, rms_norm_eps, ...) change numerics only and are reported but allowed.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "intermediate_size", "num_experts", "moe_intermediate_size", "decoder_sparse_step",
+                "mlp_only_layers", "tie_word_embeddings")
+NUMERIC_FIELDS = ("top_k", "norm_topk_prob", "rope_theta", "rope_scaling_factor", "rms_norm_eps")
+ARRAY_ITEMS = ("params", "opt_state", "loss_scale")
+_COMMIT_MARKERS = ("commit_success.txt", "_CHECKPOINT_METADATA")
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    """ENOSPC/EDQUOT, from Python's file writes (OSError) or from TensorStore's array writes
+    (a ValueError "RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']")."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(s in str(e) for s in ("No space left on device", "Disk quota exceeded",
+                                     f"os_error_code='{errno.ENOSPC}'", f"os_error_code='{errno.EDQUOT}'")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _io_error(e: BaseException) -> bool:
+    """A failed write: OSError, or an OS error that TensorStore reports as another exception."""
+    return isinstance(e, OSError) or "os_error_code=" in str(e) or _disk_full(e)
+
+
+def _is_step_name(name: str) -> bool:
+    return name.isdigit()
+
+
+def _complete(step_dir: str) -> bool:
+    return (any(os.path.exists(os.path.join(step_dir, m)) for m in _COMMIT_MARKERS)
+            and os.path.exists(os.path.join(step_dir, "meta", "metadata")))
+
+
+def _complete_steps(directory: str) -> list[int]:
+    """The complete steps in ``directory``, oldest first, from the files alone: code that runs on
+    process 0 only must not build an Orbax manager (its constructor synchronises the processes)."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(int(n) for n in names if _is_step_name(n) and _complete(os.path.join(directory, n)))
+
+
+def _newest_verified(directory: str, below: int | None = None) -> int | None:
+    """The newest step (older than ``below``, if given) that verifies or predates checksums."""
+    for s in reversed(_complete_steps(directory)):
+        if (below is None or s < below) and integrity.verify_step(os.path.join(directory, str(s))).usable:
+            return s
+    return None
+
+
+def _corrupt_error(directory: str, check: integrity.StepCheck) -> CheckpointError:
+    good = _newest_verified(directory)
+    where = os.path.join(check.step_dir, check.file) if check.file else check.step_dir
+    hint = (f"the newest checkpoint in {directory} that verifies is iteration {good} "
+            f"({os.path.join(directory, str(good))}): resume from it with --load {directory} "
+            f"--ckpt-step {good} (a plain --load {directory} falls back to it with a warning)"
+            if good is not None else f"no checkpoint in {directory} verifies")
+    return CheckpointError(f"checkpoint {check.step_dir} is corrupt: {where}: {check.problem}; {hint}")
+
+
+def _check_step(directory: str, step: int) -> None:
+    """Raise a :func:`_corrupt_error` unless ``step`` verifies; one warning if it cannot be verified."""
+    check = integrity.verify_step(os.path.join(directory, str(step)))
+    if not check.usable:
+        raise _corrupt_error(directory, check)
+    if check.status == "unverified":
+        print(f"mlir-train: WARNING: checkpoint {check.step_dir} {check.problem}")
+
+
+class CheckpointManager:
+    """A thin wrapper over ``orbax.checkpoint.CheckpointManager`` for the trainer's state dict.
+
+    ``save(iteration, state, extra_json)`` writes ``state``'s array items (``None`` items and
+    ``"iteration"``, which is the step number, are skipped) plus a JSON ``meta`` item;
+    ``restore(target)`` reads the items named in ``target`` into its shapes and shardings.
+    """
+
+    def __init__(self, directory: str, *, max_to_keep: int | None = None, save_interval: int | None = None,
+                 async_save: bool = True, read_only: bool = False):
+        self.directory = os.path.abspath(directory)
+        self.save_interval = save_interval
+        self._writing: int | None = None  # the step whose background write may still be running
+        self._finisher: threading.Thread | None = None  # waits for Orbax's commit, then writes checksums
+        self._finish_error: BaseException | None = None
+        self.last_manifest_seconds: float | None = None  # hashing time of the newest save (for reports)
+        if read_only and not os.path.isdir(self.directory):
+            raise CheckpointError(f"{directory}: no such checkpoint directory")
+        if not read_only and jax.process_index() == 0 and os.path.isdir(self.directory):
+            self._set_aside_partial()
+        handlers = {k: ocp.StandardCheckpointHandler() for k in ARRAY_ITEMS} | {"meta": ocp.JsonCheckpointHandler()}
+        self._mgr = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=not read_only,
+            read_only=read_only, cleanup_tmp_directories=not read_only))
+
+    def _set_aside_partial(self) -> None:
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if _is_step_name(name) and os.path.isdir(path) and not _complete(path):
+                aside = f"{path}.partial-{int(time.time())}"
+                print(f"mlir-train: checkpoint {path} is incomplete (interrupted write?); moved aside to {aside}")
+                os.rename(path, aside)
+
+    # ----- which steps exist ------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Complete checkpoints, oldest first (in-progress and partial writes excluded)."""
+        return sorted(s for s in self._mgr.all_steps() if _complete(os.path.join(self.directory, str(s))))
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # ----- save -------------------------------------------------------------------------------
+    def should_save(self, iteration: int) -> bool:
+        return bool(self.save_interval) and iteration % self.save_interval == 0
+
+    def save(self, iteration: int, state: dict[str, Any], extra_json: dict[str, Any], *, force: bool = False) -> bool:
+        """Start writing ``state`` as step ``iteration``; returns False if not due (and not
+        ``force``) or already saved. Returns once the arrays are off the devices."""
+        if not (force or self.should_save(iteration)):
+            return False
+        self.wait()  # Orbax waits for the previous write anyway; this names it if it failed
+        if iteration in self._mgr.all_steps():
+            return False
+        items = {k: v for k, v in state.items() if v is not None and k != "iteration"}
+        meta = {"format": FORMAT_VERSION, "iteration": int(iteration), "items": sorted(items), **extra_json}
+        try:
+            started = self._mgr.save(iteration, args=ocp.args.Composite(
+                **{k: ocp.args.StandardSave(v) for k, v in items.items()}, meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:
+            if not _io_error(e):
+                raise
+            raise self._write_error(iteration, e) from e
+        self._writing = iteration if started else None
+        if started:  # checksums once Orbax has committed the step, off the training thread
+            self._finisher = threading.Thread(target=self._finish, args=(iteration,), daemon=True,
+                                              name=f"checksums-{iteration}")
+            self._finisher.start()
+        return started
+
+    def _finish(self, step: int) -> None:
+        try:
+            self._mgr.wait_until_finished()
+            if jax.process_index() == 0:  # every process's shards are committed once the primary's wait returns
+                t0 = time.perf_counter()
+                integrity.write_manifest(os.path.join(self.directory, str(step)))
+                self.last_manifest_seconds = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait() on the caller's thread
+            self._finish_error = e
+
+    def wait(self) -> None:
+        """Block until every started save is on disk with its checksums; a failed background
+        write raises here (or from the next ``save``) as a ``CheckpointError``."""
+        if self._finisher is not None:
+            self._finisher.join()
+            self._finisher = None
+        error, self._finish_error = self._finish_error, None
+        try:
+            if error is not None:
+                try:  # Orbax raises a failed write again on the next wait (seen with 0.12.8): consume it here
+                    self._mgr.wait_until_finished()
+                except Exception:  # noqa: BLE001 - the same failure, reported below
+                    pass
+                raise error
+            self._mgr.wait_until_finished()
+        except Exception as e:
+            step, self._writing = self._writing, None
+            raise self._write_error(step, e) from e
+        self._writing = None
+
+    def close(self) -> None:
+        self.wait()
+        try:
+            self._mgr.close()
+        except Exception as e:
+            raise self._write_error(None, e) from e
+
+    def _write_error(self, step: int | None, e: BaseException) -> CheckpointError:
+        what = f"checkpoint {step}" if step is not None else "a checkpoint"
+        try:
+            newest = self.latest_step()
+        except Exception:  # noqa: BLE001 - only for the message
+            newest = None
+        kept = (f"the newest complete checkpoint there is still iteration {newest}" if newest is not None
+                else "no complete checkpoint is there yet")
+        if _disk_full(e):
+            return CheckpointError(
+                f"writing {what} to {self.directory} failed: the disk is full (no space left on device). "
+                f"Free space there (or --save to a disk with room) and resume with --load {self.directory}; "
+                f"{kept}, and the training state in memory is intact")
+        reason = str(e).split(" [tensorstore_spec=")[0][:500]
+        return CheckpointError(f"writing {what} to {self.directory} failed: {type(e).__name__}: {reason}; "
+                               f"{kept}, and the training state in memory is intact")
+
+    # ----- restore ----------------------------------------------------------------------------
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        step = self._step_or_latest(step)
+        with open(os.path.join(self.directory, str(step), "meta", "metadata")) as f:
+            return json.load(f)
+
+    def _step_or_latest(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"{self.directory}: no complete checkpoint in it")
+        elif step not in self.steps():
+            raise CheckpointError(f"{self.directory}: no complete checkpoint for iteration {step} "
+                                  f"(have {self.steps()})")
+        return step
+
+    # ----- integrity ---------------------------------------------------------------------------
+    def verify(self, step: int) -> integrity.StepCheck:
+        return integrity.verify_step(os.path.join(self.directory, str(step)))
+
+    def newest_verified(self, below: int | None = None) -> int | None:
+        """The newest step (older than ``below``, if given) that verifies or predates checksums."""
+        return _newest_verified(self.directory, below)
+
+    def check_step(self, step: int) -> None:
+        """Raise a CheckpointError naming the file unless ``step`` verifies (and the newest
+        step that does); one warning if it cannot be verified (written before checksums)."""
+        _check_step(self.directory, step)
+
+    def restore(self, target: dict[str, Any], step: int | None = None, *, verify: bool = True) -> dict[str, Any]:
+        """Restore the items of ``target`` (trees of ``jax.ShapeDtypeStruct`` with shardings;
+        ``None`` items are skipped) from ``step`` (default: the newest complete one), after
+        checking its files against their checksums (``verify=False``: the caller just did)."""
+        step = self._step_or_latest(step)
+        if verify:
+            self.check_step(step)
+        meta = self.read_meta(step)
+        names = [k for k, v in target.items() if v is not None]
+        missing = [k for k in names if k not in meta["items"]]
+        if missing:
+            raise CheckpointError(f"{self.directory}/{step} has no {', '.join(missing)} "
+                                  f"(it holds {', '.join(meta['items'])})")
+        self._check_shapes(step, target, names)
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(
+                **{k: ocp.args.StandardRestore(target[k]) for k in names}))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{self.directory}/{step} does not fit this run's state: {e}") from e
+        return {k: out[k] for k in names}
+
+    def _check_shapes(self, step: int, target: dict[str, Any], names: list[str]) -> None:
+        try:
+            stored = self._mgr.item_metadata(step)
+        except Exception as e:  # unreadable metadata: corrupt checkpoint
+            raise CheckpointError(f"{self.directory}/{step}: cannot read its metadata ({e}); corrupt checkpoint?") from e
+        for name in names:
+            tree = getattr(stored[name], "tree", stored[name])
+            have = {_path(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]
+                    if hasattr(m, "shape")}
+            want = {_path(p): tuple(s.shape) for p, s in jax.tree_util.tree_flatten_with_path(target[name])[0]}
+            if name != "params" and len(have) == len(want):
+                continue  # optax states flatten to different path spellings; leaf shapes are checked by Orbax
+            diffs = [f"{k}: checkpoint {have.get(k, 'absent')} vs this run {want.get(k, 'absent')}"
+                     for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k)]
+            if diffs:
+                raise CheckpointError(f"{self.directory}/{step} {name} do not match this model: "
+                                      + "; ".join(diffs[:6]) + (f" (and {len(diffs) - 6} more)" if len(diffs) > 6 else ""))
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+# ----- the trainer's state --------------------------------------------------------------------
+def model_config(meta: dict[str, Any]) -> ModelConfig:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    m = {k: v for k, v in meta["model"].items() if k in fields}
+    m["mlp_only_layers"] = tuple(m.get("mlp_only_layers", ()))
+    return ModelConfig(**m)
+
+
+def check_model(meta: dict[str, Any], model_cfg: ModelConfig, where: str) -> None:
+    """Raise naming every shape-changing field that differs; print numeric-only differences."""
+    saved = model_config(meta)
+    diff = lambda fields: [f"{f}: checkpoint {getattr(saved, f)!r} vs this run {getattr(model_cfg, f)!r}"
+                           for f in fields if getattr(saved, f) != getattr(model_cfg, f)]
+    if bad := diff(SHAPE_FIELDS):
+        raise CheckpointError(f"{where} was written for a different model ({saved.name}): " + "; ".join(bad))
+    if soft := diff(NUMERIC_FIELDS):
+        print(f"mlir-train: note: {where} differs from this run in " + "; ".join(soft))
+
+
+def run_json(*, iteration: int, global_batch_size: int, loader, seed: int, model_cfg: ModelConfig,
+             tokenizer_size: int, parallel, flags: dict[str, Any]) -> dict[str, Any]:
+    """What besides arrays a checkpoint records to resume exactly and to explain itself
+    (``flags``: the run's flags by Megatron dest name, ``RunConfig.flat()``)."""
+    return {
+        "consumed_samples": int(iteration) * int(global_batch_size),
+        "global_batch_size": int(global_batch_size),
+        "data_loader": {k: int(v) for k, v in loader.state().items()},
+        "rng": {"seed": int(seed)},  # the only randomness: init and data order (no dropout)
+        "model": dataclasses.asdict(model_cfg),
+        "tokenizer_size": int(tokenizer_size),
+        "parallel": dataclasses.asdict(parallel) if dataclasses.is_dataclass(parallel) else dict(parallel),
+        "args": json.loads(json.dumps(flags, default=str)),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def resume_check(meta: dict[str, Any], where: str, *, load_optim: bool, load_rng: bool, finetune: bool) -> None:
+    """Megatron's rule for what a checkpoint lacks: resuming (not ``--finetune``) a checkpoint
+    written with ``--no-save-optim`` needs ``--no-load-optim``, one written with ``--no-save-rng``
+    needs ``--no-load-rng``; Megatron exits there too. A checkpoint at iteration 0 (converted
+    from HF, Megatron's "release") has nothing to resume and passes."""
+    if finetune or int(meta["iteration"]) == 0:
+        return
+    it = int(meta["iteration"])
+    if load_optim and "opt_state" not in meta["items"]:
+        raise CheckpointError(
+            f"checkpoint {where} (iteration {it}) holds no optimizer state (written with --no-save-optim). As Megatron, "
+            f"add --no-load-optim to resume at iteration {it} with a fresh optimizer (zero Adam moments, the LR "
+            "schedule's step count from 0), or --finetune to take the weights and restart at iteration 0")
+    if load_rng and "rng" not in meta:
+        raise CheckpointError(
+            f"checkpoint {where} (iteration {it}) holds no RNG state (written with --no-save-rng: no seed, so no data "
+            f"order). As Megatron, add --no-load-rng to resume at iteration {it} at the same position in the data, in "
+            "the order this run's --seed gives, or --finetune to take the weights and restart at iteration 0")
+
+
+def load_state(directory: str, trainer, *, load_optim: bool = True, finetune: bool = False,
+               step: int | None = None, verify: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore a trainer state from ``directory`` into the trainer's own shardings.
+
+    Megatron's semantics: ``finetune`` loads the weights only and restarts at iteration 0;
+    ``load_optim=False`` (``--no-load-optim``) keeps the iteration but starts the optimizer
+    (moments, its step count and so the LR schedule) and the loss scaler fresh. A checkpoint
+    written without optimizer state (``--no-save-optim``, or ``mlir_train.convert`` from HF)
+    loads the same way (:func:`resume_check` is the CLI's guard that the flags say so).
+    The step's files are checked against its checksums first (``verify=False``: the caller
+    did, e.g. :func:`resolve_start`). Returns ``(state, meta)``.
+    """
+    mgr = CheckpointManager(directory, read_only=True)
+    step = mgr._step_or_latest(step)
+    if verify:
+        mgr.check_step(step)
+    meta = mgr.read_meta(step)
+    target = {k: v for k, v in trainer.abstract_state().items() if k in ARRAY_ITEMS}
+    with_optim = load_optim and not finetune and "opt_state" in meta["items"]
+    if not with_optim:
+        target["opt_state"] = target["loss_scale"] = None
+    restored = mgr.restore(target, step, verify=False)
+    state = trainer.state_from_params(restored["params"])
+    if with_optim:
+        state["opt_state"] = restored["opt_state"]
+        if restored.get("loss_scale") is not None:
+            state["loss_scale"] = restored["loss_scale"]
+    iteration = 0 if finetune else int(meta["iteration"])
+    state["iteration"] = jax.device_put(jnp.asarray(iteration, jnp.int32), trainer.state_shardings["iteration"])
+    mgr._mgr.close()
+    return state, meta
+
+
+def restore_loader(loader, meta: dict[str, Any], *, exact: bool = True) -> None:
+    """Put ``loader`` where the checkpointed run's loader was. With ``exact=False`` (another
+    seed, --no-load-rng) only the position in the row stream is kept: same number of rows
+    consumed, the new seed's order."""
+    saved = meta.get("data_loader")
+    if saved is None:  # e.g. converted from HF: nothing consumed yet
+        return
+    if exact and "seed" in saved:  # --no-save-rng drops the seed: only the position can be kept
+        loader.restore(saved)
+        return
+    consumed = int(meta["consumed_samples"])
+    loader.restore({**saved, "seed": loader.seed, "num_rows": loader.dataset.num_rows,
+                    "epoch": consumed // loader.dataset.num_rows, "position": consumed % loader.dataset.num_rows})
+
+
+# ----- where a run starts -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What ``--load`` points at: ``kind`` is "hf" (a model directory), "ours" (a checkpoint of
+    this trainer, ``meta`` its newest step's JSON), "megatron" (a Megatron/AIAK checkpoint,
+    ``megatron`` its :class:`~mlir_train.checkpoint.megatron.read.MegatronCheckpoint`) or "scratch"
+    (no --load, or a missing/empty directory: Megatron starts from scratch there with a warning)."""
+
+    kind: str
+    path: str | None = None
+    meta: dict[str, Any] | None = None
+    megatron: Any = None
+    step: int | None = None  # ours: the step to load, already checked against its checksums
+
+    @property
+    def seed(self) -> int | None:
+        return None if self.meta is None else self.meta.get("rng", {}).get("seed")  # none in a converted HF model
+
+    @property
+    def iteration(self) -> int:
+        if self.megatron is not None:
+            return int(self.megatron.iteration)
+        return 0 if self.meta is None else int(self.meta["iteration"])
+
+    def describe(self) -> str:
+        if self.kind == "megatron":
+            return self.megatron.describe()
+        return (f"{self.path}/config.json" if self.kind == "hf"
+                else f"{self.path} (iteration {self.iteration})" if self.kind == "ours" else "random initialisation")
+
+
+def has_checkpoint(path: str) -> bool:
+    """Whether ``path`` holds at least one complete checkpoint of ours."""
+    try:
+        return CheckpointManager(path, read_only=True).latest_step() is not None
+    except CheckpointError:  # no such directory
+        return False
+
+
+def _verified_step(load: str, step: int | None) -> int:
+    """The step of ours to load: ``step`` if given (it must verify: no fallback from an explicit
+    choice), else the newest that verifies, with a warning naming each newer corrupt step, its
+    file and the step used instead. No step verifies: an error, never a fresh start. Process 0
+    alone reads and hashes the files (one read of the checkpoint, not one per host); the
+    others take its choice, or stop too."""
+    from mlir_train.runtime import distributed
+
+    chosen, error = -1, None
+    if jax.process_index() == 0:
+        try:
+            chosen = _choose_step(load, step)
+        except CheckpointError as e:
+            error = e
+    chosen = distributed.from_process_0(chosen)
+    if error is not None:
+        raise error
+    if chosen < 0:
+        raise CheckpointError(f"--load {load}: process 0 found no checkpoint there to load (its log says why)")
+    return chosen
+
+
+def _choose_step(load: str, step: int | None) -> int:
+    directory, steps = os.path.abspath(load), _complete_steps(load)
+    if step is not None:
+        if step not in steps:
+            raise CheckpointError(f"{directory}: no complete checkpoint for iteration {step} (have {steps})")
+        _check_step(directory, step)
+        return step
+    corrupt = []
+    for s in reversed(steps):
+        check = integrity.verify_step(os.path.join(directory, str(s)))
+        if not check.usable:
+            corrupt.append(check)
+            continue
+        for bad in corrupt:
+            print(f"mlir-train: WARNING: {bad.describe()}; falling back to the newest checkpoint that verifies, "
+                  f"{os.path.join(directory, str(s))} (iteration {s}): the {int(os.path.basename(bad.step_dir)) - s} "
+                  f"iterations after it are trained again")
+        if check.status == "unverified":
+            print(f"mlir-train: WARNING: checkpoint {check.step_dir} {check.problem}")
+        return s
+    raise CheckpointError(f"--load {load}: no checkpoint there verifies: " + "; ".join(c.describe() for c in corrupt))
+
+
+def resolve_start(load: str | None, *, step: int | None = None, exit_on_missing: bool = False) -> Start:
+    """Classify ``--load``: an HF directory, ours (wins if the directory holds one; ``DIR/<step>``
+    names one step), then a Megatron checkpoint (legacy ``torch`` or ``torch_dist``). ``step``
+    (``--ckpt-step``) picks the iteration instead of the newest. A directory that holds files
+    but no checkpoint we can read is an error naming what it holds, never a silent fresh start;
+    a missing or empty one (or one with only interrupted writes of ours) warns and starts from
+    scratch (one script both starts and resumes a job), unless ``exit_on_missing``
+    (--exit-on-missing-checkpoint) makes that an error. Our checkpoints are verified here
+    (:func:`_verified_step`)."""
+    from mlir_train.checkpoint.megatron import read as megatron_checkpoint
+
+    if not load:
+        if step is not None:
+            raise CheckpointError(f"--ckpt-step {step} needs --load")
+        return Start("scratch")
+    if os.path.exists(os.path.join(load, "config.json")):
+        if step is not None:
+            raise CheckpointError(f"--ckpt-step {step}: --load {load} is an HF model directory, which has no steps")
+        return Start("hf", load)
+    parent, base = os.path.split(os.path.normpath(load))
+    if _is_step_name(base) and _complete(load) and has_checkpoint(parent):  # --load DIR/<step>
+        if step is not None and step != int(base):
+            raise CheckpointError(f"--load {load} names iteration {base} but --ckpt-step says {step}")
+        load, step = parent, int(base)
+    if has_checkpoint(load):
+        try:
+            chosen = _verified_step(load, step)
+            return Start("ours", load, CheckpointManager(load, read_only=True).read_meta(chosen), step=chosen)
+        except CheckpointError as e:
+            raise CheckpointError(f"--load {load}: {e}" if not str(e).startswith("--load") else str(e)) from None
+    if step is not None and not megatron_checkpoint.looks_like_megatron(load):
+        raise CheckpointError(f"--load {load} --ckpt-step {step}: no checkpoint there (of ours or Megatron's)")
+    try:
+        mg = megatron_checkpoint.find(load, iteration=step)
+    except CheckpointError as e:
+        raise CheckpointError(f"--load {load}: {e}") from None
+    if mg is not None:
+        return Start("megatron", load, megatron=mg)
+    found = megatron_checkpoint.identify(load)
+    if found:  # files, but nothing we read: never silently train from scratch
+        raise CheckpointError(f"--load {load}: {found}. Supported: an HF model directory (config.json + safetensors), "
+                              "a mlir-train checkpoint, a Megatron torch or torch_dist checkpoint")
+    msg = f"--load {load}: no complete checkpoint there, nor an HF model directory (no config.json)"
+    if exit_on_missing:
+        raise CheckpointError(f"{msg}; --exit-on-missing-checkpoint is set. Check the path, or drop the flag to start "
+                              "from scratch")
+    print(f"mlir-train: WARNING: {msg}; starting from random initialisation at iteration 0 "
+          "(--exit-on-missing-checkpoint makes this an error)")
+    return Start("scratch")
+
+
+class Checkpointer:
+    """The loop's checkpoint hook: saves every ``--save-interval`` and when the loop stops, each
+    with the run's JSON; ``before_save`` runs first (the pending metrics' NaN check must pass
+    before a state is written).
+
+    It holds ``DIR/.lock`` (process 0, for the whole job; a second job is refused here, at
+    start-up). ``save_optim=False`` (``--no-save-optim``) writes no optimizer or loss-scaler
+    state, ``save_rng=False`` (``--no-save-rng``) no seed (so no data order; the position in the
+    data is kept, as Megatron keeps its consumed samples). ``resume_step``: where this job
+    resumed when it saves into the directory it loaded from; newer steps there (e.g. the corrupt
+    one it fell back from) are moved aside as ``<step>.corrupt-<time>`` /
+    ``<step>.superseded-<time>``, since this run writes those iterations anew."""
+
+    def __init__(self, directory: str, *, save_interval: int | None, retain: int | None, meta: Callable[[int], dict],
+                 save_optim: bool = True, save_rng: bool = True, resume_step: int | None = None,
+                 claimed: bool = False, lock: integrity.SaveLock | None = None):
+        self.directory, self._meta = directory, meta
+        self.save_optim, self.save_rng = save_optim, save_rng
+        # ``claimed``: the entry point ran claim_save_dir first thing (``lock``: its result, None
+        # on processes other than 0); else the directory is claimed here.
+        self.lock = lock if claimed else claim_save_dir(directory, resume_step=resume_step)
+        self.manager = CheckpointManager(directory, max_to_keep=retain, save_interval=save_interval)
+
+    def should_save(self, iteration: int) -> bool:
+        return self.manager.should_save(iteration)
+
+    def save(self, iteration: int, state: dict[str, Any]) -> None:
+        if not self.save_optim:
+            state = {**state, "opt_state": None, "loss_scale": None}
+        meta = self._meta(iteration)
+        if not self.save_rng:
+            meta = {k: v for k, v in meta.items() if k != "rng"}
+            meta["data_loader"] = {k: v for k, v in meta.get("data_loader", {}).items() if k != "seed"}
+        self.manager.save(iteration, state, meta, force=True)
+
+    def close(self) -> None:
+        try:
+            self.manager.close()  # waits for the background writes and their checksums
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Finish a save still in flight (so it gets its checksums rather than counting as
+        corrupt), then free ``DIR/.lock``. Idempotent; the entry point calls it however the run
+        ends, so a failed write is only printed here (``close`` raises it)."""
+        manager = getattr(self, "manager", None)
+        if manager is not None:
+            try:
+                manager.wait()
+            except CheckpointError as e:
+                print(f"mlir-train: WARNING: {e}")
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def claim_save_dir(directory: str, *, resume_step: int | None = None) -> integrity.SaveLock | None:
+    """Take ``DIR/.lock`` for this job (process 0; the others follow its verdict, so a refused
+    multi-host job stops on every process) and, with ``resume_step``, move aside the steps newer
+    than it (see :class:`Checkpointer`). Raises CheckpointError naming the holder."""
+    from mlir_train.runtime import distributed
+
+    lock, error = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = integrity.SaveLock.acquire(os.path.abspath(directory))
+            if resume_step is not None:
+                _set_aside_newer(os.path.abspath(directory), resume_step)
+        except (integrity.SaveLockError, OSError) as e:
+            error = e
+    if not distributed.from_process_0(error is None):
+        if lock is not None:
+            lock.release()
+        raise CheckpointError(str(error) if error else f"--save {directory}: process 0 could not take the directory "
+                              "(see its log)")
+    return lock
+
+
+def _set_aside_newer(directory: str, resume_step: int) -> None:
+    if not os.path.isdir(directory):
+        return
+    for name in sorted((n for n in os.listdir(directory) if _is_step_name(n)), key=int):
+        path = os.path.join(directory, name)
+        if int(name) <= resume_step or not _complete(path):
+            continue
+        check = integrity.verify_step(path)
+        aside = f"{path}.{'superseded' if check.usable else 'corrupt'}-{int(time.time())}"
+        why = "is corrupt" if not check.usable else "is newer than the checkpoint this run resumes from"
+        print(f"mlir-train: checkpoint {path} {why}; this run writes iteration {name} anew: moved it aside to {aside}")
+        os.rename(path, aside)
+
+
+# ----- python -m mlir_train.checkpoint verify DIR ... -----------------------------------------
+def verify_main(argv: list[str] | None = None) -> int:
+    """Print each step of each directory OK / UNVERIFIED / CORRUPT (naming the file); exit 1 if
+    any is corrupt, 2 if a directory holds no checkpoint of ours."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mlir_train.checkpoint",
+                                     description="Check mlir-train checkpoints against their checksums.")
+    parser.add_argument("command", choices=["verify"])
+    parser.add_argument("directories", nargs="+", metavar="DIR", help="a --save directory, or one DIR/<step>")
+    args = parser.parse_args(argv)
+    status = 0
+    for d in args.directories:
+        parent, base = os.path.split(os.path.normpath(d))
+        if _is_step_name(base) and _complete(d):
+            checks = [integrity.verify_step(os.path.normpath(d))]
+        else:  # files only: no JAX backend (or GPU plugin) starts for this
+            steps = _complete_steps(d)
+            if not steps:
+                print(f"error: {d}: no complete checkpoint in it", file=sys.stderr)
+                status = max(status, 2)
+            checks = [integrity.verify_step(os.path.join(os.path.normpath(d), str(s))) for s in steps]
+        for check in checks:
+            print(check.describe())
+            if not check.usable:
+                status = max(status, 1)
+    return status

@@ -1,0 +1,284 @@
+"""Losses as Megatron forms them: token cross-entropy sums, the router's load-balancing losses
+(``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``) and z-loss.
+
+Everything is float32. Cross-entropy returns a (sum, count) pair; the training objective
+weights each token by :func:`loss_token_weights`, Megatron's loss normalisation turned into one
+per-token weight computed once per step from the loss mask, so the non-pipelined step and the
+pipeline form the same objective however the batch is split or sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy_sum(logits_BTV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sum of masked token losses and number of loss tokens.
+
+    The label logit is picked with a one-hot contraction rather than a gather, so that with a
+    vocab-sharded ``logits`` XLA reduces partial sums across the tensor axis instead of
+    gathering full-vocabulary rows (Megatron's vocab-parallel cross-entropy).
+    """
+    logits = logits_BTV.astype(jnp.float32)
+    lse_BT = jax.nn.logsumexp(logits, axis=-1)
+    label_logit_BT = jnp.einsum("btv,btv->bt", logits, jax.nn.one_hot(labels_BT, logits.shape[-1], dtype=jnp.float32))
+    mask = loss_mask_BT.astype(jnp.float32)
+    return jnp.sum((lse_BT - label_logit_BT) * mask), jnp.sum(mask)
+
+
+def linear_cross_entropy_sum(
+    h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array, constrain_logits=None
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`cross_entropy_sum` of ``h @ w`` with the LM head fused in ("fused linear
+    cross-entropy").
+
+    The forward pass also forms the gradients of the sum with respect to ``h`` and ``w``
+    (``softmax - onehot`` needs the logits' exponentials, which the forward computes anyway),
+    so the backward pass only scales them: the ``[B, T, V]`` logits and probabilities are
+    never kept for the backward pass and the softmax is not recomputed. Same value and
+    gradients as ``cross_entropy_sum(einsum(h, w), ...)``. ``constrain_logits`` annotates the
+    logits' sharding (the model's, vocab split over the tensor axis under TP).
+    """
+    total, _, count = _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, loss_mask_BT, constrain_logits)
+    return total, count
+
+
+def weighted_linear_cross_entropy(
+    h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array, weight_BT: jax.Array,
+    constrain_logits=None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(sum(ce * weight), sum(ce * loss_mask), sum(loss_mask))`` of ``h @ w`` in one fused pass.
+
+    The first is the training objective (its gradients are those of
+    :func:`linear_cross_entropy_sum` with ``weight`` as the mask); the other two are for
+    reporting ``lm loss`` and carry no gradient.
+    """
+    return _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits)
+
+
+def _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits):
+    logits = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+    if constrain_logits is not None:
+        logits = constrain_logits(logits)
+    m_BT1 = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e_BTV = jnp.exp(logits - m_BT1)
+    z_BT1 = jnp.sum(e_BTV, axis=-1, keepdims=True)
+    lse_BT = (m_BT1 + jnp.log(z_BT1))[..., 0]
+    # The label logit by an iota comparison (one-hot without materialising it): under a
+    # vocab-sharded layout each shard contributes its part and XLA reduces over the shards.
+    is_label_BTV = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == labels_BT[..., None]
+    label_logit_BT = jnp.sum(jnp.where(is_label_BTV, logits, 0.0), axis=-1)
+    ce_BT = lse_BT - label_logit_BT
+    mask = loss_mask_BT.astype(jnp.float32)
+    weight = weight_BT.astype(jnp.float32)
+    sums = (jnp.sum(ce_BT * weight), jnp.sum(ce_BT * mask), jnp.sum(mask))
+    dlogits_BTV = (e_BTV / z_BT1 - is_label_BTV.astype(jnp.float32)) * weight[..., None]
+    dlogits_BTV = dlogits_BTV.astype(h_BTD.dtype)
+    dh_BTD = jnp.einsum("btv,dv->btd", dlogits_BTV, w_DV, preferred_element_type=jnp.float32).astype(h_BTD.dtype)
+    dw_DV = jnp.einsum("btd,btv->dv", h_BTD, dlogits_BTV, preferred_element_type=jnp.float32).astype(w_DV.dtype)
+    return sums, (dh_BTD, dw_DV)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits):
+    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits)[0]
+
+
+def _linear_ce_fwd(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits):
+    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits)
+
+
+def _linear_ce_bwd(constrain_logits, grads, cotangents):
+    dh_BTD, dw_DV = grads
+    g = cotangents[0]  # only the weighted sum is differentiated; the reported sums and count are not
+    return (g * dh_BTD).astype(dh_BTD.dtype), (g * dw_DV).astype(dw_DV.dtype), None, None, None
+
+
+_linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)
+
+
+def loss_token_weights(loss_mask_MBT: jax.Array, *, micro_batch_size: int, per_token: bool) -> jax.Array:
+    """Per-token weights ``w`` such that Megatron's training objective is ``sum(w * token_ce)``.
+
+    ``loss_mask_MBT`` is the step's whole global batch ``[M, B, T]``: ``M`` micro-batches whose
+    ``B = --micro-batch-size x DP`` rows are the data-parallel ranks' micro-batches side by side
+    (rank ``d`` holds rows ``d*mbs : (d+1)*mbs``, as ``Trainer.shard_batch`` places them and as
+    Megatron's sampler hands them out).
+
+    * Megatron's default (no ``--calculate-per-token-loss``): each rank divides a micro-batch's
+      summed token loss by that micro-batch's loss tokens (at least 1) and by the number of
+      micro-batches, and the data-parallel ranks average their gradients
+      (``schedules.forward_step_calc_loss`` and DDP's ``1 / dp_size`` gradient scaling). That
+      is the mean over the ``M x B / mbs`` groups of ``micro_batch_size`` consecutive rows of
+      (group's CE sum / group's loss tokens): ``w = mask / group_tokens / num_groups``. A
+      grouping fixed by ``micro_batch_size`` alone, so any layout equals one device with the
+      same ``--micro-batch-size``.
+    * ``--calculate-per-token-loss``: the sum over all loss tokens of the global batch divided
+      by their number (``finalize_model_grads`` scales by ``1 / num_tokens``):
+      ``w = mask / global_tokens``; then how the batch is split does not matter at all.
+    """
+    mask = loss_mask_MBT.astype(jnp.float32)
+    if per_token:
+        return mask / jnp.maximum(jnp.sum(mask), 1.0)
+    m, b = mask.shape[:2]
+    if micro_batch_size < 1 or b % micro_batch_size:
+        raise ValueError(f"a micro-batch slice of {b} rows does not split into data-parallel micro-batches of "
+                         f"--micro-batch-size {micro_batch_size} rows")
+    groups = b // micro_batch_size
+    grouped = mask.reshape(m, groups, micro_batch_size, *mask.shape[2:])
+    tokens = jnp.sum(grouped, axis=tuple(range(2, grouped.ndim)), keepdims=True)
+    return (grouped / jnp.maximum(tokens, 1.0) / (m * groups)).reshape(mask.shape)
+
+
+def switch_aux_loss_per_layer(stats: dict[str, jax.Array], top_k: int, counts_LE: jax.Array | None = None) -> jax.Array:
+    """Megatron's ``switch_load_balancing_loss_func`` per MoE layer, without the coefficient.
+
+    ``E / (k * N^2) * sum_e P_e * c_e`` with ``P_e`` the summed router scores (softmax
+    probabilities, or normalised sigmoid scores) and ``c_e`` the top-k assignments of expert
+    ``e`` over the N non-padding tokens, i.e. ``E * sum_e f_e * P̄_e`` with ``f_e = c_e / (k N)``
+    and ``P̄_e = P_e / N``. A perfectly balanced router gives 1.0. ``counts_LE`` replaces the
+    micro-batch's own counts (``global_aux_loss`` passes its running average).
+    """
+    if counts_LE is None:
+        counts_LE = stats.get("aux_tokens_per_expert", stats["tokens_per_expert"])
+    probs_LE = stats["probs_per_expert"]
+    n_L = jnp.maximum(stats["num_tokens"], 1.0)
+    num_experts = counts_LE.shape[-1]
+    return num_experts * jnp.sum(counts_LE * probs_LE, axis=-1) / (top_k * n_L * n_L)
+
+
+def seq_aux_loss_per_layer(stats: dict[str, jax.Array]) -> jax.Array:
+    """Megatron's ``seq_aux_loss`` per MoE layer, no coefficient: the mean over the packed
+    documents of each document's own switch loss (see :mod:`mlir_train.model.moe.router`)."""
+    if "seq_aux_sum" not in stats:
+        raise ValueError("seq_aux_loss needs per-document router statistics: build the model with "
+                         "RouterConfig(per_sequence_stats=True)")
+    return stats["seq_aux_sum"] / jnp.maximum(stats["num_sequences"], 1.0)
+
+
+# ----- --moe-router-load-balancing-type ---------------------------------------------------------
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+LOAD_BALANCING_TYPES = AUX_LOSS_TYPES + ("sinkhorn", "none")
+# Megatron's tracker names, for logging.
+TRACKER_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                 "global_aux_loss": "global_load_balancing_loss"}
+
+
+class LoadBalancingError(ValueError):
+    """A load-balancing setting that cannot run; the message names the Megatron flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadBalancing:
+    """Which router losses the objective carries, with their coefficients.
+
+    ``coeffs`` pairs each of ``aux_loss`` / ``seq_aux_loss`` / ``global_aux_loss`` the run uses
+    with its ``--moe-aux-loss-coeff`` (Megatron's ``get_aux_loss_coeff``: a type that is not
+    listed weighs 0). Every loss is formed per micro-batch as Megatron forms it on one rank whose
+    micro-batch is the step's whole micro-batch (all data-parallel rows), so the objective does
+    not depend on the layout:
+
+    * ``aux_loss``: the switch loss of the micro-batch;
+    * ``seq_aux_loss``: the mean over its packed documents of each document's switch loss;
+    * ``global_aux_loss``: the switch loss with the expert counts averaged over this and the
+      step's earlier micro-batches (Megatron's ``global_tokens_per_expert / ga_steps``);
+    * z-loss: ``mean logsumexp(logits)^2`` over the micro-batch's tokens.
+
+    Each is summed over the MoE layers, times its coefficient, divided by the number of
+    micro-batches (Megatron scales the aux-loss gradient by 1/num_microbatches).
+    """
+
+    coeffs: tuple[tuple[str, float], ...] = ()
+    z_loss_coeff: float = 0.0
+    sinkhorn: bool = False  # the router balances by Sinkhorn (no aux loss)
+
+    @classmethod
+    def from_flags(cls, types, coeffs, z_loss_coeff: float | None = None) -> "LoadBalancing":
+        """From ``--moe-router-load-balancing-type`` (one type or a list) and
+        ``--moe-aux-loss-coeff`` (one coefficient, or one per listed type), as Megatron pairs them."""
+        types = [types] if isinstance(types, str) else list(types)
+        coeffs = [0.0 if coeffs is None else coeffs] if isinstance(coeffs, (int, float)) or coeffs is None else list(coeffs)
+        if len(types) > 1 and len(coeffs) != len(types):
+            raise LoadBalancingError(
+                f"--moe-router-load-balancing-type lists {len(types)} types ({' '.join(types)}) but "
+                f"--moe-aux-loss-coeff gives {len(coeffs)} coefficient(s): give one per type, in the same order")
+        if len(types) == 1 and len(coeffs) != 1:
+            raise LoadBalancingError(
+                f"--moe-aux-loss-coeff gives {len(coeffs)} coefficients for the one --moe-router-load-balancing-type "
+                f"{types[0]}")
+        for t in types:
+            if t not in LOAD_BALANCING_TYPES:
+                raise LoadBalancingError(f"--moe-router-load-balancing-type {t}: choose from {LOAD_BALANCING_TYPES}")
+        if len(set(types)) != len(types):
+            raise LoadBalancingError(f"--moe-router-load-balancing-type {' '.join(types)} names a type twice")
+        if "sinkhorn" in types and len(types) > 1:
+            raise LoadBalancingError(
+                f"--moe-router-load-balancing-type {' '.join(types)}: sinkhorn routes by its own balancing and takes no "
+                "aux loss; give it alone (Megatron routes a list by top-k and would silently ignore sinkhorn)")
+        if types == ["sinkhorn"] and any(c != 0 for c in coeffs):
+            raise LoadBalancingError(
+                "--moe-router-load-balancing-type sinkhorn takes no aux loss: drop --moe-aux-loss-coeff or set it to 0 "
+                "(Megatron asserts the same)")
+        for c in coeffs:
+            if c < 0:
+                raise LoadBalancingError(f"--moe-aux-loss-coeff {c}: must not be negative")
+        pairs = tuple((t, float(c)) for t, c in zip(types, coeffs) if t in AUX_LOSS_TYPES and c > 0)
+        return cls(coeffs=pairs, z_loss_coeff=float(z_loss_coeff or 0.0), sinkhorn=types == ["sinkhorn"])
+
+    def coeff(self, kind: str) -> float:
+        return dict(self.coeffs).get(kind, 0.0)
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether the router must collect per-document statistics (``seq_aux_loss`` on)."""
+        return self.coeff("seq_aux_loss") > 0
+
+    @property
+    def uses_global(self) -> bool:
+        return self.coeff("global_aux_loss") > 0
+
+
+def router_losses(stats: dict[str, jax.Array], balancing: LoadBalancing, top_k: int,
+                  global_counts_LE: jax.Array | None = None, micro_index=None):
+    """One micro-batch's router losses, from the stats of its MoE layers (leaves ``[L, ...]``).
+
+    Returns ``(objective, per_layer, global_counts_LE)``: the weighted sum to add to the
+    micro-batch's objective before the division by the number of micro-batches; the raw
+    (coefficient-free) per-layer values by Megatron tracker name, for logging (the aux loss is
+    always there, as is the z-loss); and, under ``global_aux_loss``, the running sum of the
+    expert counts including this micro-batch (``global_counts_LE`` is the sum over the
+    ``micro_index`` micro-batches before it; both are ignored otherwise).
+    """
+    aux_l = switch_aux_loss_per_layer(stats, top_k)
+    z_l = z_loss_per_layer(stats)
+    per_layer = {"load_balancing_loss": aux_l, "z_loss": z_l}
+    objective = balancing.coeff("aux_loss") * jnp.sum(aux_l) + balancing.z_loss_coeff * jnp.sum(z_l)
+    if balancing.per_sequence:
+        seq_l = seq_aux_loss_per_layer(stats)
+        per_layer["seq_load_balancing_loss"] = seq_l
+        objective = objective + balancing.coeff("seq_aux_loss") * jnp.sum(seq_l)
+    if balancing.uses_global:
+        counts = jax.lax.stop_gradient(stats.get("aux_tokens_per_expert", stats["tokens_per_expert"]))
+        global_counts_LE = counts if global_counts_LE is None else global_counts_LE + counts
+        seen = 1.0 if micro_index is None else jnp.asarray(micro_index, jnp.float32) + 1.0
+        glob_l = switch_aux_loss_per_layer(stats, top_k, counts_LE=global_counts_LE / seen)
+        per_layer["global_load_balancing_loss"] = glob_l
+        objective = objective + balancing.coeff("global_aux_loss") * jnp.sum(glob_l)
+    return objective, per_layer, global_counts_LE
+
+
+def hf_aux_loss(stats: dict[str, jax.Array]) -> jax.Array:
+    """transformers' ``load_balancing_loss_func`` (all layers' tokens pooled, no 1/k)."""
+    total = jnp.maximum(jnp.sum(stats["num_tokens"]), 1.0)
+    f_E = jnp.sum(stats["tokens_per_expert"], axis=0) / total
+    p_E = jnp.sum(stats["probs_per_expert"], axis=0) / total
+    return f_E.shape[-1] * jnp.sum(f_E * p_E)
+
+
+def z_loss_per_layer(stats: dict[str, jax.Array]) -> jax.Array:
+    """Megatron's router z-loss ``mean_tokens(logsumexp(logits)^2)`` per layer, no coefficient."""
+    return stats["z_loss_sum"] / jnp.maximum(stats["num_tokens"], 1.0)

@@ -1,0 +1,133 @@
+"""Model FLOPs per training step as Megatron-LM counts them, and throughput / MFU helpers.
+
+Megatron's ``num_floating_point_operations`` (megatron/training/training.py, standard
+transformer branch, no MLA, no MTP), for ``B`` sequences of ``s`` tokens, hidden size ``h``,
+``L`` layers, ``q = heads * head_dim``, ``kv = kv_heads * head_dim``, vocab ``V``:
+
+    FLOPs = 3 * 2 * B * s * [ h * ( 3 * ffn * L_dense                      dense SwiGLU MLPs
+                                  + 3 * moe_ffn * top_k * L_moe           routed experts
+                                  + 3 * shared_ffn * L_moe )              shared experts (Qwen3: 0)
+                            + L * ( h * (q + 2 kv)                        QKV projections (GQA)
+                                  + q * s / 2 * 2                         QK^T and PV, causal half
+                                  + q * h )                               output projection
+                            + h * V ]                                     LM head
+
+* 3 = forward + backward (weight grad + data grad); 2 = multiply-add.
+* Core attention is halved for the causal mask (Megatron's current formula; versions before
+  2024 counted the full ``s x s`` square). ``causal=False`` gives the old count.
+* Not counted, as in Megatron: the router (``h * E`` per token), norms, RoPE, softmax, the
+  input embedding lookup, the loss.
+* Activation recomputation is not counted: this is *model* FLOPs, and MFU compares it with the
+  peak, as Megatron's "TFLOP/s/GPU" does. ``recompute_full=True`` adds one more forward pass
+  (factor 4 instead of 3) for a hardware-FLOPs figure; a float adds that fraction of one
+  (``--recompute-method block``: the share of each stage's layers recomputed).
+* MoE vs dense layers follow the HF Qwen3-MoE rule (``ModelConfig.layer_kinds``), where Megatron
+  reads ``--moe-layer-freq``.
+
+The per-token cost is thus ``6 * N_matmul + 6 * L * q * s`` with ``N_matmul`` the active
+parameters that sit in matmuls (attention projections, active experts, LM head).
+"""
+
+from __future__ import annotations
+
+from mlir_train.config.models import ModelConfig
+
+# Dense (no sparsity) peak TFLOP/s per JAX device, matched as case-insensitive substrings of
+# ``jax.devices()[0].device_kind``, first match wins (so specific names come first).
+# Columns: bf16, fp32. GPU fp32 is the TF32 tensor-core peak (XLA's default f32 matmul precision
+# on NVIDIA GPUs); None where there is no meaningful fp32 matmul peak (TPU MXUs run bf16 passes).
+# The Kunlun P800 (the user's AIAK target) has no JAX backend and no published peak we could
+# confirm: pass --peak-tflops for it, and on CPU.
+PEAK_TFLOPS: tuple[tuple[str, float, float | None], ...] = (
+    ("GB200", 2500.0, 1250.0),
+    ("B200", 2250.0, 1100.0),
+    ("H100 PCIe", 756.0, 378.0),
+    ("H100 NVL", 835.0, 417.5),
+    ("H200", 989.0, 494.5),
+    ("H100", 989.0, 494.5),  # SXM; "NVIDIA H100 80GB HBM3"
+    ("H800", 989.0, 494.5),
+    ("H20", 148.0, 74.0),
+    ("A100", 312.0, 156.0),
+    ("A800", 312.0, 156.0),
+    ("L40S", 362.0, 183.0),
+    ("L40", 181.0, 90.5),
+    ("L4", 121.0, 60.0),
+    ("TPU v6 lite", 918.0, None),  # v6e (Trillium)
+    ("TPU v6e", 918.0, None),
+    ("TPU v5 lite", 197.0, None),  # v5e
+    ("TPU v5e", 197.0, None),
+    ("TPU v5p", 459.0, None),
+    ("TPU v5", 459.0, None),  # v5p reports "TPU v5"
+    ("TPU v4", 275.0, None),
+    ("TPU v3", 61.5, None),  # per TensorCore; each v3 core is one JAX device
+)
+
+
+def num_floating_point_operations(
+    cfg: ModelConfig,
+    seq_length: int,
+    batch_size: int,
+    *,
+    causal: bool = True,
+    recompute_full: bool | float = False,
+    shared_expert_ffn: int = 0,
+) -> float:
+    """Megatron's model FLOPs for one step over ``batch_size`` sequences of ``seq_length``."""
+    h, s = cfg.hidden_size, seq_length
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    kinds = cfg.layer_kinds()
+    n_moe = sum(kinds)
+    n_dense = cfg.num_layers - n_moe
+    mlp = h * (
+        3 * cfg.intermediate_size * n_dense
+        + 3 * cfg.moe_intermediate_size * cfg.top_k * n_moe
+        + 3 * shared_expert_ffn * n_moe
+    )
+    core_attn = q * s / 2 * 2 if causal else q * s * 2
+    attn = cfg.num_layers * (h * (q + 2 * kv) + core_attn + q * h)
+    logits = h * cfg.vocab_size
+    passes = 3 + float(recompute_full)  # a fraction: the share of layers recomputed (--recompute-method block)
+    return float(passes * 2 * batch_size * s * (mlp + attn + logits))
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: int, **kwargs) -> float:
+    return num_floating_point_operations(cfg, seq_length, 1, **kwargs) / seq_length
+
+
+def tokens_per_second(num_tokens: float, seconds: float) -> float:
+    return num_tokens / seconds if seconds > 0 else 0.0
+
+
+def tflops_per_device(flops: float, seconds: float, num_devices: int) -> float:
+    """Achieved TFLOP/s per device (Megatron's "throughput per GPU (TFLOP/s/GPU)")."""
+    if seconds <= 0 or num_devices <= 0:
+        return 0.0
+    return flops / (seconds * num_devices * 1e12)
+
+
+def mfu(flops: float, seconds: float, num_devices: int, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation in [0, 1], or None without a known peak."""
+    if not peak_tflops:
+        return None
+    return tflops_per_device(flops, seconds, num_devices) / peak_tflops
+
+
+def peak_tflops(device_kind: str, dtype: str = "bf16") -> float | None:
+    """Per-device dense peak for a ``device_kind`` string; None if unknown (e.g. CPU)."""
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"dtype {dtype!r}: expected bf16, fp16 or fp32")
+    kind = device_kind.lower()
+    for needle, bf16, fp32 in PEAK_TFLOPS:
+        if needle.lower() in kind:
+            return fp32 if dtype == "fp32" else bf16  # fp16 peak equals bf16 on these parts
+    return None
+
+
+def device_peak_tflops(dtype: str = "bf16", override: float | None = None) -> float | None:
+    """``--peak-tflops`` if given, else the table entry for the first JAX device."""
+    if override:
+        return float(override)
+    import jax
+
+    return peak_tflops(jax.devices()[0].device_kind, dtype)

@@ -1,0 +1,666 @@
+"""``python -m mlir_train.plan``: will this layout fit, and how fast would it be, before renting it.
+
+Takes the same flags as ``python -m mlir_train.sft`` plus::
+
+    --num-devices N          accelerators of the target job (default 8)
+    --device-kind KIND       h100 | h200 | b200 | p800 (mlir_train.planner.targets: memory, bf16 peak, source)
+    --device-memory-gb G     overrides the kind's memory (GiB)
+    --assumed-mfu F          model-FLOPs utilisation for the step-time estimate (default 0.4)
+    --search [--search-top K]  try every layout instead of the one on the command line
+    --xla-cpu                compile for XLA:CPU even where the XLA:GPU compiler is installed
+    --hlo-dir DIR            write each compiled step's optimized HLO text to DIR
+
+It builds the real :class:`~mlir_train.train.trainer.Trainer` for the full-size model and compiles its
+training step ahead of time (``lower_train_step(abstract_state(), batch ShapeDtypeStructs)
+.compile()``): nothing is allocated, no data or tokenizer is read (the vocabulary is the model
+config's, padded as Megatron pads it).
+
+The compiler is the target's: for h100/h200/b200 the step is compiled by XLA:GPU for N
+compile-only devices of that kind (deviceless, :mod:`mlir_train.planner.targets`; no GPU needed, but
+``jax-cuda12-plugin``, ``jax-cuda12-pjrt`` and ``nvidia-cuda-nvcc-cu12`` must be installed),
+with the GPU runtime settings ``mlir_train.sft`` uses there (:mod:`mlir_train.runtime.platform_setup`),
+and with the MoE implementation the mesh's platform selects. Per device it reports:
+
+* the compiled figures (XLA:GPU): arguments, temporaries and what the step needs in all
+  (the compiler's peak where it gives one, else arguments + unaliased outputs + temp), which
+  decide whether it FITS into the device memory times the allocator's fraction (95 %, the
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` ``sft`` sets; the rest is for the CUDA context, NCCL and
+  cuBLAS);
+* the collectives of the optimized HLO by kind with their bytes, and its matmul FLOPs (dots and
+  GEMM custom calls, loops counted by their trip counts: :mod:`mlir_train.planner.hlo`) against
+  Megatron's model FLOPs (:mod:`mlir_train.planner.flops`) as a ratio (recomputation, padding and
+  pipeline-bubble work make it exceed 1);
+* beside them, labelled, the analytic breakdown: master weights (float32) and optimizer
+  state (exact, from the state's shardings: they must equal the compiled argument bytes),
+  the compute copy of the weights and the gradients (exact sizes from the shardings) and an
+  activation estimate (below), with the difference to the compiled temporaries;
+* step time and tokens/s at ``--assumed-mfu``: from Megatron's FLOPs (MFU as Megatron defines
+  it; full recompute and the pipeline bubble added), and from the compiled matmul FLOPs at the
+  same fraction of the peak. ``--search`` compiles the candidate layouts the analytic estimate
+  says fit (the ``--search-top K`` best of them), drops those the compiled step says do not, and
+  ranks the rest by the compiled figures (compiled step time, then compiled memory).
+
+Without the GPU compiler installed the planner says so, compiles for XLA:CPU instead and
+decides from the analytic estimate (labelled): XLA:CPU's temporaries are no GPU budget (below).
+The Kunlun P800 has no XLA:GPU target: it is planned by memory only (CPU compile for the exact
+state bytes, the analytic estimate for the verdict), labelled as such.
+
+Why the compiled XLA:CPU temp bytes are not the GPU's, and what the estimate counts
+----------------------------------------------------------------------------------
+``memory_analysis()`` of the CPU executable gives exact argument/output sizes (the state is
+laid out identically on any backend), but its temp size is not a GPU budget:
+
+1. XLA:CPU has no bf16 matmul: its ``float-normalization-bf16`` pass rewrites every bf16 dot
+   to float32, materialising float32 copies of bf16 weights and activations, so temporaries
+   of a bf16 step come out up to ~2x too big (an fp32 step's would be about right);
+2. the buffers are those of CPU fusion decisions and CPU scheduling, which order work to
+   minimise live memory; the GPU latency-hiding scheduler instead starts collectives early
+   to overlap them with compute, which keeps more buffers alive at once;
+3. expert parallelism compiles the CPU dispatcher (dense all-to-all into a capacity buffer,
+   with a dropless fallback branch of ``C = tokens``) where GPUs run the ragged one.
+
+So the planner does not scale the CPU temp figure (none of the three is a constant factor).
+The analytic estimate computes the temporaries from what the step holds: the weight-shaped ones exactly from the
+shardings (compute copy, micro-batch gradients, accumulator), and the activations per
+micro-batch from the model's shapes for the recompute policy -- per decoder layer the
+residual stream, q/k/v/o and the attention's float32 log-sum-exp (its custom gradient
+recomputes the ``[heads, T, T]`` probabilities, so those live only while one layer runs),
+the router logits and the ragged expert buffers (``EP x tokens x top_k`` rows, their upper
+bound; with ``--expert-tensor-parallel-size`` below TP each tensor rank that is an expert rank
+dispatches its own share of the tokens, above TP the expert-tensor ranks gather ``ETP / TP``
+ranks' rows, and the expert width is split ``F / ETP``); ``none`` keeps all of it for every
+layer; ``selective`` drops what its
+``--recompute-modules`` recompute (core_attn: the attention output and log-sum-exp; layernorm:
+the two norm outputs; moe_act: the expert activation; mlp / moe: the block's activations but
+its input); ``full`` keeps only each recomputed layer's input (uniform: one per group of
+``--recompute-num-layers``; block: the first N layers of a chunk, the others keep everything);
+one layer's working set (with full recompute, that of a recomputed group and its gradients,
+plus the float32 attention matrices) and the float32 logits twice (logits and their gradient)
+come on top. The CPU temp figure is printed alongside, labelled, as a cross-check.
+
+Pipeline parallelism: layouts with ``PP > 1`` are planned only where ``mlir_train.sft`` runs
+them (otherwise they are reported as not implemented); a device then holds ``L / PP`` layers
+(the largest stage's under ``--decoder-first/last-pipeline-num-layers``). Under 1F1B (the
+default ``--pipeline-schedule``) it keeps ``2 R PP - 1`` chunk inputs and one chunk's
+activations while that chunk's backward recomputes it, whatever the micro-batch count; under
+GPipe / circular ``M`` (x R) times a stage's (chunk's) saved activations. The step-time
+estimate counts the schedule's idle ticks and 1F1B's recomputed chunk forward
+(``Schedule.step_factor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import os
+import re
+import sys
+import time
+from typing import Any
+
+from mlir_train.runtime.platform_setup import GPU_MEM_FRACTION
+from mlir_train.config.flags import RunConfig, resolve
+from mlir_train.planner.targets import DEVICE_KINDS, GIB, DeviceKind
+
+
+def _preset_devices(argv: list[str]) -> None:
+    """A compile-only CPU host (fake CPU devices for the CPU fallback, the GPU runtime flags for
+    deviceless XLA:GPU compiles), before jax is imported."""
+    from mlir_train.config.cli import flag_value  # imports no jax
+    from mlir_train.runtime.platform_setup import configure_platform
+
+    n = flag_value(argv, "--num-devices")
+    configure_platform(compile_only=True, cpu_devices=int(n) if n else None)
+
+
+
+# What JAX's allocator may use of a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, as sft sets it).
+USABLE_FRACTION = GPU_MEM_FRACTION
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tensor: int = 1
+    expert: int = 1
+    pipeline: int = 1
+    distributed_optimizer: bool = False
+    # a RecomputePolicy (mlir_train.model.recompute), or "none" | "selective" | "full"
+    recompute: Any = "none"
+    sequence_parallel: bool = False
+    expert_tensor: int | None = None  # --expert-tensor-parallel-size (None: = tensor)
+    context: int = 1  # --context-parallel-size
+
+    @property
+    def etp(self) -> int:
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
+
+    @property
+    def policy(self):
+        from mlir_train.model.recompute import RecomputePolicy
+
+        return RecomputePolicy.of(self.recompute)
+
+    def name(self, num_devices: int) -> str:
+        dp = num_devices // (self.tensor * self.pipeline * self.context)
+        parts = [f"TP{self.tensor}", f"PP{self.pipeline}", f"EP{self.expert}"]
+        parts += ([f"ETP{self.etp}"] if self.etp != self.tensor else []) + [f"DP{dp}"]
+        if self.context > 1:
+            parts.insert(1, f"CP{self.context}")
+        extra = (["SP"] if self.sequence_parallel else []) + (["distopt"] if self.distributed_optimizer else [])
+        return "x".join(parts) + "".join("+" + e for e in extra) + f" recompute={self.policy.name}"
+
+
+@dataclasses.dataclass
+class Plan:
+    layout: Layout
+    name: str
+    num_devices: int = 1
+    # Analytic breakdown (exact sizes from the shardings; activations estimated).
+    master_bytes: int = 0
+    optimizer_bytes: int = 0
+    compute_weight_bytes: int = 0
+    gradient_bytes: int = 0
+    activation_bytes: int = 0
+    batch_bytes: int = 0
+    # The compiled step, per device: which compiler, its memory analysis and HLO audit.
+    compiler: str | None = None              # "XLA:GPU h200 (deviceless)" | "XLA:CPU (...)"
+    compiler_note: str | None = None         # why not XLA:GPU, where it is not
+    compiled_for_target: bool = False        # True: the compiled figures decide the verdict
+    moe_impl: str | None = None              # the MoE implementation the mesh's platform chose
+    compiled_argument_bytes: int | None = None
+    compiled_temp_bytes: int | None = None
+    compiled_needed_bytes: int | None = None
+    compiled_matmul_flops: float | None = None   # per device per step
+    collectives: dict[str, dict[str, int]] | None = None  # kind -> {"count", "bytes"} per device
+    conditionals: int = 0
+    unknown_loops: int = 0                   # while loops without a known trip count (counted once)
+    # With conditionals: the cheapest branches' figures (e.g. a dropless dispatcher's no-overflow path).
+    compiled_matmul_flops_cheapest: float | None = None
+    collectives_cheapest: dict[str, dict[str, int]] | None = None
+    uncounted_custom_calls: dict[str, int] | None = None
+    flops_per_step: float = 0.0              # Megatron's model FLOPs, all devices
+    step_time_s: float | None = None         # from the model FLOPs at --assumed-mfu
+    tokens_per_s: float | None = None
+    compiled_step_time_s: float | None = None  # from the compiled matmul FLOPs at the same fraction of peak
+    compiled_tokens_per_s: float | None = None
+    capacity_bytes: float = 0.0
+    compile_s: float | None = None
+    error: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """The analytic estimate of what one device holds."""
+        return (self.master_bytes + self.optimizer_bytes + self.compute_weight_bytes + self.gradient_bytes
+                + self.activation_bytes + self.batch_bytes)
+
+    @property
+    def needed_bytes(self) -> int:
+        """What decides the verdict: the target compiler's figure, else the analytic estimate."""
+        if self.compiled_for_target and self.compiled_needed_bytes is not None:
+            return self.compiled_needed_bytes
+        return self.total_bytes
+
+    @property
+    def verdict_from(self) -> str:
+        return "compiled" if self.compiled_for_target and self.compiled_needed_bytes is not None else "estimate"
+
+    @property
+    def fits(self) -> bool:
+        return self.error is None and self.needed_bytes <= USABLE_FRACTION * self.capacity_bytes
+
+    @property
+    def flop_ratio(self) -> float | None:
+        """Compiled matmul FLOPs (all devices) / Megatron's model FLOPs."""
+        if self.compiled_matmul_flops is None or not self.flops_per_step:
+            return None
+        return self.compiled_matmul_flops * self.num_devices / self.flops_per_step
+
+    def ranking_key(self) -> tuple[float, int]:
+        speed = self.compiled_tokens_per_s if self.compiled_for_target and self.compiled_tokens_per_s else self.tokens_per_s
+        return (-(speed or 0.0), self.needed_bytes)
+
+
+def _device_bytes(tree: Any) -> int:
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_bytes: int, num_micro: int = 1,
+                     schedule=None) -> int:
+    """Per-device activation memory of the forward/backward (see the module doc): one
+    micro-batch's, or under pipeline parallelism a stage's layers for every micro-batch in
+    flight (GPipe / circular keep all of them until their backward), or under 1F1B
+    (``schedule``, a :class:`mlir_train.train.pipeline.parallel.Schedule`) its ``2 R P - 1`` saved chunk
+    inputs plus one chunk's activations while its backward recomputes it."""
+    from sharding.mesh import kv_heads_replicated
+
+    a, b, d, tp = dtype_bytes, micro_batch, cfg.hidden_size, layout.tensor
+    # Under context parallelism a rank holds T / CP tokens of each row, and its queries' scores
+    # against all T keys (the gathered K/V, counted with the working set).
+    t, keys = seq // layout.context, seq
+    sp = tp if layout.sequence_parallel else 1
+    heads = cfg.num_heads // tp
+    kv = cfg.num_kv_heads if kv_heads_replicated(tp, cfg.num_kv_heads) else max(1, cfg.num_kv_heads // tp)
+    hd = cfg.head_dim
+    rows = b * t
+    residual = 2 * a * rows * d // sp
+    # The attention's custom gradient keeps q, k, v, its output and a float32 log-sum-exp per
+    # row; the [T, T] matrices (float32 scores/probabilities, their gradients) exist only
+    # while one layer runs, so they count in the working set, not per layer.
+    attn_core = a * rows * heads * hd + 4 * b * heads * t  # output + log-sum-exp
+    attn = a * rows * (d + (heads + 2 * kv) * hd + (heads + kv) * hd) + attn_core
+    if layout.context > 1:  # blocked_attention: one key block of scores, and the gathered K/V
+        from mlir_train.model.layers import KEY_BLOCK
+
+        attn_matrices = 3 * 4 * b * heads * t * min(keys, KEY_BLOCK) + 2 * a * b * keys * kv * hd
+    else:
+        attn_matrices = 3 * 4 * b * heads * t * keys
+    kinds = cfg.layer_kinds()
+    if cfg.is_moe:
+        s, k = rows // sp, cfg.top_k
+        etp = layout.etp
+        if etp < tp:  # folding: the tensor ranks that are expert ranks hold their own tokens
+            s = rows // (tp // etp)
+        local = cfg.num_experts // layout.expert
+        # ETP > TP: the expert-tensor ranks that are data ranks gather each other's rows
+        m = layout.expert * s * min(k, local) * max(1, etp // tp)
+        f = cfg.moe_intermediate_size // etp
+        router = a * rows * d + 2 * 4 * s * cfg.num_experts
+        experts = 2 * a * s * k * d + (a * m * d if layout.expert > 1 else 0) + 3 * a * m * f + a * m * d
+    else:
+        router = experts = 0
+    moe = router + experts
+    dense = a * rows * (d + 3 * cfg.intermediate_size // tp)
+    per_layer = [residual + attn + (moe if is_moe else dense) for is_moe in kinds]
+    chunks = schedule.virtual if schedule is not None else 1
+    n = max(schedule.stage_layers) if schedule is not None and schedule.stage_layers else len(per_layer) // (layout.pipeline * chunks)
+    per_layer = per_layer[:max(1, n)]  # the (largest) stage's, or one chunk's, layers
+    policy = layout.policy
+    layer_input = a * rows * d // sp
+    if policy.granularity == "selective":
+        # The submodules' kept tensors go: the attention core's output and log-sum-exp, the norms'
+        # outputs (2 per layer), the expert activation's output, a dense MLP's or MoE layer's
+        # activations but its input.
+        saved = 0
+        for is_moe, act in zip(kinds, per_layer):
+            drop = (attn_core if policy.recomputes("core_attn") else 0) + (
+                2 * layer_input if policy.recomputes("layernorm") else 0)
+            if is_moe:
+                drop += (moe - layer_input if policy.recomputes("moe") else
+                         a * m * f if policy.recomputes("moe_act") else 0)
+            elif policy.recomputes("mlp"):
+                drop += dense - layer_input
+            saved += act - drop
+        # one layer's backward, plus a recomputed MoE layer / MLP's forward
+        working = max(per_layer) + attn_matrices + max(
+            (moe if policy.recomputes("moe") and is_moe else dense if policy.recomputes("mlp") and not is_moe else 0)
+            for is_moe in kinds[:len(per_layer)])
+    elif policy.granularity == "full":
+        # The recomputed layers keep their input (uniform: one per group of N), block's others all
+        # of their activations; a group of N is recomputed at once.
+        group = policy.num_layers if policy.method == "uniform" else 1
+        recomputed = len(per_layer) if policy.method != "block" else min(policy.num_layers, len(per_layer))
+        saved = -(-recomputed // group) * layer_input + sum(per_layer[recomputed:])
+        working = (group + 1) * max(per_layer) + attn_matrices
+    else:
+        saved = sum(per_layer)
+        working = max(per_layer) + attn_matrices
+    logits = 2 * 4 * rows * (cfg.vocab_size // tp)
+    if layout.pipeline > 1 and schedule is not None and schedule.saved_inputs() is not None:
+        return int(schedule.saved_inputs() * a * rows * d // sp + saved + working + logits)
+    in_flight = num_micro * chunks if layout.pipeline > 1 else 1
+    return int(in_flight * saved + working + logits)
+
+
+def _trainer(cfg: RunConfig, layout: Layout, num_devices: int, devices=None):
+    """The Trainer ``sft`` would build for this layout, over ``devices`` (compile-only XLA:GPU
+    devices of the target) or the first ``num_devices`` of this process (fake CPU devices); the
+    kernels (MoE experts, attention) are the ones the mesh's platform selects."""
+    import jax
+
+    from mlir_train.runtime.platform_setup import mesh_platform
+    from sharding.mesh import make_mesh
+
+    cfg = cfg.replace(
+        parallel=dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
+                      expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.expert_tensor,
+                      sequence_parallel=layout.sequence_parallel, context_parallel_size=layout.context,
+                      use_distributed_optimizer=layout.distributed_optimizer, use_torch_fsdp2=False,
+                      data_parallel_sharding_strategy="no_shard",
+                      # the pipeline's own flags mean nothing to (and are refused by) a PP1 layout
+                      **({} if layout.pipeline > 1 else dict(num_layers_per_virtual_pipeline_stage=None,
+                                                             num_virtual_stages_per_pipeline_rank=None,
+                                                             decoder_first_pipeline_num_layers=None,
+                                                             decoder_last_pipeline_num_layers=None,
+                                                             pipeline_schedule=None))),
+        training=dict(recompute_granularity=layout.policy.granularity, recompute_method=layout.policy.method,
+                      recompute_num_layers=layout.policy.num_layers,
+                      recompute_modules=layout.policy.modules or None, moe_layer_recompute=False,
+                      recompute_activations=False, lr=cfg.training.lr or 1e-5,
+                      train_iters=cfg.training.train_iters or 1))
+    vocab = cfg.model.vocab_size or cfg.model.model_config(None).vocab_size
+    model_cfg = cfg.model.model_config(cfg.model.padded_vocab_size(vocab, layout.tensor))
+    platform = "cpu" if devices is None else mesh_platform(jax.sharding.Mesh(devices, ("all",)))
+    run = resolve(cfg, model_cfg, num_devices=num_devices, platform=platform)
+    mesh = make_mesh(run.parallel, devices=devices)
+    return run.trainer(mesh), model_cfg, run.global_batch_size, run.num_micro_batches
+
+
+def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: float, peak_tflops: float | None,
+                assumed_mfu: float, compile_step: bool = True, target: str | None = None,
+                compiler_note: str | None = None, hlo_dir: str | None = None) -> Plan:
+    """Sizes (and, with ``compile_step``, the AOT-compiled step) of one layout. ``target``: a
+    device kind to compile for with XLA:GPU (deviceless); None compiles for this process's CPU
+    devices, and ``compiler_note`` says why (printed with the figures)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mlir_train.planner import flops as flops_lib
+    from mlir_train.planner import hlo_flops
+    from mlir_train.planner import hlo as hlo_stats
+    from mlir_train.planner.targets import compile_only_devices
+    from mlir_train.train.trainer import BATCH_KEYS, DTYPES
+
+    plan = Plan(layout, layout.name(num_devices), num_devices=num_devices, capacity_bytes=memory_gb * GIB)
+    devices = compile_only_devices(target, num_devices) if target and compile_step else None
+    try:
+        trainer, model_cfg, gbs, num_micro = _trainer(cfg, layout, num_devices, devices)
+    except Exception as e:  # an invalid layout for this model / device count
+        plan.error = str(e).splitlines()[0]
+        return plan
+    plan.moe_impl = trainer.model_kwargs.get("moe_impl")
+    state = trainer.abstract_state()
+    rows = gbs // num_micro
+    batch = {k: jax.ShapeDtypeStruct((num_micro, rows, cfg.data.seq_length),
+                                     jnp.float32 if k == "loss_mask" else jnp.int32, sharding=trainer.batch_sharding)
+             for k in BATCH_KEYS}
+    dtype = DTYPES[trainer.step_cfg.compute_dtype]
+    plan.master_bytes = _device_bytes(state["params"])
+    plan.optimizer_bytes = _device_bytes(state["opt_state"]) + _device_bytes(state["loss_scale"])
+    compute = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+                           trainer.param_shapes, trainer.compute_shardings)
+    master_specs = jax.tree.map(lambda s: s.sharding.spec, state["params"])
+    compute_specs = jax.tree.map(lambda s: s.sharding.spec, compute)
+    needs_copy = dtype != jnp.float32 or jax.tree.leaves(master_specs) != jax.tree.leaves(compute_specs)
+    plan.compute_weight_bytes = _device_bytes(compute) if needs_copy else 0
+    plan.gradient_bytes = _device_bytes(compute) + plan.master_bytes
+    plan.batch_bytes = _device_bytes(batch)
+    plan.activation_bytes = activation_bytes(model_cfg, layout, micro_batch=cfg.training.micro_batch_size,
+                                             seq=cfg.data.seq_length, dtype_bytes=jnp.dtype(dtype).itemsize,
+                                             num_micro=num_micro, schedule=trainer.schedule)
+    plan.flops_per_step = flops_lib.num_floating_point_operations(model_cfg, cfg.data.seq_length, gbs)
+    if peak_tflops:
+        per_stage = model_cfg.num_layers // layout.pipeline
+        hardware = plan.flops_per_step * (3 + layout.policy.recomputed_fraction(per_stage)) / 3
+        if trainer.schedule is not None:  # the pipeline bubble (and 1F1B's recomputed chunk forward)
+            hardware *= trainer.schedule.step_factor(num_micro, layout.policy.kind)
+        plan.step_time_s = hardware / (num_devices * peak_tflops * 1e12 * assumed_mfu)
+        plan.tokens_per_s = gbs * cfg.data.seq_length / plan.step_time_s
+    if compile_step:
+        plan.compiler = f"XLA:GPU {target} (deviceless)" if devices is not None else "XLA:CPU"
+        plan.compiler_note = compiler_note
+        t0 = time.perf_counter()
+        try:
+            compiled = trainer.lower_train_step(state, batch).compile()
+            step = hlo_stats.audit_compiled(compiled, custom_call_flops=hlo_flops.custom_call_counters())
+            if hlo_dir:  # the optimized HLO the figures come from, to see where they come from
+                os.makedirs(hlo_dir, exist_ok=True)
+                with open(os.path.join(hlo_dir, re.sub(r"[^\w.+-]+", "_", plan.name) + ".hlo.txt"), "w") as f:
+                    f.write(compiled.as_text())
+        except Exception as e:
+            plan.error = f"does not compile ({plan.compiler}): {str(e).splitlines()[0]}"
+            return plan
+        plan.compile_s = time.perf_counter() - t0
+        plan.compiled_for_target = devices is not None
+        plan.compiled_argument_bytes = step.argument_bytes
+        plan.compiled_temp_bytes = step.temp_bytes
+        plan.compiled_needed_bytes = step.needed_bytes
+        plan.compiled_matmul_flops = step.stats.matmul_flops
+        plan.collectives = {k: {"count": c.count, "bytes": c.bytes} for k, c in step.stats.collectives.items()}
+        plan.conditionals = step.stats.conditionals
+        plan.unknown_loops = step.stats.unknown_loops
+        if plan.conditionals:
+            plan.compiled_matmul_flops_cheapest = step.stats_cheapest.matmul_flops
+            plan.collectives_cheapest = {k: {"count": c.count, "bytes": c.bytes}
+                                         for k, c in step.stats_cheapest.collectives.items()}
+        plan.uncounted_custom_calls = step.stats.uncounted_custom_calls or None
+        if peak_tflops and plan.compiled_matmul_flops:
+            plan.compiled_step_time_s = plan.compiled_matmul_flops / (peak_tflops * 1e12 * assumed_mfu)
+            plan.compiled_tokens_per_s = gbs * cfg.data.seq_length / plan.compiled_step_time_s
+    return plan
+
+
+def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
+    """TP (within one 8-device node), EP, PP that divide the model, distributed optimizer on/off,
+    recompute none/full, and for long rows (``--seq-length`` >= 8192, what CP is for) context
+    parallelism of 1, 2, 4 or 8 ranks; DP is what is left (EP is carved out of CP x DP). A given
+    --expert-tensor-parallel-size is kept for every candidate (EP then ranges over what ETP x EP
+    leaves of a stage's ranks: folding)."""
+    cfg = run_cfg.model.model_config(None)
+    etp = run_cfg.parallel.expert_tensor_parallel_size
+    seq = run_cfg.data.seq_length or 0
+    divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+    pipelines = [p for p in divisors if cfg.num_layers % p == 0]
+    out = []
+    for pp in pipelines:
+        for tp in (d for d in divisors if d <= 8 and num_devices % (d * pp) == 0):
+            dp = num_devices // (tp * pp)
+            room = dp if etp is None else num_devices // (pp * etp)
+            experts = [e for e in divisors if room % e == 0 and cfg.is_moe and cfg.num_experts % e == 0] or [1]
+            sp = run_cfg.parallel.sequence_parallel and tp > 1
+            contexts = [c for c in (1, 2, 4, 8) if dp % c == 0 and seq % (2 * c) == 0
+                        and (not sp or seq % (c * tp) == 0)] if seq >= 8192 else [1]
+            for ep, cp in itertools.product(experts, contexts):
+                for distopt in ((True, False) if dp > 1 else (False,)):  # ZeRO needs data ranks
+                    for recompute in ("none", "full"):
+                        out.append(Layout(tp, ep, pp, distopt, recompute, sp, etp, context=cp))
+    return out
+
+
+def _gib(n: float | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GIB:8.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2**20:8.2f} MiB"
+
+
+def format_collectives(collectives: dict[str, dict[str, int]] | None) -> str:
+    from mlir_train.planner.hlo import Collective, format_collectives as fmt
+
+    return fmt({k: Collective(v["count"], v["bytes"]) for k, v in (collectives or {}).items()})
+
+
+def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
+    lines = [f"layout {plan.name}"]
+    if plan.error:
+        return lines[0] + f"\n  NOT PLANNED: {plan.error}"
+    on_target = plan.compiled_for_target
+    if plan.compiled_argument_bytes is not None:
+        head = f"  compiled by {plan.compiler} in {plan.compile_s:.1f}s" + \
+            (f" (MoE: {plan.moe_impl})" if plan.moe_impl else "") + ", per device"
+        lines.append(head + (f" ({plan.compiler_note})" if plan.compiler_note else "") + ":")
+        temp_label = "temporaries" if on_target else "temp (CPU, not a GPU budget)"
+        lines += [f"    {'arguments (state + batch)':<46s} {_gib(plan.compiled_argument_bytes)}",
+                  f"    {temp_label:<46s} {_gib(plan.compiled_temp_bytes)}",
+                  f"    {'needed (args + unaliased outputs + temp)':<46s} {_gib(plan.compiled_needed_bytes)}"]
+        more = f" (costliest branch of {plan.conditionals} conditionals)" if plan.conditionals else ""
+        lines.append(f"    collectives{more}: {format_collectives(plan.collectives)}")
+        if plan.conditionals:
+            lines.append(f"    collectives (cheapest branches): {format_collectives(plan.collectives_cheapest)}")
+        if plan.flop_ratio is not None:
+            lines.append(f"    matmul FLOPs{more} {plan.compiled_matmul_flops:.3e} per device = {plan.flop_ratio:.2f}x "
+                         f"Megatron's model FLOPs ({plan.flops_per_step:.3e} over {plan.num_devices} devices)")
+        if plan.conditionals and plan.flops_per_step:
+            cheap = plan.compiled_matmul_flops_cheapest
+            lines.append(f"    matmul FLOPs (cheapest branches) {cheap:.3e} per device = "
+                         f"{cheap * plan.num_devices / plan.flops_per_step:.2f}x Megatron's model FLOPs")
+        if plan.unknown_loops:
+            lines.append(f"    ({plan.unknown_loops} while loops without a known trip count: their bodies counted once, "
+                         "so FLOPs and collectives above are lower bounds)")
+        if plan.uncounted_custom_calls:
+            lines.append("    custom calls whose FLOPs the HLO does not show (not counted): "
+                         + ", ".join(f"{t} x{n}" for t, n in plan.uncounted_custom_calls.items()))
+    rows = [
+        ("master weights (fp32)", plan.master_bytes),
+        ("optimizer state", plan.optimizer_bytes),
+        ("compute weights (gathered)", plan.compute_weight_bytes),
+        ("gradients (micro + fp32 accumulator)", plan.gradient_bytes),
+        (f"activations (estimate, recompute={plan.layout.policy.name})", plan.activation_bytes),
+        ("batch", plan.batch_bytes),
+        ("total per device", plan.total_bytes),
+    ]
+    lines.append("  analytic breakdown (exact state sizes from the shardings, activations estimated):")
+    lines += [f"    {label:<46s} {_gib(value)}" for label, value in rows]
+    if plan.compiled_argument_bytes is not None:
+        args_est = plan.master_bytes + plan.optimizer_bytes + plan.batch_bytes
+        temp_est = plan.total_bytes - args_est
+        lines.append(f"  compiled vs analytic: arguments {plan.compiled_argument_bytes / GIB:.2f} vs {args_est / GIB:.2f} "
+                     f"GiB ({'equal' if abs(plan.compiled_argument_bytes - args_est) <= 1e-6 * args_est + 64 else 'DIFFER'}: "
+                     f"the same state and batch); temporaries {plan.compiled_temp_bytes / GIB:.2f} vs {temp_est / GIB:.2f} "
+                     f"GiB ({(plan.compiled_temp_bytes - temp_est) / GIB:+.2f} GiB: "
+                     + ("the compiler's buffers are what this program allocates -- fusion outputs, collective "
+                        "buffers kept live to overlap them, loop carries -- where the estimate counts the "
+                        "tensors the step must hold" if on_target else
+                        "XLA:CPU's float32 copies of bf16 operands and CPU scheduling; the estimate decides") + ")")
+    lines.append(f"  FLOPs per step (model): {plan.flops_per_step:.3e}")
+    if plan.step_time_s is not None:
+        line = f"  at MFU {assumed_mfu:.0%}: step {plan.step_time_s:.2f}s, {plan.tokens_per_s:,.0f} tokens/s (Megatron's FLOPs)"
+        if plan.compiled_step_time_s is not None:
+            line += (f"; compiled matmul FLOPs at {assumed_mfu:.0%} of peak: step {plan.compiled_step_time_s:.2f}s, "
+                     f"{plan.compiled_tokens_per_s:,.0f} tokens/s")
+        lines.append(line)
+    else:
+        lines.append("  step time: unknown peak for this device; pass --peak-tflops")
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    source = (f"compiled by {plan.compiler}" if plan.verdict_from == "compiled"
+              else "analytic estimate" + (f"; {plan.compiler_note}" if plan.compiler_note else ""))
+    lines.append(f"  {verdict} in {plan.capacity_bytes / GIB:.0f} GiB ({kind}; {USABLE_FRACTION:.0%} usable): "
+                 f"{plan.needed_bytes / GIB:.1f} GiB needed ({source})")
+    return "\n".join(lines)
+
+
+def _planner_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mlir_train.plan", add_help=False)
+    p.add_argument("--device-kind", choices=sorted(DEVICE_KINDS), default="h200")
+    p.add_argument("--device-memory-gb", type=float, default=None)
+    p.add_argument("--assumed-mfu", type=float, default=0.4)
+    p.add_argument("--search", action="store_true")
+    p.add_argument("--search-top", type=int, default=None,
+                   help="compile only the K layouts with the best estimates (default: every one that fits)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the plans as JSON")
+    p.add_argument("--hlo-dir", default=None, metavar="DIR",
+                   help="write each compiled step's optimized HLO text there (<layout>.hlo.txt)")
+    p.add_argument("--xla-cpu", action="store_true",
+                   help="compile for XLA:CPU even where the XLA:GPU compiler is installed (verdict from the estimate)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[Plan]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return []
+    _preset_devices(argv)
+    own, rest = _planner_parser().parse_known_args(argv)
+    from mlir_train.config import cli
+
+    cfg = cli.parse(rest)
+    t, par = cfg.training, cfg.parallel
+    if cfg.data.seq_length is None or t.micro_batch_size is None:
+        raise SystemExit("error: --seq-length and --micro-batch-size are required")
+    import jax
+
+    num_devices = cfg.extras.num_devices or jax.device_count()
+    kind = DEVICE_KINDS[own.device_kind]
+    memory_gb = own.device_memory_gb or kind.memory_bytes / GIB
+    # fp32 matmuls run as TF32 on these GPUs: half the bf16 peak.
+    peak = cfg.extras.peak_tflops or (kind.bf16_tflops and kind.bf16_tflops * (1.0 if t.bf16 or t.fp16 else 0.5))
+    target, note = choose_compiler(kind, force_cpu=own.xla_cpu)
+    if target:  # a compile-only executable cannot be stored or reloaded by JAX's persistent cache
+        jax.config.update("jax_enable_compilation_cache", False)
+    if target is None and num_devices > jax.device_count():  # the XLA:CPU compile needs fake devices
+        raise SystemExit(f"error: --num-devices {num_devices} but this process has {jax.device_count()} devices "
+                         "(run it as python -m mlir_train.plan, which creates them)")
+    common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu, target=target, compiler_note=note,
+                  hlo_dir=own.hlo_dir)
+    print(f"mlir-train plan: {cfg.model.model_config(None).name} on {num_devices} x {own.device_kind} ({memory_gb:.1f} GiB; "
+          f"{kind.description}), seq {cfg.data.seq_length}, micro-batch {t.micro_batch_size}, global batch "
+          f"{t.global_batch_size or 'micro x DP'}, {t.compute_dtype}")
+    print(f"compiler: {f'XLA:GPU for {kind.description}, deviceless' if target else 'XLA:CPU'}"
+          + (f" -- {note}" if note else ""))
+    if not own.search:
+        layout = Layout(par.tensor_model_parallel_size, par.expert_model_parallel_size,
+                        par.pipeline_model_parallel_size, par.distributed_optimizer, t.recompute, par.sequence_parallel,
+                        par.expert_tensor_parallel_size, context=par.context_parallel_size)
+        plan = plan_layout(cfg, layout, num_devices, **common)
+        print(format_plan(plan, own.device_kind, own.assumed_mfu))
+        _write_json(own.json, [plan])
+        return [plan]
+
+    estimates = [plan_layout(cfg, l, num_devices, compile_step=False, **common) for l in candidate_layouts(cfg, num_devices)]
+    valid = [p for p in estimates if p.error is None]
+    fitting = sorted((p for p in valid if p.fits), key=Plan.ranking_key)
+    if own.search_top is not None:
+        fitting = fitting[:own.search_top]
+    print(f"{len(estimates)} layouts, {len(valid)} valid for this model, {len(fitting)} to compile "
+          f"(estimated to fit{'' if own.search_top is None else f', best {own.search_top}'})")
+    for p in estimates:
+        if p.error is None and not p.fits:
+            print(f"  does not fit (estimate): {p.name}: {p.total_bytes / GIB:.1f} GiB > "
+                  f"{USABLE_FRACTION * memory_gb:.0f} GiB usable")
+        elif p.error is not None:
+            print(f"  not planned: {p.name}: {p.error}")
+    ranked = []
+    for p in fitting:
+        compiled = plan_layout(cfg, p.layout, num_devices, **common)
+        print(format_plan(compiled, own.device_kind, own.assumed_mfu), flush=True)
+        if compiled.error is None and compiled.fits:
+            ranked.append(compiled)
+    ranked.sort(key=Plan.ranking_key)
+    by = "compiled step time, then compiled memory" if target else "estimated throughput, then memory"
+    print(f"\nranking ({by}):" if ranked else
+          "\nno layout fits: more devices, --recompute-granularity full, a shorter --seq-length or a smaller "
+          "--micro-batch-size")
+    for i, p in enumerate(ranked, 1):
+        speed = p.compiled_tokens_per_s if p.compiled_for_target and p.compiled_tokens_per_s else p.tokens_per_s
+        ratio = f"  FLOPs {p.flop_ratio:.2f}x model" if p.flop_ratio is not None else ""
+        print(f"  {i:2d}. {p.name:<48s} {p.needed_bytes / GIB:7.1f} GiB  "
+              + (f"{speed:,.0f} tokens/s" if speed else "speed unknown") + ratio)
+    _write_json(own.json, ranked)
+    return ranked
+
+
+def choose_compiler(kind: DeviceKind, *, force_cpu: bool = False) -> tuple[str | None, str | None]:
+    """(XLA:GPU target kind or None for XLA:CPU, the note saying why not XLA:GPU)."""
+    from mlir_train.planner.targets import gpu_compiler_missing
+
+    if not kind.compiles_for_gpu:
+        return None, (f"{kind.description} has no XLA:GPU target: planned by memory only (exact state bytes from an "
+                      "XLA:CPU compile, the analytic estimate for the verdict)")
+    if force_cpu:
+        return None, "--xla-cpu: XLA:CPU compile, verdict from the analytic estimate"
+    missing = gpu_compiler_missing()
+    if missing:
+        return None, f"the XLA:GPU compiler is not available ({missing}): XLA:CPU compile, verdict from the analytic estimate"
+    return kind.name, None
+
+
+def _write_json(path: str | None, plans: list[Plan]) -> None:
+    if path:
+        import json
+
+        rows = [dataclasses.asdict(p) | {"total_bytes": p.total_bytes, "needed_bytes": p.needed_bytes,
+                                         "verdict_from": p.verdict_from, "flop_ratio": p.flop_ratio, "fits": p.fits}
+                for p in plans]
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Pipeline parallelism inside the one compiled train step."""

@@ -1,0 +1,128 @@
+"""Benchmarks stay runnable: each one's --quick mode in a subprocess, output checked for its ratios."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(script: str, *args: str, timeout: float = 120) -> str:
+    env = dict(os.environ)
+    # Benchmarks run on the real devices, not the 8 fake CPU devices conftest sets for tests.
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_moe_benchmark_quick():
+    out = _run("moe.py", "--quick")
+    assert "matmul peak" in out
+    for impl in ("dense", "padded", "ragged"):
+        assert re.search(rf"^ratio tiny {impl}: \d+\.\d+x dense reference tokens/s, \d+\.\d+ of matmul peak$",
+                         out, re.MULTILINE), out
+
+
+def _one_device_unoptimised_env() -> dict:
+    """The environment without the fake device count (the script picks its own) and with LLVM's
+    optimisation of the CPU code off: the steps are only run, not timed for a figure."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
+                                 if not f.startswith("--xla_force_host_platform_device_count")]
+                                + ["--xla_backend_optimization_level=0"])
+    return env
+
+
+def test_gpu_h200_smoke():
+    """gpu_h200.py's whole path (AOT compile + memory check, bf16 steps, tokens/s, MFU line) at tiny sizes on CPU.
+
+    Its steps are only run, not timed for a figure, so LLVM's optimisation of the CPU code is skipped: that
+    halves the compile, which is most of this test's time.
+    """
+    env = _one_device_unoptimised_env()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_h200.py"), "--smoke"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "qwen3-30b-a3b-shaped stack: 2 layers" in proc.stdout and "bf16 compute" in proc.stdout
+    assert re.search(r"^memory per device: .* GiB", proc.stdout, re.MULTILINE), proc.stdout
+    assert re.search(r"^result: [\d,]+ tokens/s/device, \d+\.\d+ TFLOP/s/device, MFU n/a", proc.stdout, re.MULTILINE), proc.stdout
+
+
+@pytest.mark.slow  # ~20 s; runs HF torch training beside ours
+def test_vs_hf_quick():
+    out = _run("vs_hf.py", "--quick")
+    assert re.search(r"^ratio tiny: mlir-train \d+\.\d+x HF transformers train-step tokens/s", out, re.MULTILINE), out
+    assert re.search(r"^ratio tiny GEMM bound: at most \d+\.\d+x HF .* XLA's GEMMs run at \d+\.\d+x torch's",
+                     out, re.MULTILINE), out
+    # Both sides trained the same model on the same data: equal first-step losses.
+    first = re.search(r"^tiny .* (\d+\.\d+) / (\d+\.\d+) ", out, re.MULTILINE)
+    assert first and first.group(1) == first.group(2), out
+
+
+@pytest.mark.slow  # ~15 s; tests/planner/test_flops.py checks the same formulas
+def test_flops_check_quick():
+    out = _run("flops_check.py", "--quick")
+    for case in ("dense", r"moe padded \(dropless\)", r"moe padded, cf 1\.0"):
+        m = re.search(rf"^ratio {case}: XLA counts \d+\.\d+x our model FLOPs, (\d+\.\d+)x the predicted", out, re.MULTILINE)
+        assert m and abs(float(m.group(1)) - 1) < 0.1, out  # the formula plus known overheads covers XLA's count
+
+
+def test_checkpoint_benchmark_quick(tmp_path):
+    out = _run("checkpoint.py", "--quick", "--dir", str(tmp_path))
+    assert re.search(r"^ratio tiny: sync blocks \d+\.\d+x as long as async", out, re.MULTILINE), out
+    assert re.search(r"^ratio tiny checksums: \d+\.\d+ of an async save's total", out, re.MULTILINE), out
+
+
+@pytest.mark.slow
+def test_layouts_benchmark_quick():  # ~100 s on 2 cores
+    out = _run("layouts.py", "--quick", timeout=600)
+    for layout in ("DP8", "TP2xDP4", "EP2xDP4", r"TP2xEP2xDP2\+distopt"):
+        assert re.search(rf"^ratio tiny {layout}: \d+\.\d+x DP8 state bytes/device, \d+\.\d+x DP8 step time",
+                         out, re.MULTILINE), out
+
+
+@pytest.mark.slow
+def test_pipeline_benchmark_quick():  # ~500 s on 2 cores
+    out = _run("pipeline.py", "--quick", timeout=900)
+    for schedule in ("1f1b", "gpipe", "1f1b-int4", "circular4"):
+        assert re.search(rf"^ratio {schedule}: bubble at M=2 measured \d+\.\d+ \(theory \d+\.\d+\)", out, re.MULTILINE), out
+
+
+@pytest.mark.slow
+def test_gpu_compiled_benchmark_quick():  # ~30 s of CPU per layout; deviceless XLA:GPU
+    from mlir_train.planner.targets import gpu_compiler_missing
+
+    if gpu_compiler_missing():
+        pytest.skip(f"deviceless XLA:GPU: {gpu_compiler_missing()}")
+    out = _run("gpu_compiled.py", "--quick", "--layouts", "dp8,ep8", timeout=900)
+    for layout in ("dp8", "ep8"):
+        assert re.search(rf"^{layout}\s+\S+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+yes\s+\d+\.\d+\s+\d+\.\d+x", out, re.MULTILINE), out
+    assert "all-to-all" in out
+
+
+def test_gpu_kernels_h200_cpu_smoke():
+    """gpu_kernels_h200.py's whole path at tiny shapes on CPU (~15 s): every backend row (the Mosaic and
+    Pallas kernels in their interpreters), within bf16 error of the float32 reference, repeats bit-identical."""
+    env = _one_device_unoptimised_env()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_kernels_h200.py"), "--cpu-smoke"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "| case | backend | fwd max abs | fwd rel | bwd max abs | bwd rel | bit-identical | fwd+bwd ms | TFLOP/s |" in out
+    backends = ["mosaic blocks", "xla ragged_dot", "padded einsum", "pallas mha", "xla masked"]
+    try:
+        import tokamax  # noqa: F401
+        backends += ["tokamax ragged_dot", "tokamax dot_product_attention"]
+    except ImportError:
+        assert "skipped: tokamax not importable" in out, out
+    for name in backends:
+        row = re.search(rf"^\| \w+ smoke \| {name} \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| yes \(2x\) \| [\d.]+ \| ",
+                        out, re.MULTILINE)
+        assert row, (name, out)
+        assert float(row.group(2)) < 3e-2 and float(row.group(4)) < 3e-2, (name, row.group(0))

@@ -1,0 +1,166 @@
+"""``--moe-gemm-backend`` and ``--attention-kernel``: flag parsing and refusals by name, the
+tokamax paths against our references on CPU (tokamax's own ``implementation="xla"``), and, where
+the deviceless XLA:GPU compiler is installed, each GPU backend's compiled HLO for 8 x H200: its
+kernel calls, no dense fallback, and the FLOP bounds (benchmarks/README.md has the figures)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mlir_train.config.models import get_model_config
+from mlir_train.model import platform_model_kwargs
+from mlir_train.model.moe import dispatch as moe_dispatch
+from mlir_train.model.moe import experts as moe_experts
+from mlir_train.model.layers import attention_mask, masked_attention
+from sharding import ParallelConfig
+
+
+
+def _tokamax():
+    return pytest.importorskip("tokamax", reason="tokamax not installed (pip install 'tokamax>=0.0.12')")
+
+
+# ----- flags ------------------------------------------------------------------------------------
+def test_auto_keeps_todays_choices():
+    assert platform_model_kwargs("cpu", is_moe=True) == {"attention_impl": "xla", "moe_impl": "padded",
+                                                         "moe_platform": "cpu"}
+    gpu = platform_model_kwargs("gpu", is_moe=True)
+    assert gpu["moe_impl"] == "grouped" and "moe_kernels" not in gpu and gpu["attention_impl"] == "flash"
+    assert platform_model_kwargs("gpu", is_moe=False, context_parallel=2) == {"attention_impl": "xla"}
+    assert platform_model_kwargs("gpu", is_moe=True, moe_backend="tokamax", attention_backend="pallas-mha") == {
+        "attention_impl": "flash", "moe_impl": "grouped", "moe_platform": "gpu", "moe_kernels": "tokamax"}
+    assert platform_model_kwargs("gpu", is_moe=True, moe_backend="padded")["moe_impl"] == "padded"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(platform="cpu", moe_backend="tokamax"), "--moe-gemm-backend tokamax: a GPU kernel"),
+    (dict(platform="cpu", moe_backend="mosaic"), "--moe-gemm-backend mosaic: a GPU kernel"),
+    (dict(platform="cpu", attention_backend="tokamax"), "--attention-kernel tokamax: a GPU kernel"),
+    (dict(platform="gpu", attention_backend="pallas-mha", context_parallel=2), "--attention-kernel pallas-mha does not"),
+    (dict(platform="gpu", attention_backend="flash"), "--attention-kernel 'flash'"),
+])
+def test_refusals_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        platform_model_kwargs(kwargs.pop("platform"), is_moe=True, **kwargs)
+
+
+def test_cli_parses_and_refuses_before_compiling():
+    from mlir_train.config import cli
+    from mlir_train.config.flags import ConfigError, resolve
+
+    base = ["--micro-batch-size", "1", "--seq-length", "16"]
+    cfg = cli.parse(base + ["--moe-gemm-backend", "tokamax", "--attention-kernel", "xla"])
+    assert (cfg.extras.moe_gemm_backend, cfg.extras.attention_kernel) == ("tokamax", "xla")
+    model = get_model_config("qwen3-moe-tiny")
+    with pytest.raises(ConfigError, match="--moe-gemm-backend tokamax: a GPU kernel"):
+        resolve(cfg, model, num_devices=1, platform="cpu")
+    cfg = cli.parse(base + ["--moe-gemm-backend", "mosaic", "--moe-expert-capacity-factor", "1.0"])
+    with pytest.raises(ConfigError, match="--moe-gemm-backend mosaic runs the dropless"):
+        resolve(cfg, model, num_devices=1, platform="gpu")
+    with pytest.raises(SystemExit):
+        cli.parse(["--attention-kernel", "cudnn"])
+
+
+# ----- tokamax against the references on CPU ----------------------------------------------------
+def test_tokamax_block_kernels_equal_reference_on_cpu():
+    """grouped_experts (values and every gradient) on tokamax's ragged dots (its XLA
+    implementation, which runs on CPU) equals it on our ragged_dot reference kernels."""
+    _tokamax()
+    b, d, f, e = 8, 32, 16, 3
+    rng = np.random.default_rng(0)
+    layout = moe_dispatch.block_grouping(jnp.asarray([12, 0, 20], jnp.int32), b, 7)  # 2 + 0 + 3 blocks, 2 spare
+    r = 7 * b
+    live = (np.arange(r) < 5 * b)[:, None]
+    x = jnp.asarray(rng.standard_normal((r, d)) * live, jnp.float32)
+    weight = jnp.asarray(rng.random(r) * live[:, 0], jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+
+    def run(kernels):
+        def loss(x, weight, *ws):
+            return jnp.sum(jnp.sin(moe_experts.grouped_experts(kernels, x, weight, *ws, *layout)))
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x, weight, *ws)
+
+    from mlir_train.model.tokamax_kernels import tokamax_block_kernels
+
+    got, want = run(tokamax_block_kernels(b, implementation="xla")), run(moe_experts.xla_block_kernels(b))
+    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_tokamax_attention_equals_masked_attention_on_cpu():
+    """Packed documents as per-query key starts (tokamax's reference implementation) give the
+    packed-document causal attention of attention_mask, values and gradients."""
+    _tokamax()
+    from mlir_train.model.tokamax_kernels import document_starts, tokamax_attention
+
+    b, t, kv, g, h = 2, 32, 2, 2, 16
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((b, t, kv * g, h), (b, t, kv, h), (b, t, kv, h)))
+    seg = jnp.asarray([[1] * 10 + [2] * 15 + [0] * 7, [3] * 32])
+    np.testing.assert_array_equal(np.asarray(document_starts(seg))[0, [0, 9, 10, 24, 25, 31]], [0, 0, 10, 10, 25, 25])
+
+    def ours(q, k, v):
+        return masked_attention(q.reshape(b, t, kv, g, h), k, v, attention_mask(seg)).reshape(b, t, kv * g, h)
+
+    def theirs(q, k, v):
+        return tokamax_attention(q, k, v, seg, implementation="xla")
+
+    got, want = theirs(q, k, v), ours(q, k, v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    dgot = jax.grad(lambda *a: jnp.sum(jnp.sin(theirs(*a))), argnums=(0, 1, 2))(q, k, v)
+    dwant = jax.grad(lambda *a: jnp.sum(jnp.sin(ours(*a))), argnums=(0, 1, 2))(q, k, v)
+    for a, w in zip(dgot, dwant):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+# ----- compiled for 8 x H200, deviceless --------------------------------------------------------
+@pytest.fixture(scope="module")
+def h200_devices(h200_devices):
+    """conftest's H200 devices, where tokamax is installed too."""
+    _tokamax()
+    return h200_devices
+
+
+# tests/planner/test_gpu_compile.py's SMALL layer: a quarter-size Qwen3-30B-A3B MoE layer.
+SMALL = get_model_config("qwen3-30b-a3b", num_layers=1).replace(hidden_size=256, moe_intermediate_size=128, num_experts=32)
+
+
+@pytest.mark.parametrize("layout, parallel", [
+    ("DP8", ParallelConfig(num_devices=8)),
+    pytest.param("TP2xEP4", ParallelConfig(tensor=2, expert=4, num_devices=8), marks=pytest.mark.slow),
+])
+def test_tokamax_moe_does_the_routed_work_on_h200(h200_devices, layout, parallel):
+    """~15 s: 9 tokamax ragged-dot kernels (3 forward, 3 input-gradient, 3 weight-gradient), no
+    dense ragged_dot (XLA's would be E/K = 4x here), within 1.3x of the routed FLOPs."""
+    from mlir_train.planner.moe_audit import audit_moe_layer
+
+    a = audit_moe_layer(SMALL, parallel, h200_devices, impl="grouped", tokens_per_rank=1024, layout=layout,
+                        block_kernels="tokamax")
+    assert a.kernel_calls == 9 and a.while_loops == 0
+    assert a.ratio <= 1.3, a
+
+
+def test_tokamax_attention_compiles_and_skips_other_documents_on_h200(h200_devices):
+    """The three tokamax kernels (forward, dQ, dK/dV), no dense attention dot; with 4 documents
+    per row the forward's work drops below the one-document figure (earlier documents' key tiles
+    skipped). tokamax 0.0.12's backward visits every causal tile, so fwd+bwd stays above
+    Megatron's causal count (6 half-matmuls): 9 half-matmuls for one document, ~8.3 for four."""
+    from gpu_helpers import compiled_attention_grads, one_device_mesh
+    from mlir_train.planner.hlo_flops import matmul_flops
+    from mlir_train.model.tokamax_kernels import document_starts, tokamax_attention
+    from mlir_train.runtime.platform_setup import compile_target
+
+    b, t, kv, g, h = 1, 1024, 2, 4, 128
+    mesh = one_device_mesh(h200_devices)
+    flops = matmul_flops(compiled_attention_grads(tokamax_attention, mesh, t=t, kv=kv, g=g, h=h,
+                                                  under=compile_target(mesh)).as_text())
+    assert sorted(c.kind for c in flops.attention_calls) == ["dkv", "dq", "fwd"] and flops.dot_flops == 0
+    full = 2.0 * b * kv * g * t * t * h  # one [T, S] matmul over every position pair
+    one_doc = flops.attention_flops
+    assert 0.5 * 9 * full / 2 <= one_doc <= 1.15 * 9 * full / 2
+    starts = np.asarray(document_starts(jnp.repeat(jnp.arange(1, 5), t // 4)[None]))[0]
+    packed = sum(c.flops(starts) for c in flops.attention_calls)
+    fwd_one, fwd_packed = (sum(c.flops(s) for c in flops.attention_calls if c.kind == "fwd") for s in (None, starts))
+    assert fwd_packed < 0.45 * fwd_one and packed < one_doc
