@@ -46,7 +46,8 @@ from mlir_train.config.models import ModelConfig, get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import BATCH_KEYS, StepConfig, Trainer  # noqa: E402
 from mlir_train.model.moe.block import block_layout  # noqa: E402
-from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
+from sharding.mesh import make_mesh
+from sharding.layout import Layout  # noqa: E402
 
 DENSE = get_model_config("qwen3-tiny", vocab_size=512, num_layers=1, hidden_size=256, intermediate_size=1024,
                          num_heads=4, num_kv_heads=2, head_dim=64)
@@ -64,7 +65,7 @@ QUICK_CASES = CASES[:3]
 
 
 def xla_flops(cfg: ModelConfig, rows: int, seq: int, model_kwargs: dict) -> float:
-    parallel = ParallelConfig(num_devices=1)
+    parallel = Layout(num_devices=1)
     mesh = make_mesh(parallel, devices=jax.devices()[:1])
     # The dropless experts' block loop (the form wide experts take) is a while loop, which XLA
     # counts once: count the batched form of the same blocks instead.

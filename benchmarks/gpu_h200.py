@@ -50,7 +50,8 @@ from mlir_train.model import platform_model_kwargs  # noqa: E402
 from mlir_train.config.models import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import BATCH_KEYS, StepConfig, Trainer  # noqa: E402
-from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
+from sharding.mesh import make_mesh
+from sharding.layout import Layout  # noqa: E402
 
 H200_PEAK_BF16 = 989.0
 
@@ -98,7 +99,7 @@ def main(argv=None) -> None:
         device = compile_only_devices("h200", 1)[0]
     else:
         device = jax.devices()[0]
-    parallel = ParallelConfig(num_devices=1)
+    parallel = Layout(num_devices=1)
     mesh = make_mesh(parallel, devices=[device])
     kernels = platform_model_kwargs(platform_setup.mesh_platform(mesh), is_moe=True)  # as sft picks them
     moe_impl = args.moe_impl or kernels["moe_impl"]

@@ -48,17 +48,18 @@ from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.schedule import megatron_lr_schedule  # noqa: E402
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims  # noqa: E402
 from sharding.table import held_bytes  # noqa: E402
-from sharding.mesh import ParallelConfig, make_mesh, validate  # noqa: E402
+from sharding.mesh import make_mesh, validate
+from sharding.layout import Layout  # noqa: E402
 
 PEER = "DP8"
 LAYOUTS = {
-    "1 device": ParallelConfig(num_devices=1),
-    "DP8": ParallelConfig(),
-    "TP2xDP4": ParallelConfig(tensor=2),
-    "TP2xDP4+SP": ParallelConfig(tensor=2, sequence_parallel=True),
-    "EP2xDP4": ParallelConfig(expert=2),
-    "EP4xTP2": ParallelConfig(tensor=2, expert=4),
-    "TP2xEP2xDP2+distopt": ParallelConfig(tensor=2, expert=2, distributed_optimizer=True),
+    "1 device": Layout(num_devices=1),
+    "DP8": Layout(),
+    "TP2xDP4": Layout(tensor=2),
+    "TP2xDP4+SP": Layout(tensor=2, sequence_parallel=True),
+    "EP2xDP4": Layout(expert=2),
+    "EP4xTP2": Layout(tensor=2, expert=4),
+    "TP2xEP2xDP2+distopt": Layout(tensor=2, expert=2, distributed_optimizer=True),
 }
 
 

@@ -36,13 +36,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from mlir_train.planner.targets import DEVICE_KINDS
 from mlir_train.config.models import get_model_config  # noqa: E402
 from mlir_train.planner.moe_audit import audit_moe_layer, gpu_topology_devices  # noqa: E402
-from sharding import ParallelConfig  # noqa: E402
+from sharding import Layout  # noqa: E402
 
 H200 = DEVICE_KINDS["h200"]  # mlir_train/targets/h200.txtpb
 LAYOUTS = {
-    "DP8": ParallelConfig(num_devices=8),
-    "EP8": ParallelConfig(expert=8, num_devices=8),
-    "TP2xEP4": ParallelConfig(tensor=2, expert=4, num_devices=8),
+    "DP8": Layout(num_devices=8),
+    "EP8": Layout(expert=8, num_devices=8),
+    "TP2xEP4": Layout(tensor=2, expert=4, num_devices=8),
 }
 
 

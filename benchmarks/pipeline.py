@@ -46,14 +46,15 @@ import numpy as np  # noqa: E402
 from mlir_train.config.models import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import StepConfig, Trainer  # noqa: E402
-from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
+from sharding.mesh import make_mesh
+from sharding.layout import Layout  # noqa: E402
 
 LAYERS = 8
 
 
 def _trainer(stages: int, micro: int, virtual: bool, devices: int, schedule: str = "1f1b") -> Trainer:
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=LAYERS)
-    parallel = ParallelConfig(pipeline=stages, num_devices=devices)
+    parallel = Layout(pipeline=stages, num_devices=devices)
     step_cfg = StepConfig(num_micro_batches=micro, aux_loss_coeff=1e-2, pipeline_schedule=schedule,
                           layers_per_virtual_stage=1 if virtual and stages > 1 else None)
     opt = make_optimizer(lr_schedule=lambda _: 1e-4, weight_decay=0.1, clip_grad=1.0)

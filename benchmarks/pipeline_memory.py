@@ -44,7 +44,8 @@ from peak_buffers import peak_buffers  # noqa: E402
 from mlir_train.config.models import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import BATCH_KEYS, StepConfig, Trainer, model_dims  # noqa: E402
-from sharding.mesh import ParallelConfig, make_mesh, validate  # noqa: E402
+from sharding.mesh import make_mesh, validate
+from sharding.layout import Layout  # noqa: E402
 
 CFG = get_model_config("qwen3-moe-tiny", vocab_size=8192, num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2,
                        head_dim=64, num_experts=16, top_k=4, moe_intermediate_size=128)
@@ -52,7 +53,7 @@ SEQ = 256
 
 
 def compile_step(schedule: str, micro: int, dump: str | None):
-    parallel = validate(ParallelConfig(tensor=2, pipeline=2, expert=2, sequence_parallel=True,
+    parallel = validate(Layout(tensor=2, pipeline=2, expert=2, sequence_parallel=True,
                                        distributed_optimizer=True), model_dims(CFG), seq_length=SEQ)
     trainer = Trainer(CFG, StepConfig(num_micro_batches=micro, pipeline_schedule=schedule, compute_dtype=args.dtype,
                                       aux_loss_coeff=1e-2),

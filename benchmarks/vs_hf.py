@@ -61,7 +61,8 @@ from mlir_train.config.models import ModelConfig, get_model_config  # noqa: E402
 from mlir_train.checkpoint.hf import save_pretrained  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import StepConfig, Trainer  # noqa: E402
-from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
+from sharding.mesh import make_mesh
+from sharding.layout import Layout  # noqa: E402
 
 LR, WEIGHT_DECAY, BETA2, CLIP, AUX_COEFF = 1e-4, 0.1, 0.95, 1.0, 1e-2
 
@@ -85,7 +86,7 @@ QUICK = {"tiny": Size("tiny", get_model_config("qwen3-moe-tiny", num_layers=2), 
 
 def ours(size: Size, batch_np: dict[str, np.ndarray]):
     """(step callable running one training step and waiting for it, first-step loss, HF dir)."""
-    parallel = ParallelConfig(num_devices=1)
+    parallel = Layout(num_devices=1)
     mesh = make_mesh(parallel, devices=jax.devices()[:1])
     optimizer = make_optimizer(lr_schedule=LR, weight_decay=WEIGHT_DECAY, beta2=BETA2, clip_grad=CLIP)
     trainer = Trainer(size.cfg, StepConfig(num_micro_batches=1, aux_loss_coeff=AUX_COEFF), optimizer, parallel, mesh,

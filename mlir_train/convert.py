@@ -34,9 +34,10 @@ def _trainer(model_cfg):
     import optax
 
     from mlir_train.train.trainer import StepConfig, Trainer, model_dims
-    from sharding.mesh import ParallelConfig, make_mesh, validate
+    from sharding.mesh import make_mesh, validate
+    from sharding.layout import Layout
 
-    parallel = validate(ParallelConfig(distributed_optimizer=True), model_dims(model_cfg))
+    parallel = validate(Layout(distributed_optimizer=True), model_dims(model_cfg))
     return Trainer(model_cfg, StepConfig(), optax.identity(), parallel, make_mesh(parallel))
 
 

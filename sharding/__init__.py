@@ -6,16 +6,8 @@ Imports nothing from ``mlir_train``: the model only ever names logical axes.
 from sharding.table import sharding_rows, sharding_table
 from sharding.logical import Rules, active_rules, constrain, logical_to_spec, tree_shardings, tree_specs, use_rules
 from sharding.manual import logical_shard_map, mesh_axes_of, varying_axes
-from sharding.mesh import (
-    ALL_MESH_AXES,
-    DATA_AXES,
-    MESH_AXES,
-    ParallelConfig,
-    ParallelConfigError,
-    kv_heads_replicated,
-    make_mesh,
-    validate,
-)
+from sharding.mesh import kv_heads_replicated, make_mesh, validate
+from sharding.layout import ALL_MESH_AXES, DATA_AXES, MESH_AXES, Layout, LayoutError
 from sharding.rules import (
     ACTIVATION_AXES,
     DATA_PARALLEL,
@@ -44,8 +36,8 @@ __all__ = [
     "PIPELINE_PARALLEL",
     "TENSOR_PARALLEL",
     "TENSOR_SEQUENCE_PARALLEL",
-    "ParallelConfig",
-    "ParallelConfigError",
+    "Layout",
+    "LayoutError",
     "Rules",
     "StateSpecs",
     "active_rules",

@@ -2,7 +2,7 @@
 
 Tables are plain data so they can be printed, diffed and tested for completeness against
 ``LOGICAL_AXES`` (every name the model uses). Each layout is a small overlay on
-``DATA_PARALLEL``; :func:`rules_for` stacks the overlays a :class:`~sharding.mesh.ParallelConfig`
+``DATA_PARALLEL``; :func:`rules_for` stacks the overlays a :class:`~sharding.mesh.Layout`
 asks for (Levanter-style: the table is a function of a few knobs, not a config file).
 
 Two kinds of placement come out of here:
@@ -33,7 +33,8 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from sharding.logical import MeshAxes, Rules, axes_tuple, tree_specs, trimmed_spec
-from sharding.mesh import ALL_MESH_AXES, DATA_AXES, ParallelConfig, kv_heads_replicated
+from sharding.mesh import kv_heads_replicated
+from sharding.layout import ALL_MESH_AXES, DATA_AXES, Layout
 
 # Every logical axis name the model may put on a parameter or an activation.
 PARAM_AXES = (
@@ -126,7 +127,7 @@ def _entry(axes: tuple[str, ...]) -> MeshAxes:
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def _on_roles(overrides: Mapping[str, MeshAxes], cfg: ParallelConfig) -> dict[str, MeshAxes]:
+def _on_roles(overrides: Mapping[str, MeshAxes], cfg: Layout) -> dict[str, MeshAxes]:
     """``overrides`` written for the default mesh (role-named axes "tensor", "expert"),
     re-targeted at the axes carrying those roles in ``cfg``'s mesh."""
     role_of = {"tensor": "tensor", "expert": "expert", "stage": "stage"}
@@ -134,11 +135,11 @@ def _on_roles(overrides: Mapping[str, MeshAxes], cfg: ParallelConfig) -> dict[st
             for name, axes in overrides.items()}
 
 
-def rules_for(cfg: ParallelConfig, model_dims: Mapping[str, int] | None = None) -> Rules:
+def rules_for(cfg: Layout, model_dims: Mapping[str, int] | None = None) -> Rules:
     """The compute-layout table for any combination of TP, SP, CP, EP, ETP and PP.
 
     Each logical axis maps to the mesh axes that carry its role in ``cfg``'s mesh
-    (:meth:`~sharding.mesh.ParallelConfig.role_axes`): the dense-weight splits to the tensor
+    (:meth:`~sharding.mesh.Layout.role_axes`): the dense-weight splits to the tensor
     role, the expert dimension to the expert role, the expert width to the expert-tensor role
     (= tensor unless --expert-tensor-parallel-size differs), the batch to the data role, and,
     under context parallelism, the sequence to the context role (the MoE's flattened tokens
@@ -237,7 +238,7 @@ def optimizer_state_specs(param_shapes_tree: Any, param_specs_tree: Any, mesh: M
     )
 
 
-def data_axes_tree(cfg: ParallelConfig, logical_axes_tree: Any) -> Any:
+def data_axes_tree(cfg: Layout, logical_axes_tree: Any) -> Any:
     """Each parameter's data-parallel group (mesh axes): the expert-data group for routed
     experts (a leaf whose logical axes include "exp"), the dp x cp group for the rest."""
     dense, expert = cfg.data_axes(), cfg.data_axes(expert=True)
@@ -255,7 +256,7 @@ class StateSpecs:
 
 
 def state_specs(
-    cfg: ParallelConfig,
+    cfg: Layout,
     param_shapes_tree: Any,
     logical_axes_tree: Any,
     mesh: Mesh,

@@ -31,6 +31,8 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from mlir_train.runtime.errors import SaveLockError
+
 MANIFEST = "checksums.json"
 MANIFEST_SINCE_FORMAT = 2  # checkpoint.FORMAT_VERSION from which every step carries a manifest
 LOCK_NAME = ".lock"
@@ -164,8 +166,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class SaveLockError(RuntimeError):
-    """Another job holds the ``--save`` directory."""
 
 
 class SaveLock:

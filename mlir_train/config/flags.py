@@ -30,6 +30,8 @@ import dataclasses
 import math
 from typing import Any, Callable, ClassVar
 
+from mlir_train.runtime.errors import ConfigError
+
 # --help group titles, in order. The first seven are the seed script's bash arrays.
 SEED_GROUPS = ("model", "data", "sft", "training", "moe", "model-parallel", "logging")
 GROUP_TITLES = {
@@ -47,8 +49,6 @@ GROUP_TITLES = {
 }
 
 
-class ConfigError(ValueError):
-    """Flags that cannot run together, or a value we do not implement; names the flag."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,11 +313,11 @@ class TrainingFlags:
 
     @property
     def recompute(self):
-        """The :class:`~mlir_train.model.recompute.RecomputePolicy` of these flags, as megatron-core
+        """The :class:`~mlir_train.config.policies.RecomputePolicy` of these flags, as megatron-core
         0.16 reads them (``--recompute-activations`` and ``--moe-layer-recompute`` make the
         granularity selective; the modules default to core_attn; ``--moe-layer-recompute`` adds
         moe). :func:`check` has refused the combinations it would not run."""
-        from mlir_train.model.recompute import RecomputePolicy
+        from mlir_train.config.policies import RecomputePolicy
 
         selective = self.recompute_activations or self.moe_layer_recompute
         granularity = "selective" if selective else self.recompute_granularity
@@ -416,8 +416,8 @@ class MoEFlags:
              "it changes nothing else (as in Megatron, where it only pads)")
 
     def load_balancing(self):
-        """The router losses and their coefficients (``mlir_train.model.losses.LoadBalancing``)."""
-        from mlir_train.model.losses import LoadBalancing, LoadBalancingError
+        """The router losses and their coefficients (``mlir_train.config.policies.LoadBalancing``)."""
+        from mlir_train.config.policies import LoadBalancing, LoadBalancingError
 
         try:
             return LoadBalancing.from_flags(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff,
@@ -426,9 +426,9 @@ class MoEFlags:
             raise ConfigError(str(e)) from None
 
     def router(self, model_cfg, expert_parallel: int):
-        """The router's settings (``mlir_train.model.moe.router.RouterConfig``), checked as Megatron
+        """The router's settings (``mlir_train.config.policies.RouterConfig``), checked as Megatron
         checks them, or None for a dense model."""
-        from mlir_train.model.moe.router import RouterConfig, RouterConfigError
+        from mlir_train.config.policies import RouterConfig, RouterConfigError
 
         if not model_cfg.is_moe:
             return None
@@ -523,9 +523,9 @@ class ParallelFlags:
         return self.use_distributed_optimizer or self.data_parallel_sharding_strategy in ("optim", "optim_grads")
 
     def parallel_config(self, num_devices: int | None = None):
-        from sharding.mesh import ParallelConfig
+        from sharding.layout import Layout
 
-        return ParallelConfig(
+        return Layout(
             tensor=self.tensor_model_parallel_size, pipeline=self.pipeline_model_parallel_size,
             expert=self.expert_model_parallel_size, context=self.context_parallel_size,
             expert_tensor=self.expert_tensor_parallel_size, sequence_parallel=self.sequence_parallel, fsdp=self.fsdp,
@@ -862,7 +862,7 @@ def check_recompute(t: TrainingFlags) -> None:
     """megatron-core 0.16's checks of the recompute flags (``TransformerConfig.__post_init__``
     and ``validate_args``), naming the flags; where it silently ignores or overrides one (a
     method without a granularity, --recompute-activations over full) we refuse instead."""
-    from mlir_train.model.recompute import ABSENT_MODULES
+    from mlir_train.config.policies import ABSENT_MODULES
 
     g, method, n = t.recompute_granularity, t.recompute_method, t.recompute_num_layers
     if t.recompute_activations and g == "full":
@@ -912,7 +912,7 @@ class Run:
 
     config: RunConfig
     model: Any                  # mlir_train.config.models.ModelConfig
-    parallel: Any               # sharding.mesh.ParallelConfig, validated
+    parallel: Any               # sharding.mesh.Layout, validated
     global_batch_size: int
     num_micro_batches: int
     platform: str               # the mesh devices' platform (cpu, gpu, tpu): picks the kernels
@@ -979,12 +979,12 @@ class Run:
         from mlir_train.train.trainer import Trainer
         from sharding.mesh import make_mesh
 
-        from sharding.mesh import ParallelConfigError
+        from sharding.layout import LayoutError
 
         t = self.config.training
         try:
             mesh = mesh if mesh is not None else make_mesh(self.parallel)
-        except ParallelConfigError as e:  # e.g. --num-devices above what this process sees
+        except LayoutError as e:  # e.g. --num-devices above what this process sees
             raise ConfigError(str(e)) from None
         return Trainer(self.model, self.step_config(), t.optimizer_for(self.lr_schedule()), self.parallel, mesh,
                        loss_scaler=t.loss_scaler(), model_kwargs=self.model_kwargs() | model_overrides)
@@ -994,7 +994,8 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
     """Validate the layout against ``model_cfg`` and the device count and derive the batch
     split, the pipeline schedule check and the MoE implementation. Raises ConfigError."""
     from mlir_train.train.trainer import model_dims
-    from sharding.mesh import ParallelConfigError, validate
+    from sharding.mesh import validate
+    from sharding.layout import LayoutError
 
     t, p = cfg.training, cfg.parallel
     parallel = p.parallel_config(num_devices)
@@ -1020,7 +1021,7 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
                                      first_stage_layers=p.decoder_first_pipeline_num_layers,
                                      last_stage_layers=p.decoder_last_pipeline_num_layers, num_micro_batches=num_micro)
             chunks = [len(c) for stage in schedule.chunk_layers(model_cfg.num_layers) for c in stage]
-    except ParallelConfigError as e:
+    except LayoutError as e:
         raise ConfigError(str(e)) from None
     recompute = t.recompute
     try:

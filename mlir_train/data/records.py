@@ -18,16 +18,9 @@ import json
 import os
 from typing import Any, Iterator
 
+from mlir_train.runtime.errors import DataError
 
-class DataError(ValueError):
-    """Bad SFT input (file, record, config or tokenizer); the message says where and what.
 
-    ``reason`` is the short, countable name under which a skipped record is reported.
-    """
-
-    def __init__(self, message: str, reason: str = "bad record"):
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)

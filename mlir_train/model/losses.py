@@ -15,6 +15,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from mlir_train.config.policies import AUX_LOSS_TYPES, TRACKER_NAMES, LoadBalancing
+
 
 def cross_entropy_sum(logits_BTV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sum of masked token losses and number of loss tokens.
@@ -158,88 +160,6 @@ def seq_aux_loss_per_layer(stats: dict[str, jax.Array]) -> jax.Array:
         raise ValueError("seq_aux_loss needs per-document router statistics: build the model with "
                          "RouterConfig(per_sequence_stats=True)")
     return stats["seq_aux_sum"] / jnp.maximum(stats["num_sequences"], 1.0)
-
-
-# ----- --moe-router-load-balancing-type ---------------------------------------------------------
-AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
-LOAD_BALANCING_TYPES = AUX_LOSS_TYPES + ("sinkhorn", "none")
-# Megatron's tracker names, for logging.
-TRACKER_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
-                 "global_aux_loss": "global_load_balancing_loss"}
-
-
-class LoadBalancingError(ValueError):
-    """A load-balancing setting that cannot run; the message names the Megatron flag."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadBalancing:
-    """Which router losses the objective carries, with their coefficients.
-
-    ``coeffs`` pairs each of ``aux_loss`` / ``seq_aux_loss`` / ``global_aux_loss`` the run uses
-    with its ``--moe-aux-loss-coeff`` (Megatron's ``get_aux_loss_coeff``: a type that is not
-    listed weighs 0). Every loss is formed per micro-batch as Megatron forms it on one rank whose
-    micro-batch is the step's whole micro-batch (all data-parallel rows), so the objective does
-    not depend on the layout:
-
-    * ``aux_loss``: the switch loss of the micro-batch;
-    * ``seq_aux_loss``: the mean over its packed documents of each document's switch loss;
-    * ``global_aux_loss``: the switch loss with the expert counts averaged over this and the
-      step's earlier micro-batches (Megatron's ``global_tokens_per_expert / ga_steps``);
-    * z-loss: ``mean logsumexp(logits)^2`` over the micro-batch's tokens.
-
-    Each is summed over the MoE layers, times its coefficient, divided by the number of
-    micro-batches (Megatron scales the aux-loss gradient by 1/num_microbatches).
-    """
-
-    coeffs: tuple[tuple[str, float], ...] = ()
-    z_loss_coeff: float = 0.0
-    sinkhorn: bool = False  # the router balances by Sinkhorn (no aux loss)
-
-    @classmethod
-    def from_flags(cls, types, coeffs, z_loss_coeff: float | None = None) -> "LoadBalancing":
-        """From ``--moe-router-load-balancing-type`` (one type or a list) and
-        ``--moe-aux-loss-coeff`` (one coefficient, or one per listed type), as Megatron pairs them."""
-        types = [types] if isinstance(types, str) else list(types)
-        coeffs = [0.0 if coeffs is None else coeffs] if isinstance(coeffs, (int, float)) or coeffs is None else list(coeffs)
-        if len(types) > 1 and len(coeffs) != len(types):
-            raise LoadBalancingError(
-                f"--moe-router-load-balancing-type lists {len(types)} types ({' '.join(types)}) but "
-                f"--moe-aux-loss-coeff gives {len(coeffs)} coefficient(s): give one per type, in the same order")
-        if len(types) == 1 and len(coeffs) != 1:
-            raise LoadBalancingError(
-                f"--moe-aux-loss-coeff gives {len(coeffs)} coefficients for the one --moe-router-load-balancing-type "
-                f"{types[0]}")
-        for t in types:
-            if t not in LOAD_BALANCING_TYPES:
-                raise LoadBalancingError(f"--moe-router-load-balancing-type {t}: choose from {LOAD_BALANCING_TYPES}")
-        if len(set(types)) != len(types):
-            raise LoadBalancingError(f"--moe-router-load-balancing-type {' '.join(types)} names a type twice")
-        if "sinkhorn" in types and len(types) > 1:
-            raise LoadBalancingError(
-                f"--moe-router-load-balancing-type {' '.join(types)}: sinkhorn routes by its own balancing and takes no "
-                "aux loss; give it alone (Megatron routes a list by top-k and would silently ignore sinkhorn)")
-        if types == ["sinkhorn"] and any(c != 0 for c in coeffs):
-            raise LoadBalancingError(
-                "--moe-router-load-balancing-type sinkhorn takes no aux loss: drop --moe-aux-loss-coeff or set it to 0 "
-                "(Megatron asserts the same)")
-        for c in coeffs:
-            if c < 0:
-                raise LoadBalancingError(f"--moe-aux-loss-coeff {c}: must not be negative")
-        pairs = tuple((t, float(c)) for t, c in zip(types, coeffs) if t in AUX_LOSS_TYPES and c > 0)
-        return cls(coeffs=pairs, z_loss_coeff=float(z_loss_coeff or 0.0), sinkhorn=types == ["sinkhorn"])
-
-    def coeff(self, kind: str) -> float:
-        return dict(self.coeffs).get(kind, 0.0)
-
-    @property
-    def per_sequence(self) -> bool:
-        """Whether the router must collect per-document statistics (``seq_aux_loss`` on)."""
-        return self.coeff("seq_aux_loss") > 0
-
-    @property
-    def uses_global(self) -> bool:
-        return self.coeff("global_aux_loss") > 0
 
 
 def router_losses(stats: dict[str, jax.Array], balancing: LoadBalancing, top_k: int,

@@ -41,8 +41,9 @@ from mlir_train.model.layers import (
     DEFAULT_ATTENTION_IMPL, MLP, SEGMENT_ID_IMPLS, Attention, RMSNorm, attention_mask, param, rope_tables,
 )
 from mlir_train.model.moe.block import DEFAULT_MOE_IMPL, MoE
-from mlir_train.model.recompute import LEGACY, RecomputePolicy, checkpointed
-from mlir_train.model.moe.router import RouterConfig
+from mlir_train.model.recompute import checkpointed
+from mlir_train.config.policies import LEGACY, RecomputePolicy
+from mlir_train.config.policies import RouterConfig
 from sharding import constrain
 from sharding.context import context_parallel_size, sequence_order
 
@@ -234,7 +235,7 @@ def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: RecomputePolicy
               active_V: jax.Array | None = None, offsets: tuple[int, ...] = (0,)) -> tuple[jax.Array, dict[str, Any]]:
     """Scan ``x`` through a stacked layer module; stats come back with a leading layer axis.
 
-    ``remat`` (a :class:`~mlir_train.model.recompute.RecomputePolicy` or its legacy string)
+    ``remat`` (a :class:`~mlir_train.config.policies.RecomputePolicy` or its legacy string)
     decides the layer-level checkpoints: full recompute per layer, per group of layers
     (uniform) or for the first layers of the chunk (block), whose first layer this stack's
     sits at ``offsets`` (one per pipeline stage that disagrees; the layer index without a

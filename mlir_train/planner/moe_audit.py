@@ -70,7 +70,7 @@ def used_block_rows(num_experts: int, top_k: int, tokens_per_rank: int, token_ra
     return float(np.mean(per_rank))
 
 
-def audit_moe_layer(cfg, parallel: sharding.ParallelConfig, devices, *, impl: str, capacity_factor: float | None = None,
+def audit_moe_layer(cfg, parallel: sharding.Layout, devices, *, impl: str, capacity_factor: float | None = None,
                     tokens_per_rank: int = 2048, layout: str = "", seed: int = 0,
                     block_kernels: str | None = None) -> MoELayerAudit:
     """Compile ``value_and_grad`` of one MoE block (float32 parameters, bfloat16 activations) on

@@ -138,7 +138,7 @@ class Layout:
 
     @property
     def policy(self):
-        from mlir_train.model.recompute import RecomputePolicy
+        from mlir_train.config.policies import RecomputePolicy
 
         return RecomputePolicy.of(self.recompute)
 

@@ -30,11 +30,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from mlir_train.runtime.errors import DistributedEnvError
+
 DEFAULT_PORT = 29500  # torchrun's default MASTER_PORT
 
 
-class DistributedEnvError(ValueError):
-    """Launcher variables that do not describe a consistent set of processes."""
 
 
 @dataclasses.dataclass(frozen=True)

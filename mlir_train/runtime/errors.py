@@ -1,6 +1,81 @@
-"""Errors the entry points turn into one clear message and exit status 2."""
+"""The one error family: what a user can act on, said in one line, exit status 2.
+
+Every error an entry point (``sft``, ``plan``, ``convert``, ``preprocess``, ``checkpoint
+verify``) turns into one ``mlir-train: error: ...`` line on standard error and exit status 2 is
+a :class:`UserError`; its message names the flag, file or line at fault and what to do. Library
+code raises the subclass of its layer; :func:`exit_on_user_error` is the one place that turns
+them into the line and the status. A layout the mesh cannot build (``sharding.LayoutError``,
+raised by the ``sharding`` package, which imports nothing of ours) counts as one too.
+
+No jax here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from mlir_train.runtime import log
+
+EXIT_STATUS = 2
 
 
-class CheckpointError(ValueError):
+class UserError(Exception):
+    """Bad input or a request this run cannot honour; the message says what to change."""
+
+    exit_status = EXIT_STATUS
+
+
+class ConfigError(UserError, ValueError):
+    """A flag, a combination of flags or a ``--config`` file that cannot run (names the flag)."""
+
+
+class DataError(UserError, ValueError):
+    """Bad SFT input (file, record, config or tokenizer); the message says where and what.
+
+    ``reason`` is the short, countable name under which a skipped record is reported.
+    """
+
+    def __init__(self, message: str, reason: str = "bad record"):
+        super().__init__(message)
+        self.reason = reason
+
+
+class CheckpointError(UserError, ValueError):
     """A checkpoint or model directory that cannot be read or does not fit this run: missing,
     incomplete, mis-shaped or corrupt tensors, a bad index, another model (names what differs)."""
+
+
+class DistributedEnvError(UserError, ValueError):
+    """A launcher environment (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ...) that cannot start a job."""
+
+
+class SaveLockError(UserError, RuntimeError):
+    """``--save DIR`` is held by another live job (names its host, pid and job)."""
+
+
+class NonFiniteLoss(UserError, RuntimeError):
+    """The loss or the gradient norm went NaN/Inf (``--check-for-nan-in-loss-and-grad``): the run
+    stops, as Megatron's does, with status 1: a failed run, not bad input."""
+
+    exit_status = 1
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions an entry point reports as one line: ours, and the mesh's layout errors."""
+    import sys
+
+    extra = ()
+    if "sharding.layout" in sys.modules:  # only a run that built a layout can raise it
+        extra = (sys.modules["sharding.layout"].LayoutError,)
+    return (UserError,) + extra
+
+
+@contextlib.contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """Turn a :func:`user_errors` exception into its one line on standard error and its exit status."""
+    try:
+        yield
+    except user_errors() as e:
+        log.error(str(e).strip().replace("\n", " "), all_processes=True)
+        raise SystemExit(getattr(e, "exit_status", EXIT_STATUS)) from None

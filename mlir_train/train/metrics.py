@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from mlir_train.runtime.errors import NonFiniteLoss
+
 
 class MetricsWriter:
     """TensorBoard + metrics.jsonl (+ wandb when asked). Only process 0 writes."""
@@ -143,8 +145,6 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
     return " | ".join(parts) + " |"
 
 
-class NonFiniteLoss(RuntimeError):
-    """The loss or grad norm of an iteration is NaN/Inf (Megatron's --check-for-nan-in-loss-and-grad)."""
 
 
 class StepLogger:

@@ -19,7 +19,7 @@ Megatron semantics matched here (see the tests for each):
   under ``--training-phase pretrain`` Megatron-LM's report, the global token mean in both
   modes. Evaluation reports the global token mean (Megatron-LM's ``evaluate``, which AIAK
   calls);
-* MoE load balancing (``losses.router_losses``, one ``losses.LoadBalancing``): each of
+* MoE load balancing (``losses.router_losses``, one ``policies.LoadBalancing``): each of
   ``aux_loss`` / ``seq_aux_loss`` / ``global_aux_loss`` in use, ``coeff * sum over layers`` per
   micro-batch, averaged over micro-batches (Megatron scales its aux-loss gradient by
   1/num_microbatches); z-loss likewise. Logged ``load_balancing_loss`` (and
@@ -51,6 +51,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mlir_train.config import policies
 from mlir_train.model import losses
 from mlir_train.train.pipeline import parallel as pipeline_parallel
 from mlir_train.config.models import ModelConfig
@@ -62,7 +63,7 @@ from mlir_train.runtime.platform_setup import compile_target
 from sharding import logical_to_spec, use_rules
 from sharding.context import split_within_processes, to_zigzag
 from sharding.logical import axes_tuple
-from sharding.mesh import ParallelConfig
+from sharding.layout import Layout
 from sharding.rules import StateSpecs, rules_for, state_specs
 
 def _is_expert_bias(path) -> bool:
@@ -81,13 +82,13 @@ class StepConfig:
     layers_per_virtual_stage: int | None = None  # --num-layers-per-virtual-pipeline-stage
     # --moe-router-load-balancing-type with --moe-aux-loss-coeff / --moe-z-loss-coeff; None: an
     # ``aux_loss`` of ``aux_loss_coeff`` and a z-loss of ``z_loss_coeff``.
-    balancing: losses.LoadBalancing | None = None
+    balancing: policies.LoadBalancing | None = None
     expert_bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate (with an expert bias)
 
-    def load_balancing(self) -> losses.LoadBalancing:
+    def load_balancing(self) -> policies.LoadBalancing:
         if self.balancing is not None:
             return self.balancing
-        return losses.LoadBalancing(coeffs=(("aux_loss", self.aux_loss_coeff),) if self.aux_loss_coeff else (),
+        return policies.LoadBalancing(coeffs=(("aux_loss", self.aux_loss_coeff),) if self.aux_loss_coeff else (),
                                     z_loss_coeff=self.z_loss_coeff)
     micro_batch_size: int = 1  # --micro-batch-size: rows of one data-parallel rank's micro-batch
     per_token_loss: bool = False  # --calculate-per-token-loss
@@ -115,7 +116,7 @@ class Trainer:
         model_cfg: ModelConfig,
         step_cfg: StepConfig,
         optimizer: optax.GradientTransformation,
-        parallel: ParallelConfig,
+        parallel: Layout,
         mesh: jax.sharding.Mesh,
         *,
         loss_scaler: LossScaler | None = None,
@@ -340,7 +341,7 @@ class Trainer:
             metrics["aux_loss_raw"] = jnp.mean(layers["load_balancing_loss"])
             metrics["z_loss"] = lb.z_loss_coeff * jnp.mean(layers["z_loss"])
             for kind in ("seq_aux_loss", "global_aux_loss"):
-                name = losses.TRACKER_NAMES[kind]
+                name = policies.TRACKER_NAMES[kind]
                 if name in layers:
                     metrics[name] = lb.coeff(kind) * jnp.mean(layers[name])
             metrics["tokens_per_expert"] = jnp.sum(aux["tokens_per_expert"], axis=0)  # [L_moe, E]

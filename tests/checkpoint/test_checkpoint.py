@@ -20,7 +20,8 @@ from mlir_train.checkpoint import orbax as checkpoint
 from mlir_train.config.models import get_model_config
 from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims
-from sharding.mesh import ParallelConfig, make_mesh, validate
+from sharding.mesh import make_mesh, validate
+from sharding.layout import Layout
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_exit_duration_and_missing_checkpoint_start_and_resume_one_script(shared
 # ----- resharding and compatibility (no training steps) ------------------------------------
 def make_trainer(tp=1, ep=1, dist=False, vocab=1024, **overrides):
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=vocab, **overrides)
-    parallel = validate(ParallelConfig(tensor=tp, expert=ep, distributed_optimizer=dist), model_dims(cfg),
+    parallel = validate(Layout(tensor=tp, expert=ep, distributed_optimizer=dist), model_dims(cfg),
                         global_batch_size=8, micro_batch_size=1, seq_length=64)
     mesh = make_mesh(parallel)
     optimizer = optax.adamw(optax.linear_schedule(1e-3, 0.0, 10))

@@ -192,11 +192,12 @@ def test_sharded_load_onto_mesh(hf_moe):
 def test_load_onto_pipeline_mesh_keeps_short_stacks_whole(hf_moe):
     """Under PP2 the dense layer-0 stack (1 layer) cannot split over the stages: it loads whole
     on each, the 2-layer MoE stack splits, and the model computes the same logits."""
-    from sharding.mesh import ParallelConfig, make_mesh
+    from sharding.mesh import make_mesh
+    from sharding.layout import Layout
     from sharding.rules import rules_for
 
     hf_model, path = hf_moe
-    parallel = ParallelConfig(pipeline=2, num_devices=8)
+    parallel = Layout(pipeline=2, num_devices=8)
     mesh = make_mesh(parallel)
     ours = load_pretrained(path, dtype=jnp.float32, mesh=mesh, rules=rules_for(parallel))
     assert "stage" not in jax.tree.leaves(ours.layers[0].attn.q_proj[...].sharding.spec, is_leaf=lambda x: x is None)
@@ -242,7 +243,7 @@ def test_not_a_directory(tmp_path):
 def test_expert_bias_starts_at_zero_and_is_not_exported(hf_moe, tmp_path, capsys):
     """--moe-router-enable-expert-bias on an HF model: the bias (no HF tensor) starts at zero, and
     save_pretrained warns that a non-zero bias cannot be written (the HF model routes without it)."""
-    from mlir_train.model.moe.router import RouterConfig
+    from mlir_train.config.policies import RouterConfig
 
     hf, path = hf_moe
     model = load_pretrained(path, dtype=jnp.float32,

@@ -119,10 +119,11 @@ def test_loads_into_a_sharded_layout(mcore_small):
     import optax
 
     from mlir_train.train.trainer import StepConfig, Trainer, model_dims
-    from sharding.mesh import ParallelConfig, make_mesh, validate
+    from sharding.mesh import make_mesh, validate
+    from sharding.layout import Layout
 
     ckpt, cfg, graphdef, plain = _load(os.path.join(mcore_small, "torch_dist"))
-    parallel = validate(ParallelConfig(tensor=2, expert=2, pipeline=2, distributed_optimizer=True), model_dims(cfg))
+    parallel = validate(Layout(tensor=2, expert=2, pipeline=2, distributed_optimizer=True), model_dims(cfg))
     trainer = Trainer(cfg, StepConfig(), optax.identity(), parallel, make_mesh(parallel))
     sharded = mc.load_params(ckpt, cfg, trainer.param_shapes, trainer.master_shardings)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(sharded)):

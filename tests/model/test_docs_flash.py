@@ -77,7 +77,7 @@ def test_equals_masked_attention_bf16():
 def test_under_data_and_tensor_parallelism():
     """The kernels run per (batch, head) shard in a manual region: same values as unsharded."""
     import sharding
-    from sharding import ParallelConfig
+    from sharding import Layout
 
     from mlir_train.model.layers import docs_flash_attention as sharded
 
@@ -85,7 +85,7 @@ def test_under_data_and_tensor_parallelism():
     q, k, v, _ = _case(g, jnp.float32, seed=1, b=b, t=t, kv=kv, h=h)
     seg = jnp.asarray(np.repeat(np.array([[1] * 20 + [2] * 12]), b, axis=0), jnp.int32)
     ref = masked_attention(q.reshape(b, t, kv, g, h), k, v, attention_mask(seg)).reshape(q.shape)
-    cfg = ParallelConfig(tensor=2, num_devices=8)  # DP4 x TP2
+    cfg = Layout(tensor=2, num_devices=8)  # DP4 x TP2
     with jax.set_mesh(sharding.make_mesh(cfg)), sharding.use_rules(sharding.rules_for(cfg)):
         got = jax.jit(lambda q, k, v, s: sharded(q, k, v, s, interpret=True))(q, k, v, seg)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-4)

@@ -34,7 +34,7 @@ def test_flash_attention_equals_masked_attention():
 def test_flash_attention_under_data_and_tensor_parallelism():
     """The kernel runs per (batch, head) shard in a manual region: same values as unsharded."""
     import sharding
-    from sharding import ParallelConfig
+    from sharding import Layout
 
     b, t, kv, g, h = 4, 16, 2, 2, 16
     rng = np.random.default_rng(1)
@@ -42,7 +42,7 @@ def test_flash_attention_under_data_and_tensor_parallelism():
     k, v = (jnp.asarray(rng.standard_normal((b, t, kv, h)), jnp.float32) for _ in range(2))
     seg = jnp.asarray(np.repeat(np.array([[1] * 10 + [2] * 6]), b, axis=0), jnp.int32)
     ref = masked_attention(q.reshape(b, t, kv, g, h), k, v, attention_mask(seg)).reshape(b, t, kv * g, h)
-    cfg = ParallelConfig(tensor=2, num_devices=8)  # DP4 x TP2: batch over 4, heads over 2
+    cfg = Layout(tensor=2, num_devices=8)  # DP4 x TP2: batch over 4, heads over 2
     with jax.set_mesh(sharding.make_mesh(cfg)), sharding.use_rules(sharding.rules_for(cfg)):
         got = jax.jit(lambda q, k, v, s: flash_attention(q, k, v, s, interpret=True))(q, k, v, seg)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-4)

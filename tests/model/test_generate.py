@@ -97,9 +97,9 @@ def test_bad_arguments(model):
 
 def test_sharded_model_under_the_trainer_mesh_gives_the_same_answers(model):
     # The trainer asks for its before/after answers with the model sharded and its rules active.
-    from sharding import ParallelConfig, make_mesh, rules_for, tree_shardings, use_rules
+    from sharding import Layout, make_mesh, rules_for, tree_shardings, use_rules
 
-    parallel = ParallelConfig(tensor=2, expert=2)
+    parallel = Layout(tensor=2, expert=2)
     mesh = make_mesh(parallel)
     rules = rules_for(parallel, {"num_kv_heads": TINY.num_kv_heads})
     with jax.set_mesh(mesh), use_rules(rules):

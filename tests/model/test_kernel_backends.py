@@ -13,7 +13,7 @@ from mlir_train.model import platform_model_kwargs
 from mlir_train.model.moe import dispatch as moe_dispatch
 from mlir_train.model.moe import experts as moe_experts
 from mlir_train.model.layers import attention_mask, masked_attention
-from sharding import ParallelConfig
+from sharding import Layout
 
 
 
@@ -128,8 +128,8 @@ SMALL = get_model_config("qwen3-30b-a3b", num_layers=1).replace(hidden_size=256,
 
 
 @pytest.mark.parametrize("layout, parallel", [
-    ("DP8", ParallelConfig(num_devices=8)),
-    pytest.param("TP2xEP4", ParallelConfig(tensor=2, expert=4, num_devices=8), marks=pytest.mark.slow),
+    ("DP8", Layout(num_devices=8)),
+    pytest.param("TP2xEP4", Layout(tensor=2, expert=4, num_devices=8), marks=pytest.mark.slow),
 ])
 def test_tokamax_moe_does_the_routed_work_on_h200(h200_devices, layout, parallel):
     """~15 s: 9 tokamax ragged-dot kernels (3 forward, 3 input-gradient, 3 weight-gradient), no

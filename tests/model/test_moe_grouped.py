@@ -19,7 +19,7 @@ from mlir_train.model.moe import block as moe_lib
 from mlir_train.model.moe import dispatch as moe_dispatch
 from mlir_train.model.moe import experts as moe_experts
 from mlir_train.model.moe import gpu as moe_gpu
-from sharding import ParallelConfig
+from sharding import Layout
 
 TINY = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2)
 B, T = 8, 16
@@ -63,9 +63,9 @@ def _assert_same(got, ref):
 
 LAYOUTS = {
     None: None,
-    "DP8": ParallelConfig(num_devices=8),
-    "TP2xDP4": ParallelConfig(tensor=2, num_devices=8),
-    "EP4xTP2": ParallelConfig(expert=4, tensor=2, num_devices=8),
+    "DP8": Layout(num_devices=8),
+    "TP2xDP4": Layout(tensor=2, num_devices=8),
+    "EP4xTP2": Layout(expert=4, tensor=2, num_devices=8),
 }
 
 
@@ -93,7 +93,7 @@ def test_grouped_with_skewed_routing_equals_reference():
     skewed.router[...] = jnp.zeros_like(skewed.router[...])
     ref = _block(impl="dense")
     ref.router[...] = skewed.router[...]
-    _assert_same(_run(skewed, x, valid, ParallelConfig(expert=8, num_devices=8))[0], _run(ref, x, valid)[0])
+    _assert_same(_run(skewed, x, valid, Layout(expert=8, num_devices=8))[0], _run(ref, x, valid)[0])
 
 
 def test_grouped_platform_choice():

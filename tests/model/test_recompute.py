@@ -19,11 +19,12 @@ from mlir_train.config import cli
 from mlir_train.config import flags as run_config
 from mlir_train.config.models import get_model_config
 from mlir_train.model import init_model
-from mlir_train.model.recompute import RecomputePolicy
+from mlir_train.config.policies import RecomputePolicy
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
 from mlir_train.train.trainer import StepConfig, Trainer
-from sharding.mesh import ParallelConfig, make_mesh
+from sharding.mesh import make_mesh
+from sharding.layout import Layout
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 MOE = get_model_config("qwen3-moe-tiny", vocab_size=128, num_layers=4, hidden_size=64, num_heads=2, num_kv_heads=1,
@@ -161,15 +162,15 @@ def _pipeline_step(parallel, policy, cfg=MOE, compile_only=False, **step):
 
 @pytest.fixture(scope="module")
 def pp1_reference():
-    return _pipeline_step(ParallelConfig(num_devices=1), NONE)
+    return _pipeline_step(Layout(num_devices=1), NONE)
 
 
 LAYOUT_CASES = {
     # PP2 (2 layers per stage) with the recompute method per stage
-    "PP2-block1-1f1b": (ParallelConfig(pipeline=2, num_devices=2), block(1), "1f1b"),
-    "PP2-uniform2-gpipe": (ParallelConfig(pipeline=2, num_devices=2), uniform(2), "gpipe"),
+    "PP2-block1-1f1b": (Layout(pipeline=2, num_devices=2), block(1), "1f1b"),
+    "PP2-uniform2-gpipe": (Layout(pipeline=2, num_devices=2), uniform(2), "gpipe"),
     # the submodule checkpoints around the expert- and tensor-parallel regions
-    "EP2xTP2-selective": (ParallelConfig(expert=2, tensor=2, num_devices=4),
+    "EP2xTP2-selective": (Layout(expert=2, tensor=2, num_devices=4),
                           selective("core_attn", "layernorm", "moe_act", "moe"), "1f1b"),
 }
 
@@ -192,7 +193,7 @@ def test_pipelined_recompute_orders_the_compiled_memory():
     """GPipe, PP2 of an 8-layer dense model (4 layers a stage), 4 micro-batches in flight: every
     layer < block 2 of each stage's 4 < none."""
     cfg = DENSE.replace(num_layers=8)
-    parallel = ParallelConfig(pipeline=2, num_devices=2)
+    parallel = Layout(pipeline=2, num_devices=2)
     t = {name: _pipeline_step(parallel, p, cfg, compile_only=True, pipeline_schedule="gpipe")
          .memory_analysis().temp_size_in_bytes for name, p in (("none", NONE), ("block2", block(2)), ("full", FULL))}
     assert t["full"] < t["block2"] < t["none"], t
@@ -304,8 +305,8 @@ def test_mixed_pipeline_with_uniform_groups_equals_one_device():
     segment starts at chunk position 1 on one stage and 0 on the other; uniform groups of 2
     are then split at both stages' boundaries (one SPMD program)."""
     mixed = MOE.replace(mlp_only_layers=(0,))
-    ref_state, ref_metrics = _pipeline_step(ParallelConfig(num_devices=1), NONE, mixed)
-    state, metrics = _pipeline_step(ParallelConfig(pipeline=2, num_devices=2), uniform(2), mixed)
+    ref_state, ref_metrics = _pipeline_step(Layout(num_devices=1), NONE, mixed)
+    state, metrics = _pipeline_step(Layout(pipeline=2, num_devices=2), uniform(2), mixed)
     for key in ("lm loss", "grad-norm", "load_balancing_loss", "z_loss"):
         np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=2e-5, err_msg=key)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state["params"]), jax.tree.leaves(ref_state["params"])):

@@ -21,8 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mlir_train.config import policies
 from mlir_train.model import losses
-from mlir_train.model.moe.router import RouterConfig, RouterConfigError, route, updated_expert_bias
+from mlir_train.model.moe.router import route, updated_expert_bias
+from mlir_train.config.policies import RouterConfig, RouterConfigError
 from tests.mcore_router import megatron, tracked_losses
 
 B, T, E = 3, 8, 8
@@ -95,7 +97,7 @@ def test_routing_and_losses_match_megatron(name, fields, cfg, k, norm):
         # ~padding_mask`` broadcasts [N, E] against [N]); the routing still reads the bias, and the
         # load it means to count (the routed map without padding) is formed below.
         r.enable_expert_bias = False
-    balancing = losses.LoadBalancing(coeffs=tuple(coeffs.items()), z_loss_coeff=1e-3)
+    balancing = policies.LoadBalancing(coeffs=tuple(coeffs.items()), z_loss_coeff=1e-3)
     counts = None
     for micro in range(2):  # two micro-batches of one step: global_aux_loss averages their counts
         logits = _logits(micro)
@@ -119,7 +121,7 @@ def test_global_aux_loss_over_micro_batches_matches_megatron():
     seg = _segments()
     r = make_router(num_moe_experts=E, moe_router_topk=2, moe_router_load_balancing_type="global_aux_loss",
                     moe_aux_loss_coeff=1e-2)
-    balancing = losses.LoadBalancing(coeffs=(("global_aux_loss", 1e-2),))
+    balancing = policies.LoadBalancing(coeffs=(("global_aux_loss", 1e-2),))
     counts, ours = None, []
     for micro in range(3):
         logits = _logits(10 + micro)
@@ -138,7 +140,7 @@ def test_seq_aux_loss_matches_megatron_per_sequence():
     torch, moe_utils, make_router = megatron()
     r = make_router(num_moe_experts=E, moe_router_topk=2, moe_router_load_balancing_type="seq_aux_loss",
                     moe_aux_loss_coeff=1e-2)
-    balancing = losses.LoadBalancing(coeffs=(("seq_aux_loss", 1e-2),))
+    balancing = policies.LoadBalancing(coeffs=(("seq_aux_loss", 1e-2),))
     cfg = RouterConfig(per_sequence_stats=True)
 
     def ours(logits, seg):
@@ -187,11 +189,11 @@ def test_megatron_checks_refuse_by_flag():
         RouterConfig(group_topk=2).check(E, 2, True)
     with pytest.raises(RouterConfigError, match="must divide"):
         RouterConfig(num_groups=3, group_topk=2).check(E, 2, True)
-    with pytest.raises(losses.LoadBalancingError, match="one per type"):
-        losses.LoadBalancing.from_flags(["aux_loss", "seq_aux_loss"], [1e-2])
-    lb = losses.LoadBalancing.from_flags(["aux_loss", "seq_aux_loss", "none"], [1e-2, 1e-3, 5.0], 1e-3)
+    with pytest.raises(policies.LoadBalancingError, match="one per type"):
+        policies.LoadBalancing.from_flags(["aux_loss", "seq_aux_loss"], [1e-2])
+    lb = policies.LoadBalancing.from_flags(["aux_loss", "seq_aux_loss", "none"], [1e-2, 1e-3, 5.0], 1e-3)
     assert lb.coeff("aux_loss") == 1e-2 and lb.coeff("seq_aux_loss") == 1e-3 and lb.per_sequence
-    assert losses.LoadBalancing.from_flags("none", 1e-2).coeffs == ()  # Megatron: no aux loss for "none"
+    assert policies.LoadBalancing.from_flags("none", 1e-2).coeffs == ()  # Megatron: no aux loss for "none"
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -236,12 +238,12 @@ def test_sinkhorn_balancing_matches_megatron_and_skips_padding():
 
 
 def test_sinkhorn_flag_checks():
-    lb = losses.LoadBalancing.from_flags("sinkhorn", 0.0)
+    lb = policies.LoadBalancing.from_flags("sinkhorn", 0.0)
     assert lb.sinkhorn and lb.coeffs == ()
-    with pytest.raises(losses.LoadBalancingError, match="takes no aux loss"):
-        losses.LoadBalancing.from_flags("sinkhorn", 1e-2)
-    with pytest.raises(losses.LoadBalancingError, match="give it alone"):
-        losses.LoadBalancing.from_flags(["sinkhorn", "aux_loss"], [0.0, 1e-2])
+    with pytest.raises(policies.LoadBalancingError, match="takes no aux loss"):
+        policies.LoadBalancing.from_flags("sinkhorn", 1e-2)
+    with pytest.raises(policies.LoadBalancingError, match="give it alone"):
+        policies.LoadBalancing.from_flags(["sinkhorn", "aux_loss"], [0.0, 1e-2])
     with pytest.raises(RouterConfigError, match="sinkhorn"):
         RouterConfig(sinkhorn=True, score_function="sigmoid").check(E, 2, True)
 

@@ -12,7 +12,7 @@ from mlir_train.planner.targets import DEVICE_KINDS
 from mlir_train.config.models import get_model_config
 from mlir_train.planner.hlo_flops import matmul_flops
 from mlir_train.planner.moe_audit import audit_moe_layer, compile_without_cache
-from sharding import ParallelConfig
+from sharding import Layout
 
 H200 = DEVICE_KINDS["h200"]  # mlir_train/targets/h200.txtpb
 
@@ -22,9 +22,9 @@ SMALL = get_model_config("qwen3-30b-a3b", num_layers=1).replace(hidden_size=256,
 
 
 @pytest.mark.parametrize("layout, parallel", [
-    ("DP8", ParallelConfig(num_devices=8)),
-    pytest.param("EP8", ParallelConfig(expert=8, num_devices=8), marks=pytest.mark.slow),
-    ("TP2xEP4", ParallelConfig(tensor=2, expert=4, num_devices=8)),
+    ("DP8", Layout(num_devices=8)),
+    pytest.param("EP8", Layout(expert=8, num_devices=8), marks=pytest.mark.slow),
+    ("TP2xEP4", Layout(tensor=2, expert=4, num_devices=8)),
 ])
 def test_grouped_moe_does_the_routed_work_on_h200(h200_devices, layout, parallel):
     """~30-60 s each on 2 busy cores (the kernels' compiles): DP8 and TP2xEP4 run by default."""
@@ -37,13 +37,13 @@ def test_grouped_moe_does_the_routed_work_on_h200(h200_devices, layout, parallel
 @pytest.mark.slow
 def test_xla_ragged_dot_on_h200_is_dense(h200_devices):
     """What "grouped" replaces: XLA:GPU's ragged_dot is a dense dot over every expert."""
-    ragged = audit_moe_layer(SMALL, ParallelConfig(num_devices=8), h200_devices, impl="ragged", tokens_per_rank=1024)
+    ragged = audit_moe_layer(SMALL, Layout(num_devices=8), h200_devices, impl="ragged", tokens_per_rank=1024)
     assert ragged.ratio > 0.9 * SMALL.num_experts
 
 
 @pytest.mark.slow
 def test_capacity_moe_flops_on_h200(h200_devices):
-    a = audit_moe_layer(SMALL, ParallelConfig(expert=8, num_devices=8), h200_devices, impl="grouped",
+    a = audit_moe_layer(SMALL, Layout(expert=8, num_devices=8), h200_devices, impl="grouped",
                         capacity_factor=1.0, tokens_per_rank=1024)
     assert a.kernel_calls == 0 and 0.99 <= a.ratio <= 1.3, a
 
@@ -81,7 +81,7 @@ def test_train_step_with_gpu_kernels_compiles_for_h200(h200_devices):
     from sharding import make_mesh
 
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2, moe_intermediate_size=128)
-    parallel = ParallelConfig(expert=4, tensor=2, num_devices=8)
+    parallel = Layout(expert=4, tensor=2, num_devices=8)
     trainer = Trainer(cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"), make_optimizer(lr_schedule=1e-4, weight_decay=0.1),
                       parallel, make_mesh(parallel, devices=h200_devices),
                       model_kwargs=platform_model_kwargs("gpu", is_moe=True))
@@ -118,7 +118,7 @@ def test_train_step_calls_the_gpu_kernels_without_fallback(h200_devices):
     from sharding import make_mesh
 
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=1, moe_intermediate_size=128)
-    parallel = ParallelConfig(num_devices=1)
+    parallel = Layout(num_devices=1)
     trainer = Trainer(cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"), make_optimizer(lr_schedule=1e-4, weight_decay=0.1),
                       parallel, make_mesh(parallel, devices=h200_devices[:1]),
                       model_kwargs=platform_model_kwargs("gpu", is_moe=True))

@@ -3,7 +3,7 @@
 Oracle: megatron-core's own ``parallel_state.RankGenerator`` (pure Python, no process group),
 built exactly as ``initialize_model_parallel`` builds its decoder and expert generators with
 the default order ``tp-cp-ep-dp-pp``. For each role, our group of a device is the devices that
-differ from it only along the mesh axes carrying that role (``ParallelConfig.role_axes``).
+differ from it only along the mesh axes carrying that role (``Layout.role_axes``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 import pytest
 
-from sharding import ParallelConfig, ParallelConfigError, make_mesh, validate
+from sharding import Layout, LayoutError, make_mesh, validate
 
 rank_generator = pytest.importorskip("megatron.core.parallel_state").RankGenerator
 
@@ -44,7 +44,7 @@ def _groups(mesh, axes):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "n{}-tp{}-cp{}-pp{}-ep{}-etp{}".format(*l))
 def test_every_role_group_is_megatrons(layout):
     n, tp, cp, pp, ep, etp = layout
-    cfg = validate(ParallelConfig(tensor=tp, context=cp, pipeline=pp, expert=ep, expert_tensor=etp, num_devices=n))
+    cfg = validate(Layout(tensor=tp, context=cp, pipeline=pp, expert=ep, expert_tensor=etp, num_devices=n))
     mesh = make_mesh(cfg, [FakeDevice(i) for i in range(n)])
     assert int(np.prod(list(mesh.shape.values()))) == n
     dense = rank_generator(tp=tp, ep=1, dp=n // (tp * cp * pp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
@@ -65,7 +65,7 @@ def test_every_role_group_is_megatrons(layout):
 
 def test_default_layouts_keep_the_four_axes():
     for tp, ep, pp in itertools.product((1, 2), (1, 2), (1, 2)):
-        cfg = validate(ParallelConfig(tensor=tp, expert=ep, pipeline=pp, num_devices=8))
+        cfg = validate(Layout(tensor=tp, expert=ep, pipeline=pp, num_devices=8))
         assert tuple(make_mesh(cfg, [FakeDevice(i) for i in range(8)]).axis_names) == ("stage", "data", "expert", "tensor")
 
 
@@ -77,11 +77,11 @@ def test_default_layouts_keep_the_four_axes():
     (dict(context=0, num_devices=8), "--context-parallel-size"),
 ])
 def test_bad_grids_are_refused_naming_the_flag(kwargs, flag):
-    with pytest.raises(ParallelConfigError, match=flag):
-        validate(ParallelConfig(**kwargs))
+    with pytest.raises(LayoutError, match=flag):
+        validate(Layout(**kwargs))
 
 
 def test_expert_width_must_divide_by_etp():
-    with pytest.raises(ParallelConfigError, match="--expert-tensor-parallel-size"):
-        validate(ParallelConfig(tensor=4, expert=2, expert_tensor=4, num_devices=8),
+    with pytest.raises(LayoutError, match="--expert-tensor-parallel-size"):
+        validate(Layout(tensor=4, expert=2, expert_tensor=4, num_devices=8),
                  {"num_experts": 4, "moe_intermediate_size": 6})

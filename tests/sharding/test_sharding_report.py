@@ -9,12 +9,13 @@ from mlir_train.config.models import get_model_config
 from mlir_train.train.sharding_report import sharding_report
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.trainer import StepConfig, Trainer
-from sharding.mesh import ParallelConfig, make_mesh
+from sharding.mesh import make_mesh
+from sharding.layout import Layout
 
 TINY = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2)
 
 
-def _trainer(parallel: ParallelConfig, compute_dtype: str = "float32") -> Trainer:
+def _trainer(parallel: Layout, compute_dtype: str = "float32") -> Trainer:
     optimizer = make_optimizer(lr_schedule=1e-3, weight_decay=0.1)
     return Trainer(TINY, StepConfig(compute_dtype=compute_dtype), optimizer, parallel, make_mesh(parallel))
 
@@ -36,7 +37,7 @@ def _param_paths(trainer: Trainer) -> list[str]:
 
 
 def test_every_parameter_in_every_layout():
-    trainer = _trainer(ParallelConfig(tensor=2, expert=2, distributed_optimizer=True))
+    trainer = _trainer(Layout(tensor=2, expert=2, distributed_optimizer=True))
     sections = _sections(sharding_report(trainer))
     assert set(sections) == {"parameters", "float32 master weights", "optimizer state"}
     paths = _param_paths(trainer)
@@ -53,7 +54,7 @@ def test_per_device_bytes_of_a_tensor_parallel_weight(compute_dtype, itemsize):
     """q_proj [layers 2, embed 128, q_heads 4, head_dim 32] is column-parallel: heads split over
     TP2. Its ZeRO-1 master copy and moments are further split over the 4 data ranks (data x
     expert) on the largest free dimension, the embedding dimension."""
-    trainer = _trainer(ParallelConfig(tensor=2, expert=2, distributed_optimizer=True), compute_dtype)
+    trainer = _trainer(Layout(tensor=2, expert=2, distributed_optimizer=True), compute_dtype)
     sections = _sections(sharding_report(trainer))
     row = _row(sections["parameters"], "layers/0/attn/q_proj")
     assert "(2, 128, 2, 32)" in " ".join(row) and compute_dtype in row
@@ -65,8 +66,8 @@ def test_per_device_bytes_of_a_tensor_parallel_weight(compute_dtype, itemsize):
 
 
 @pytest.mark.parametrize("parallel,master_split", [
-    (ParallelConfig(), 1.0),                      # DDP: the whole state on every device
-    (ParallelConfig(tensor=2, expert=2, distributed_optimizer=True), 8.0),
+    (Layout(), 1.0),                      # DDP: the whole state on every device
+    (Layout(tensor=2, expert=2, distributed_optimizer=True), 8.0),
 ])
 def test_state_total_per_device(parallel, master_split):
     """The last line's totals equal the shard shapes jax itself gives for the state shardings."""

@@ -23,7 +23,7 @@ from sharding import (
     PIPELINE_PARALLEL,
     TENSOR_PARALLEL,
     TENSOR_SEQUENCE_PARALLEL,
-    ParallelConfig,
+    Layout,
     logical_to_spec,
     make_mesh,
     optimizer_state_specs,
@@ -79,7 +79,7 @@ LOGICAL = jax.tree.map(lambda p: p[1], PARAMS, is_leaf=_is_pair)
 PARAM_LOGICAL = jax.tree.leaves(LOGICAL, is_leaf=lambda x: isinstance(x, tuple))
 
 ALL_CONFIGS = [
-    ParallelConfig(tensor=t, pipeline=p, expert=e, sequence_parallel=sp, num_devices=8)
+    Layout(tensor=t, pipeline=p, expert=e, sequence_parallel=sp, num_devices=8)
     for t, p, e, sp in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 2, 4), (False, True))
     if 8 % (t * p) == 0 and (8 // (t * p)) % e == 0
 ]
@@ -119,7 +119,7 @@ def _spec(cfg, logical, dims=DIMS):
 
 
 def test_megatron_tensor_parallel_splits():
-    tp = ParallelConfig(tensor=2, num_devices=8)
+    tp = Layout(tensor=2, num_devices=8)
     assert _spec(tp, ("embed", "q_heads", "head_dim")) == P(None, "tensor")           # column-parallel
     assert _spec(tp, ("embed", "kv_heads", "head_dim")) == P(None, "tensor")
     assert _spec(tp, ("q_heads", "head_dim", "embed")) == P("tensor")                # row-parallel
@@ -133,7 +133,7 @@ def test_megatron_tensor_parallel_splits():
 
 
 def test_sequence_parallel_splits_only_the_residual_stream():
-    sp = ParallelConfig(tensor=2, sequence_parallel=True, num_devices=8)
+    sp = Layout(tensor=2, sequence_parallel=True, num_devices=8)
     assert _spec(sp, ("act_batch", "act_res_seq", "act_embed")) == P(("data", "expert"), "tensor")
     # Inside the TP regions heads / FFN columns keep the tensor axis.
     assert _spec(sp, ("act_batch", "act_seq", "act_heads", "act_head_dim")) == P(("data", "expert"), None, "tensor")
@@ -141,18 +141,18 @@ def test_sequence_parallel_splits_only_the_residual_stream():
 
 
 def test_expert_and_pipeline_splits():
-    ep_tp = ParallelConfig(tensor=2, expert=4, num_devices=8)
+    ep_tp = Layout(tensor=2, expert=4, num_devices=8)
     assert _spec(ep_tp, ("exp", "embed", "moe_mlp")) == P("expert", None, "tensor")
     assert _spec(ep_tp, ("exp", "moe_mlp", "embed")) == P("expert", "tensor")
     assert _spec(ep_tp, ("act_exp", "act_capacity", "act_embed")) == P("expert", "data")
     assert _spec(ep_tp, ("act_tokens", "act_embed")) == P(("data", "expert"))
-    pp = ParallelConfig(tensor=2, pipeline=2, expert=2, num_devices=8)
+    pp = Layout(tensor=2, pipeline=2, expert=2, num_devices=8)
     assert _spec(pp, ("layers", "exp", "embed", "moe_mlp")) == P("stage", "expert", None, "tensor")
     assert _spec(pp, ("layers", "norm")) == P("stage")
 
 
 def test_kv_heads_replicated_when_tp_exceeds_them():
-    tp8 = ParallelConfig(tensor=8, num_devices=8)
+    tp8 = Layout(tensor=8, num_devices=8)
     assert _spec(tp8, ("embed", "kv_heads", "head_dim")) == P()
     assert _spec(tp8, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")) == P(("data", "expert"))
     assert _spec(tp8, ("embed", "q_heads", "head_dim")) == P(None, "tensor")
@@ -163,7 +163,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them():
 
 
 def test_zero_spec_choices():
-    mesh = make_mesh(ParallelConfig(tensor=2, expert=2, num_devices=8))  # data 2, expert 2, tensor 2
+    mesh = make_mesh(Layout(tensor=2, expert=2, num_devices=8))  # data 2, expert 2, tensor 2
     # Largest free dim that the whole data-parallel group divides.
     assert zero_spec((4, 64, 16), P(), mesh) == P(None, ("data", "expert"))
     assert zero_spec((64, 256), P(None, "tensor"), mesh) == P(("data", "expert"), "tensor")
@@ -185,11 +185,11 @@ def _bytes(shapes, specs, mesh):
 @pytest.mark.parametrize(
     "cfg",
     [
-        ParallelConfig(distributed_optimizer=True, num_devices=8),
-        ParallelConfig(tensor=2, distributed_optimizer=True, num_devices=8),
-        ParallelConfig(expert=2, distributed_optimizer=True, num_devices=8),
-        ParallelConfig(tensor=2, expert=2, distributed_optimizer=True, num_devices=8),
-        ParallelConfig(tensor=2, expert=4, distributed_optimizer=True, num_devices=8),
+        Layout(distributed_optimizer=True, num_devices=8),
+        Layout(tensor=2, distributed_optimizer=True, num_devices=8),
+        Layout(expert=2, distributed_optimizer=True, num_devices=8),
+        Layout(tensor=2, expert=2, distributed_optimizer=True, num_devices=8),
+        Layout(tensor=2, expert=4, distributed_optimizer=True, num_devices=8),
     ],
     ids=["DP8", "TP2xDP4", "EP2xDP4", "TP2xEP2xDP2", "EP4xTP2"],
 )
@@ -216,11 +216,11 @@ def test_zero1_shards_optimizer_state_over_each_arrays_data_parallel_group(cfg):
 
 
 def test_no_distributed_optimizer_keeps_state_replicated_and_fsdp_splits_params():
-    cfg = ParallelConfig(tensor=2, num_devices=8)
+    cfg = Layout(tensor=2, num_devices=8)
     mesh = make_mesh(cfg)
     plan = state_specs(cfg, SHAPES, LOGICAL, mesh, DIMS)
     assert plan.optimizer == plan.compute == plan.params
-    fsdp = ParallelConfig(tensor=2, fsdp=True, num_devices=8)
+    fsdp = Layout(tensor=2, fsdp=True, num_devices=8)
     plan = state_specs(fsdp, SHAPES, LOGICAL, mesh, DIMS)
     assert plan.optimizer == plan.params
     # TP-split weights are split 8 ways (tensor x data); the split avoids the stacked-layers axis.
@@ -233,7 +233,7 @@ def test_no_distributed_optimizer_keeps_state_replicated_and_fsdp_splits_params(
 
 
 def test_optimizer_state_specs_falls_back_for_odd_shapes():
-    mesh = make_mesh(ParallelConfig(num_devices=8))
+    mesh = make_mesh(Layout(num_devices=8))
     shapes = {"odd": jax.ShapeDtypeStruct((3, 5), jnp.float32), "count": jax.ShapeDtypeStruct((), jnp.int32),
               "w": jax.ShapeDtypeStruct((16, 12), jnp.float32)}
     specs = optimizer_state_specs(shapes, {"odd": P(), "count": P(), "w": P()}, mesh)
@@ -241,7 +241,7 @@ def test_optimizer_state_specs_falls_back_for_odd_shapes():
 
 
 def test_sharding_table_lists_every_parameter():
-    cfg = ParallelConfig(tensor=2, expert=2, distributed_optimizer=True, num_devices=8)
+    cfg = Layout(tensor=2, expert=2, distributed_optimizer=True, num_devices=8)
     mesh = make_mesh(cfg)
     plan = state_specs(cfg, SHAPES, LOGICAL, mesh, DIMS)
     text = sharding_table(SHAPES, LOGICAL, plan.optimizer, mesh)
@@ -258,9 +258,9 @@ def test_sharding_table_lists_every_parameter():
 @pytest.mark.parametrize(
     "cfg",
     [
-        ParallelConfig(num_devices=8),
-        ParallelConfig(tensor=2, sequence_parallel=True, num_devices=8),
-        ParallelConfig(tensor=2, expert=2, distributed_optimizer=True, num_devices=8),
+        Layout(num_devices=8),
+        Layout(tensor=2, sequence_parallel=True, num_devices=8),
+        Layout(tensor=2, expert=2, distributed_optimizer=True, num_devices=8),
     ],
     ids=["DP8", "TP2+SP", "TP2xEP2xDP2"],
 )
@@ -297,7 +297,7 @@ def test_jit_mlp_and_expert_matmuls_with_these_specs(cfg):
 
 
 def test_tree_specs_of_the_fake_model_under_tp2_ep2():
-    cfg = ParallelConfig(tensor=2, expert=2, num_devices=8)
+    cfg = Layout(tensor=2, expert=2, num_devices=8)
     specs = tree_specs(LOGICAL, rules_for(cfg, DIMS), MESH_AXES)
     assert specs["layers"]["experts_down"] == P(None, "expert", "tensor")
     assert specs["layers"]["o_proj"] == P(None, "tensor")

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from sharding.context import from_zigzag, to_zigzag, zigzag_order
-from sharding.mesh import ParallelConfig, ParallelConfigError, validate
+from sharding.mesh import validate
+from sharding.layout import Layout, LayoutError
 from tests.train.test_pipeline import CFG, MICRO, ROWS, SEQ, _assert_same_step, _batch, _one_step
 
 
@@ -65,18 +66,18 @@ def test_packed_documents_cross_the_chunk_boundaries():
 
 
 LAYOUTS = {
-    "CP2xDP4": ParallelConfig(context=2, num_devices=8),
-    "CP4xTP2-SP": ParallelConfig(context=4, tensor=2, sequence_parallel=True, num_devices=8),
-    "CP2xEP4-distopt": ParallelConfig(context=2, expert=4, distributed_optimizer=True, num_devices=8),
-    "CP2xTP2xPP2-SP": ParallelConfig(context=2, tensor=2, pipeline=2, sequence_parallel=True, num_devices=8),
+    "CP2xDP4": Layout(context=2, num_devices=8),
+    "CP4xTP2-SP": Layout(context=4, tensor=2, sequence_parallel=True, num_devices=8),
+    "CP2xEP4-distopt": Layout(context=2, expert=4, distributed_optimizer=True, num_devices=8),
+    "CP2xTP2xPP2-SP": Layout(context=2, tensor=2, pipeline=2, sequence_parallel=True, num_devices=8),
     # TP 4 > the model's 2 kv heads: each tensor rank holds both and attends with its own one
-    "CP2xTP4-SP": ParallelConfig(context=2, tensor=4, sequence_parallel=True, num_devices=8),
+    "CP2xTP4-SP": Layout(context=2, tensor=4, sequence_parallel=True, num_devices=8),
 }
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return _one_step(ParallelConfig(num_devices=1), jax.devices()[:1])
+    return _one_step(Layout(num_devices=1), jax.devices()[:1])
 
 
 SLOW = {"CP4xTP2-SP", "CP2xDP4"}  # ~10-25 s each; CP over data ranks is also in CP2xEP4-distopt, TP + SP in CP2xTP2xPP2-SP
@@ -140,11 +141,11 @@ def test_blocked_attention_equals_masked_attention(order):
 
 
 def test_seq_length_is_checked_as_megatron_does():
-    with pytest.raises(ParallelConfigError, match=r"--seq-length \(36\) is not divisible by 2 x --context-parallel-size = 8"):
-        validate(ParallelConfig(context=4, num_devices=8), seq_length=36)
-    with pytest.raises(ParallelConfigError, match=r"--context-parallel-size \(2\) x --tensor-model-parallel-size \(4\)"):
-        validate(ParallelConfig(context=2, tensor=4, sequence_parallel=True, num_devices=8), seq_length=12)
-    validate(ParallelConfig(context=2, tensor=4, sequence_parallel=True, num_devices=8), seq_length=16)
+    with pytest.raises(LayoutError, match=r"--seq-length \(36\) is not divisible by 2 x --context-parallel-size = 8"):
+        validate(Layout(context=4, num_devices=8), seq_length=36)
+    with pytest.raises(LayoutError, match=r"--context-parallel-size \(2\) x --tensor-model-parallel-size \(4\)"):
+        validate(Layout(context=2, tensor=4, sequence_parallel=True, num_devices=8), seq_length=12)
+    validate(Layout(context=2, tensor=4, sequence_parallel=True, num_devices=8), seq_length=16)
 
 
 def test_flash_attention_is_not_picked_under_context_parallelism():
@@ -195,7 +196,7 @@ def test_context_ranks_across_processes_are_detected():
     from sharding.context import split_within_processes
     from sharding.mesh import make_mesh
 
-    mesh = make_mesh(ParallelConfig(context=2, num_devices=8))
+    mesh = make_mesh(Layout(context=2, num_devices=8))
     assert split_within_processes(mesh, ("context",))
     fake = types.SimpleNamespace(axis_names=mesh.axis_names, shape=mesh.shape,
                                  devices=np.vectorize(lambda d: types.SimpleNamespace(process_index=d.id % 2))(mesh.devices))
@@ -213,7 +214,7 @@ def test_context_parallel_eval_equals_one_device():
 
     batch = {k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in _batch().items()}
     out = {}
-    for key, (par, devices) in {"one": (ParallelConfig(num_devices=1), jax.devices()[:1]),
+    for key, (par, devices) in {"one": (Layout(num_devices=1), jax.devices()[:1]),
                                 "cp": (LAYOUTS["CP2xDP4"], jax.devices()[:8])}.items():
         trainer = Trainer(CFG, StepConfig(num_micro_batches=MICRO), make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0),
                           par, make_mesh(par, devices=devices))

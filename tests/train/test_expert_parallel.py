@@ -14,7 +14,7 @@ import sharding
 from mlir_train.config.models import get_model_config
 from mlir_train.model import init_model, logical_axes
 from mlir_train.model.moe import block as moe_lib
-from sharding import ParallelConfig
+from sharding import Layout
 
 TINY = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2)
 B, T = 8, 16  # 128 tokens: 16 per rank on 8 token ranks, enough to overflow the capacity guess
@@ -22,10 +22,10 @@ B, T = 8, 16  # 128 tokens: 16 per rank on 8 token ranks, enough to overflow the
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 MESHES = {
-    "EP2xDP4": ParallelConfig(expert=2, num_devices=8),
-    "EP4xTP2": ParallelConfig(expert=4, tensor=2, num_devices=8),
-    "EP8": ParallelConfig(expert=8, num_devices=8),
-    "TP2xEP2xDP2": ParallelConfig(tensor=2, expert=2, num_devices=8),
+    "EP2xDP4": Layout(expert=2, num_devices=8),
+    "EP4xTP2": Layout(expert=4, tensor=2, num_devices=8),
+    "EP8": Layout(expert=8, num_devices=8),
+    "TP2xEP2xDP2": Layout(tensor=2, expert=2, num_devices=8),
 }
 
 
@@ -89,7 +89,7 @@ def test_logical_axis_lookup():
         assert sharding.mesh_axes_of("exp") == (("expert",), 2)
         assert sharding.mesh_axes_of("act_tokens") == (("data", "expert"), 4)
         assert sharding.mesh_axes_of("moe_mlp") == (("tensor",), 2)
-    cfg = ParallelConfig(tensor=2, num_devices=8)
+    cfg = Layout(tensor=2, num_devices=8)
     with jax.set_mesh(sharding.make_mesh(cfg)), sharding.use_rules(sharding.rules_for(cfg)):
         assert sharding.mesh_axes_of("exp") == ((), 1)
 

@@ -35,7 +35,7 @@ import pytest
 
 import sharding
 from mlir_train.model.moe import block as moe_lib
-from sharding import ParallelConfig
+from sharding import Layout
 from tests.train import test_expert_parallel as tep
 from tests.train.test_layouts import MODELS, _cli_metrics, _named_leaves, assert_step_matches, train_one_step
 
@@ -46,19 +46,19 @@ MOE = MODELS["moe"]  # 8 experts, top-2, expert width 64
 NO_DROP_CAPACITY = {"capacity_factor": MOE.num_experts / MOE.top_k}
 STEP_CASES = {
     # folding: the expert all-to-all spans the dense tensor ranks
-    "TP2xEP4xETP1+SP": (ParallelConfig(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True), None),
-    "TP2xEP4xETP1+distopt": (ParallelConfig(tensor=2, expert=4, expert_tensor=1, distributed_optimizer=True), None),
-    "TP2xEP4xETP1+SP+fsdp": (ParallelConfig(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True, fsdp=True),
+    "TP2xEP4xETP1+SP": (Layout(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True), None),
+    "TP2xEP4xETP1+distopt": (Layout(tensor=2, expert=4, expert_tensor=1, distributed_optimizer=True), None),
+    "TP2xEP4xETP1+SP+fsdp": (Layout(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True, fsdp=True),
                              None),
-    "TP4xEP2xETP1+SP+distopt": (ParallelConfig(tensor=4, expert=2, expert_tensor=1, sequence_parallel=True,
+    "TP4xEP2xETP1+SP+distopt": (Layout(tensor=4, expert=2, expert_tensor=1, sequence_parallel=True,
                                                distributed_optimizer=True), None),
-    "PP2xTP2xEP2xETP1+SP": (ParallelConfig(pipeline=2, tensor=2, expert=2, expert_tensor=1, sequence_parallel=True), None),
+    "PP2xTP2xEP2xETP1+SP": (Layout(pipeline=2, tensor=2, expert=2, expert_tensor=1, sequence_parallel=True), None),
     # ETP > TP: the expert-tensor group holds dense data ranks
-    "TP1xEP2xETP2+distopt": (ParallelConfig(expert=2, expert_tensor=2, distributed_optimizer=True), None),
-    "TP1xEP2xETP2-capacity": (ParallelConfig(expert=2, expert_tensor=2), NO_DROP_CAPACITY),
-    "TP1xEP1xETP2": (ParallelConfig(expert_tensor=2), None),  # the data-parallel region, blocked experts
-    "TP1xEP1xETP2-ragged": (ParallelConfig(expert_tensor=2), {"moe_impl": "ragged"}),
-    "TP2xEP2xETP4+SP": (ParallelConfig(tensor=2, expert=2, expert_tensor=4, sequence_parallel=True), None),
+    "TP1xEP2xETP2+distopt": (Layout(expert=2, expert_tensor=2, distributed_optimizer=True), None),
+    "TP1xEP2xETP2-capacity": (Layout(expert=2, expert_tensor=2), NO_DROP_CAPACITY),
+    "TP1xEP1xETP2": (Layout(expert_tensor=2), None),  # the data-parallel region, blocked experts
+    "TP1xEP1xETP2-ragged": (Layout(expert_tensor=2), {"moe_impl": "ragged"}),
+    "TP2xEP2xETP4+SP": (Layout(tensor=2, expert=2, expert_tensor=4, sequence_parallel=True), None),
 }
 # Left to the slow run (~30 s each on 2 busy cores); the block tests below cover their paths
 # (no SP, capacity, ragged, ETP > TP > 1) at a fraction of the cost.
@@ -117,22 +117,22 @@ def test_token_axes_cover_the_folded_tensor_ranks():
         with jax.set_mesh(sharding.make_mesh(cfg)), sharding.use_rules(sharding.rules_for(cfg)):
             return sharding.mesh_axes_of(name)
 
-    folding = ParallelConfig(tensor=2, expert=4, expert_tensor=1, num_devices=8)
+    folding = Layout(tensor=2, expert=4, expert_tensor=1, num_devices=8)
     assert lookup(folding, "act_tokens") == (("data", "expert", "tensor_expert"), 8)
     assert lookup(folding, "exp") == (("expert", "tensor_expert"), 4)
     assert lookup(folding, "moe_mlp") == ((), 1)
-    wide = ParallelConfig(tensor=1, expert=2, expert_tensor=2, num_devices=8)
+    wide = Layout(tensor=1, expert=2, expert_tensor=2, num_devices=8)
     assert lookup(wide, "act_tokens")[1] == 8 and lookup(wide, "moe_mlp") == (("data_etensor",), 2)
-    default = ParallelConfig(tensor=2, expert=2, num_devices=8)
+    default = Layout(tensor=2, expert=2, num_devices=8)
     assert lookup(default, "act_tokens") == (("data", "expert"), 4)
 
 
 # ----- the MoE block alone ------------------------------------------------------------------
 
 BLOCK_LAYOUTS = {
-    "TP2xEP4xETP1": ParallelConfig(tensor=2, expert=4, expert_tensor=1, num_devices=8),
-    "TP1xEP2xETP2": ParallelConfig(expert=2, expert_tensor=2, num_devices=8),
-    "TP1xEP1xETP2": ParallelConfig(expert_tensor=2, num_devices=8),
+    "TP2xEP4xETP1": Layout(tensor=2, expert=4, expert_tensor=1, num_devices=8),
+    "TP1xEP2xETP2": Layout(expert=2, expert_tensor=2, num_devices=8),
+    "TP1xEP1xETP2": Layout(expert_tensor=2, num_devices=8),
 }
 
 
@@ -159,7 +159,7 @@ def test_capacity_drops_per_rank(name):
 @pytest.mark.parametrize("impl", ["ragged", "grouped"])
 @pytest.mark.parametrize("name", ["TP2xEP4xETP1", "TP2xEP2xETP4"])
 def test_dropless_dispatchers_equal_the_dense_reference(impl, name):
-    cfg = BLOCK_LAYOUTS.get(name) or ParallelConfig(tensor=2, expert=2, expert_tensor=4, num_devices=8)
+    cfg = BLOCK_LAYOUTS.get(name) or Layout(tensor=2, expert=2, expert_tensor=4, num_devices=8)
     x, valid = tep._block_inputs()
     block = tep._block(impl=impl, ragged_all_to_all=moe_lib.ragged_all_to_all_dense, platform="cpu")
     assert block.plan.dropless_dispatch == impl and block.plan.ragged_all_to_all is not None
@@ -188,7 +188,7 @@ def test_checkpoint_saved_under_folding_restores_into_etp_equal_tp(tmp_path):
     mgr = checkpoint.CheckpointManager(str(tmp_path / "ck"), max_to_keep=1)
     assert mgr.save(1, saved.state, {"model": dataclasses.asdict(MOE)}, force=True)
     mgr.close()
-    parallel = sharding.validate(ParallelConfig(tensor=2, expert=2, distributed_optimizer=True), model_dims(MOE))
+    parallel = sharding.validate(Layout(tensor=2, expert=2, distributed_optimizer=True), model_dims(MOE))
     target = Trainer(MOE, StepConfig(), make_optimizer(lr_schedule=lambda i: 1e-3, weight_decay=0.1, beta1=0.9,
                                                        beta2=0.95, clip_grad=1.0),
                      parallel, sharding.make_mesh(parallel), model_kwargs=None)

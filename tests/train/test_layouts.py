@@ -60,7 +60,8 @@ from mlir_train.train.optim import make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims
 from sharding.table import held_bytes
-from sharding.mesh import ParallelConfig, make_mesh, validate
+from sharding.mesh import make_mesh, validate
+from sharding.layout import Layout
 
 SEED = 3
 LR = 1e-3
@@ -73,13 +74,13 @@ MODELS = {
 MODELS["moe-loop"] = MODELS["moe-ragged"] = MODELS["moe"]
 # Issue 5's layouts on 8 devices (Megatron sizes: DP = 8 / TP, EP carved out of DP).
 LAYOUTS = {
-    "DP8": ParallelConfig(),
-    "TP2xDP4": ParallelConfig(tensor=2),
-    "TP2xDP4+SP": ParallelConfig(tensor=2, sequence_parallel=True),
-    "EP2xDP4": ParallelConfig(expert=2),
-    "EP4xTP2": ParallelConfig(tensor=2, expert=4),
-    "TP2xEP2xDP2+distopt": ParallelConfig(tensor=2, expert=2, distributed_optimizer=True),
-    "FSDP8": ParallelConfig(fsdp=True),  # weights themselves split over the data ranks
+    "DP8": Layout(),
+    "TP2xDP4": Layout(tensor=2),
+    "TP2xDP4+SP": Layout(tensor=2, sequence_parallel=True),
+    "EP2xDP4": Layout(expert=2),
+    "EP4xTP2": Layout(tensor=2, expert=4),
+    "TP2xEP2xDP2+distopt": Layout(tensor=2, expert=2, distributed_optimizer=True),
+    "FSDP8": Layout(fsdp=True),  # weights themselves split over the data ranks
 }
 SINGLE = "1 device"
 # LLVM -O0 for the CPU code: cuts XLA:CPU compile time ~6x, and compiles are most of this module's cost.
@@ -152,11 +153,11 @@ def run_step(model: str, layout: str, per_token: bool = False) -> StepResult:
     return train_one_step(MODELS[model], None if layout == SINGLE else LAYOUTS[layout], model_kwargs, per_token)
 
 
-def train_one_step(cfg, layout: ParallelConfig | None, model_kwargs: dict | None = None,
+def train_one_step(cfg, layout: Layout | None, model_kwargs: dict | None = None,
                    per_token: bool = False) -> StepResult:
     """One train step of model ``cfg`` on ``layout`` (None: one device) on :func:`packed_batch`."""
     if layout is None:
-        parallel = ParallelConfig(num_devices=1)
+        parallel = Layout(num_devices=1)
         mesh = make_mesh(parallel, devices=jax.devices()[:1])
     else:
         parallel = validate(layout, model_dims(cfg), seq_length=SEQ)

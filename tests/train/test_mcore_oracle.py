@@ -396,7 +396,8 @@ def _megatron_run(per_token: bool, aux_coeff: float, batches) -> list[dict]:
 
 def _our_run(initial, per_token: bool, aux_coeff: float, batches) -> list[dict]:
     from mlir_train.train.trainer import StepConfig, Trainer
-    from sharding.mesh import ParallelConfig, make_mesh
+    from sharding.mesh import make_mesh
+    from sharding.layout import Layout
 
     g = GPT
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=g["vocab"], hidden_size=g["hidden"], num_layers=g["layers"],
@@ -404,7 +405,7 @@ def _our_run(initial, per_token: bool, aux_coeff: float, batches) -> list[dict]:
                            num_experts=g["experts"], moe_intermediate_size=g["moe_ffn"], top_k=g["topk"],
                            rms_norm_eps=1e-6, rope_theta=1e6)
     args, _ = _parse_args(GPT_FLAGS + (["--calculate-per-token-loss"] if per_token else []))
-    parallel = ParallelConfig(num_devices=1)
+    parallel = Layout(num_devices=1)
     trainer = Trainer(cfg, StepConfig(num_micro_batches=GPT_MICRO, aux_loss_coeff=aux_coeff,
                                       micro_batch_size=args.micro_batch_size, per_token_loss=args.calculate_per_token_loss),
                       optimizer_from_args(args, schedule_from_args(args)), parallel,

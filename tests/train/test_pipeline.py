@@ -21,7 +21,8 @@ from mlir_train.train.pipeline.parallel import Schedule, from_stages, make_sched
 from mlir_train.train.schedule import megatron_lr_schedule
 from mlir_train.train.trainer import StepConfig, Trainer
 from sharding import use_rules
-from sharding.mesh import ParallelConfig, ParallelConfigError, make_mesh
+from sharding.mesh import make_mesh
+from sharding.layout import Layout, LayoutError
 
 CFG = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=4)
 ROWS, SEQ, MICRO = 8, 32, 2
@@ -62,7 +63,7 @@ def _one_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f1b",
 
 @pytest.fixture(scope="module")
 def reference():
-    return _one_step(ParallelConfig(num_devices=1), jax.devices()[:1])
+    return _one_step(Layout(num_devices=1), jax.devices()[:1])
 
 
 def _assert_same_step(out, ref):
@@ -95,13 +96,13 @@ def _adam_mu(opt_state):
 
 LAYOUTS = {
     # packed data through 2 stages, and the expert-parallel dispatch nested inside a stage
-    "TP2xPP2xEP2-SP-distopt": (ParallelConfig(tensor=2, pipeline=2, expert=2, sequence_parallel=True,
+    "TP2xPP2xEP2-SP-distopt": (Layout(tensor=2, pipeline=2, expert=2, sequence_parallel=True,
                                               distributed_optimizer=True, num_devices=8), None),
     # packed data through 4 stages with tensor parallelism (Megatron crashed here at PP > 2, TP > 1)
-    "PP4xTP2": (ParallelConfig(pipeline=4, tensor=2, num_devices=8), None),
-    "PP2xDP4": (ParallelConfig(pipeline=2, num_devices=8), None),
+    "PP4xTP2": (Layout(pipeline=4, tensor=2, num_devices=8), None),
+    "PP2xDP4": (Layout(pipeline=2, num_devices=8), None),
     # virtual stages: 2 stages x 2 chunks of 1 layer (interleaved 1F1B, or the circular schedule)
-    "PP2xDP4-virtual": (ParallelConfig(pipeline=2, num_devices=8), 1),
+    "PP2xDP4-virtual": (Layout(pipeline=2, num_devices=8), 1),
 }
 # (layout, schedule) pairs; 1F1B is the default schedule, GPipe and circular stay options.
 CASES = [("TP2xPP2xEP2-SP-distopt", "1f1b"), ("PP4xTP2", "1f1b"), ("PP4xTP2", "gpipe"), ("PP2xDP4-virtual", "1f1b"),
@@ -126,7 +127,7 @@ def test_pipelined_step_equals_one_device(name, schedule, reference):
 def test_pipelined_step_equals_one_device_per_token_loss():
     """The same under --calculate-per-token-loss (normalised by the global batch's loss tokens)."""
     parallel, _ = LAYOUTS["TP2xPP2xEP2-SP-distopt"]
-    ref = _one_step(ParallelConfig(num_devices=1), jax.devices()[:1], per_token=True)
+    ref = _one_step(Layout(num_devices=1), jax.devices()[:1], per_token=True)
     _assert_same_step(_one_step(parallel, jax.devices()[:8], per_token=True), ref)
 
 
@@ -139,8 +140,8 @@ MIXED = CFG.replace(mlp_only_layers=(0,))
 
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
 def test_uneven_mixed_pipeline_equals_one_device(schedule):
-    ref = _one_step(ParallelConfig(num_devices=1), jax.devices()[:1], cfg=MIXED)
-    out = _one_step(ParallelConfig(pipeline=2, num_devices=8), jax.devices()[:8], None, schedule, cfg=MIXED,
+    ref = _one_step(Layout(num_devices=1), jax.devices()[:1], cfg=MIXED)
+    out = _one_step(Layout(pipeline=2, num_devices=8), jax.devices()[:8], None, schedule, cfg=MIXED,
                     first_stage_layers=1)
     _assert_same_step(out, ref)
 
@@ -178,24 +179,24 @@ def test_schedule_refusals_name_the_flag():
     assert make_schedule(48, 4, first_stage_layers=10, last_stage_layers=14).stage_layers == (10, 12, 12, 14)
     assert make_schedule(7, 2, last_stage_layers=3).stage_layers == (4, 3)
     assert make_schedule(48, 2, kind="gpipe").kind == "gpipe"
-    with pytest.raises(ParallelConfigError, match="not divisible by --pipeline-model-parallel-size"):
+    with pytest.raises(LayoutError, match="not divisible by --pipeline-model-parallel-size"):
         make_schedule(6, 4)
-    with pytest.raises(ParallelConfigError, match="--decoder-first-pipeline-num-layers 1: the other 3"):
+    with pytest.raises(LayoutError, match="--decoder-first-pipeline-num-layers 1: the other 3"):
         make_schedule(6, 4, first_stage_layers=1)
-    with pytest.raises(ParallelConfigError, match="--decoder-last-pipeline-num-layers 50"):
+    with pytest.raises(LayoutError, match="--decoder-last-pipeline-num-layers 50"):
         make_schedule(48, 4, last_stage_layers=50)
-    with pytest.raises(ParallelConfigError, match="--num-layers-per-virtual-pipeline-stage"):
+    with pytest.raises(LayoutError, match="--num-layers-per-virtual-pipeline-stage"):
         make_schedule(48, 4, layers_per_virtual_stage=5)
-    with pytest.raises(ParallelConfigError, match="at least as many micro-batches"):
+    with pytest.raises(LayoutError, match="at least as many micro-batches"):
         make_schedule(48, 4, layers_per_virtual_stage=3, num_micro_batches=2)
-    with pytest.raises(ParallelConfigError, match="groups of --pipeline-model-parallel-size"):
+    with pytest.raises(LayoutError, match="groups of --pipeline-model-parallel-size"):
         make_schedule(48, 4, layers_per_virtual_stage=3, num_micro_batches=6)
     assert make_schedule(48, 4, kind="circular", layers_per_virtual_stage=3, num_micro_batches=6).virtual == 4
-    with pytest.raises(ParallelConfigError, match="--pipeline-schedule circular needs"):
+    with pytest.raises(LayoutError, match="--pipeline-schedule circular needs"):
         make_schedule(48, 2, kind="circular")
-    with pytest.raises(ParallelConfigError, match="--pipeline-schedule gpipe runs one chunk"):
+    with pytest.raises(LayoutError, match="--pipeline-schedule gpipe runs one chunk"):
         make_schedule(48, 2, kind="gpipe", layers_per_virtual_stage=12)
-    with pytest.raises(ParallelConfigError, match="uneven stages"):
+    with pytest.raises(LayoutError, match="uneven stages"):
         make_schedule(48, 2, first_stage_layers=20, layers_per_virtual_stage=2)
 
 
@@ -203,7 +204,7 @@ def _compiled_temp_bytes(pp: int, micro: int, schedule: str) -> int:
     """Per-device temp bytes of the compiled train step (nothing runs) of a small dense model."""
     cfg = get_model_config("qwen3-tiny", vocab_size=256, num_layers=4, hidden_size=64, num_heads=2,
                            num_kv_heads=1, head_dim=32, intermediate_size=128)
-    parallel = ParallelConfig(pipeline=pp, num_devices=8)
+    parallel = Layout(pipeline=pp, num_devices=8)
     trainer = Trainer(cfg, StepConfig(num_micro_batches=micro, pipeline_schedule=schedule),
                       make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel, make_mesh(parallel))
     batch = {k: jax.ShapeDtypeStruct((micro, parallel.data_parallel, SEQ), jnp.float32 if k == "loss_mask" else jnp.int32,
@@ -266,7 +267,7 @@ def test_pipelined_eval_equals_one_device(name):
     parallel, per_virtual = LAYOUTS[name]
     batch = {k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in _batch().items()}
     out = {}
-    for key, (par, devices, virtual) in {"one": (ParallelConfig(num_devices=1), jax.devices()[:1], None),
+    for key, (par, devices, virtual) in {"one": (Layout(num_devices=1), jax.devices()[:1], None),
                                          "pp": (parallel, jax.devices()[:8], per_virtual)}.items():
         trainer = Trainer(CFG, StepConfig(num_micro_batches=MICRO, layers_per_virtual_stage=virtual),
                           make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), par, make_mesh(par, devices=devices))

@@ -18,24 +18,26 @@ import jax
 import numpy as np
 import pytest
 
+from mlir_train.config import policies
 from mlir_train.checkpoint import orbax as checkpoint
 from mlir_train.model import losses
-from mlir_train.model.moe.router import RouterConfig
+from mlir_train.config.policies import RouterConfig
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims
-from sharding.mesh import ParallelConfig, make_mesh, validate
+from sharding.mesh import make_mesh, validate
+from sharding.layout import Layout
 from tests.train.test_layouts import COMPILER_OPTIONS, MICRO, MODELS, SEQ, SEED, _adam_mu, _named_leaves, packed_batch
 
 ROUTER = RouterConfig(score_function="sigmoid", num_groups=4, group_topk=2, enable_expert_bias=True,
                       per_sequence_stats=True)
-BALANCING = losses.LoadBalancing(coeffs=(("seq_aux_loss", 1e-2), ("global_aux_loss", 1e-2)), z_loss_coeff=1e-3)
+BALANCING = policies.LoadBalancing(coeffs=(("seq_aux_loss", 1e-2), ("global_aux_loss", 1e-2)), z_loss_coeff=1e-3)
 RATE = 1e-2
 LAYOUTS = {
-    "DP8": ParallelConfig(),
-    "EP4xTP2": ParallelConfig(tensor=2, expert=4),
-    "PP2xEP2xDP2": ParallelConfig(pipeline=2, expert=2),  # the default 1F1B schedule
-    "PP2xEP2xDP2-gpipe": ParallelConfig(pipeline=2, expert=2),
+    "DP8": Layout(),
+    "EP4xTP2": Layout(tensor=2, expert=4),
+    "PP2xEP2xDP2": Layout(pipeline=2, expert=2),  # the default 1F1B schedule
+    "PP2xEP2xDP2-gpipe": Layout(pipeline=2, expert=2),
 }
 PIPELINE_SCHEDULE = {"PP2xEP2xDP2-gpipe": "gpipe"}  # else StepConfig's default (1f1b)
 # Pure DP is also inside PP2xEP2xDP2 (two data ranks); its own 8-rank run is the slow one.
@@ -45,13 +47,13 @@ SINGLE = "1 device"
 
 # Sinkhorn balancing (no aux loss; z-loss only), top-2.
 SINKHORN = RouterConfig(sinkhorn=True)
-SINKHORN_BALANCING = losses.LoadBalancing(z_loss_coeff=1e-3, sinkhorn=True)
+SINKHORN_BALANCING = policies.LoadBalancing(z_loss_coeff=1e-3, sinkhorn=True)
 
 
-def make_trainer(layout: str, router: RouterConfig = ROUTER, balancing: losses.LoadBalancing = BALANCING, top_k: int = 4):
+def make_trainer(layout: str, router: RouterConfig = ROUTER, balancing: policies.LoadBalancing = BALANCING, top_k: int = 4):
     cfg = MODELS["moe"].replace(top_k=top_k)
     if layout == SINGLE:
-        parallel = ParallelConfig(num_devices=1)
+        parallel = Layout(num_devices=1)
         mesh = make_mesh(parallel, devices=jax.devices()[:1])
     else:
         parallel = validate(LAYOUTS[layout], model_dims(cfg), seq_length=SEQ)
@@ -106,7 +108,7 @@ def test_sinkhorn_matches_single_device_and_evaluates_without_balancing(layout):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-30), err_msg=f"gradient {path}")
     # Evaluation routes by the plain softmax top-k (Megatron's eval mode): the same eval loss as
     # a pre-softmax top-2 router on the same weights, and not the training routing.
-    plain = make_trainer(layout, RouterConfig(pre_softmax=True), losses.LoadBalancing(z_loss_coeff=1e-3), top_k=2)
+    plain = make_trainer(layout, RouterConfig(pre_softmax=True), policies.LoadBalancing(z_loss_coeff=1e-3), top_k=2)
     batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(trainer.model_cfg.vocab_size).items()}
     got_eval = jax.device_get(trainer.eval_step(state["params"], batch))
     want_eval = jax.device_get(plain.eval_step(state["params"], batch))

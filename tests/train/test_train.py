@@ -14,7 +14,8 @@ from mlir_train.config.models import get_model_config
 from mlir_train.train.optim import LossScaler, make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
 from mlir_train.train.trainer import StepConfig, Trainer
-from sharding.mesh import ParallelConfig, make_mesh
+from sharding.mesh import make_mesh
+from sharding.layout import Layout
 
 CFG = get_model_config("qwen3-moe-tiny", vocab_size=256, num_layers=2, hidden_size=64, intermediate_size=128)
 SEQ = 32
@@ -22,7 +23,7 @@ SEQ = 32
 
 def _one_device_trainer(num_micro, cfg=CFG, loss_scaler=None, compute_dtype="float32", lr=1e-3, aux=1e-2,
                         per_token=False, micro_batch_size=1, lm_loss_report="objective"):
-    parallel = ParallelConfig(num_devices=1)
+    parallel = Layout(num_devices=1)
     mesh = make_mesh(parallel, devices=jax.devices()[:1])
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=lr, train_iters=10), weight_decay=0.1, clip_grad=1.0)
     step_cfg = StepConfig(num_micro_batches=num_micro, aux_loss_coeff=aux, z_loss_coeff=aux / 10, compute_dtype=compute_dtype,

@@ -55,7 +55,8 @@ from mlir_train.model.moe.experts import BlockKernels, mosaic_block_kernels, swi
 from mlir_train.model.moe.gpu import BLOCK_ROWS as GPU_BLOCK_ROWS
 from mlir_train.model.moe.parallel import run_experts
 from mlir_train.model.recompute import checkpointed
-from mlir_train.model.moe.router import RouterConfig, route, route_in, router_logits
+from mlir_train.model.moe.router import route, route_in, router_logits
+from mlir_train.config.policies import RouterConfig
 from sharding import constrain
 
 ROUTER_SCOPE = "moe_router"

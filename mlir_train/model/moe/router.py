@@ -65,68 +65,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mlir_train.config.policies import SCORE_FUNCTIONS, RouterConfig, RouterConfigError
 from sharding import logical_shard_map, mesh_axes_of
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64}
-
-
-class RouterConfigError(ValueError):
-    """A router setting that cannot run; the message names the Megatron flag."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RouterConfig:
-    score_function: str = "softmax"        # --moe-router-score-function
-    pre_softmax: bool | None = None        # --moe-router-pre-softmax; None: from norm_topk_prob
-    topk_scaling_factor: float | None = None  # --moe-router-topk-scaling-factor
-    num_groups: int | None = None          # --moe-router-num-groups
-    group_topk: int | None = None          # --moe-router-group-topk
-    enable_expert_bias: bool = False       # --moe-router-enable-expert-bias
-    dtype: str = "fp32"                    # --moe-router-dtype fp32 | fp64
-    per_sequence_stats: bool = False       # seq_aux_loss needs per-document statistics
-    sinkhorn: bool = False                 # --moe-router-load-balancing-type sinkhorn
-    training: bool = True                  # sinkhorn balances only in training (the eval step's model: False)
-
-    def renormalises(self, norm_topk_prob: bool) -> bool:
-        """Whether softmax top-k weights are renormalised over the k chosen."""
-        return norm_topk_prob if self.pre_softmax is None else not self.pre_softmax
-
-    def check(self, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
-        """Megatron's own start-up checks (``TransformerConfig.__post_init__``), by flag."""
-        if self.score_function not in SCORE_FUNCTIONS:
-            raise RouterConfigError(f"--moe-router-score-function {self.score_function}: choose one of {SCORE_FUNCTIONS}")
-        if self.dtype not in ROUTER_DTYPES:
-            raise RouterConfigError(f"--moe-router-dtype {self.dtype}: choose one of {tuple(ROUTER_DTYPES)}")
-        if self.sinkhorn and (self.enable_expert_bias or self.group_topk or self.score_function != "softmax"):
-            raise RouterConfigError(
-                "--moe-router-load-balancing-type sinkhorn picks experts by its own balancing and weighs them with "
-                "sigmoid (top-1) or softmax scores, as Megatron does: it does not combine with "
-                "--moe-router-enable-expert-bias, --moe-router-group-topk or --moe-router-score-function sigmoid")
-        if self.enable_expert_bias and self.score_function != "sigmoid":
-            raise RouterConfigError(
-                "--moe-router-enable-expert-bias: the aux-loss-free expert bias only works with "
-                "--moe-router-score-function sigmoid (as in Megatron)")
-        if top_k == 1 and not self.sinkhorn and self.score_function == "softmax" and self.renormalises(norm_topk_prob):
-            raise RouterConfigError(
-                "--moe-router-topk 1 with a softmax over the chosen expert gives every token weight 1 and the "
-                "router no gradient: add --moe-router-pre-softmax (as Megatron requires)")
-        if self.group_topk:
-            g = self.num_groups
-            if not g:
-                raise RouterConfigError("--moe-router-group-topk needs --moe-router-num-groups (group-limited routing)")
-            if num_experts % g:
-                raise RouterConfigError(f"--moe-router-num-groups {g} must divide the {num_experts} experts")
-            if self.group_topk > g:
-                raise RouterConfigError(f"--moe-router-group-topk {self.group_topk} exceeds --moe-router-num-groups {g}")
-            if top_k < self.group_topk:
-                raise RouterConfigError(
-                    f"--moe-router-group-topk {self.group_topk} exceeds --moe-router-topk {top_k}: each chosen group "
-                    "scores its top (topk / group_topk) experts, which would be none")
-            if self.group_topk * (num_experts // g) < top_k:
-                raise RouterConfigError(
-                    f"--moe-router-group-topk {self.group_topk} groups of {num_experts // g} experts hold fewer than "
-                    f"--moe-router-topk {top_k} experts")
+ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64}  # --moe-router-dtype names: config.policies.ROUTER_DTYPES
 
 
 def router_logits(x_SD: jax.Array, w_DE: jax.Array, dtype=jnp.float32) -> jax.Array:

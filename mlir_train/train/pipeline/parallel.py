@@ -100,11 +100,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mlir_train.config import policies
 from mlir_train.model import losses
-from mlir_train.model.recompute import RecomputePolicy
+from mlir_train.config.policies import RecomputePolicy
 from mlir_train.model.transformer import run_stack
 from sharding import logical_shard_map, mesh_axes_of
-from sharding.mesh import ParallelConfigError
+from sharding.layout import LayoutError
 
 TRAVELLING = ("segment_ids", "positions", "labels", "loss_mask", "loss_weight")
 SCHEDULES = ("1f1b", "gpipe", "circular")  # --pipeline-schedule
@@ -148,7 +149,7 @@ def _stage_layer_counts(num_layers: int, p: int, first: int | None, last: int | 
     share the rest equally. None when every stage holds ``num_layers / p``."""
     if first is None and last is None:
         if num_layers % p:
-            raise ParallelConfigError(
+            raise LayoutError(
                 f"decoder layers (num_layers={num_layers}) are not divisible by --pipeline-model-parallel-size ({p}); "
                 "give the first/last stage's share with --decoder-first-pipeline-num-layers / "
                 "--decoder-last-pipeline-num-layers")
@@ -157,12 +158,12 @@ def _stage_layer_counts(num_layers: int, p: int, first: int | None, last: int | 
     for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
         if n is not None:
             if not 0 < n < num_layers:
-                raise ParallelConfigError(f"{flag} {n}: must be between 1 and num_layers - 1 = {num_layers - 1}")
+                raise LayoutError(f"{flag} {n}: must be between 1 and num_layers - 1 = {num_layers - 1}")
             rest, middle = rest - n, middle - 1
     if middle == 0 and rest != 0 or middle and (rest <= 0 or rest % middle):
         given = " + ".join(f"{f} {n}" for f, n in (("--decoder-first-pipeline-num-layers", first),
                                                   ("--decoder-last-pipeline-num-layers", last)) if n is not None)
-        raise ParallelConfigError(
+        raise LayoutError(
             f"{given}: the other {middle} of the {p} stages cannot share the remaining {rest} of "
             f"{num_layers} layers equally")
     counts = [rest // middle if middle else 0] * p
@@ -183,38 +184,38 @@ def make_schedule(
     last_stage_layers: int | None = None,
     num_micro_batches: int | None = None,
 ) -> Schedule:
-    """The schedule Megatron's flags ask for, or a :class:`ParallelConfigError` naming the flag."""
+    """The schedule Megatron's flags ask for, or a :class:`LayoutError` naming the flag."""
     p = stages
     if kind not in SCHEDULES:
-        raise ParallelConfigError(f"--pipeline-schedule {kind}: choose one of {', '.join(SCHEDULES)}")
+        raise LayoutError(f"--pipeline-schedule {kind}: choose one of {', '.join(SCHEDULES)}")
     counts = _stage_layer_counts(num_layers, p, first_stage_layers, last_stage_layers)
     virtual = 1
     if layers_per_virtual_stage is not None:
         if counts is not None:
-            raise ParallelConfigError(
+            raise LayoutError(
                 f"--num-layers-per-virtual-pipeline-stage with uneven stages (--decoder-first/last-pipeline-"
                 f"num-layers: {counts}) is not implemented; drop one of them")
         per_stage = num_layers // p
         if layers_per_virtual_stage < 1 or per_stage % layers_per_virtual_stage:
-            raise ParallelConfigError(
+            raise LayoutError(
                 f"--num-layers-per-virtual-pipeline-stage ({layers_per_virtual_stage}) must divide the "
                 f"{per_stage} layers of each of the {p} pipeline stages"
             )
         virtual = per_stage // layers_per_virtual_stage
     if kind == "gpipe" and virtual > 1:
-        raise ParallelConfigError(
+        raise LayoutError(
             "--pipeline-schedule gpipe runs one chunk per stage; with --num-layers-per-virtual-pipeline-stage "
             "use --pipeline-schedule circular or 1f1b (interleaved)")
     if kind == "circular" and virtual == 1:
-        raise ParallelConfigError(
+        raise LayoutError(
             "--pipeline-schedule circular needs --num-layers-per-virtual-pipeline-stage (chunks per stage)")
     if virtual > 1 and num_micro_batches is not None:
         if num_micro_batches < p:
-            raise ParallelConfigError(
+            raise LayoutError(
                 f"the interleaved/circular schedule (--num-layers-per-virtual-pipeline-stage) needs at least as "
                 f"many micro-batches as stages: {num_micro_batches} < --pipeline-model-parallel-size ({p})")
         if kind == "1f1b" and num_micro_batches % p:
-            raise ParallelConfigError(
+            raise LayoutError(
                 f"interleaved 1F1B (--num-layers-per-virtual-pipeline-stage) runs micro-batches in groups of "
                 f"--pipeline-model-parallel-size ({p}), as Megatron's: {num_micro_batches} micro-batches do not "
                 "divide; change --global-batch-size or use --pipeline-schedule circular")
@@ -354,8 +355,8 @@ def _chunk_forward(stack_graphs, program, states_r, active_r, x, context, remat)
     return x, stats
 
 
-def _default_balancing(aux_loss_coeff: float, z_loss_coeff: float) -> losses.LoadBalancing:
-    return losses.LoadBalancing(coeffs=(("aux_loss", aux_loss_coeff),) if aux_loss_coeff else (),
+def _default_balancing(aux_loss_coeff: float, z_loss_coeff: float) -> policies.LoadBalancing:
+    return policies.LoadBalancing(coeffs=(("aux_loss", aux_loss_coeff),) if aux_loss_coeff else (),
                                 z_loss_coeff=z_loss_coeff)
 
 
@@ -382,7 +383,7 @@ def _router_terms(program, stats, active_r, keep, balancing, top_k, m, counts=No
 
 def _router_names(balancing) -> list[str]:
     return ["load_balancing_loss", "z_loss"] + [
-        losses.TRACKER_NAMES[k] for k in ("seq_aux_loss", "global_aux_loss") if balancing.coeff(k) > 0]
+        policies.TRACKER_NAMES[k] for k in ("seq_aux_loss", "global_aux_loss") if balancing.coeff(k) > 0]
 
 
 def _zero_acc(program, r, setup, balancing, scalars):
@@ -486,7 +487,7 @@ def _shard_map(body, segs, active, rest, batch, scalars, out_names):
 
 def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
                   scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: RecomputePolicy | str,
-                  balancing: losses.LoadBalancing | None = None):
+                  balancing: policies.LoadBalancing | None = None):
     """The scaled training objective of all ``M`` micro-batches of ``batch`` (leaves
     ``[M, B, T]``, with the per-token ``loss_weight`` of :func:`losses.loss_token_weights`)
     through the pipeline, and the same ``aux`` the non-pipelined step collects: the GPipe /
@@ -565,7 +566,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
 
 def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
                             scale, top_k: int, aux_loss_coeff: float, z_loss_coeff: float, remat: RecomputePolicy | str,
-                            balancing: losses.LoadBalancing | None = None):
+                            balancing: policies.LoadBalancing | None = None):
     """``((objective * scale, aux), d(objective * scale)/d params)`` by the 1F1B schedule
     (interleaved when ``schedule.virtual > 1``): the arguments and the first two results are
     :func:`pipeline_loss`'s; the gradients are float32, shaped like ``params``.
