@@ -35,6 +35,7 @@ from mlir_train.checkpoint import orbax as checkpoint
 from mlir_train.checkpoint import integrity
 from mlir_train.config.models import get_model_config
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims
+from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh, validate
 from sharding.layout import Layout
 
@@ -49,7 +50,7 @@ SIZES = {
 def build(size: str) -> tuple[Trainer, dict]:
     cfg = get_model_config("qwen3-moe-tiny", **SIZES[size])
     parallel = validate(Layout(distributed_optimizer=True), model_dims(cfg))
-    trainer = Trainer(cfg, StepConfig(), optax.adamw(1e-4), parallel, make_mesh(parallel))
+    trainer = build_trainer(cfg, StepConfig(), optax.adamw(1e-4), parallel, make_mesh(parallel))
     state = trainer.init_state(0)
     jax.block_until_ready(state)
     return trainer, state

@@ -44,7 +44,8 @@ import jax.numpy as jnp  # noqa: E402
 from mlir_train.planner import flops  # noqa: E402
 from mlir_train.config.models import ModelConfig, get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
-from mlir_train.train.trainer import BATCH_KEYS, StepConfig, Trainer  # noqa: E402
+from mlir_train.train.trainer import BATCH_KEYS, StepConfig  # noqa: E402
+from mlir_train.train.build import build_trainer  # noqa: E402
 from mlir_train.model.moe.block import block_layout  # noqa: E402
 from sharding.mesh import make_mesh
 from sharding.layout import Layout  # noqa: E402
@@ -70,7 +71,7 @@ def xla_flops(cfg: ModelConfig, rows: int, seq: int, model_kwargs: dict) -> floa
     # The dropless experts' block loop (the form wide experts take) is a while loop, which XLA
     # counts once: count the batched form of the same blocks instead.
     model_kwargs = dict(model_kwargs, moe_block_loop=False)
-    trainer = Trainer(cfg, StepConfig(num_micro_batches=1, aux_loss_coeff=1e-2),
+    trainer = build_trainer(cfg, StepConfig(num_micro_batches=1, aux_loss_coeff=1e-2),
                       make_optimizer(lr_schedule=1e-3, weight_decay=0.1), parallel, mesh, model_kwargs=model_kwargs)
     batch = {k: jax.ShapeDtypeStruct((1, rows, seq), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding) for k in BATCH_KEYS}

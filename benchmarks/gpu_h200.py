@@ -49,7 +49,8 @@ from mlir_train.runtime import platform_setup  # noqa: E402
 from mlir_train.model import platform_model_kwargs  # noqa: E402
 from mlir_train.config.models import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
-from mlir_train.train.trainer import BATCH_KEYS, StepConfig, Trainer  # noqa: E402
+from mlir_train.train.trainer import BATCH_KEYS, StepConfig  # noqa: E402
+from mlir_train.train.build import build_trainer  # noqa: E402
 from sharding.mesh import make_mesh
 from sharding.layout import Layout  # noqa: E402
 
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
           f"weights + AdamW; batch {rows} x {seq} tokens; moe_impl {moe_impl}; recompute {args.recompute}")
 
     print(SETUP.describe())
-    trainer = Trainer(
+    trainer = build_trainer(
         cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16", aux_loss_coeff=1e-3),
         make_optimizer(lr_schedule=1e-5, weight_decay=0.1, beta2=0.95, clip_grad=1.0), parallel, mesh,
         model_kwargs=kernels | dict(moe_impl=moe_impl, remat=args.recompute),

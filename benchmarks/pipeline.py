@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 from mlir_train.config.models import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import StepConfig, Trainer  # noqa: E402
+from mlir_train.train.build import build_trainer  # noqa: E402
 from sharding.mesh import make_mesh
 from sharding.layout import Layout  # noqa: E402
 
@@ -58,7 +59,7 @@ def _trainer(stages: int, micro: int, virtual: bool, devices: int, schedule: str
     step_cfg = StepConfig(num_micro_batches=micro, aux_loss_coeff=1e-2, pipeline_schedule=schedule,
                           layers_per_virtual_stage=1 if virtual and stages > 1 else None)
     opt = make_optimizer(lr_schedule=lambda _: 1e-4, weight_decay=0.1, clip_grad=1.0)
-    return Trainer(cfg, step_cfg, opt, parallel, make_mesh(parallel, devices=jax.devices()[:devices]))
+    return build_trainer(cfg, step_cfg, opt, parallel, make_mesh(parallel, devices=jax.devices()[:devices]))
 
 
 def _batch(trainer: Trainer, micro: int, rows: int, seq: int) -> dict:

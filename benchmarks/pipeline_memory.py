@@ -43,7 +43,8 @@ from peak_buffers import peak_buffers  # noqa: E402
 
 from mlir_train.config.models import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
-from mlir_train.train.trainer import BATCH_KEYS, StepConfig, Trainer, model_dims  # noqa: E402
+from mlir_train.train.trainer import BATCH_KEYS, StepConfig, model_dims  # noqa: E402
+from mlir_train.train.build import build_trainer  # noqa: E402
 from sharding.mesh import make_mesh, validate
 from sharding.layout import Layout  # noqa: E402
 
@@ -55,7 +56,7 @@ SEQ = 256
 def compile_step(schedule: str, micro: int, dump: str | None):
     parallel = validate(Layout(tensor=2, pipeline=2, expert=2, sequence_parallel=True,
                                        distributed_optimizer=True), model_dims(CFG), seq_length=SEQ)
-    trainer = Trainer(CFG, StepConfig(num_micro_batches=micro, pipeline_schedule=schedule, compute_dtype=args.dtype,
+    trainer = build_trainer(CFG, StepConfig(num_micro_batches=micro, pipeline_schedule=schedule, compute_dtype=args.dtype,
                                       aux_loss_coeff=1e-2),
                       make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel, make_mesh(parallel),
                       model_kwargs=dict(remat=args.recompute))

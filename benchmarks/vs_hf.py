@@ -60,7 +60,8 @@ import numpy as np  # noqa: E402
 from mlir_train.config.models import ModelConfig, get_model_config  # noqa: E402
 from mlir_train.checkpoint.hf import save_pretrained  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
-from mlir_train.train.trainer import StepConfig, Trainer  # noqa: E402
+from mlir_train.train.trainer import StepConfig  # noqa: E402
+from mlir_train.train.build import build_trainer  # noqa: E402
 from sharding.mesh import make_mesh
 from sharding.layout import Layout  # noqa: E402
 
@@ -89,7 +90,7 @@ def ours(size: Size, batch_np: dict[str, np.ndarray]):
     parallel = Layout(num_devices=1)
     mesh = make_mesh(parallel, devices=jax.devices()[:1])
     optimizer = make_optimizer(lr_schedule=LR, weight_decay=WEIGHT_DECAY, beta2=BETA2, clip_grad=CLIP)
-    trainer = Trainer(size.cfg, StepConfig(num_micro_batches=1, aux_loss_coeff=AUX_COEFF), optimizer, parallel, mesh,
+    trainer = build_trainer(size.cfg, StepConfig(num_micro_batches=1, aux_loss_coeff=AUX_COEFF), optimizer, parallel, mesh,
                       model_kwargs=dict(moe_impl="padded"))
     state = trainer.init_state(seed=0)
     hf_dir = tempfile.mkdtemp(prefix=f"vs_hf_{size.name}_")

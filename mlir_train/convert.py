@@ -33,12 +33,13 @@ import sys
 def _trainer(model_cfg):
     import optax
 
-    from mlir_train.train.trainer import StepConfig, Trainer, model_dims
+    from mlir_train.train.trainer import StepConfig, model_dims
+    from mlir_train.train.build import build_trainer
     from sharding.mesh import make_mesh, validate
     from sharding.layout import Layout
 
     parallel = validate(Layout(distributed_optimizer=True), model_dims(model_cfg))
-    return Trainer(model_cfg, StepConfig(), optax.identity(), parallel, make_mesh(parallel))
+    return build_trainer(model_cfg, StepConfig(), optax.identity(), parallel, make_mesh(parallel))
 
 
 def _hf_params(src: str):

@@ -13,7 +13,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's mlir_train, not an installed one
 
-from mlir_train.config.flags import flag_table_markdown  # noqa: E402
+from mlir_train.config.flag_table import flag_table_markdown  # noqa: E402
 
 BEGIN, END = "<!-- flag-table:begin -->\n", "<!-- flag-table:end -->"
 

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from sharding.layout import ATOM_NAMES, MESH_AXES, Layout, LayoutError, _check_sizes
+from sharding.layout import Layout, LayoutError, _check_sizes
 
 
 def kv_heads_replicated(tensor: int, num_kv_heads: int) -> bool:

@@ -1,11 +1,8 @@
-"""``python -m mlir_train.checkpoint verify DIR``: check every step's files against its manifest."""
+"""``python -m mlir_train.checkpoint verify DIR ...``: check every step's files against its manifest
+(files only: no jax backend starts for this)."""
 
 import sys
 
-from mlir_train.runtime.platform_setup import configure_platform
-
-configure_platform()  # before jax is imported
-
-from mlir_train.checkpoint.orbax import verify_main  # noqa: E402
+from mlir_train.checkpoint.integrity import verify_main
 
 sys.exit(verify_main())

@@ -31,6 +31,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from mlir_train.runtime import log
 from mlir_train.runtime.errors import SaveLockError
 
 MANIFEST = "checksums.json"
@@ -202,7 +203,7 @@ class SaveLock:
                 raise SaveLockError(_refusal(directory, previous, "its lock file names a job that may still run "
                                              "(this file system has no flock to tell)"))
             if previous and previous.get("pid") != info["pid"]:
-                print(f"mlir-train: WARNING: --save {directory}: taking over the lock left by job {previous.get('job')} "
+                log.warning(f"--save {directory}: taking over the lock left by job {previous.get('job')} "
                       f"(host {previous.get('host')}, pid {previous.get('pid')}, since {previous.get('started')}), "
                       "which no longer holds it (it ended without releasing it)")
             os.ftruncate(fd, 0)
@@ -259,3 +260,51 @@ def _refusal(directory: str, holder: dict, why: str) -> str:
     return (f"--save {directory} is in use by {who}: {why}. Two jobs saving into one directory would overwrite "
             f"each other's checkpoints. Give this job its own --save directory, or stop that job first (if it is "
             f"certainly gone, delete {os.path.join(directory, LOCK_NAME)})")
+
+
+# ----- step directories on disk, and python -m mlir_train.checkpoint verify DIR ... ---------------------
+COMMIT_MARKERS = ("commit_success.txt", "_CHECKPOINT_METADATA")  # Orbax's marks of a finished write
+
+
+def is_step_name(name: str) -> bool:
+    return name.isdigit()
+
+
+def is_complete(step_dir: str) -> bool:
+    return (any(os.path.exists(os.path.join(step_dir, m)) for m in COMMIT_MARKERS)
+            and os.path.exists(os.path.join(step_dir, "meta", "metadata")))
+
+
+def complete_steps(directory: str) -> list[int]:
+    """The complete steps in ``directory``, oldest first, from the files alone: code that runs on
+    process 0 only must not build an Orbax manager (its constructor synchronises the processes)."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(int(n) for n in names if is_step_name(n) and is_complete(os.path.join(directory, n)))
+
+
+def verify_main(argv: list[str] | None = None) -> int:
+    """Print each step of each directory OK / UNVERIFIED / CORRUPT (naming the file); exit 1 if
+    any is corrupt, 2 if a directory holds no checkpoint of ours."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mlir_train.checkpoint",
+                                     description="Check mlir-train checkpoints against their checksums.")
+    parser.add_argument("command", choices=["verify"])
+    parser.add_argument("directories", nargs="+", metavar="DIR", help="a --save directory, or one DIR/<step>")
+    args = parser.parse_args(argv)
+    status = 0
+    for d in args.directories:
+        parent, base = os.path.split(os.path.normpath(d))
+        if is_step_name(base) and is_complete(d):
+            checks = [verify_step(os.path.normpath(d))]
+        else:  # files only: no JAX backend (or GPU plugin) starts for this
+            steps = complete_steps(d)
+            if not steps:
+                log.error(f"{d}: no complete checkpoint in it")
+                status = max(status, 2)
+            checks = [verify_step(os.path.join(os.path.normpath(d), str(s))) for s in steps]
+        for check in checks:
+            print(check.describe())
+            if not check.usable:
+                status = max(status, 1)
+    return status

@@ -36,10 +36,9 @@ import dataclasses
 import errno
 import json
 import os
-import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +46,7 @@ import orbax.checkpoint as ocp
 
 from mlir_train.checkpoint import integrity
 from mlir_train.config.models import ModelConfig
+from mlir_train.runtime import log
 from mlir_train.runtime.errors import CheckpointError
 
 # 1: no checksums; 2: every step carries checksums.json (a format-2 step without one is corrupt).
@@ -58,7 +58,6 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_
                 "mlp_only_layers", "tie_word_embeddings")
 NUMERIC_FIELDS = ("top_k", "norm_topk_prob", "rope_theta", "rope_scaling_factor", "rms_norm_eps")
 ARRAY_ITEMS = ("params", "opt_state", "loss_scale")
-_COMMIT_MARKERS = ("commit_success.txt", "_CHECKPOINT_METADATA")
 
 
 def _disk_full(e: BaseException | None) -> bool:
@@ -79,25 +78,9 @@ def _io_error(e: BaseException) -> bool:
     return isinstance(e, OSError) or "os_error_code=" in str(e) or _disk_full(e)
 
 
-def _is_step_name(name: str) -> bool:
-    return name.isdigit()
-
-
-def _complete(step_dir: str) -> bool:
-    return (any(os.path.exists(os.path.join(step_dir, m)) for m in _COMMIT_MARKERS)
-            and os.path.exists(os.path.join(step_dir, "meta", "metadata")))
-
-
-def _complete_steps(directory: str) -> list[int]:
-    """The complete steps in ``directory``, oldest first, from the files alone: code that runs on
-    process 0 only must not build an Orbax manager (its constructor synchronises the processes)."""
-    names = os.listdir(directory) if os.path.isdir(directory) else []
-    return sorted(int(n) for n in names if _is_step_name(n) and _complete(os.path.join(directory, n)))
-
-
 def _newest_verified(directory: str, below: int | None = None) -> int | None:
     """The newest step (older than ``below``, if given) that verifies or predates checksums."""
-    for s in reversed(_complete_steps(directory)):
+    for s in reversed(integrity.complete_steps(directory)):
         if (below is None or s < below) and integrity.verify_step(os.path.join(directory, str(s))).usable:
             return s
     return None
@@ -119,7 +102,7 @@ def _check_step(directory: str, step: int) -> None:
     if not check.usable:
         raise _corrupt_error(directory, check)
     if check.status == "unverified":
-        print(f"mlir-train: WARNING: checkpoint {check.step_dir} {check.problem}")
+        log.warning(f"checkpoint {check.step_dir} {check.problem}")
 
 
 class CheckpointManager:
@@ -150,15 +133,15 @@ class CheckpointManager:
     def _set_aside_partial(self) -> None:
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
-            if _is_step_name(name) and os.path.isdir(path) and not _complete(path):
+            if integrity.is_step_name(name) and os.path.isdir(path) and not integrity.is_complete(path):
                 aside = f"{path}.partial-{int(time.time())}"
-                print(f"mlir-train: checkpoint {path} is incomplete (interrupted write?); moved aside to {aside}")
+                log.info(f"checkpoint {path} is incomplete (interrupted write?); moved aside to {aside}")
                 os.rename(path, aside)
 
     # ----- which steps exist ------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Complete checkpoints, oldest first (in-progress and partial writes excluded)."""
-        return sorted(s for s in self._mgr.all_steps() if _complete(os.path.join(self.directory, str(s))))
+        return sorted(s for s in self._mgr.all_steps() if integrity.is_complete(os.path.join(self.directory, str(s))))
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -335,24 +318,7 @@ def check_model(meta: dict[str, Any], model_cfg: ModelConfig, where: str) -> Non
     if bad := diff(SHAPE_FIELDS):
         raise CheckpointError(f"{where} was written for a different model ({saved.name}): " + "; ".join(bad))
     if soft := diff(NUMERIC_FIELDS):
-        print(f"mlir-train: note: {where} differs from this run in " + "; ".join(soft))
-
-
-def run_json(*, iteration: int, global_batch_size: int, loader, seed: int, model_cfg: ModelConfig,
-             tokenizer_size: int, parallel, flags: dict[str, Any]) -> dict[str, Any]:
-    """What besides arrays a checkpoint records to resume exactly and to explain itself
-    (``flags``: the run's flags by Megatron dest name, ``RunConfig.flat()``)."""
-    return {
-        "consumed_samples": int(iteration) * int(global_batch_size),
-        "global_batch_size": int(global_batch_size),
-        "data_loader": {k: int(v) for k, v in loader.state().items()},
-        "rng": {"seed": int(seed)},  # the only randomness: init and data order (no dropout)
-        "model": dataclasses.asdict(model_cfg),
-        "tokenizer_size": int(tokenizer_size),
-        "parallel": dataclasses.asdict(parallel) if dataclasses.is_dataclass(parallel) else dict(parallel),
-        "args": json.loads(json.dumps(flags, default=str)),
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
+        log.info(f"note: {where} differs from this run in " + "; ".join(soft))
 
 
 def resume_check(meta: dict[str, Any], where: str, *, load_optim: bool, load_rng: bool, finetune: bool) -> None:
@@ -424,34 +390,11 @@ def restore_loader(loader, meta: dict[str, Any], *, exact: bool = True) -> None:
 
 
 # ----- where a run starts -----------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Start:
-    """What ``--load`` points at: ``kind`` is "hf" (a model directory), "ours" (a checkpoint of
-    this trainer, ``meta`` its newest step's JSON), "megatron" (a Megatron/AIAK checkpoint,
-    ``megatron`` its :class:`~mlir_train.checkpoint.megatron.read.MegatronCheckpoint`) or "scratch"
-    (no --load, or a missing/empty directory: Megatron starts from scratch there with a warning)."""
 
-    kind: str
-    path: str | None = None
-    meta: dict[str, Any] | None = None
-    megatron: Any = None
-    step: int | None = None  # ours: the step to load, already checked against its checksums
 
-    @property
-    def seed(self) -> int | None:
-        return None if self.meta is None else self.meta.get("rng", {}).get("seed")  # none in a converted HF model
-
-    @property
-    def iteration(self) -> int:
-        if self.megatron is not None:
-            return int(self.megatron.iteration)
-        return 0 if self.meta is None else int(self.meta["iteration"])
-
-    def describe(self) -> str:
-        if self.kind == "megatron":
-            return self.megatron.describe()
-        return (f"{self.path}/config.json" if self.kind == "hf"
-                else f"{self.path} (iteration {self.iteration})" if self.kind == "ours" else "random initialisation")
+def is_step_dir(path: str) -> bool:
+    """Whether ``path`` is one complete step directory of ours (``DIR/<step>``)."""
+    return integrity.is_step_name(os.path.basename(os.path.normpath(path))) and integrity.is_complete(path)
 
 
 def has_checkpoint(path: str) -> bool:
@@ -462,7 +405,7 @@ def has_checkpoint(path: str) -> bool:
         return False
 
 
-def _verified_step(load: str, step: int | None) -> int:
+def verified_step(load: str, step: int | None) -> int:
     """The step of ours to load: ``step`` if given (it must verify: no fallback from an explicit
     choice), else the newest that verifies, with a warning naming each newer corrupt step, its
     file and the step used instead. No step verifies: an error, never a fresh start. Process 0
@@ -485,7 +428,7 @@ def _verified_step(load: str, step: int | None) -> int:
 
 
 def _choose_step(load: str, step: int | None) -> int:
-    directory, steps = os.path.abspath(load), _complete_steps(load)
+    directory, steps = os.path.abspath(load), integrity.complete_steps(load)
     if step is not None:
         if step not in steps:
             raise CheckpointError(f"{directory}: no complete checkpoint for iteration {step} (have {steps})")
@@ -498,182 +441,10 @@ def _choose_step(load: str, step: int | None) -> int:
             corrupt.append(check)
             continue
         for bad in corrupt:
-            print(f"mlir-train: WARNING: {bad.describe()}; falling back to the newest checkpoint that verifies, "
+            log.warning(f"{bad.describe()}; falling back to the newest checkpoint that verifies, "
                   f"{os.path.join(directory, str(s))} (iteration {s}): the {int(os.path.basename(bad.step_dir)) - s} "
                   f"iterations after it are trained again")
         if check.status == "unverified":
-            print(f"mlir-train: WARNING: checkpoint {check.step_dir} {check.problem}")
+            log.warning(f"checkpoint {check.step_dir} {check.problem}")
         return s
     raise CheckpointError(f"--load {load}: no checkpoint there verifies: " + "; ".join(c.describe() for c in corrupt))
-
-
-def resolve_start(load: str | None, *, step: int | None = None, exit_on_missing: bool = False) -> Start:
-    """Classify ``--load``: an HF directory, ours (wins if the directory holds one; ``DIR/<step>``
-    names one step), then a Megatron checkpoint (legacy ``torch`` or ``torch_dist``). ``step``
-    (``--ckpt-step``) picks the iteration instead of the newest. A directory that holds files
-    but no checkpoint we can read is an error naming what it holds, never a silent fresh start;
-    a missing or empty one (or one with only interrupted writes of ours) warns and starts from
-    scratch (one script both starts and resumes a job), unless ``exit_on_missing``
-    (--exit-on-missing-checkpoint) makes that an error. Our checkpoints are verified here
-    (:func:`_verified_step`)."""
-    from mlir_train.checkpoint.megatron import read as megatron_checkpoint
-
-    if not load:
-        if step is not None:
-            raise CheckpointError(f"--ckpt-step {step} needs --load")
-        return Start("scratch")
-    if os.path.exists(os.path.join(load, "config.json")):
-        if step is not None:
-            raise CheckpointError(f"--ckpt-step {step}: --load {load} is an HF model directory, which has no steps")
-        return Start("hf", load)
-    parent, base = os.path.split(os.path.normpath(load))
-    if _is_step_name(base) and _complete(load) and has_checkpoint(parent):  # --load DIR/<step>
-        if step is not None and step != int(base):
-            raise CheckpointError(f"--load {load} names iteration {base} but --ckpt-step says {step}")
-        load, step = parent, int(base)
-    if has_checkpoint(load):
-        try:
-            chosen = _verified_step(load, step)
-            return Start("ours", load, CheckpointManager(load, read_only=True).read_meta(chosen), step=chosen)
-        except CheckpointError as e:
-            raise CheckpointError(f"--load {load}: {e}" if not str(e).startswith("--load") else str(e)) from None
-    if step is not None and not megatron_checkpoint.looks_like_megatron(load):
-        raise CheckpointError(f"--load {load} --ckpt-step {step}: no checkpoint there (of ours or Megatron's)")
-    try:
-        mg = megatron_checkpoint.find(load, iteration=step)
-    except CheckpointError as e:
-        raise CheckpointError(f"--load {load}: {e}") from None
-    if mg is not None:
-        return Start("megatron", load, megatron=mg)
-    found = megatron_checkpoint.identify(load)
-    if found:  # files, but nothing we read: never silently train from scratch
-        raise CheckpointError(f"--load {load}: {found}. Supported: an HF model directory (config.json + safetensors), "
-                              "a mlir-train checkpoint, a Megatron torch or torch_dist checkpoint")
-    msg = f"--load {load}: no complete checkpoint there, nor an HF model directory (no config.json)"
-    if exit_on_missing:
-        raise CheckpointError(f"{msg}; --exit-on-missing-checkpoint is set. Check the path, or drop the flag to start "
-                              "from scratch")
-    print(f"mlir-train: WARNING: {msg}; starting from random initialisation at iteration 0 "
-          "(--exit-on-missing-checkpoint makes this an error)")
-    return Start("scratch")
-
-
-class Checkpointer:
-    """The loop's checkpoint hook: saves every ``--save-interval`` and when the loop stops, each
-    with the run's JSON; ``before_save`` runs first (the pending metrics' NaN check must pass
-    before a state is written).
-
-    It holds ``DIR/.lock`` (process 0, for the whole job; a second job is refused here, at
-    start-up). ``save_optim=False`` (``--no-save-optim``) writes no optimizer or loss-scaler
-    state, ``save_rng=False`` (``--no-save-rng``) no seed (so no data order; the position in the
-    data is kept, as Megatron keeps its consumed samples). ``resume_step``: where this job
-    resumed when it saves into the directory it loaded from; newer steps there (e.g. the corrupt
-    one it fell back from) are moved aside as ``<step>.corrupt-<time>`` /
-    ``<step>.superseded-<time>``, since this run writes those iterations anew."""
-
-    def __init__(self, directory: str, *, save_interval: int | None, retain: int | None, meta: Callable[[int], dict],
-                 save_optim: bool = True, save_rng: bool = True, resume_step: int | None = None,
-                 claimed: bool = False, lock: integrity.SaveLock | None = None):
-        self.directory, self._meta = directory, meta
-        self.save_optim, self.save_rng = save_optim, save_rng
-        # ``claimed``: the entry point ran claim_save_dir first thing (``lock``: its result, None
-        # on processes other than 0); else the directory is claimed here.
-        self.lock = lock if claimed else claim_save_dir(directory, resume_step=resume_step)
-        self.manager = CheckpointManager(directory, max_to_keep=retain, save_interval=save_interval)
-
-    def should_save(self, iteration: int) -> bool:
-        return self.manager.should_save(iteration)
-
-    def save(self, iteration: int, state: dict[str, Any]) -> None:
-        if not self.save_optim:
-            state = {**state, "opt_state": None, "loss_scale": None}
-        meta = self._meta(iteration)
-        if not self.save_rng:
-            meta = {k: v for k, v in meta.items() if k != "rng"}
-            meta["data_loader"] = {k: v for k, v in meta.get("data_loader", {}).items() if k != "seed"}
-        self.manager.save(iteration, state, meta, force=True)
-
-    def close(self) -> None:
-        try:
-            self.manager.close()  # waits for the background writes and their checksums
-        finally:
-            self.release()
-
-    def release(self) -> None:
-        """Finish a save still in flight (so it gets its checksums rather than counting as
-        corrupt), then free ``DIR/.lock``. Idempotent; the entry point calls it however the run
-        ends, so a failed write is only printed here (``close`` raises it)."""
-        manager = getattr(self, "manager", None)
-        if manager is not None:
-            try:
-                manager.wait()
-            except CheckpointError as e:
-                print(f"mlir-train: WARNING: {e}")
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-
-
-def claim_save_dir(directory: str, *, resume_step: int | None = None) -> integrity.SaveLock | None:
-    """Take ``DIR/.lock`` for this job (process 0; the others follow its verdict, so a refused
-    multi-host job stops on every process) and, with ``resume_step``, move aside the steps newer
-    than it (see :class:`Checkpointer`). Raises CheckpointError naming the holder."""
-    from mlir_train.runtime import distributed
-
-    lock, error = None, None
-    if jax.process_index() == 0:
-        try:
-            lock = integrity.SaveLock.acquire(os.path.abspath(directory))
-            if resume_step is not None:
-                _set_aside_newer(os.path.abspath(directory), resume_step)
-        except (integrity.SaveLockError, OSError) as e:
-            error = e
-    if not distributed.from_process_0(error is None):
-        if lock is not None:
-            lock.release()
-        raise CheckpointError(str(error) if error else f"--save {directory}: process 0 could not take the directory "
-                              "(see its log)")
-    return lock
-
-
-def _set_aside_newer(directory: str, resume_step: int) -> None:
-    if not os.path.isdir(directory):
-        return
-    for name in sorted((n for n in os.listdir(directory) if _is_step_name(n)), key=int):
-        path = os.path.join(directory, name)
-        if int(name) <= resume_step or not _complete(path):
-            continue
-        check = integrity.verify_step(path)
-        aside = f"{path}.{'superseded' if check.usable else 'corrupt'}-{int(time.time())}"
-        why = "is corrupt" if not check.usable else "is newer than the checkpoint this run resumes from"
-        print(f"mlir-train: checkpoint {path} {why}; this run writes iteration {name} anew: moved it aside to {aside}")
-        os.rename(path, aside)
-
-
-# ----- python -m mlir_train.checkpoint verify DIR ... -----------------------------------------
-def verify_main(argv: list[str] | None = None) -> int:
-    """Print each step of each directory OK / UNVERIFIED / CORRUPT (naming the file); exit 1 if
-    any is corrupt, 2 if a directory holds no checkpoint of ours."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m mlir_train.checkpoint",
-                                     description="Check mlir-train checkpoints against their checksums.")
-    parser.add_argument("command", choices=["verify"])
-    parser.add_argument("directories", nargs="+", metavar="DIR", help="a --save directory, or one DIR/<step>")
-    args = parser.parse_args(argv)
-    status = 0
-    for d in args.directories:
-        parent, base = os.path.split(os.path.normpath(d))
-        if _is_step_name(base) and _complete(d):
-            checks = [integrity.verify_step(os.path.normpath(d))]
-        else:  # files only: no JAX backend (or GPU plugin) starts for this
-            steps = _complete_steps(d)
-            if not steps:
-                print(f"error: {d}: no complete checkpoint in it", file=sys.stderr)
-                status = max(status, 2)
-            checks = [integrity.verify_step(os.path.join(os.path.normpath(d), str(s))) for s in steps]
-        for check in checks:
-            print(check.describe())
-            if not check.usable:
-                status = max(status, 1)
-    return status

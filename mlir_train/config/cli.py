@@ -26,8 +26,11 @@ import json
 import sys
 from typing import Any, Iterable, Sequence
 
-from mlir_train.config.flags import (ARCH_IMPLIED_FLAGS, GROUP_TITLES, NOOP_FLAG_GROUPS, NOOP_FLAGS,
-                                   NOT_IMPLEMENTED_FLAGS, SEED_GROUPS, ConfigError, RunConfig, build, section_fields)
+from mlir_train.config.fields import GROUP_TITLES, SEED_GROUPS
+from mlir_train.config.flag_table import ARCH_IMPLIED_FLAGS, NOOP_FLAG_GROUPS, NOOP_FLAGS, NOT_IMPLEMENTED_FLAGS
+from mlir_train.config.flags import RunConfig, build
+from mlir_train.config.sections import section_fields
+from mlir_train.runtime.errors import ConfigError
 
 __all__ = ["parse", "build_parser", "flag_value", "FLAG_GROUPS", "ALL_FLAGS", "SEED_GROUPS", "GROUP_TITLES"]
 

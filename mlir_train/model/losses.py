@@ -9,13 +9,12 @@ pipeline form the same objective however the batch is split or sharded.
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from mlir_train.config.policies import AUX_LOSS_TYPES, TRACKER_NAMES, LoadBalancing
+from mlir_train.config.policies import LoadBalancing
 
 
 def cross_entropy_sum(logits_BTV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:

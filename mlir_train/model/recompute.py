@@ -37,8 +37,6 @@ from collections.abc import Callable
 
 import jax
 
-from mlir_train.config.policies import RecomputePolicy  # noqa: F401  (the policy this module carries out)
-
 
 def checkpointed(fn: Callable, on: bool) -> Callable:
     """``fn`` as a normal checkpoint (inputs kept, insides recomputed in the backward) if ``on``."""

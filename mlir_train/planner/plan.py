@@ -101,7 +101,8 @@ import time
 from typing import Any
 
 from mlir_train.runtime.platform_setup import GPU_MEM_FRACTION
-from mlir_train.config.flags import RunConfig, resolve
+from mlir_train.config.flags import RunConfig
+from mlir_train.train.build import resolve
 from mlir_train.planner.targets import DEVICE_KINDS, GIB, DeviceKind
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
 
 from mlir_train.runtime.errors import DistributedEnvError
 

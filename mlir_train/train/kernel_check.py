@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mlir_train.config.flags import ConfigError
+from mlir_train.runtime.errors import ConfigError
 
 # Worst |kernel - reference| over the largest |reference| of each output and gradient, with the
 # reference in float32 from the same (rounded) inputs: bf16 keeps 8 mantissa bits (4e-3 per

@@ -18,7 +18,7 @@ import pytest
 
 from mlir_train import sft
 from mlir_train.checkpoint import orbax as checkpoint
-from mlir_train.checkpoint import integrity
+from mlir_train.checkpoint import integrity, saver, sources
 
 
 def tiny_state(scale: float):
@@ -91,8 +91,8 @@ def test_bit_flip_stops_naming_the_file_and_the_good_step(two_steps, capsys):
     # An explicit step (--ckpt-step 2, or --load DIR/2) stops; --load DIR falls back, saying so.
     for load, step in ((two_steps, 2), (os.path.join(two_steps, "2"), None)):
         with pytest.raises(checkpoint.CheckpointError, match=f"{bad}: checksum mismatch.*verifies is iteration 1"):
-            checkpoint.resolve_start(load, step=step)
-    start = checkpoint.resolve_start(two_steps)
+            sources.detect(load, step=step)
+    start = sources.detect(two_steps)
     out = capsys.readouterr().out
     assert start.kind == "ours" and start.step == 1 and start.iteration == 1
     assert f"WARNING: {two_steps}/2: CORRUPT: {bad}: checksum mismatch" in out, out
@@ -101,7 +101,7 @@ def test_bit_flip_stops_naming_the_file_and_the_good_step(two_steps, capsys):
     np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.full((64, 64), 1.0, np.float32))
 
     # python -m mlir_train.checkpoint verify DIR
-    assert checkpoint.verify_main(["verify", two_steps]) == 1
+    assert integrity.verify_main(["verify", two_steps]) == 1
     out = capsys.readouterr().out
     assert f"{two_steps}/1: OK" in out and f"{two_steps}/2: CORRUPT: {bad}" in out
 
@@ -109,7 +109,7 @@ def test_bit_flip_stops_naming_the_file_and_the_good_step(two_steps, capsys):
     flip_bit(data_file(os.path.join(two_steps, "1")))
     with pytest.raises(checkpoint.CheckpointError, match=f"no checkpoint there verifies: {two_steps}/2: CORRUPT.*"
                        f"{two_steps}/1: CORRUPT"):
-        checkpoint.resolve_start(two_steps)
+        sources.detect(two_steps)
 
 
 def test_truncated_missing_extra_and_manifest_problems(two_steps):
@@ -151,14 +151,14 @@ def test_old_format_without_manifest_loads_with_a_warning(two_steps, capsys):
             meta = json.load(f)
         with open(meta_path, "w") as f:
             json.dump({**meta, "format": 1}, f)
-    start = checkpoint.resolve_start(two_steps)
+    start = sources.detect(two_steps)
     assert start.step == 2
     out = capsys.readouterr().out
     assert f"WARNING: checkpoint {two_steps}/2 written before checkpoints carried checksums (format 1); " \
            "it cannot be verified" in out and out.count("WARNING") == 1
     restored = checkpoint.CheckpointManager(two_steps, read_only=True).restore(target_of(tiny_state(0.0)), step=2)
     np.testing.assert_array_equal(np.asarray(restored["params"]["b"]), np.arange(8.0) * 2)
-    assert checkpoint.verify_main(["verify", two_steps]) == 0
+    assert integrity.verify_main(["verify", two_steps]) == 0
     assert f"{two_steps}/2: UNVERIFIED" in capsys.readouterr().out
 
 
@@ -184,7 +184,7 @@ def test_second_saver_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys, m
     proc = holder(ck)
     try:
         with pytest.raises(checkpoint.CheckpointError) as err:
-            checkpoint.Checkpointer(ck, save_interval=1, retain=None, meta=lambda it: {})
+            saver.Checkpointer(ck, save_interval=1, retain=None, meta=lambda it: {})
         msg = str(err.value)
         assert f"--save {os.path.abspath(ck)} is in use by job job-A on host {os.uname().nodename}, pid {proc.pid}" in msg
         assert "its own --save directory" in msg and os.path.join(ck, ".lock") in msg
@@ -203,14 +203,14 @@ def test_second_saver_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys, m
         proc.wait()
     assert os.path.exists(os.path.join(ck, ".lock"))
     # A job killed before its first save leaves only the lock: still "no checkpoint yet" to --load.
-    assert checkpoint.resolve_start(ck).kind == "scratch" and "no complete checkpoint there" in capsys.readouterr().out
-    saver = checkpoint.Checkpointer(ck, save_interval=1, retain=None, meta=lambda it: {"model": {}})
+    assert sources.detect(ck).kind == "scratch" and "no complete checkpoint there" in capsys.readouterr().out
+    ckpt_saver = saver.Checkpointer(ck, save_interval=1, retain=None, meta=lambda it: {"model": {}})
     out = capsys.readouterr().out
     assert f"taking over the lock left by job job-A (host {os.uname().nodename}, pid {proc.pid}" in out, out
     with open(os.path.join(ck, ".lock")) as f:
         assert json.load(f)["pid"] == os.getpid()
-    saver.save(1, tiny_state(1.0))
-    saver.close()
+    ckpt_saver.save(1, tiny_state(1.0))
+    ckpt_saver.close()
     assert not os.path.exists(os.path.join(ck, ".lock"))  # released: the next job starts quietly
     assert checkpoint.CheckpointManager(ck, read_only=True).steps() == [1]
 
@@ -252,7 +252,7 @@ def test_load_falls_back_past_a_flipped_bit_and_resumes_exactly(shared, tmp_path
     assert checkpoint.CheckpointManager(ck, read_only=True).steps() == [2, 4]
     assert integrity.verify_step(os.path.join(ck, "4")).status == "ok"
     assert any(n.startswith("4.corrupt-") for n in os.listdir(ck))
-    assert checkpoint.verify_main(["verify", ck]) == 0
+    assert integrity.verify_main(["verify", ck]) == 0
 
     # Our Megatron export carries checksums too: a flipped bit there is named on reading it.
     from mlir_train import convert
@@ -264,7 +264,7 @@ def test_load_falls_back_past_a_flipped_bit_and_resumes_exactly(shared, tmp_path
     rank_file = os.path.join(mg, "release", "mp_rank_00", "model_optim_rng.pt")
     flip_bit(rank_file, offset=os.path.getsize(rank_file) - 4096)
     with pytest.raises(checkpoint.CheckpointError, match=f"Megatron checkpoint .*{rank_file}: checksum mismatch"):
-        checkpoint.resolve_start(mg)
+        sources.detect(mg)
 
 
 def test_weights_only_checkpoints_resume_with_a_fresh_optimizer(shared, tmp_path, capsys):
@@ -310,12 +310,12 @@ def test_weights_only_checkpoints_resume_with_a_fresh_optimizer(shared, tmp_path
 def test_resuming_an_older_step_into_the_same_directory_moves_newer_ones_aside(two_steps, capsys):
     """--load DIR --ckpt-step 1 --save DIR: this run writes iteration 2 anew, so the old step 2
     is set aside (renamed, never deleted) instead of silently blocking that save."""
-    saver = checkpoint.Checkpointer(two_steps, save_interval=1, retain=None, meta=lambda it: {"model": {}},
+    ckpt_saver = saver.Checkpointer(two_steps, save_interval=1, retain=None, meta=lambda it: {"model": {}},
                                     resume_step=1)
     assert f"checkpoint {two_steps}/2 is newer than the checkpoint this run resumes from" in capsys.readouterr().out
     assert checkpoint.CheckpointManager(two_steps, read_only=True).steps() == [1]
-    saver.save(2, tiny_state(5.0))
-    saver.close()
+    ckpt_saver.save(2, tiny_state(5.0))
+    ckpt_saver.close()
     reader = checkpoint.CheckpointManager(two_steps, read_only=True)
     assert reader.steps() == [1, 2] and reader.verify(2).status == "ok"
     restored = reader.restore(target_of(tiny_state(0.0)), step=2)
@@ -350,11 +350,11 @@ AGREE = textwrap.dedent("""
     from mlir_train.runtime import distributed
     layout = distributed.initialize_from_env(cpu_devices=1)
     import jax
-    from mlir_train.checkpoint import orbax as checkpoint
+    from mlir_train.checkpoint import orbax as checkpoint, saver, sources
     corrupt_dir, held_dir = sys.argv[1:3]
-    print("fallback", checkpoint.resolve_start(corrupt_dir).step, flush=True)
-    for what, call in (("explicit", lambda: checkpoint.resolve_start(corrupt_dir, step=2)),
-                       ("lock", lambda: checkpoint.claim_save_dir(held_dir))):
+    print("fallback", sources.detect(corrupt_dir).step, flush=True)
+    for what, call in (("explicit", lambda: sources.detect(corrupt_dir, step=2)),
+                       ("lock", lambda: saver.claim_save_dir(held_dir))):
         try:
             call()
             print(what, "taken")

@@ -118,13 +118,14 @@ def test_loads_into_a_sharded_layout(mcore_small):
     read by its own callback: equal to the unsharded load, in the run's shardings."""
     import optax
 
-    from mlir_train.train.trainer import StepConfig, Trainer, model_dims
+    from mlir_train.train.trainer import StepConfig, model_dims
+    from mlir_train.train.build import build_trainer
     from sharding.mesh import make_mesh, validate
     from sharding.layout import Layout
 
     ckpt, cfg, graphdef, plain = _load(os.path.join(mcore_small, "torch_dist"))
     parallel = validate(Layout(tensor=2, expert=2, pipeline=2, distributed_optimizer=True), model_dims(cfg))
-    trainer = Trainer(cfg, StepConfig(), optax.identity(), parallel, make_mesh(parallel))
+    trainer = build_trainer(cfg, StepConfig(), optax.identity(), parallel, make_mesh(parallel))
     sharded = mc.load_params(ckpt, cfg, trainer.param_shapes, trainer.master_shardings)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(sharded)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

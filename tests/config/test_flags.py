@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from mlir_train.config import cli
-from mlir_train.config import flags as run_config
-from mlir_train.config.flags import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, NOT_IMPLEMENTED_FLAGS, REFUSED
+from mlir_train.config import flag_table, flags, sections
+from mlir_train.runtime.errors import ConfigError
+from mlir_train.train import build
+from mlir_train.config.flag_table import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, NOT_IMPLEMENTED_FLAGS, REFUSED
 
 # A value of each refused flag that must stop the run (None: a switch).
 REFUSED_VALUES = {
@@ -23,7 +25,7 @@ REFUSED_VALUES = {
 
 def _field_flags() -> dict[str, str]:
     """Every spelling of every field's flag -> the field's primary flag."""
-    return {name: fl.name for _, _, _, fl in run_config.section_fields() for name in fl.names}
+    return {name: fl.name for _, _, _, fl in sections.section_fields() for name in fl.names}
 
 
 def test_every_parser_flag_is_in_exactly_one_group():
@@ -41,7 +43,7 @@ def test_every_parser_flag_is_in_exactly_one_group():
     assert not (noop & set(fields)), f"a no-op flag is also a field: {sorted(noop & set(fields))}"
     assert set(REFUSED) <= set(fields.values())
     # The flag table covers the same flags, one row each.
-    table = run_config.flag_table()
+    table = flag_table.flag_table()
     assert len({row[0] for row in table}) == len(table)
     assert {row[0] for row in table} == (set(fields.values()) | set(NOOP_FLAGS) | set(ARCH_IMPLIED_FLAGS)
                                          | set(NOT_IMPLEMENTED_FLAGS))
@@ -101,10 +103,10 @@ def test_refusals_accept_the_default_and_megatron_equivalents():
 
 def test_expert_tensor_parallel_size_reaches_the_layout():
     """MoE parallel folding (ETP != TP) is honoured: the flag is the layout's expert-tensor size."""
-    folding = cli.parse(["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4",
-                         "--expert-tensor-parallel-size", "1", "--sequence-parallel"]).parallel.parallel_config(8)
+    folding = build.layout_of(cli.parse(["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4",
+                                       "--expert-tensor-parallel-size", "1", "--sequence-parallel"]).parallel, 8)
     assert (folding.tensor, folding.expert, folding.etp) == (2, 4, 1)
-    assert cli.parse([]).parallel.parallel_config(8).etp == 1  # default: = TP
+    assert build.layout_of(cli.parse([]).parallel, 8).etp == 1  # default: = TP
 
 
 def test_load_balancing_none_drops_the_aux_loss():
@@ -131,7 +133,7 @@ def test_untie_embeddings_gives_a_separate_lm_head():
 def test_tokenizer_model_is_the_tokenizer_path():
     assert cli.parse(["--tokenizer-model", "/tok"]).data.tokenizer_path == "/tok"
     assert cli.parse(["--tokenizer-model", "/tok", "--hf-tokenizer-path", "/hf"]).data.tokenizer_path == "/hf"
-    run_config.require(cli.parse(["--tokenizer-model", "/tok"]), "--hf-tokenizer-path")  # satisfied by its alias
+    flags.require(cli.parse(["--tokenizer-model", "/tok"]), "--hf-tokenizer-path")  # satisfied by its alias
 
 
 def _metrics(loss: float) -> dict:
@@ -188,7 +190,7 @@ def test_run_config_is_frozen_and_replace_makes_a_new_one():
 
 
 def test_readme_flag_table_is_the_generated_one():
-    """README.md's "Every flag" table is ``python -m mlir_train.config.flags``'s output
+    """README.md's "Every flag" table is ``python -m mlir_train.config.flag_table``'s output
     (``python scripts/update_flag_table.py`` rewrites it when a flag changes)."""
     import os
 
@@ -196,18 +198,18 @@ def test_readme_flag_table_is_the_generated_one():
     begin, end = "<!-- flag-table:begin -->\n", "<!-- flag-table:end -->"
     assert begin in readme and end in readme
     table = readme[readme.index(begin) + len(begin):readme.index(end)].strip()
-    assert table == run_config.flag_table_markdown()
+    assert table == flag_table.flag_table_markdown()
 
 
 def test_num_devices_builds_the_run_on_the_first_n_devices():
     cfg = cli.parse(["--num-devices", "4", "--micro-batch-size", "1", "--seq-length", "16", "--lr", "1e-3",
                      "--train-iters", "1", "--tensor-model-parallel-size", "2"])
-    run = run_config.resolve(cfg, cfg.model.model_config(256), num_devices=cfg.extras.num_devices)
+    run = build.resolve(cfg, cfg.model.model_config(256), num_devices=cfg.extras.num_devices)
     assert run.parallel.data_parallel == 2 and run.global_batch_size == 2
     assert run.trainer().mesh.devices.size == 4
-    with pytest.raises(run_config.ConfigError, match="devices"):
+    with pytest.raises(ConfigError, match="devices"):
         too_many = cfg.replace(extras={"num_devices": 64})
-        run_config.resolve(too_many, cfg.model.model_config(256), num_devices=64).trainer()
+        build.resolve(too_many, cfg.model.model_config(256), num_devices=64).trainer()
 
 
 def test_pipeline_flags_reach_the_step_config(capsys):
@@ -218,17 +220,17 @@ def test_pipeline_flags_reach_the_step_config(capsys):
     model = get_model_config("qwen3-moe-tiny", num_layers=4)
     cfg = cli.parse(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe",
                      "--decoder-first-pipeline-num-layers", "1", "--global-batch-size", "4", "--micro-batch-size", "1"])
-    step = run_config.resolve(cfg, model, num_devices=2, platform="cpu").step_config()
+    step = build.resolve(cfg, model, num_devices=2, platform="cpu").step_config()
     assert (step.pipeline_schedule, step.first_stage_layers, step.last_stage_layers) == ("gpipe", 1, None)
     mbs = ["--micro-batch-size", "1"]
-    assert run_config.resolve(cli.parse(["--pipeline-model-parallel-size", "2", *mbs]), model, num_devices=2,
+    assert build.resolve(cli.parse(["--pipeline-model-parallel-size", "2", *mbs]), model, num_devices=2,
                               platform="cpu").step_config().pipeline_schedule == "1f1b"  # Megatron's default
-    with pytest.raises(run_config.ConfigError, match="--decoder-first/last-pipeline-num-layers need"):
-        run_config.resolve(cli.parse(["--decoder-last-pipeline-num-layers", "1", *mbs]), model, num_devices=1, platform="cpu")
-    with pytest.raises(run_config.ConfigError, match="--decoder-first-pipeline-num-layers 5"):
-        run_config.resolve(cli.parse(["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5", *mbs]),
+    with pytest.raises(ConfigError, match="--decoder-first/last-pipeline-num-layers need"):
+        build.resolve(cli.parse(["--decoder-last-pipeline-num-layers", "1", *mbs]), model, num_devices=1, platform="cpu")
+    with pytest.raises(ConfigError, match="--decoder-first-pipeline-num-layers 5"):
+        build.resolve(cli.parse(["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5", *mbs]),
                            model, num_devices=2, platform="cpu")
-    run_config.resolve(cli.parse(["--pipeline-schedule", "circular", *mbs]), model, num_devices=1, platform="cpu")
+    build.resolve(cli.parse(["--pipeline-schedule", "circular", *mbs]), model, num_devices=1, platform="cpu")
     assert "--pipeline-schedule circular has no effect" in capsys.readouterr().out
 
 
@@ -237,7 +239,7 @@ def test_moe_layer_freq_sets_the_model_layers():
     assert kinds == (False, True, True, True)
     assert cli.parse(["--num-layers", "4", "--moe-layer-freq", "2"]).model.model_config(None).layer_kinds() == (
         True, False, True, False)
-    with pytest.raises(run_config.ConfigError, match="--moe-layer-freq"):
+    with pytest.raises(ConfigError, match="--moe-layer-freq"):
         cli.parse(["--num-layers", "4", "--moe-layer-freq", "[1,0]"]).model.model_config(None)
 
 
@@ -248,13 +250,13 @@ def test_num_virtual_stages_is_the_other_spelling_of_layers_per_virtual_stage():
 
     def step(*extra):
         cfg = cli.parse(base + list(extra))
-        return run_config.resolve(cfg, cfg.model.model_config(256), num_devices=8).step_config()
+        return build.resolve(cfg, cfg.model.model_config(256), num_devices=8).step_config()
 
     assert step("--num-virtual-stages-per-pipeline-rank", "2").layers_per_virtual_stage == 2
     assert (step("--num-virtual-stages-per-pipeline-rank", "2").layers_per_virtual_stage
             == step("--num-layers-per-virtual-pipeline-stage", "2").layers_per_virtual_stage)
     assert step("--num-virtual-stages-per-pipeline-rank", "1").layers_per_virtual_stage is None
-    with pytest.raises(run_config.ConfigError, match="mutually exclusive"):
+    with pytest.raises(ConfigError, match="mutually exclusive"):
         step("--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "2")
-    with pytest.raises(run_config.ConfigError, match="--num-virtual-stages-per-pipeline-rank 3"):
+    with pytest.raises(ConfigError, match="--num-virtual-stages-per-pipeline-rank 3"):
         step("--num-virtual-stages-per-pipeline-rank", "3")

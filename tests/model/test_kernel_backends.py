@@ -47,7 +47,8 @@ def test_refusals_name_the_flag(kwargs, message):
 
 def test_cli_parses_and_refuses_before_compiling():
     from mlir_train.config import cli
-    from mlir_train.config.flags import ConfigError, resolve
+    from mlir_train.runtime.errors import ConfigError
+    from mlir_train.train.build import resolve
 
     base = ["--micro-batch-size", "1", "--seq-length", "16"]
     cfg = cli.parse(base + ["--moe-gemm-backend", "tokamax", "--attention-kernel", "xla"])

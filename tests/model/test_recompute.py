@@ -16,13 +16,15 @@ import pytest
 from flax import nnx
 
 from mlir_train.config import cli
-from mlir_train.config import flags as run_config
+from mlir_train.runtime.errors import ConfigError
+from mlir_train.train import build
 from mlir_train.config.models import get_model_config
 from mlir_train.model import init_model
 from mlir_train.config.policies import RecomputePolicy
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
-from mlir_train.train.trainer import StepConfig, Trainer
+from mlir_train.train.trainer import StepConfig
+from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh
 from sharding.layout import Layout
 
@@ -139,7 +141,7 @@ def _pipeline_step(parallel, policy, cfg=MOE, compile_only=False, **step):
     mesh = make_mesh(parallel, devices=jax.devices()[:parallel.num_devices])
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=1e-3, train_iters=10), weight_decay=0.1, clip_grad=1.0)
     step_cfg = StepConfig(num_micro_batches=PP_MICRO, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, micro_batch_size=2, **step)
-    trainer = Trainer(cfg, step_cfg, opt, parallel, mesh, model_kwargs=dict(remat=policy))
+    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh, model_kwargs=dict(remat=policy))
     shape = (PP_MICRO, PP_ROWS // PP_MICRO, PP_SEQ)
     if compile_only:
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
@@ -269,12 +271,12 @@ def test_uniform_groups_must_divide_each_chunk():
     def resolve(*argv, num_devices=1):
         cfg = cli.parse(["--micro-batch-size", "1", "--global-batch-size", "4", "--recompute-granularity", "full",
                          "--recompute-method", *argv])
-        return run_config.resolve(cfg, MOE, num_devices=num_devices, platform="cpu")
+        return build.resolve(cfg, MOE, num_devices=num_devices, platform="cpu")
 
     assert resolve("uniform", "--recompute-num-layers", "2").recompute == uniform(2)
-    with pytest.raises(run_config.ConfigError, match="must divide the layers of each model"):
+    with pytest.raises(ConfigError, match="must divide the layers of each model"):
         resolve("uniform", "--recompute-num-layers", "3")
-    with pytest.raises(run_config.ConfigError, match=r"each pipeline chunk \(1\)"):  # 4 layers, 2 stages x 2 chunks
+    with pytest.raises(ConfigError, match=r"each pipeline chunk \(1\)"):  # 4 layers, 2 stages x 2 chunks
         resolve("uniform", "--recompute-num-layers", "2", "--pipeline-model-parallel-size", "2",
                 "--num-layers-per-virtual-pipeline-stage", "1", num_devices=2)
     assert resolve("block", "--recompute-num-layers", "9").recompute == block(9)  # block: at most all of them

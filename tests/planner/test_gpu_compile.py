@@ -76,13 +76,14 @@ def test_train_step_with_gpu_kernels_compiles_for_h200(h200_devices):
     kernels want expert widths per tensor rank that are multiples of 64: F 128 here.)"""
     from mlir_train.model import platform_model_kwargs
     from mlir_train.train.optim import make_optimizer
-    from mlir_train.train.trainer import BATCH_KEYS, StepConfig, Trainer
+    from mlir_train.train.build import build_trainer
+    from mlir_train.train.trainer import BATCH_KEYS, StepConfig
     from mlir_train.planner.moe_audit import compile_without_cache
     from sharding import make_mesh
 
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2, moe_intermediate_size=128)
     parallel = Layout(expert=4, tensor=2, num_devices=8)
-    trainer = Trainer(cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"), make_optimizer(lr_schedule=1e-4, weight_decay=0.1),
+    trainer = build_trainer(cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"), make_optimizer(lr_schedule=1e-4, weight_decay=0.1),
                       parallel, make_mesh(parallel, devices=h200_devices),
                       model_kwargs=platform_model_kwargs("gpu", is_moe=True))
     batch = {k: jax.ShapeDtypeStruct((1, 4, 128), jnp.float32 if k == "loss_mask" else jnp.int32,
@@ -114,12 +115,13 @@ def test_train_step_calls_the_gpu_kernels_without_fallback(h200_devices):
     dense-over-every-expert path) anywhere: nothing fell back (~15 s)."""
     from mlir_train.model import platform_model_kwargs
     from mlir_train.train.optim import make_optimizer
-    from mlir_train.train.trainer import BATCH_KEYS, StepConfig, Trainer
+    from mlir_train.train.build import build_trainer
+    from mlir_train.train.trainer import BATCH_KEYS, StepConfig
     from sharding import make_mesh
 
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=1, moe_intermediate_size=128)
     parallel = Layout(num_devices=1)
-    trainer = Trainer(cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"), make_optimizer(lr_schedule=1e-4, weight_decay=0.1),
+    trainer = build_trainer(cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"), make_optimizer(lr_schedule=1e-4, weight_decay=0.1),
                       parallel, make_mesh(parallel, devices=h200_devices[:1]),
                       model_kwargs=platform_model_kwargs("gpu", is_moe=True))
     batch = {k: jax.ShapeDtypeStruct((1, 2, 256), jnp.float32 if k == "loss_mask" else jnp.int32,

@@ -15,7 +15,7 @@ import pytest
 
 from mlir_train.config.models import get_model_config
 from mlir_train.planner.plan import GIB, USABLE_FRACTION, Layout, activation_bytes, candidate_layouts
-from mlir_train.config.flags import padded_vocab_size
+from mlir_train.config.sections import padded_vocab_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

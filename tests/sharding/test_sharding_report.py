@@ -9,6 +9,7 @@ from mlir_train.config.models import get_model_config
 from mlir_train.train.sharding_report import sharding_report
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.trainer import StepConfig, Trainer
+from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh
 from sharding.layout import Layout
 
@@ -17,7 +18,7 @@ TINY = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2)
 
 def _trainer(parallel: Layout, compute_dtype: str = "float32") -> Trainer:
     optimizer = make_optimizer(lr_schedule=1e-3, weight_decay=0.1)
-    return Trainer(TINY, StepConfig(compute_dtype=compute_dtype), optimizer, parallel, make_mesh(parallel))
+    return build_trainer(TINY, StepConfig(compute_dtype=compute_dtype), optimizer, parallel, make_mesh(parallel))
 
 
 def _sections(report: str) -> dict[str, str]:

@@ -177,7 +177,8 @@ def test_cli_flags_reach_the_layout():
     """--context-parallel-size is no longer refused; Megatron's --seq-length check names the flags."""
     from mlir_train.config.models import get_model_config
     from mlir_train.config.cli import parse
-    from mlir_train.config.flags import ConfigError, resolve
+    from mlir_train.runtime.errors import ConfigError
+    from mlir_train.train.build import resolve
 
     base = ["--model-name", "qwen3-moe-tiny", "--micro-batch-size", "1", "--global-batch-size", "8",
             "--context-parallel-size", "2", "--cp-comm-type", "p2p"]
@@ -209,14 +210,15 @@ def test_context_parallel_eval_equals_one_device():
     """Evaluation (forward only, a [micro, rows, seq] batch and one [rows, seq] micro-batch, the
     two ways shard_batch lays rows out) under CP2 x DP4 sums the same token losses as one device."""
     from mlir_train.train.optim import make_optimizer
-    from mlir_train.train.trainer import StepConfig, Trainer
+    from mlir_train.train.trainer import StepConfig
+    from mlir_train.train.build import build_trainer
     from sharding.mesh import make_mesh
 
     batch = {k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in _batch().items()}
     out = {}
     for key, (par, devices) in {"one": (Layout(num_devices=1), jax.devices()[:1]),
                                 "cp": (LAYOUTS["CP2xDP4"], jax.devices()[:8])}.items():
-        trainer = Trainer(CFG, StepConfig(num_micro_batches=MICRO), make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0),
+        trainer = build_trainer(CFG, StepConfig(num_micro_batches=MICRO), make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0),
                           par, make_mesh(par, devices=devices))
         params = trainer.init_state(seed=0)["params"]
         out[key] = [jax.device_get(trainer.eval_step(params, trainer.shard_batch(batch))),

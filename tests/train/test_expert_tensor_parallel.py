@@ -182,14 +182,15 @@ def test_checkpoint_saved_under_folding_restores_into_etp_equal_tp(tmp_path):
 
     from mlir_train.checkpoint import orbax as checkpoint
     from mlir_train.train.optim import make_optimizer
-    from mlir_train.train.trainer import StepConfig, Trainer, model_dims
+    from mlir_train.train.trainer import StepConfig, model_dims
+    from mlir_train.train.build import build_trainer
 
     saved = _run("TP2xEP4xETP1+SP")
     mgr = checkpoint.CheckpointManager(str(tmp_path / "ck"), max_to_keep=1)
     assert mgr.save(1, saved.state, {"model": dataclasses.asdict(MOE)}, force=True)
     mgr.close()
     parallel = sharding.validate(Layout(tensor=2, expert=2, distributed_optimizer=True), model_dims(MOE))
-    target = Trainer(MOE, StepConfig(), make_optimizer(lr_schedule=lambda i: 1e-3, weight_decay=0.1, beta1=0.9,
+    target = build_trainer(MOE, StepConfig(), make_optimizer(lr_schedule=lambda i: 1e-3, weight_decay=0.1, beta1=0.9,
                                                        beta2=0.95, clip_grad=1.0),
                      parallel, sharding.make_mesh(parallel), model_kwargs=None)
     state, meta = checkpoint.load_state(str(tmp_path / "ck"), target)

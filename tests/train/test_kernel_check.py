@@ -12,7 +12,7 @@ from mlir_train.train import kernel_check
 from mlir_train.config.models import get_model_config
 from mlir_train.model import Qwen3
 from mlir_train.model.moe.experts import BlockKernels, mosaic_block_kernels, xla_block_kernels
-from mlir_train.config.flags import ConfigError
+from mlir_train.runtime.errors import ConfigError
 
 # Small widths the kernels' tiles divide (64-row blocks, 64-wide weight-gradient tiles).
 SHAPES = kernel_check.Shapes(hidden=64, moe_width=64, experts=2, heads=4, kv_heads=2, head_dim=32, seq_length=64,
@@ -113,7 +113,7 @@ def test_auto_fallback_rebuilds_the_trainer(monkeypatch):
     """Under ``auto`` the entry point's trainer is rebuilt with the fallback's model kwargs."""
     from mlir_train import sft
     from mlir_train.config import cli
-    from mlir_train.config.flags import resolve
+    from mlir_train.train.build import resolve
 
     cfg = cli.parse(sft.DEFAULT_ARGV)
     run = resolve(cfg, cfg.model.model_config(cfg.model.padded_vocab_size(512, 2)))

@@ -59,6 +59,7 @@ from mlir_train.config.models import get_model_config
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims
+from mlir_train.train.build import build_trainer
 from sharding.table import held_bytes
 from sharding.mesh import make_mesh, validate
 from sharding.layout import Layout
@@ -166,7 +167,7 @@ def train_one_step(cfg, layout: Layout | None, model_kwargs: dict | None = None,
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
     step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, micro_batch_size=MICRO_BATCH_SIZE,
                           per_token_loss=per_token)
-    trainer = Trainer(cfg, step_cfg, optimizer, parallel, mesh, model_kwargs=model_kwargs)
+    trainer = build_trainer(cfg, step_cfg, optimizer, parallel, mesh, model_kwargs=model_kwargs)
     state = trainer.init_state(SEED)
     init_params = jax.device_get(state["params"])
     batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(cfg.vocab_size).items()}

@@ -32,6 +32,7 @@ from tests import mcore_inproc as mcore_cpu  # skips the module without torch / 
 from mlir_train.config import cli
 from mlir_train.model import losses
 from mlir_train.config.models import get_model_config
+from mlir_train.train import build
 
 torch = mcore_cpu.torch
 
@@ -45,11 +46,11 @@ def _parse_args(argv):
 
 
 def schedule_from_args(args):
-    return args._cfg.training.lr_schedule(args.global_batch_size or 1)
+    return build.lr_schedule_of(args._cfg.training, args.global_batch_size or 1)
 
 
 def optimizer_from_args(args, schedule):
-    return args._cfg.training.optimizer_for(schedule)
+    return build.optimizer_of(args._cfg.training, schedule)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -395,7 +396,8 @@ def _megatron_run(per_token: bool, aux_coeff: float, batches) -> list[dict]:
 
 
 def _our_run(initial, per_token: bool, aux_coeff: float, batches) -> list[dict]:
-    from mlir_train.train.trainer import StepConfig, Trainer
+    from mlir_train.train.trainer import StepConfig
+    from mlir_train.train.build import build_trainer
     from sharding.mesh import make_mesh
     from sharding.layout import Layout
 
@@ -406,7 +408,7 @@ def _our_run(initial, per_token: bool, aux_coeff: float, batches) -> list[dict]:
                            rms_norm_eps=1e-6, rope_theta=1e6)
     args, _ = _parse_args(GPT_FLAGS + (["--calculate-per-token-loss"] if per_token else []))
     parallel = Layout(num_devices=1)
-    trainer = Trainer(cfg, StepConfig(num_micro_batches=GPT_MICRO, aux_loss_coeff=aux_coeff,
+    trainer = build_trainer(cfg, StepConfig(num_micro_batches=GPT_MICRO, aux_loss_coeff=aux_coeff,
                                       micro_batch_size=args.micro_batch_size, per_token_loss=args.calculate_per_token_loss),
                       optimizer_from_args(args, schedule_from_args(args)), parallel,
                       make_mesh(parallel, devices=jax.devices()[:1]))

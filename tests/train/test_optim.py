@@ -9,6 +9,7 @@ from flax import nnx
 
 from mlir_train.config import cli
 from mlir_train.train.optim import (
+from mlir_train.train import build
     LossScaler,
     all_finite,
     global_norm,
@@ -201,7 +202,7 @@ def test_constant_scaler_and_from_args():
     const = LossScaler(initial_scale=128.0, dynamic=False)
     st = const.update(const.init(), jnp.asarray(True))
     assert float(st.scale) == 128.0
-    scaler = lambda argv: cli.parse(argv).training.loss_scaler()
+    scaler = lambda argv: build.loss_scaler_of(cli.parse(argv).training)
     assert scaler(["--bf16", "--initial-loss-scale", "65536"]) is None  # Megatron: no scaler for bf16
     s = scaler(["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "50"])
     assert s.dynamic and s.initial_scale == 65536.0 and s.growth_interval == 50 and s.hysteresis == 2

@@ -19,7 +19,8 @@ from mlir_train.config.models import get_model_config
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.pipeline.parallel import Schedule, from_stages, make_schedule, stage_program, to_stages
 from mlir_train.train.schedule import megatron_lr_schedule
-from mlir_train.train.trainer import StepConfig, Trainer
+from mlir_train.train.trainer import StepConfig
+from mlir_train.train.build import build_trainer
 from sharding import use_rules
 from sharding.mesh import make_mesh
 from sharding.layout import Layout, LayoutError
@@ -52,7 +53,7 @@ def _one_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f1b",
     step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
                           layers_per_virtual_stage=layers_per_virtual_stage, micro_batch_size=2,
                           per_token_loss=per_token, pipeline_schedule=schedule, **step)
-    trainer = Trainer(cfg, step_cfg, opt, parallel, mesh)
+    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh)
     state = trainer.init_state(seed=0)
     batch = trainer.shard_batch({k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in _batch().items()})
     compiled = trainer.lower_train_step(state, batch).compile(FAST_COMPILE)
@@ -205,7 +206,7 @@ def _compiled_temp_bytes(pp: int, micro: int, schedule: str) -> int:
     cfg = get_model_config("qwen3-tiny", vocab_size=256, num_layers=4, hidden_size=64, num_heads=2,
                            num_kv_heads=1, head_dim=32, intermediate_size=128)
     parallel = Layout(pipeline=pp, num_devices=8)
-    trainer = Trainer(cfg, StepConfig(num_micro_batches=micro, pipeline_schedule=schedule),
+    trainer = build_trainer(cfg, StepConfig(num_micro_batches=micro, pipeline_schedule=schedule),
                       make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel, make_mesh(parallel))
     batch = {k: jax.ShapeDtypeStruct((micro, parallel.data_parallel, SEQ), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding)
@@ -269,7 +270,7 @@ def test_pipelined_eval_equals_one_device(name):
     out = {}
     for key, (par, devices, virtual) in {"one": (Layout(num_devices=1), jax.devices()[:1], None),
                                          "pp": (parallel, jax.devices()[:8], per_virtual)}.items():
-        trainer = Trainer(CFG, StepConfig(num_micro_batches=MICRO, layers_per_virtual_stage=virtual),
+        trainer = build_trainer(CFG, StepConfig(num_micro_batches=MICRO, layers_per_virtual_stage=virtual),
                           make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), par, make_mesh(par, devices=devices))
         params = trainer.init_state(seed=0)["params"]
         out[key] = jax.device_get(trainer.eval_step(params, trainer.shard_batch(batch)))

@@ -20,11 +20,11 @@ import pytest
 
 from mlir_train.config import policies
 from mlir_train.checkpoint import orbax as checkpoint
-from mlir_train.model import losses
 from mlir_train.config.policies import RouterConfig
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
-from mlir_train.train.trainer import StepConfig, Trainer, model_dims
+from mlir_train.train.trainer import StepConfig, model_dims
+from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh, validate
 from sharding.layout import Layout
 from tests.train.test_layouts import COMPILER_OPTIONS, MICRO, MODELS, SEQ, SEED, _adam_mu, _named_leaves, packed_batch
@@ -60,7 +60,7 @@ def make_trainer(layout: str, router: RouterConfig = ROUTER, balancing: policies
         mesh = make_mesh(parallel)
     schedule = megatron_lr_schedule(lr=1e-3, min_lr=1e-4, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=0.9, beta2=0.95, clip_grad=1.0)
-    return Trainer(cfg, StepConfig(num_micro_batches=MICRO, balancing=balancing, expert_bias_update_rate=RATE,
+    return build_trainer(cfg, StepConfig(num_micro_batches=MICRO, balancing=balancing, expert_bias_update_rate=RATE,
                                    pipeline_schedule=PIPELINE_SCHEDULE.get(layout, "1f1b")),
                    optimizer, parallel, mesh, model_kwargs={"router": router})
 

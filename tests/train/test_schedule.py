@@ -10,6 +10,7 @@ import pytest
 
 from mlir_train.config import cli
 from mlir_train.train.schedule import LRSchedule, megatron_lr_schedule
+from mlir_train.train import build
 
 
 class MegatronScheduler:
@@ -112,7 +113,7 @@ def test_seed_warmup_fraction():
         "--lr 1.0e-5 --min-lr 1.0e-6 --train-iters 50 --lr-decay-iters 5000 --lr-decay-style cosine "
         "--lr-warmup-fraction 0.002 --global-batch-size 128 --micro-batch-size 1".split()
     )
-    s = cfg.training.lr_schedule(cfg.training.global_batch_size)
+    s = build.lr_schedule_of(cfg.training, cfg.training.global_batch_size)
     assert s.warmup_steps == pytest.approx(0.002 * 5000 * 128) and s.warmup_iters == pytest.approx(10)
     assert s.decay_steps == 5000 * 128
     assert s.lr_at(0) == 0.0

@@ -13,7 +13,8 @@ from mlir_train.model import losses
 from mlir_train.config.models import get_model_config
 from mlir_train.train.optim import LossScaler, make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
-from mlir_train.train.trainer import StepConfig, Trainer
+from mlir_train.train.trainer import StepConfig
+from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh
 from sharding.layout import Layout
 
@@ -28,7 +29,7 @@ def _one_device_trainer(num_micro, cfg=CFG, loss_scaler=None, compute_dtype="flo
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=lr, train_iters=10), weight_decay=0.1, clip_grad=1.0)
     step_cfg = StepConfig(num_micro_batches=num_micro, aux_loss_coeff=aux, z_loss_coeff=aux / 10, compute_dtype=compute_dtype,
                           per_token_loss=per_token, micro_batch_size=micro_batch_size, lm_loss_report=lm_loss_report)
-    return Trainer(cfg, step_cfg, opt, parallel, mesh, loss_scaler=loss_scaler)
+    return build_trainer(cfg, step_cfg, opt, parallel, mesh, loss_scaler=loss_scaler)
 
 
 def _batch(rows=8, seed=0, vocab=256):

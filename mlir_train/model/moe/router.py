@@ -59,7 +59,6 @@ where the losses are formed.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax

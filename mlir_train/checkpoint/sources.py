@@ -1,0 +1,277 @@
+"""Where a run starts: ``--load`` read once, as one :class:`Source` per format.
+
+:func:`detect` is the one reading of a path (``sft``'s ``--load`` and ``convert``'s SRC): an HF
+model directory (:class:`HFModel`), a checkpoint of ours (:class:`Ours`, wins where a directory
+holds one; ``DIR/<step>`` names one step), a Megatron-LM / AIAK checkpoint (:class:`Megatron`,
+legacy ``torch`` or ``torch_dist``), or nothing (:class:`Scratch`). Each Source knows its own
+model config, what resuming from it requires, and how to lay its weights (and, for ours, the
+optimizer and the data position) into a trainer's state; the entry points never ask which
+kind they hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, ClassVar
+
+from mlir_train.checkpoint import orbax
+from mlir_train.config.flags import RunConfig
+from mlir_train.config.models import ModelConfig
+from mlir_train.runtime import log
+from mlir_train.runtime.errors import CheckpointError, ConfigError
+
+SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What a run starts from; this base is no checkpoint at all (:class:`Scratch`)."""
+
+    kind: ClassVar[str] = "scratch"
+    shape_fields: ClassVar[tuple[str, ...]] = SHAPE_FIELDS  # what --model-name must agree with
+    path: str | None = None
+
+    @property
+    def meta(self) -> dict[str, Any] | None:
+        return None
+
+    @property
+    def seed(self) -> int | None:
+        """The seed the checkpoint's run used (None: it records none)."""
+        return None if self.meta is None else self.meta.get("rng", {}).get("seed")
+
+    @property
+    def iteration(self) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return "random initialisation"
+
+    def own_model_config(self, cfg: RunConfig, tokenizer_size: int) -> ModelConfig | None:
+        """The model the checkpoint holds (None: no checkpoint)."""
+        return None
+
+    def check_resume(self, cfg: RunConfig) -> None:
+        """Megatron's rule: what the checkpoint lacks, the flags must waive (ConfigError / CheckpointError)."""
+
+    def resume_step_in(self, save_dir: str | None, cfg: RunConfig) -> int | None:
+        """The step this run resumes from when it saves into the directory it loaded from."""
+        return None
+
+    def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
+        """The trainer state the run starts from (and, for ours, ``loader`` put where the run was)."""
+        return trainer.init_state(cfg.training.seed)
+
+    def read_params(self, trainer) -> dict[str, Any]:
+        """The weights alone, in the trainer's master shardings (``convert``)."""
+        raise CheckpointError("no checkpoint to read weights from")
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModel(Source):
+    """An HF model directory (``config.json`` + safetensors)."""
+
+    kind: ClassVar[str] = "hf"
+
+    def describe(self) -> str:
+        return f"{self.path}/config.json"
+
+    def own_model_config(self, cfg: RunConfig, tokenizer_size: int) -> ModelConfig:
+        return ModelConfig.from_hf_json(self.path)
+
+    def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
+        log.info(f"loading HF weights from {self.path}")
+        return trainer.state_from_params(self.read_params(trainer, **trainer.model_kwargs))
+
+    def read_params(self, trainer, **model_kwargs) -> dict[str, Any]:
+        import numpy as np
+        from flax import nnx
+
+        from mlir_train.checkpoint.hf import load_pretrained
+
+        model = load_pretrained(self.path, dtype=np.float32, mesh=trainer.mesh, rules=trainer.rules, **model_kwargs)
+        return nnx.to_pure_dict(nnx.state(model))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ours(Source):
+    """A checkpoint of this trainer: ``step`` (already checked against its checksums) and its JSON."""
+
+    kind: ClassVar[str] = "ours"
+    step: int | None = None
+    saved: dict[str, Any] | None = None
+
+    @property
+    def meta(self) -> dict[str, Any] | None:
+        return self.saved
+
+    @property
+    def iteration(self) -> int:
+        return int(self.saved["iteration"])
+
+    def describe(self) -> str:
+        return f"{self.path} (iteration {self.iteration})"
+
+    def own_model_config(self, cfg: RunConfig, tokenizer_size: int) -> ModelConfig:
+        return orbax.model_config(self.saved)
+
+    def check_resume(self, cfg: RunConfig) -> None:
+        ck = cfg.checkpoint
+        orbax.resume_check(self.saved, self.describe(), load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng,
+                           finetune=ck.finetune)
+
+    def resume_step_in(self, save_dir: str | None, cfg: RunConfig) -> int | None:
+        same = not cfg.checkpoint.finetune and os.path.realpath(save_dir or "") == os.path.realpath(self.path)
+        return self.step if same else None
+
+    def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
+        ck = cfg.checkpoint
+        what = "weights only, iteration 0 (--finetune)" if ck.finetune else "weights" if ck.no_load_optim else "full state"
+        log.info(f"loading {what} from checkpoint {self.path} (iteration {self.iteration})")
+        if not ck.finetune and "opt_state" not in self.saved["items"] and self.iteration:
+            log.info(f"checkpoint {self.describe()} holds no optimizer state (--no-save-optim): resuming "
+                     "with a fresh optimizer (zero Adam moments, the LR schedule's step count from 0)")
+        state, meta = orbax.load_state(self.path, trainer, load_optim=not ck.no_load_optim, finetune=ck.finetune,
+                                       step=self.step, verify=False)
+        if not ck.finetune:
+            orbax.restore_loader(loader, meta, exact=self.seed == cfg.training.seed)
+        return state
+
+    def read_params(self, trainer) -> dict[str, Any]:
+        state, _ = orbax.load_state(self.path, trainer, load_optim=False, step=self.step, verify=False)
+        return state["params"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Megatron(Source):
+    """A Megatron-LM / AIAK checkpoint (``checkpoint``: its
+    :class:`~mlir_train.checkpoint.megatron.read.MegatronCheckpoint`)."""
+
+    kind: ClassVar[str] = "megatron"
+    shape_fields: ClassVar[tuple[str, ...]] = SHAPE_FIELDS + ("head_dim", "intermediate_size", "moe_intermediate_size")
+    checkpoint: Any = None
+
+    @property
+    def iteration(self) -> int:
+        return int(self.checkpoint.iteration)
+
+    def describe(self) -> str:
+        return self.checkpoint.describe()
+
+    def own_model_config(self, cfg: RunConfig, tokenizer_size: int | None, vocab_size: int | None = None) -> ModelConfig:
+        """The checkpoint's args as our config, its vocabulary unpadded to ``vocab_size``, else
+        to what it recorded or what ``--model-name`` / the tokenizer say."""
+        from mlir_train.checkpoint.megatron import read as mc
+
+        m = cfg.model
+        named = m.model_config(None) if m.model_name else None
+        if vocab_size is None:
+            vocab_size = mc.unpadded_vocab(self.checkpoint, [named.vocab_size if named else None, tokenizer_size])
+        name = named.name if named else os.path.basename(self.checkpoint.root.rstrip("/"))
+        return mc.model_config(self.checkpoint, name=name, vocab_size=vocab_size, fallback=named)
+
+    def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
+        import jax
+        import numpy as np
+
+        from mlir_train.checkpoint.megatron import read as mc
+
+        ck = cfg.checkpoint
+        log.info(f"loading weights from {self.describe()}")
+        for note in mc.resume_notes(self.checkpoint, finetune=ck.finetune, load_optim=not ck.no_load_optim,
+                                    load_rng=not ck.no_load_rng):
+            log.info(f"note: {note}")
+        state = trainer.state_from_params(self.read_params(trainer))
+        state["iteration"] = jax.device_put(np.int32(0 if ck.finetune else self.iteration),
+                                            trainer.state_shardings["iteration"])
+        return state
+
+    def read_params(self, trainer) -> dict[str, Any]:
+        from mlir_train.checkpoint.megatron import read as mc
+
+        return mc.load_params(self.checkpoint, trainer.model_cfg, trainer.param_shapes, trainer.master_shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scratch(Source):
+    """Random initialisation: no ``--load``, or a missing / empty directory (Megatron starts from
+    scratch there, with a warning)."""
+
+
+def detect(load: str | None, *, step: int | None = None, exit_on_missing: bool = False) -> Source:
+    """Classify ``--load``: an HF directory, ours (wins if the directory holds one; ``DIR/<step>``
+    names one step), then a Megatron checkpoint (legacy ``torch`` or ``torch_dist``). ``step``
+    (``--ckpt-step``) picks the iteration instead of the newest. A directory that holds files
+    but no checkpoint we can read is an error naming what it holds, never a silent fresh start;
+    a missing or empty one (or one with only interrupted writes of ours) warns and starts from
+    scratch (one script both starts and resumes a job), unless ``exit_on_missing``
+    (--exit-on-missing-checkpoint) makes that an error. Our checkpoints are verified here."""
+    from mlir_train.checkpoint.megatron import read as mc
+
+    if not load:
+        if step is not None:
+            raise CheckpointError(f"--ckpt-step {step} needs --load")
+        return Scratch()
+    if os.path.exists(os.path.join(load, "config.json")):
+        if step is not None:
+            raise CheckpointError(f"--ckpt-step {step}: --load {load} is an HF model directory, which has no steps")
+        return HFModel(load)
+    parent, base = os.path.split(os.path.normpath(load))
+    if orbax.is_step_dir(load) and orbax.has_checkpoint(parent):  # --load DIR/<step>
+        if step is not None and step != int(base):
+            raise CheckpointError(f"--load {load} names iteration {base} but --ckpt-step says {step}")
+        load, step = parent, int(base)
+    if orbax.has_checkpoint(load):
+        try:
+            chosen = orbax.verified_step(load, step)
+            return Ours(load, step=chosen, saved=orbax.CheckpointManager(load, read_only=True).read_meta(chosen))
+        except CheckpointError as e:
+            raise CheckpointError(f"--load {load}: {e}" if not str(e).startswith("--load") else str(e)) from None
+    if step is not None and not mc.looks_like_megatron(load):
+        raise CheckpointError(f"--load {load} --ckpt-step {step}: no checkpoint there (of ours or Megatron's)")
+    try:
+        found_megatron = mc.find(load, iteration=step)
+    except CheckpointError as e:
+        raise CheckpointError(f"--load {load}: {e}") from None
+    if found_megatron is not None:
+        return Megatron(load, checkpoint=found_megatron)
+    found = mc.identify(load)
+    if found:  # files, but nothing we read: never silently train from scratch
+        raise CheckpointError(f"--load {load}: {found}. Supported: an HF model directory (config.json + safetensors), "
+                              "a mlir-train checkpoint, a Megatron torch or torch_dist checkpoint")
+    msg = f"--load {load}: no complete checkpoint there, nor an HF model directory (no config.json)"
+    if exit_on_missing:
+        raise CheckpointError(f"{msg}; --exit-on-missing-checkpoint is set. Check the path, or drop the flag to start "
+                              "from scratch")
+    log.warning(f"{msg}; starting from random initialisation at iteration 0 "
+                "(--exit-on-missing-checkpoint makes this an error)")
+    return Scratch()
+
+
+def run_model_config(cfg: RunConfig, source: Source, tokenizer_size: int) -> ModelConfig:
+    """The run's model: the source's own config (HF config.json, our checkpoint's, or a Megatron
+    checkpoint's args), which ``--model-name`` (if given) and the architecture overrides must
+    agree with; without a checkpoint, the named one with the vocabulary padded as Megatron pads it."""
+    m = cfg.model
+    model_cfg = source.own_model_config(cfg, tokenizer_size)
+    if model_cfg is None:
+        return m.model_config(m.padded_vocab_size(tokenizer_size, cfg.parallel.tensor_model_parallel_size))
+    saved_tokens = (source.meta or {}).get("tokenizer_size")  # ours records the tokenizer it trained with
+    if tokenizer_size > model_cfg.vocab_size or (not cfg.checkpoint.finetune
+                                                 and saved_tokens not in (None, tokenizer_size)):
+        trained = f" (trained with a {saved_tokens}-token tokenizer)" if saved_tokens else ""
+        raise ConfigError(f"tokenizer {cfg.data.tokenizer_path} has {tokenizer_size} tokens but the checkpoint "
+                          f"{source.describe()} has a vocab of {model_cfg.vocab_size}{trained}")
+    # Named: --model-name must be the checkpoint's model; not named: the flags' overrides must agree.
+    named = m.model_config(model_cfg.vocab_size, base=None if m.model_name else model_cfg)
+    who = f"--model-name {m.model_name} (with overrides)" if m.model_name else "a model flag"
+    for field in source.shape_fields:
+        if getattr(named, field) != getattr(model_cfg, field):
+            raise ConfigError(f"{who} has {field}={getattr(named, field)} but the checkpoint {source.describe()} "
+                              f"has {getattr(model_cfg, field)}")
+    if m.moe_layer_freq is not None and model_cfg.is_moe and \
+            m.moe_layer_pattern(model_cfg.num_layers) != model_cfg.layer_kinds():
+        raise ConfigError(f"--moe-layer-freq {m.moe_layer_freq} differs from the checkpoint {source.describe()}'s "
+                          f"MoE layers {[int(k) for k in model_cfg.layer_kinds()]}")
+    return model_cfg

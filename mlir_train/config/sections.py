@@ -1,0 +1,507 @@
+"""The flag sections of a run: one frozen dataclass per group of Megatron/AIAK flags.
+
+Each field carries the flag it comes from (:func:`~mlir_train.config.fields.flag`); field names
+are Megatron's argparse ``dest`` names. The methods here derive plain values and policies
+(:mod:`mlir_train.config.policies`) from one section; what needs the model, the devices or the
+trainer is derived by :mod:`mlir_train.train.build`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+from mlir_train.config.fields import OneOrList, flag, switch
+from mlir_train.runtime.errors import ConfigError
+
+@dataclasses.dataclass(frozen=True)
+class ModelFlags:
+    """Architecture. ``None`` = take it from ``--model-name`` (where Megatron would use its own
+    built-in default, e.g. ``--moe-router-topk 2``, ``--rotary-base 10000``: AIAK fills these
+    from the model name too, and a Megatron default overriding the release values would be a bug)."""
+
+    GROUP: ClassVar[str] = "model"
+    model_name: str | None = flag("--model-name",
+                                  help="registry name (qwen3-30b-a3b, qwen3-moe-tiny, ...) or a path to an HF "
+                                       "config.json / model directory (default: the --load checkpoint's own model, "
+                                       "else qwen3-moe-tiny)")
+    rotary_base: int | None = flag("--rotary-base", type=int, help="RoPE theta (default: from --model-name)")
+    rotary_seq_len_interpolation_factor: int | None = flag(
+        "--rotary-seq-len-interpolation-factor", type=int,
+        help="linear RoPE position interpolation factor (default: from --model-name)")
+    num_layers: int | None = flag("--num-layers", type=int, help="default: from --model-name")
+    hidden_size: int | None = flag("--hidden-size", type=int, help="default: from --model-name")
+    ffn_hidden_size: int | None = flag("--ffn-hidden-size", type=int,
+                                       help="dense SwiGLU width (default: from --model-name)")
+    num_attention_heads: int | None = flag("--num-attention-heads", type=int, help="default: from --model-name")
+    num_query_groups: int | None = flag("--num-query-groups", type=int,
+                                        help="number of KV heads (default: from --model-name)")
+    kv_channels: int | None = flag("--kv-channels", type=int, help="head dim (default: from --model-name)")
+    num_experts: int | None = flag("--num-experts", type=int, help="default: from --model-name")
+    moe_ffn_hidden_size: int | None = flag("--moe-ffn-hidden-size", type=int,
+                                           help="per-expert SwiGLU width (default: from --model-name)")
+    untie_embeddings_and_output_weights: bool = switch(
+        "--untie-embeddings-and-output-weights",
+        help="a separate LM head even where --model-name ties it to the embedding")
+    vocab_size: int | None = flag("--vocab-size", type=int, help="unpadded vocab size (default: the tokenizer's)")
+    make_vocab_size_divisible_by: int = flag(
+        "--make-vocab-size-divisible-by", default=128, type=int,
+        help="pad the vocab to a multiple of this (times the TP size, as Megatron)")
+    max_position_embeddings: int | None = flag("--max-position-embeddings", type=int, group="training",
+                                               help="default: from --model-name")
+    init_method_std: float | None = flag("--init-method-std", type=float, group="training",
+                                         help="init std for fresh weights (default: from --model-name, 0.02)")
+    norm_epsilon: float | None = flag("--norm-epsilon", type=float, group="training",
+                                      help="RMSNorm eps (default: from --model-name)")
+    moe_router_topk: int | None = flag("--moe-router-topk", type=int, group="moe", help="default: from --model-name")
+    moe_layer_freq: str | None = flag(
+        "--moe-layer-freq", group="moe", metavar="N|LIST",
+        help="which decoder layers are MoE: every N-th from layer 0, or a 0/1 list expression such as "
+             "([0]*3+[1]*45) (default: from --model-name / the checkpoint)")
+
+    def model_config(self, vocab_size: int | None, base=None):
+        """The registry config of ``--model-name`` (or ``base``, e.g. a checkpoint's own) with these
+        flags' overrides."""
+        from mlir_train.config.models import get_model_config
+
+        try:
+            cfg = self._overridden(get_model_config, self.model_name or DEFAULT_MODEL if base is None else base, vocab_size)
+        except ValueError as e:  # an unknown --model-name, with the closest one
+            raise ConfigError(str(e)) from None
+        if self.moe_layer_freq is not None:
+            from mlir_train.config.models import layer_pattern_overrides
+
+            cfg = cfg.replace(**layer_pattern_overrides(self.moe_layer_pattern(cfg.num_layers)))
+        return cfg.replace(tie_word_embeddings=False) if self.untie_embeddings_and_output_weights else cfg
+
+    def _overridden(self, get_model_config, source, vocab_size):
+        return get_model_config(
+            source, num_layers=self.num_layers, hidden_size=self.hidden_size,
+            num_heads=self.num_attention_heads, num_kv_heads=self.num_query_groups,
+            intermediate_size=self.ffn_hidden_size, num_experts=self.num_experts,
+            moe_intermediate_size=self.moe_ffn_hidden_size, top_k=self.moe_router_topk,
+            rope_theta=self.rotary_base, rope_scaling_factor=self.rotary_seq_len_interpolation_factor,
+            rms_norm_eps=self.norm_epsilon, max_position_embeddings=self.max_position_embeddings,
+            init_std=self.init_method_std, head_dim=self.kv_channels, vocab_size=vocab_size,
+        )
+
+    def moe_layer_pattern(self, num_layers: int) -> tuple[bool, ...]:
+        """``--moe-layer-freq`` read as megatron-core reads it: MoE or not, per layer."""
+        from mlir_train.config.models import moe_layer_pattern
+
+        try:
+            return moe_layer_pattern(self.moe_layer_freq, num_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def padded_vocab_size(self, tokenizer_size: int, tensor_parallel: int) -> int:
+        return padded_vocab_size(tokenizer_size, self.make_vocab_size_divisible_by, tensor_parallel)
+
+
+DEFAULT_MODEL = "qwen3-moe-tiny"  # --model-name when neither it nor a --load model names one
+
+
+def padded_vocab_size(tokenizer_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron's ``_vocab_size_with_padding``: round up to divisible_by * TP."""
+    multiple = divisible_by * tensor_parallel
+    return int(math.ceil(tokenizer_size / multiple) * multiple)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFlags:
+    GROUP: ClassVar[str] = "data"
+    tokenizer_type: str | None = flag("--tokenizer-type", choices=["HFTokenizer", "HuggingFaceTokenizer"],
+                                      help="only Hugging Face tokenizers (default: the bundled tokenizer)")
+    hf_tokenizer_path: str | None = flag("--hf-tokenizer-path", help="HF tokenizer directory (AIAK)")
+    tokenizer_model: str | None = flag(
+        "--tokenizer-model", help="Megatron's spelling of the HF tokenizer directory (HuggingFaceTokenizer); "
+                                  "used when --hf-tokenizer-path is not given")
+    data_path: tuple[str, ...] | None = flag(
+        "--data-path", nargs="+", help="data files; Megatron blend syntax 'W1 PATH1 W2 PATH2 ...' allowed "
+                                       "(default: the bundled alpaca data)")
+    split: str = flag("--split", default="969, 30, 1", help="train,valid,test proportions (Megatron's fallback default)")
+    data_cache_path: str | None = flag("--data-cache-path", help="where tokenized/packed data is cached")
+    seq_length: int | None = flag("--seq-length", type=int, group="training", help="tokens per sample row")
+    chat_template: str | None = flag("--chat-template", group="sft",
+                                     help="prompt template name, e.g. alpaca, qwen (default: the data's)")
+    sft_num_preprocess_workers: int | None = flag("--sft-num-preprocess-workers", type=int, group="sft",
+                                                  help="processes for tokenizing the SFT data")
+    packing_sft_data: bool = switch("--packing-sft-data", group="sft",
+                                    help="pack several samples into one --seq-length row (attention kept per sample)")
+    sft_dataset_config: str | None = flag("--sft-dataset-config", group="sft",
+                                          help="JSON describing the SFT data formats (AIAK)")
+    train_on_prompt: bool = switch("--train-on-prompt", group="sft",
+                                   help="compute the loss on prompt tokens too (default: responses only)")
+    sft_skip_bad_records: bool = switch("--sft-skip-bad-records", group="sft",
+                                        help="skip malformed records with a warning instead of failing")
+    drop_long_samples: bool = switch("--drop-long-samples", "--sft-drop-long-samples", group="sft",
+                                     help="drop samples longer than --seq-length instead of truncating them")
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        return self.hf_tokenizer_path or self.tokenizer_model
+
+    def data_config(self, seed: int):
+        """The data pipeline's :class:`~mlir_train.data.DataConfig` (sft and preprocess share it,
+        so both find the same cache)."""
+        from mlir_train.data import DataConfig
+
+        return DataConfig(
+            data_path=tuple(self.data_path), tokenizer_path=self.tokenizer_path,
+            tokenizer_type=self.tokenizer_type or "HFTokenizer", chat_template=self.chat_template or "alpaca",
+            seq_length=self.seq_length, packing=self.packing_sft_data,
+            num_workers=self.sft_num_preprocess_workers or 1, cache_path=self.data_cache_path,
+            dataset_config=self.sft_dataset_config, split=self.split, train_on_prompt=self.train_on_prompt,
+            drop_long=self.drop_long_samples, skip_bad_records=self.sft_skip_bad_records, seed=seed,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingFlags:
+    """The loop, precision, optimizer and LR schedule."""
+
+    GROUP: ClassVar[str] = "training"
+    training_phase: str = flag("--training-phase", default="sft", choices=["sft", "pretrain"],
+                               help="sft: lm loss logged as AIAK's SFT phase (the normalised objective); "
+                                    "pretrain: as Megatron-LM (global token mean)")
+    micro_batch_size: int | None = flag("--micro-batch-size", type=int, help="rows per data-parallel rank per micro-step")
+    global_batch_size: int | None = flag("--global-batch-size", type=int, help="rows per optimizer step")
+    calculate_per_token_loss: bool = switch(
+        "--calculate-per-token-loss",
+        help="normalise the loss by all loss tokens of the global batch (default, as Megatron: each data-parallel "
+             "micro-batch's loss by its own loss tokens, then averaged)")
+    train_iters: int | None = flag("--train-iters", type=int)
+    seed: int = flag("--seed", default=1234, type=int)
+    lr: float | None = flag("--lr", type=float, help="peak learning rate")
+    min_lr: float = flag("--min-lr", default=0.0, type=float)
+    lr_decay_style: str = flag("--lr-decay-style", default="linear",
+                               choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    lr_decay_iters: int | None = flag("--lr-decay-iters", type=int, help="default: --train-iters")
+    lr_warmup_fraction: float | None = flag("--lr-warmup-fraction", type=float,
+                                            help="warmup as a fraction of --lr-decay-iters")
+    lr_warmup_iters: int = flag("--lr-warmup-iters", default=0, type=int)
+    lr_warmup_init: float = flag("--lr-warmup-init", default=0.0, type=float)
+    lr_wsd_decay_style: str = flag("--lr-wsd-decay-style", default="exponential",
+                                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    lr_wsd_decay_iters: int | None = flag("--lr-wsd-decay-iters", type=int, help="annealing iterations of WSD")
+    clip_grad: float = flag("--clip-grad", default=1.0, type=float, help="global L2 grad-norm clip (0: off)")
+    weight_decay: float = flag("--weight-decay", default=0.01, type=float)
+    optimizer: str = flag("--optimizer", default="adam", choices=["adam", "sgd"])
+    adam_beta1: float = flag("--adam-beta1", default=0.9, type=float)
+    adam_beta2: float = flag("--adam-beta2", default=0.999, type=float)
+    adam_eps: float = flag("--adam-eps", default=1e-08, type=float)
+    sgd_momentum: float = flag("--sgd-momentum", default=0.9, type=float)
+    bf16: bool = switch("--bf16", help="bfloat16 compute, float32 master weights")
+    fp16: bool = switch("--fp16", help="float16 compute with dynamic loss scaling")
+    initial_loss_scale: float = flag("--initial-loss-scale", default=2.0**32, type=float, help="fp16 only")
+    min_loss_scale: float = flag("--min-loss-scale", default=1.0, type=float)
+    loss_scale_window: float = flag("--loss-scale-window", default=1000, type=float)
+    hysteresis: int = flag("--hysteresis", default=2, type=int)
+    loss_scale: float | None = flag("--loss-scale", type=float, help="static loss scale (fp16)")
+    attention_dropout: float = flag("--attention-dropout", default=0.0, type=float, help="only 0 is supported")
+    hidden_dropout: float = flag("--hidden-dropout", default=0.0, type=float, help="only 0 is supported")
+    recompute_granularity: str | None = flag(
+        "--recompute-granularity", choices=["full", "selective"],
+        help="full: whole decoder layers (every layer unless --recompute-method says which; megatron-core "
+             "requires the method); selective: the --recompute-modules submodules")
+    recompute_method: str | None = flag(
+        "--recompute-method", choices=["uniform", "block"],
+        help="with --recompute-granularity full: uniform checkpoints groups of --recompute-num-layers layers "
+             "(which must divide each pipeline chunk's layers); block only the first --recompute-num-layers "
+             "layers of each pipeline chunk")
+    recompute_num_layers: int | None = flag("--recompute-num-layers", type=int,
+                                            help="layers per group (uniform) or per chunk (block)")
+    recompute_modules: tuple[str, ...] | None = flag(
+        "--recompute-modules", nargs="+", metavar="MODULE",
+        choices=["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"],
+        help="with --recompute-granularity selective (default: core_attn): core_attn (the softmax(qk)v core; "
+             "our attention keeps only its output and log-sum-exp already, so this saves little, as for "
+             "megatron-core's fused attention), moe_act (the expert activation: only fc1's outputs kept; the "
+             "dropless CPU/GPU expert kernels do that already), layernorm (the input and pre-MLP norms' outputs "
+             "recomputed), mlp (dense layers' MLP), moe (the whole MoE layer); mla_up_proj and shared_experts "
+             "are refused (Qwen3 has no MLA or shared experts); moe_act needs no --moe-grouped-gemm here")
+    moe_layer_recompute: bool = switch(
+        "--moe-layer-recompute", group="moe",
+        help="Megatron's deprecated spelling of --recompute-granularity selective --recompute-modules ... moe "
+             "(added to the modules, core_attn by default)")
+    recompute_activations: bool = switch("--recompute-activations",
+                                         help="Megatron's alias of --recompute-granularity selective")
+    eval_interval: int = flag("--eval-interval", default=1000, type=int)
+    eval_iters: int = flag("--eval-iters", default=100, type=int)
+    check_for_nan_in_loss_and_grad: bool = flag(
+        "--no-check-for-nan-in-loss-and-grad", default=True, group="sft", action="store_false",
+        help="do not stop on NaN/Inf loss or grad norm")
+    exit_signal_handler: bool = switch(
+        "--exit-signal-handler", help="always on here: SIGTERM/SIGINT finish the iteration, save (with --save) and exit 0")
+    exit_interval: int | None = flag("--exit-interval", type=int,
+                                     help="save (with --save) and exit 0 after an iteration divisible by this")
+    exit_duration_in_mins: float | None = flag(
+        "--exit-duration-in-mins", type=float,
+        help="save (with --save) and exit 0 after the iteration that ends this many minutes in")
+
+    @property
+    def compute_dtype(self) -> str:
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+    @property
+    def recompute(self):
+        """The :class:`~mlir_train.config.policies.RecomputePolicy` of these flags, as megatron-core
+        0.16 reads them (``--recompute-activations`` and ``--moe-layer-recompute`` make the
+        granularity selective; the modules default to core_attn; ``--moe-layer-recompute`` adds
+        moe). :func:`check` has refused the combinations it would not run."""
+        from mlir_train.config.policies import RecomputePolicy
+
+        selective = self.recompute_activations or self.moe_layer_recompute
+        granularity = "selective" if selective else self.recompute_granularity
+        if granularity != "selective":
+            return RecomputePolicy(granularity, self.recompute_method, self.recompute_num_layers)
+        modules = tuple(self.recompute_modules or ("core_attn",))
+        if self.moe_layer_recompute and "moe" not in modules:
+            modules += ("moe",)
+        return RecomputePolicy("selective", modules=modules)
+
+    @property
+    def remat(self) -> str:
+        """The recompute granularity: "none" | "full" | "selective"."""
+        return self.recompute.kind
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEFlags:
+    GROUP: ClassVar[str] = "moe"
+    moe_router_load_balancing_type: str | list = flag(
+        "--moe-router-load-balancing-type", default="aux_loss", nargs="+", action=OneOrList,
+        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+        help="one type, or a list combined with one --moe-aux-loss-coeff each; sinkhorn (S-BASE, alone, no aux "
+             "loss) balances the top-k choice by Sinkhorn in training (default: aux_loss)")
+    moe_aux_loss_coeff: float | list = flag("--moe-aux-loss-coeff", default=0.0, type=float, nargs="+", action=OneOrList,
+                                            help="one coefficient, or one per --moe-router-load-balancing-type "
+                                                 "(default: 0.0)")
+    moe_z_loss_coeff: float | None = flag("--moe-z-loss-coeff", type=float)
+    moe_router_score_function: str = flag("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool | None = flag(
+        "--moe-router-pre-softmax", action="store_true",
+        help="softmax before the top-k, weights not renormalised (default: from --model-name's norm_topk_prob: "
+             "Qwen3-MoE renormalises, which is Megatron's default)")
+    moe_router_topk_scaling_factor: float | None = flag("--moe-router-topk-scaling-factor", type=float,
+                                                        help="multiply the top-k routing weights by this")
+    moe_router_num_groups: int | None = flag("--moe-router-num-groups", type=int,
+                                             help="expert groups for group-limited (device-limited) routing")
+    moe_router_group_topk: int | None = flag("--moe-router-group-topk", type=int,
+                                             help="groups each token may route to (with --moe-router-num-groups)")
+    moe_router_topk_limited_devices: int | None = flag(
+        "--moe-router-topk-limited-devices", type=int,
+        help="deprecated Megatron spelling of --moe-router-group-topk N with --moe-router-num-groups = "
+             "--expert-model-parallel-size")
+    moe_router_enable_expert_bias: bool = switch(
+        "--moe-router-enable-expert-bias",
+        help="aux-loss-free balancing (DeepSeek-V3): a per-expert bias, updated from each step's load, picks the "
+             "experts (needs --moe-router-score-function sigmoid)")
+    moe_router_bias_update_rate: float = flag("--moe-router-bias-update-rate", default=1e-3, type=float)
+    moe_router_dtype: str | None = flag("--moe-router-dtype", choices=["fp32", "fp64"],
+                                        help="the router's gating matmul, scores, top-k and statistics in fp32 "
+                                             "(default) or fp64 (CPU/GPU; not on TPU)")
+    moe_per_layer_logging: bool = switch(
+        "--moe-per-layer-logging", help="also log each MoE layer's aux / z losses to TensorBoard (moe/<name>_layer_<i>)")
+    moe_expert_capacity_factor: float | None = flag(
+        "--moe-expert-capacity-factor", type=float,
+        help="tokens per expert = factor * tokens * topk / experts (default: no dropping)")
+    moe_token_drop_policy: str = flag("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
+    moe_pad_expert_input_to_capacity: bool = switch(
+        "--moe-pad-expert-input-to-capacity",
+        help="needs --moe-expert-capacity-factor; our capacity buffers are always padded to capacity, so "
+             "it changes nothing else (as in Megatron, where it only pads)")
+
+    def load_balancing(self):
+        """The router losses and their coefficients (``mlir_train.config.policies.LoadBalancing``)."""
+        from mlir_train.config.policies import LoadBalancing, LoadBalancingError
+
+        try:
+            return LoadBalancing.from_flags(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff,
+                                            self.moe_z_loss_coeff)
+        except LoadBalancingError as e:
+            raise ConfigError(str(e)) from None
+
+    def router(self, model_cfg, expert_parallel: int):
+        """The router's settings (``mlir_train.config.policies.RouterConfig``), checked as Megatron
+        checks them, or None for a dense model."""
+        from mlir_train.config.policies import RouterConfig, RouterConfigError
+
+        if not model_cfg.is_moe:
+            return None
+        num_groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if self.moe_router_topk_limited_devices:
+            if group_topk:
+                raise ConfigError("--moe-router-topk-limited-devices is the deprecated spelling of "
+                                  "--moe-router-group-topk with --moe-router-num-groups: give only the new flags")
+            # Megatron's translation: device-limited routing over the expert-parallel ranks.
+            num_groups, group_topk = expert_parallel, self.moe_router_topk_limited_devices
+        balancing = self.load_balancing()
+        router = RouterConfig(
+            score_function=self.moe_router_score_function, pre_softmax=self.moe_router_pre_softmax,
+            topk_scaling_factor=self.moe_router_topk_scaling_factor, num_groups=num_groups, group_topk=group_topk,
+            enable_expert_bias=self.moe_router_enable_expert_bias,
+            per_sequence_stats=balancing.per_sequence, sinkhorn=balancing.sinkhorn,
+            dtype=self.moe_router_dtype or "fp32",
+        )
+        try:
+            router.check(model_cfg.num_experts, model_cfg.top_k, model_cfg.norm_topk_prob)
+        except RouterConfigError as e:
+            raise ConfigError(str(e)) from None
+        return router
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelFlags:
+    GROUP: ClassVar[str] = "model-parallel"
+    tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", default=1, type=int)
+    pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", default=1, type=int)
+    expert_model_parallel_size: int = flag("--expert-model-parallel-size", default=1, type=int)
+    expert_tensor_parallel_size: int | None = flag(
+        "--expert-tensor-parallel-size", type=int,
+        help="the routed experts' width split over its own ranks, independent of TP (Megatron's MoE parallel "
+             "folding: e.g. attention TP4, experts ETP1 x EP8 on the same 8 ranks) (default: "
+             "--tensor-model-parallel-size)")
+    context_parallel_size: int = flag(
+        "--context-parallel-size", default=1, type=int,
+        help="split each row's sequence over N ranks (Megatron's load-balanced 2N-chunk layout; K/V all-gathered "
+             "in attention); --seq-length must be divisible by 2N (and by N x TP with --sequence-parallel)")
+    sequence_parallel: bool = switch("--sequence-parallel")
+    use_distributed_optimizer: bool = switch("--use-distributed-optimizer",
+                                             help="shard optimizer state over data-parallel ranks (ZeRO-1)")
+    use_torch_fsdp2: bool = switch(
+        "--use-torch-fsdp2", help="FSDP: shard the parameters too over the data-parallel ranks, gathered for "
+                                  "compute (same as --data-parallel-sharding-strategy optim_grads_params)")
+    data_parallel_sharding_strategy: str = flag(
+        "--data-parallel-sharding-strategy", default="no_shard",
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+        help="Megatron-FSDP's ZeRO stage: optim / optim_grads shard the optimizer state "
+             "(= --use-distributed-optimizer), optim_grads_params the parameters too (FSDP)")
+    use_megatron_fsdp: bool = switch(
+        "--use-megatron-fsdp", "--use-custom-fsdp",
+        help="accepted for Megatron-FSDP scripts; the sharding follows --data-parallel-sharding-strategy")
+    num_layers_per_virtual_pipeline_stage: int | None = flag("--num-layers-per-virtual-pipeline-stage", type=int)
+    num_virtual_stages_per_pipeline_rank: int | None = flag(
+        "--num-virtual-stages-per-pipeline-rank", type=int,
+        help="interleaved 1F1B with this many model chunks per stage (the other spelling of "
+             "--num-layers-per-virtual-pipeline-stage = layers / (PP x this))")
+    decoder_first_pipeline_num_layers: int | None = flag("--decoder-first-pipeline-num-layers", type=int)
+    decoder_last_pipeline_num_layers: int | None = flag("--decoder-last-pipeline-num-layers", type=int)
+    pipeline_schedule: str | None = flag(
+        "--pipeline-schedule", group="mlir-train", choices=["1f1b", "gpipe", "circular"],
+        help="with --pipeline-model-parallel-size > 1: 1f1b (default, as Megatron; interleaved with "
+             "--num-layers-per-virtual-pipeline-stage; activations of at most ~2 x stages micro-batches), "
+             "gpipe, or circular (needs --num-layers-per-virtual-pipeline-stage; both keep every "
+             "micro-batch's activations)")
+
+    def layers_per_virtual_stage(self, num_layers: int) -> int | None:
+        """Layers per virtual pipeline stage, from either of Megatron's two spellings."""
+        v, per = self.num_virtual_stages_per_pipeline_rank, self.num_layers_per_virtual_pipeline_stage
+        if v is None:
+            return per
+        if per is not None:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+                              "are mutually exclusive (as in Megatron): give one")
+        pp = self.pipeline_model_parallel_size
+        if v < 1 or num_layers % (pp * v):
+            raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {v}: the {num_layers} layers do not split into "
+                              f"{pp} stages x {v} chunks of equal size")
+        if self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers:
+            raise ConfigError("--num-virtual-stages-per-pipeline-rank with uneven stages (--decoder-first/last-"
+                              "pipeline-num-layers) is not implemented; drop one of them")
+        return None if v == 1 else num_layers // (pp * v)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.use_torch_fsdp2 or self.data_parallel_sharding_strategy == "optim_grads_params"
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        return self.use_distributed_optimizer or self.data_parallel_sharding_strategy in ("optim", "optim_grads")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingFlags:
+    GROUP: ClassVar[str] = "logging"
+    log_interval: int = flag("--log-interval", default=100, type=int)
+    tensorboard_dir: str | None = flag("--tensorboard-dir")
+    tensorboard_log_interval: int = flag("--tensorboard-log-interval", default=1, type=int,
+                                         help="write TensorBoard/metrics.jsonl every N iterations")
+    log_timers_to_tensorboard: bool = switch("--log-timers-to-tensorboard")
+    wandb_project: str = flag("--wandb-project", default="")
+    wandb_exp_name: str = flag("--wandb-exp-name", default="")
+    wandb_save_dir: str = flag("--wandb-save-dir", default="", help="wandb's local directory (default: the log dir)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFlags:
+    GROUP: ClassVar[str] = "checkpointing"
+    load: str | None = flag("--load", group="training", help="checkpoint or HF model directory to start from")
+    save: str | None = flag("--save", group="training", help="checkpoint directory to write")
+    save_interval: int | None = flag("--save-interval", type=int, group="training")
+    no_load_optim: bool = switch("--no-load-optim", group="training")
+    no_load_rng: bool = switch("--no-load-rng", group="training")
+    exit_on_missing_checkpoint: bool = switch(
+        "--exit-on-missing-checkpoint", group="training",
+        help="an error if --load holds no checkpoint (default: warn and start from scratch, as Megatron)")
+    finetune: bool = switch("--finetune", help="load weights only and restart the iteration count at 0")
+    ckpt_step: int | None = flag("--ckpt-step", type=int, metavar="N",
+                                 help="load iteration N of --load instead of the newest (no fallback if it is corrupt)")
+    no_save_optim: bool = switch("--no-save-optim", help="weights-only checkpoints: no optimizer or loss-scaler "
+                                 "state; resuming one needs --no-load-optim")
+    no_save_rng: bool = switch("--no-save-rng", help="no seed (so no data order) in checkpoints, the data position "
+                               "kept; resuming one needs --no-load-rng")
+    save_retain: int | None = flag("--save-retain", type=int, metavar="K",
+                                   help="keep only the newest K checkpoints in --save (default: keep all)")
+    save_hf: str | None = flag("--save-hf", metavar="DIR", help="at the end, also write the weights as an HF model directory")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtraFlags:
+    GROUP: ClassVar[str] = "mlir-train"
+    config: str | None = flag("--config", metavar="FILE",
+                              help="YAML/JSON file of flags (keys with dashes or underscores); the command line overrides it")
+    num_devices: int | None = flag("--num-devices", type=int, help="use only the first N devices")
+    cpu_devices: int | None = flag("--cpu-devices", type=int,
+                                   help="fake CPU device count set in XLA_FLAGS before jax starts")
+    compilation_cache_dir: str | None = flag("--compilation-cache-dir", help="persistent XLA compilation cache")
+    print_sharding: bool = switch("--print-sharding", help="print every parameter's sharding")
+    no_kernel_self_check: bool = switch(
+        "--no-kernel-self-check",
+        help="skip the start-up check of the selected GPU kernels (MoE expert matmuls, fused attention) "
+             "against their XLA references, forward and backward at the run's widths")
+    peak_tflops: float | None = flag("--peak-tflops", type=float,
+                                     help="per-device peak TFLOP/s for MFU (default: from the device kind)")
+    moe_gemm_backend: str = flag("--moe-gemm-backend", default="auto", choices=("auto", "mosaic", "tokamax", "padded"),
+                                 help="MoE expert matmuls: mosaic (our Mosaic-GPU block kernels, dropless), tokamax "
+                                      "(tokamax's ragged-dot kernels on the same layout; needs tokamax), padded "
+                                      "(sorted, padded batched matmul; capacity einsum with a capacity factor); auto: "
+                                      "the platform's default (GPU mosaic, CPU padded, TPU ragged_dot)")
+    attention_kernel: str = flag("--attention-kernel", default="auto",
+                                 choices=("auto", "tokamax", "pallas-mha", "mlir", "xla"),
+                                 help="attention: mlir (our Pallas-Triton flash attention, mlir_train.model.docs_flash: "
+                                      "skips other documents' tiles forward and backward), tokamax (tokamax's "
+                                      "Mosaic-GPU flash attention, skips other documents' key blocks in the forward; needs tokamax), pallas-mha (JAX's Pallas "
+                                      "Triton flash attention), xla (masked / blocked XLA ops); auto: the platform's "
+                                      "default (GPU pallas-mha, else xla; xla under context parallelism). "
+                                      "(Megatron's --attention-backend is accepted as a no-op)")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelFlags, "data": DataFlags, "training": TrainingFlags, "moe": MoEFlags,
+    "parallel": ParallelFlags, "logging": LoggingFlags, "checkpoint": CheckpointFlags, "extras": ExtraFlags,
+}
+
+
+def section_fields():
+    """(section name, dataclass field, Flag) for every flag-carrying field, in parser order."""
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if "flag" in f.metadata:
+                yield name, cls, f, f.metadata["flag"]
+
+
+def _flag_names() -> dict[str, tuple[str, str]]:
+    """Every field's primary flag -> (section, field name)."""
+    return {fl.name: (sec, f.name) for sec, _, f, fl in section_fields()}

@@ -1,0 +1,225 @@
+"""The one builder: a run configuration in, a run out (the only way to get a Trainer).
+
+:func:`resolve` takes a :class:`~mlir_train.config.flags.RunConfig` (the flags) and the model
+config, validates the layout against the model and the devices, and derives every value that
+needs them once, as a :class:`Run`: the layout, global batch and micro-batches, the platform's
+kernels, the step's settings, the LR schedule, the optimizer and the loss scaler.
+:meth:`Run.trainer` builds the :class:`~mlir_train.train.trainer.Trainer`; callers that have no
+flags (tests, benchmarks, ``convert``) use :func:`build_trainer`, which fills in what they leave
+out. ``sft``, ``plan``, ``convert``, the benchmarks and the notebooks all get their Trainer here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+
+from mlir_train.config.flags import RunConfig
+from mlir_train.config.models import ModelConfig
+from mlir_train.config.sections import ParallelFlags, TrainingFlags
+from mlir_train.model import platform_model_kwargs
+from mlir_train.runtime import log
+from mlir_train.runtime.errors import ConfigError
+from mlir_train.train.optim import LossScaler, make_optimizer
+from mlir_train.train.pipeline.parallel import make_schedule
+from mlir_train.train.schedule import megatron_lr_schedule
+from mlir_train.train.trainer import StepConfig, Trainer, model_dims
+from sharding.layout import Layout, LayoutError
+from sharding.mesh import make_mesh, validate
+
+
+# ----- what one flag section gives the trainer ------------------------------------------------------------
+def layout_of(p: ParallelFlags, num_devices: int | None = None) -> Layout:
+    """The layout of the parallel flags (``num_devices=None``: every device jax sees)."""
+    return Layout(
+        tensor=p.tensor_model_parallel_size, pipeline=p.pipeline_model_parallel_size,
+        expert=p.expert_model_parallel_size, context=p.context_parallel_size,
+        expert_tensor=p.expert_tensor_parallel_size, sequence_parallel=p.sequence_parallel, fsdp=p.fsdp,
+        distributed_optimizer=p.distributed_optimizer, num_devices=num_devices,
+    )
+
+
+def lr_schedule_of(t: TrainingFlags, global_batch_size: int):
+    """Megatron's LR schedule of the training flags (``OptimizerParamScheduler.get_lr``)."""
+    if t.lr is None or t.train_iters is None:
+        raise ConfigError("the LR schedule needs --lr and --train-iters")
+    try:
+        return megatron_lr_schedule(
+            lr=t.lr, train_iters=t.train_iters, min_lr=t.min_lr, lr_decay_iters=t.lr_decay_iters,
+            lr_decay_style=t.lr_decay_style, lr_warmup_iters=t.lr_warmup_iters,
+            lr_warmup_fraction=t.lr_warmup_fraction, lr_warmup_init=t.lr_warmup_init,
+            lr_wsd_decay_iters=t.lr_wsd_decay_iters, lr_wsd_decay_style=t.lr_wsd_decay_style,
+            global_batch_size=global_batch_size,
+        )
+    except ValueError as e:  # Megatron's scheduler asserts, naming the flags
+        raise ConfigError(str(e)) from None
+
+
+def optimizer_of(t: TrainingFlags, schedule) -> optax.GradientTransformation:
+    """The optimizer of the training flags, on ``schedule``."""
+    return make_optimizer(lr_schedule=schedule, weight_decay=t.weight_decay, beta1=t.adam_beta1,
+                          beta2=t.adam_beta2, eps=t.adam_eps, clip_grad=t.clip_grad,
+                          optimizer=t.optimizer, sgd_momentum=t.sgd_momentum)
+
+
+def loss_scaler_of(t: TrainingFlags) -> LossScaler | None:
+    """Megatron's scaler for these flags: constant with ``--loss-scale`` (under --fp16 or
+    --bf16), dynamic for ``--fp16``, none otherwise (bf16 and fp32 need no loss scaling)."""
+    if t.loss_scale and (t.fp16 or t.bf16):
+        return LossScaler(initial_scale=t.loss_scale, dynamic=False)
+    if t.fp16:
+        return LossScaler(initial_scale=t.initial_loss_scale, min_scale=t.min_loss_scale,
+                          growth_interval=int(t.loss_scale_window), hysteresis=t.hysteresis)
+    return None
+
+
+def build_trainer(model_cfg: ModelConfig, step: StepConfig | None = None,
+                  optimizer: optax.GradientTransformation | None = None, layout: Layout | None = None,
+                  mesh: jax.sharding.Mesh | None = None, *, loss_scaler: LossScaler | None = None,
+                  model_kwargs: dict[str, Any] | None = None) -> Trainer:
+    """The :class:`~mlir_train.train.trainer.Trainer` of ``model_cfg``: ``step`` (default one
+    micro-batch, fp32), ``optimizer`` (default ``optax.identity()``: no update, as for loading
+    and converting weights), ``layout`` (default: one replica over every device) and ``mesh``
+    (default: :func:`sharding.mesh.make_mesh` of the layout; a layout the devices cannot hold
+    is a ConfigError naming the flags)."""
+    layout = layout if layout is not None else Layout()
+    if mesh is None:
+        try:
+            mesh = make_mesh(layout)
+        except LayoutError as e:  # e.g. --num-devices above what this process sees
+            raise ConfigError(str(e)) from None
+    return Trainer(model_cfg, step if step is not None else StepConfig(),
+                   optimizer if optimizer is not None else optax.identity(), layout, mesh,
+                   loss_scaler=loss_scaler, model_kwargs=model_kwargs)
+
+
+# ----- the run ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A :class:`RunConfig` resolved for one model and device count: every derived value, once."""
+
+    config: RunConfig
+    model: Any                  # mlir_train.config.models.ModelConfig
+    parallel: Any               # sharding.mesh.Layout, validated
+    global_batch_size: int
+    num_micro_batches: int
+    platform: str               # the mesh devices' platform (cpu, gpu, tpu): picks the kernels
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.config.training.compute_dtype
+
+    @property
+    def recompute(self):
+        return self.config.training.recompute
+
+    @property
+    def remat(self) -> str:
+        return self.config.training.remat
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.config.training.micro_batch_size
+
+    @property
+    def seq_length(self) -> int:
+        return self.config.data.seq_length
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The model's constructor arguments: the platform's kernels (attention, MoE experts),
+        the recompute policy and, for MoE, the capacity and drop policy."""
+        extras = self.config.extras
+        try:
+            kwargs = platform_model_kwargs(self.platform, is_moe=self.model.is_moe, context_parallel=self.parallel.context,
+                                           moe_backend=extras.moe_gemm_backend,
+                                           attention_backend=extras.attention_kernel)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        kwargs |= dict(remat=self.recompute)
+        if self.model.is_moe:
+            m = self.config.moe
+            kwargs |= dict(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy,
+                           router=m.router(self.model, self.parallel.expert))
+        return kwargs
+
+    def step_config(self):
+        m = self.config.moe
+        return StepConfig(num_micro_batches=self.num_micro_batches, compute_dtype=self.compute_dtype,
+                          layers_per_virtual_stage=self.config.parallel.layers_per_virtual_stage(self.model.num_layers),
+                          pipeline_schedule=self.config.parallel.pipeline_schedule or "1f1b",
+                          first_stage_layers=self.config.parallel.decoder_first_pipeline_num_layers,
+                          last_stage_layers=self.config.parallel.decoder_last_pipeline_num_layers,
+                          balancing=m.load_balancing(), expert_bias_update_rate=m.moe_router_bias_update_rate,
+                          micro_batch_size=self.micro_batch_size,
+                          per_token_loss=self.config.training.calculate_per_token_loss,
+                          lm_loss_report="objective" if self.config.training.training_phase == "sft" else "token-mean")
+
+    def lr_schedule(self):
+        return lr_schedule_of(self.config.training, self.global_batch_size)
+
+    def trainer(self, mesh=None, **model_overrides) -> Trainer:
+        """The :class:`~mlir_train.train.trainer.Trainer` of this run on ``mesh`` (default: its own),
+        with ``model_overrides`` on top of :meth:`model_kwargs`."""
+        t = self.config.training
+        return build_trainer(self.model, self.step_config(), optimizer_of(t, self.lr_schedule()), self.parallel, mesh,
+                             loss_scaler=loss_scaler_of(t), model_kwargs=self.model_kwargs() | model_overrides)
+
+
+def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platform: str | None = None) -> Run:
+    """Validate the layout against ``model_cfg`` and the device count and derive the batch
+    split, the pipeline schedule check and the MoE implementation. Raises ConfigError."""
+    t, p = cfg.training, cfg.parallel
+    parallel = layout_of(p, num_devices)
+    gbs = t.global_batch_size or t.micro_batch_size * parallel.data_parallel
+    uneven = p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None
+    if uneven and parallel.pipeline == 1:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+    if p.pipeline_schedule and parallel.pipeline == 1:
+        log.info(f"--pipeline-schedule {p.pipeline_schedule} has no effect without "
+                 "--pipeline-model-parallel-size > 1")
+    # Uneven stages: make_schedule checks the layer split (validate's would ask L % PP == 0).
+    dims = {k: v for k, v in model_dims(model_cfg).items() if not (uneven and k == "num_layers")}
+    try:
+        parallel = validate(parallel, dims, global_batch_size=gbs,
+                            micro_batch_size=t.micro_batch_size, seq_length=cfg.data.seq_length)
+        num_micro = gbs // (t.micro_batch_size * parallel.data_parallel)
+        chunks = [model_cfg.num_layers]  # the layers of each pipeline chunk (megatron-core's recompute unit)
+        if parallel.pipeline > 1:
+            schedule = make_schedule(model_cfg.num_layers, parallel.pipeline, kind=p.pipeline_schedule or "1f1b",
+                                     layers_per_virtual_stage=p.layers_per_virtual_stage(model_cfg.num_layers),
+                                     first_stage_layers=p.decoder_first_pipeline_num_layers,
+                                     last_stage_layers=p.decoder_last_pipeline_num_layers, num_micro_batches=num_micro)
+            chunks = [len(c) for stage in schedule.chunk_layers(model_cfg.num_layers) for c in stage]
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    recompute = t.recompute
+    try:
+        recompute.check_chunks(chunks, "pipeline chunk" if parallel.pipeline > 1 else "model (no pipeline)")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not model_cfg.is_moe and any(recompute.recomputes(m) for m in ("moe", "moe_act")):
+        log.info("--recompute-modules moe/moe_act (or --moe-layer-recompute) have no effect: the model has "
+                 "no MoE layers")
+    router = cfg.moe.router(model_cfg, parallel.expert)  # Megatron's router checks, before anything compiles
+    if router is not None and router.dtype == "fp64" and platform == "tpu":
+        raise ConfigError("--moe-router-dtype fp64: TPUs have no float64; use --moe-router-dtype fp32 (the default)")
+    if model_cfg.is_moe and cfg.moe.moe_router_num_groups and not cfg.moe.moe_router_group_topk:
+        log.info("--moe-router-num-groups without --moe-router-group-topk routes without groups "
+                 "(as in Megatron)")
+    if platform is None:  # the devices the default mesh is built from
+        platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
+    if parallel.context > 1 and platform == "gpu" and cfg.extras.attention_kernel == "auto":
+        log.info(f"--context-parallel-size {parallel.context}: attention runs as XLA ops "
+                 "(mlir_train.model.layers.blocked_attention: each rank's queries against the gathered row, one key "
+                 "block at a time), not the flash kernel, which cannot mask the load-balanced chunks by their "
+                 "original positions")
+    backend = cfg.extras.moe_gemm_backend
+    if model_cfg.is_moe and backend in ("mosaic", "tokamax") and cfg.moe.moe_expert_capacity_factor is not None:
+        raise ConfigError(f"--moe-gemm-backend {backend} runs the dropless block kernels; with "
+                          "--moe-expert-capacity-factor use --moe-gemm-backend padded (or auto)")
+    run = Run(cfg, model_cfg, parallel, gbs, num_micro, platform=platform)
+    run.model_kwargs()  # refuses a kernel choice this platform / layout cannot run, before anything compiles
+    return run

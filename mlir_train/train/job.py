@@ -1,0 +1,144 @@
+"""The whole job a run configuration describes, built once: the starting point, the model, the
+trainer, the data, the state and the loop's hooks.
+
+:func:`build_job` is what ``python -m mlir_train.sft`` calls between reading its flags and
+running the loop (:func:`mlir_train.train.loop.train`). Every part comes from the module that
+owns it: the starting point from :func:`mlir_train.checkpoint.sources.detect` (one
+:class:`~mlir_train.checkpoint.sources.Source` per format, so nothing here asks which kind it
+holds), the trainer from :func:`mlir_train.train.build.resolve`, the data from
+:mod:`mlir_train.data`, the hooks from ``metrics``, ``evaluation``, ``exits`` and
+:mod:`mlir_train.checkpoint.saver`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+
+from mlir_train.checkpoint import saver, sources
+from mlir_train.config.flags import RunConfig
+from mlir_train.data import BatchLoader, build_datasets, load_tokenizer
+from mlir_train.planner import flops as flops_lib
+from mlir_train.runtime import distributed, log
+from mlir_train.train import exits, kernel_check
+from mlir_train.train.build import Run, resolve
+from mlir_train.train.evaluation import Evaluator
+from mlir_train.train.metrics import MetricsWriter, StepLogger, Timers
+
+
+@dataclasses.dataclass
+class Hooks:
+    """What the loop calls besides the step: logging, evaluation, checkpoints, exit conditions."""
+
+    log_dir: str
+    writer: MetricsWriter
+    timers: Timers
+    logger: StepLogger
+    evaluate: Evaluator
+    saver: saver.Checkpointer | None
+    stop: exits.ExitConditions
+
+
+@dataclasses.dataclass
+class Job:
+    cfg: RunConfig
+    run: Run
+    source: sources.Source
+    trainer: Any
+    tokenizer: Any
+    train_loader: BatchLoader
+    state: dict[str, Any]
+    start_iteration: int
+    hooks: Hooks
+
+
+def build_job(cfg: RunConfig, launched: float) -> Job:
+    """``cfg`` as a job ready to train (``launched``: when the process started, for
+    ``--exit-duration-in-mins``). Raises the :mod:`mlir_train.runtime.errors` family."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer_path)
+    cfg, source, save_lock = _starting_point(cfg)
+    model_cfg = sources.run_model_config(cfg, source, len(tokenizer))
+    # --num-devices: the first N devices; the kernels follow the platform of the mesh's devices.
+    run = resolve(cfg, model_cfg, num_devices=cfg.extras.num_devices)
+    trainer = run.trainer()
+    if not cfg.extras.no_kernel_self_check:  # before any state: a kernel that fails may be swapped for its fallback
+        trainer = kernel_check.checked_trainer(run, trainer)
+    log.info(f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(trainer.mesh.shape)}, "
+             f"{model_cfg.name} ({model_cfg.num_params() / 1e6:.1f}M params), {run.compute_dtype}, global batch "
+             f"{run.global_batch_size} = {run.num_micro_batches} micro-batches x {run.micro_batch_size} x "
+             f"DP{run.parallel.data_parallel}")
+    data = _datasets(cfg, tokenizer)
+    print(data.summary())
+    loader = BatchLoader(data.train, run.global_batch_size, seed=cfg.training.seed, process_index=jax.process_index(),
+                         process_count=jax.process_count())
+    state = source.initial_state(trainer, cfg, loader)
+    if cfg.extras.print_sharding:
+        from mlir_train.train.sharding_report import sharding_report
+
+        print(sharding_report(trainer))  # compute layout, fp32 master weights and optimizer state
+    hooks = _hooks(cfg, run, trainer, data, loader, len(tokenizer), save_lock, launched)
+    start_iteration = 0 if cfg.checkpoint.finetune else source.iteration
+    return Job(cfg, run, source, trainer, tokenizer, loader, state, start_iteration, hooks)
+
+
+def _starting_point(cfg: RunConfig):
+    """What ``--load`` holds, checked against the flags; the ``--save`` lock, taken now rather
+    than after loading (resuming into the directory it loaded from, the steps after the one
+    resumed, a corrupt one skipped, are set aside); the seed the run continues with."""
+    ck = cfg.checkpoint
+    source = sources.detect(ck.load, step=ck.ckpt_step, exit_on_missing=ck.exit_on_missing_checkpoint)
+    source.check_resume(cfg)  # Megatron's rule: what the checkpoint lacks, the flags must waive
+    save_lock = saver.claim_save_dir(ck.save, resume_step=source.resume_step_in(ck.save, cfg)) if ck.save else None
+    if source.seed is not None and not (ck.no_load_rng or ck.finetune) and source.seed != cfg.training.seed:
+        log.info(f"--seed {cfg.training.seed} replaced by the checkpoint's {source.seed} (--no-load-rng keeps yours)")
+        cfg = cfg.replace(training={"seed": source.seed})
+    return cfg, source, save_lock
+
+
+def _datasets(cfg: RunConfig, tokenizer):
+    """Process 0 preprocesses first; the others then find its cache (or, on a host that does not
+    share the cache directory, build their own without racing it)."""
+    if jax.process_index() != 0:
+        distributed.barrier("data-cache")
+    data = build_datasets(cfg.data.data_config(cfg.training.seed), tokenizer)
+    if jax.process_index() == 0:
+        distributed.barrier("data-cache")
+    return data
+
+
+def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokenizer_size: int, save_lock,
+           launched: float) -> Hooks:
+    t, lg, ck, model_cfg = cfg.training, cfg.logging, cfg.checkpoint, run.model
+    pid, gbs = jax.process_index(), run.global_batch_size
+    log_dir = lg.tensorboard_dir or os.path.join("runs", f"{model_cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    writer = MetricsWriter(log_dir, enabled=pid == 0, wandb_project=lg.wandb_project, wandb_name=lg.wandb_exp_name,
+                           wandb_dir=lg.wandb_save_dir, config=cfg.flat() | {"model": dataclasses.asdict(model_cfg)})
+    timers = Timers()
+    flops_per_step = flops_lib.num_floating_point_operations(
+        model_cfg, run.seq_length, gbs,
+        recompute_full=run.recompute.recomputed_fraction(model_cfg.num_layers // run.parallel.pipeline))
+    logger = StepLogger(
+        writer, train_iters=t.train_iters, log_interval=lg.log_interval,
+        tensorboard_log_interval=lg.tensorboard_log_interval, check_nan=t.check_for_nan_in_loss_and_grad,
+        global_batch_size=gbs, seq_length=run.seq_length, lr_at=run.lr_schedule().lr_at,
+        flops_per_step=flops_per_step, num_devices=jax.device_count(),
+        peak_tflops=flops_lib.device_peak_tflops("bf16" if run.compute_dtype != "float32" else "fp32",
+                                                 cfg.extras.peak_tflops),
+        log_timers=lg.log_timers_to_tensorboard, timers=timers, model_cfg=model_cfg,
+        per_layer_router=cfg.moe.moe_per_layer_logging)
+    evaluate = Evaluator(trainer, data.valid if data.valid.num_rows else None, global_batch_size=gbs,
+                         eval_iters=t.eval_iters, seed=cfg.training.seed, split=cfg.data.split, process_index=pid,
+                         process_count=jax.process_count(), logger=logger, timers=timers)
+    checkpointer = None if not ck.save else saver.Checkpointer(
+        ck.save, save_interval=ck.save_interval, retain=ck.save_retain, save_optim=not ck.no_save_optim,
+        save_rng=not ck.no_save_rng, claimed=True, lock=save_lock,
+        meta=lambda it: saver.run_json(iteration=it, global_batch_size=gbs, loader=loader, seed=cfg.training.seed,
+                                       model_cfg=model_cfg, tokenizer_size=tokenizer_size, parallel=run.parallel,
+                                       flags=cfg.flat()))
+    stop = exits.ExitConditions(exit_interval=t.exit_interval, exit_duration_in_mins=t.exit_duration_in_mins,
+                                launched=launched)
+    return Hooks(log_dir, writer, timers, logger, evaluate, checkpointer, stop)
