@@ -29,61 +29,37 @@ import argparse
 import os
 import sys
 
+# what each source format converts to by default
+DEFAULT_TARGET = {"hf": "mlir-train", "ours": "hf", "megatron": "hf"}
+SAME_FORMAT = {  # the source is already in the format asked for
+    ("hf", "hf"): "{src} is already an HF directory (--to hf)",
+    ("ours", "mlir-train"): "{src}: a mlir-train checkpoint converts to hf or megatron (--to mlir-train)",
+    ("megatron", "megatron"): "{src} is already a Megatron checkpoint; convert it to HF first to change its layout, "
+                              "or --load it directly (any layout)",
+}
+
 
 def _trainer(model_cfg):
-    import optax
-
-    from mlir_train.train.trainer import StepConfig, model_dims
+    """A data-parallel trainer with the distributed optimizer's layout: the weights pass shard by shard."""
     from mlir_train.train.build import build_trainer
-    from sharding.mesh import make_mesh, validate
+    from mlir_train.train.trainer import model_dims
     from sharding.layout import Layout
+    from sharding.mesh import validate
 
-    parallel = validate(Layout(distributed_optimizer=True), model_dims(model_cfg))
-    return build_trainer(model_cfg, StepConfig(), optax.identity(), parallel, make_mesh(parallel))
-
-
-def _hf_params(src: str):
-    import numpy as np
-    from flax import nnx
-
-    from mlir_train.config.models import ModelConfig
-    from mlir_train.checkpoint.hf import load_pretrained
-
-    trainer = _trainer(ModelConfig.from_hf_json(src))
-    model = load_pretrained(src, dtype=np.float32, mesh=trainer.mesh, rules=trainer.rules)
-    return trainer, trainer.state_from_params(nnx.to_pure_dict(nnx.state(model)))["params"]
-
-
-def hf_to_checkpoint(src: str, dst: str) -> None:
-    trainer, params = _hf_params(src)
-    _save_ours(trainer, params, dst, src)
+    return build_trainer(model_cfg, layout=validate(Layout(distributed_optimizer=True), model_dims(model_cfg)))
 
 
 def _save_ours(trainer, params, dst: str, src: str) -> None:
-    from mlir_train.checkpoint import orbax as checkpoint
-
-    mgr = checkpoint.CheckpointManager(dst)
-    if mgr.latest_step() is not None:
-        raise checkpoint.CheckpointError(f"{dst} already holds checkpoints {mgr.steps()}; give an empty directory")
     import dataclasses
 
+    from mlir_train.checkpoint import orbax
+
+    mgr = orbax.CheckpointManager(dst)
+    if mgr.latest_step() is not None:
+        raise orbax.CheckpointError(f"{dst} already holds checkpoints {mgr.steps()}; give an empty directory")
     mgr.save(0, {"params": params}, {"model": dataclasses.asdict(trainer.model_cfg), "consumed_samples": 0,
                                      "converted_from": os.path.abspath(src)}, force=True)
     mgr.close()
-
-
-def _ours_params(src: str, step: int | None):
-    from mlir_train.checkpoint import orbax as checkpoint
-
-    meta = checkpoint.CheckpointManager(src, read_only=True).read_meta(step)
-    trainer = _trainer(checkpoint.model_config(meta))
-    state, meta = checkpoint.load_state(src, trainer, load_optim=False, step=meta["iteration"])
-    return trainer, state["params"]
-
-
-def checkpoint_to_hf(src: str, dst: str, *, step: int | None = None, dtype: str | None = None) -> None:
-    trainer, params = _ours_params(src, step)
-    _save_hf(trainer, params, dst, dtype)
 
 
 def _save_hf(trainer, params, dst: str, dtype: str | None) -> None:
@@ -92,31 +68,6 @@ def _save_hf(trainer, params, dst: str, dtype: str | None) -> None:
     from mlir_train.checkpoint.hf import save_pretrained
 
     save_pretrained(trainer.model(params), dst, dtype=None if dtype is None else jnp.dtype(dtype))
-
-
-def _megatron_params(src: str, step: int | None, vocab_size: int | None):
-    from mlir_train.checkpoint.megatron import read as mc
-
-    ckpt = mc.find(src, iteration=step)
-    if ckpt is None:
-        raise mc.MegatronCheckpointError(f"{src}: not a Megatron checkpoint directory")
-    vocab_size = vocab_size or mc.unpadded_vocab(ckpt, [])
-    cfg = mc.model_config(ckpt, name=os.path.basename(os.path.abspath(src)), vocab_size=vocab_size)
-    if vocab_size is None:
-        print(f"mlir-train: note: {ckpt.describe()} does not record its unpadded vocabulary; keeping all "
-              f"{cfg.vocab_size} (padded) rows. Pass --vocab-size N (e.g. 151936 for Qwen3) to strip the padding")
-    trainer = _trainer(cfg)
-    return trainer, mc.load_params(ckpt, cfg, trainer.param_shapes, trainer.master_shardings)
-
-
-def megatron_to(src: str, dst: str, *, to: str, step: int | None = None, vocab_size: int | None = None,
-                dtype: str | None = None) -> None:
-    """A Megatron checkpoint as an HF directory (``to="hf"``) or a mlir-train checkpoint."""
-    trainer, params = _megatron_params(src, step, vocab_size)
-    if to == "hf":
-        _save_hf(trainer, params, dst, dtype)
-    else:
-        _save_ours(trainer, trainer.state_from_params(params)["params"], dst, src)
 
 
 def to_megatron(trainer, params, dst: str, layout, *, iteration: int | None = None, dtype: str | None = None) -> list[str]:
@@ -153,7 +104,34 @@ def to_megatron(trainer, params, dst: str, layout, *, iteration: int | None = No
     return mc.save_legacy(layer_array, global_array, cfg, dst, layout, iteration=iteration, dtype=torch_dtype)
 
 
-def main(argv: list[str] | None = None) -> int:
+def convert(args) -> str:
+    """One conversion: SRC detected once (:func:`mlir_train.checkpoint.sources.detect`), its
+    weights read through a data-parallel trainer, written in the target format. Returns what was written."""
+    from mlir_train.checkpoint import sources
+    from mlir_train.checkpoint.megatron import read as mc
+    from mlir_train.runtime.errors import CheckpointError
+
+    src = sources.detect(args.src, step=args.step, exit_on_missing=True, flag="SRC")
+    to = args.to or DEFAULT_TARGET[src.kind]
+    if (src.kind, to) in SAME_FORMAT:
+        raise CheckpointError(SAME_FORMAT[src.kind, to].format(src=args.src))
+    trainer = _trainer(src.stored_model_config(args.vocab_size))
+    params = src.read_params(trainer)
+    if to == "megatron":
+        layout = mc.MegatronLayout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                   args.expert_model_parallel_size, args.expert_tensor_parallel_size,
+                                   args.make_vocab_size_divisible_by)
+        files = to_megatron(trainer, params, args.dst, layout, iteration=args.iteration, dtype=args.dtype)
+        return (f"a Megatron legacy checkpoint ({len(files)} mp_rank files, TP{layout.tensor} PP{layout.pipeline} "
+                f"EP{layout.expert} ETP{layout.etp})")
+    if to == "hf":
+        _save_hf(trainer, params, args.dst, args.dtype)
+        return "HF model"
+    _save_ours(trainer, trainer.state_from_params(params)["params"], args.dst, args.src)
+    return "checkpoint (iteration 0, weights only)"
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlir_train.convert", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="HF model directory, mlir-train checkpoint or Megatron checkpoint directory")
@@ -172,47 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default: = TP")
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--iteration", type=int, default=None, help="write iter_N (default: release)")
-    args = p.parse_args(argv)
+    return p
 
-    from mlir_train.checkpoint.megatron import read as mc
-    from mlir_train.runtime.errors import CheckpointError
 
-    is_hf = os.path.exists(os.path.join(args.src, "config.json"))
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0, or 2 with one ``mlir-train: error:`` line naming what is wrong."""
+    from mlir_train.runtime import errors, log
+
+    args = _parser().parse_args(argv)
     try:
-        is_megatron = not is_hf and mc.is_megatron_dir(args.src)
-        to = args.to or ("mlir-train" if is_hf else "hf")
-        if to == "megatron":
-            if is_megatron:
-                raise mc.MegatronCheckpointError(f"{args.src} is already a Megatron checkpoint; convert it to HF first "
-                                                 "to change its layout, or --load it directly (any layout)")
-            trainer, params = _hf_params(args.src) if is_hf else _ours_params(args.src, args.step)
-            layout = mc.MegatronLayout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                       args.expert_model_parallel_size, args.expert_tensor_parallel_size,
-                                       args.make_vocab_size_divisible_by)
-            files = to_megatron(trainer, params, args.dst, layout, iteration=args.iteration, dtype=args.dtype)
-            print(f"mlir-train: wrote a Megatron legacy checkpoint ({len(files)} mp_rank files, TP{layout.tensor} "
-                  f"PP{layout.pipeline} EP{layout.expert} ETP{layout.etp}) to {args.dst}")
-        elif is_megatron:
-            megatron_to(args.src, args.dst, to=to, step=args.step, vocab_size=args.vocab_size, dtype=args.dtype)
-            print(f"mlir-train: wrote {'HF model' if to == 'hf' else 'checkpoint (weights only)'} to {args.dst}")
-        elif is_hf:
-            if to != "mlir-train":
-                raise CheckpointError(f"{args.src} is already an HF directory (--to {to})")
-            hf_to_checkpoint(args.src, args.dst)
-            print(f"mlir-train: wrote checkpoint (iteration 0, weights only) to {args.dst}")
-        else:
-            if to != "hf":
-                raise CheckpointError(f"{args.src}: a mlir-train checkpoint converts to hf or megatron (--to {to})")
-            from mlir_train.checkpoint.orbax import has_checkpoint
-
-            found = None if has_checkpoint(args.src) else mc.identify(args.src)
-            if found:
-                raise CheckpointError(f"{args.src}: {found}")
-            checkpoint_to_hf(args.src, args.dst, step=args.step, dtype=args.dtype)
-            print(f"mlir-train: wrote HF model to {args.dst}")
-    except (CheckpointError, mc.MegatronCheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        wrote = convert(args)
+    except errors.user_errors() + (FileNotFoundError,) as e:
+        return errors.report(e)
+    log.info(f"wrote {wrote} to {args.dst}")
     return 0
 
 

@@ -52,6 +52,10 @@ class Source:
         """The model the checkpoint holds (None: no checkpoint)."""
         return None
 
+    def stored_model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """The model the checkpoint holds, from its own files alone (``convert``)."""
+        raise CheckpointError("no checkpoint to convert")
+
     def check_resume(self, cfg: RunConfig) -> None:
         """Megatron's rule: what the checkpoint lacks, the flags must waive (ConfigError / CheckpointError)."""
 
@@ -80,11 +84,18 @@ class HFModel(Source):
     def own_model_config(self, cfg: RunConfig, tokenizer_size: int) -> ModelConfig:
         return ModelConfig.from_hf_json(self.path)
 
+    def stored_model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        return ModelConfig.from_hf_json(self.path)
+
     def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
         log.info(f"loading HF weights from {self.path}")
-        return trainer.state_from_params(self.read_params(trainer, **trainer.model_kwargs))
+        return trainer.state_from_params(self._weights(trainer, **trainer.model_kwargs))
 
-    def read_params(self, trainer, **model_kwargs) -> dict[str, Any]:
+    def read_params(self, trainer) -> dict[str, Any]:
+        return trainer.state_from_params(self._weights(trainer))["params"]
+
+    def _weights(self, trainer, **model_kwargs) -> dict[str, Any]:
+        """The safetensors read shard by shard straight into the trainer's mesh and rules."""
         import numpy as np
         from flax import nnx
 
@@ -114,6 +125,9 @@ class Ours(Source):
         return f"{self.path} (iteration {self.iteration})"
 
     def own_model_config(self, cfg: RunConfig, tokenizer_size: int) -> ModelConfig:
+        return orbax.model_config(self.saved)
+
+    def stored_model_config(self, vocab_size: int | None = None) -> ModelConfig:
         return orbax.model_config(self.saved)
 
     def check_resume(self, cfg: RunConfig) -> None:
@@ -171,6 +185,17 @@ class Megatron(Source):
         name = named.name if named else os.path.basename(self.checkpoint.root.rstrip("/"))
         return mc.model_config(self.checkpoint, name=name, vocab_size=vocab_size, fallback=named)
 
+    def stored_model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """Its args as our config, the vocabulary unpadded to ``vocab_size`` (default: what it recorded)."""
+        from mlir_train.checkpoint.megatron import read as mc
+
+        vocab_size = vocab_size or mc.unpadded_vocab(self.checkpoint, [])
+        cfg = mc.model_config(self.checkpoint, name=os.path.basename(os.path.abspath(self.path)), vocab_size=vocab_size)
+        if vocab_size is None:
+            log.info(f"note: {self.describe()} does not record its unpadded vocabulary; keeping all {cfg.vocab_size} "
+                     "(padded) rows. Pass --vocab-size N (e.g. 151936 for Qwen3) to strip the padding")
+        return cfg
+
     def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
         import jax
         import numpy as np
@@ -199,14 +224,16 @@ class Scratch(Source):
     scratch there, with a warning)."""
 
 
-def detect(load: str | None, *, step: int | None = None, exit_on_missing: bool = False) -> Source:
+def detect(load: str | None, *, step: int | None = None, exit_on_missing: bool = False,
+           flag: str = "--load") -> Source:
     """Classify ``--load``: an HF directory, ours (wins if the directory holds one; ``DIR/<step>``
     names one step), then a Megatron checkpoint (legacy ``torch`` or ``torch_dist``). ``step``
     (``--ckpt-step``) picks the iteration instead of the newest. A directory that holds files
     but no checkpoint we can read is an error naming what it holds, never a silent fresh start;
     a missing or empty one (or one with only interrupted writes of ours) warns and starts from
     scratch (one script both starts and resumes a job), unless ``exit_on_missing``
-    (--exit-on-missing-checkpoint) makes that an error. Our checkpoints are verified here."""
+    (--exit-on-missing-checkpoint) makes that an error. Our checkpoints are verified here.
+    ``flag``: how messages name the path (``convert`` passes "SRC" and ``exit_on_missing``)."""
     from mlir_train.checkpoint.megatron import read as mc
 
     if not load:
@@ -220,30 +247,30 @@ def detect(load: str | None, *, step: int | None = None, exit_on_missing: bool =
     parent, base = os.path.split(os.path.normpath(load))
     if orbax.is_step_dir(load) and orbax.has_checkpoint(parent):  # --load DIR/<step>
         if step is not None and step != int(base):
-            raise CheckpointError(f"--load {load} names iteration {base} but --ckpt-step says {step}")
+            raise CheckpointError(f"{flag} {load} names iteration {base} but --ckpt-step says {step}")
         load, step = parent, int(base)
     if orbax.has_checkpoint(load):
         try:
             chosen = orbax.verified_step(load, step)
             return Ours(load, step=chosen, saved=orbax.CheckpointManager(load, read_only=True).read_meta(chosen))
         except CheckpointError as e:
-            raise CheckpointError(f"--load {load}: {e}" if not str(e).startswith("--load") else str(e)) from None
+            raise CheckpointError(f"{flag} {load}: {e}" if not str(e).startswith(flag) else str(e)) from None
     if step is not None and not mc.looks_like_megatron(load):
-        raise CheckpointError(f"--load {load} --ckpt-step {step}: no checkpoint there (of ours or Megatron's)")
+        raise CheckpointError(f"{flag} {load} --ckpt-step {step}: no checkpoint there (of ours or Megatron's)")
     try:
         found_megatron = mc.find(load, iteration=step)
     except CheckpointError as e:
-        raise CheckpointError(f"--load {load}: {e}") from None
+        raise CheckpointError(f"{flag} {load}: {e}") from None
     if found_megatron is not None:
         return Megatron(load, checkpoint=found_megatron)
     found = mc.identify(load)
     if found:  # files, but nothing we read: never silently train from scratch
-        raise CheckpointError(f"--load {load}: {found}. Supported: an HF model directory (config.json + safetensors), "
+        raise CheckpointError(f"{flag} {load}: {found}. Supported: an HF model directory (config.json + safetensors), "
                               "a mlir-train checkpoint, a Megatron torch or torch_dist checkpoint")
-    msg = f"--load {load}: no complete checkpoint there, nor an HF model directory (no config.json)"
+    msg = f"{flag} {load}: no complete checkpoint there, nor an HF model directory (no config.json)"
     if exit_on_missing:
         raise CheckpointError(f"{msg}; --exit-on-missing-checkpoint is set. Check the path, or drop the flag to start "
-                              "from scratch")
+                              "from scratch" if flag == "--load" else f"{msg}: check the path")
     log.warning(f"{msg}; starting from random initialisation at iteration 0 "
                 "(--exit-on-missing-checkpoint makes this an error)")
     return Scratch()

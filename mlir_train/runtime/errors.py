@@ -71,11 +71,16 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (UserError,) + extra
 
 
+def report(e: BaseException) -> int:
+    """Print ``e`` as the one error line; its exit status."""
+    log.error(str(e).strip().replace("\n", " "), all_processes=True)
+    return getattr(e, "exit_status", EXIT_STATUS)
+
+
 @contextlib.contextmanager
 def exit_on_user_error() -> Iterator[None]:
     """Turn a :func:`user_errors` exception into its one line on standard error and its exit status."""
     try:
         yield
     except user_errors() as e:
-        log.error(str(e).strip().replace("\n", " "), all_processes=True)
-        raise SystemExit(getattr(e, "exit_status", EXIT_STATUS)) from None
+        raise SystemExit(report(e)) from None
