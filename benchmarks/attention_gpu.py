@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     megatron = num_floating_point_operations(cfg, seq, 1)
     print(f"{devices[0].device_kind}; {cfg.name} x {cfg.num_layers} layers, seq {seq}, batch 1, bf16, recompute off; "
           f"Megatron's count {megatron / 1e12:.3f} TFLOP")
-    from mlir_train.model.transformer import ATTENTION_BACKENDS
+    from mlir_train.model.kernels import ATTENTION_BACKENDS
     from mlir_train.model.tokamax_kernels import document_starts
     from mlir_train.runtime.platform_setup import compile_target
 

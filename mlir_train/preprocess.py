@@ -8,7 +8,8 @@
 Takes exactly the flags of ``python -m mlir_train.sft`` (the training script's whole command line
 can be passed; only the data and SFT flags matter), so both build and find the same cache.
 Without --data-path / --hf-tokenizer-path / --seq-length it uses the bundled alpaca tasks and
-tokenizer at 2048 tokens. Bad input prints one error line and exits with status 1.
+tokenizer at 2048 tokens. Bad input prints one ``mlir-train: error:`` line and exits with status 2,
+as every entry point does (:mod:`mlir_train.runtime.errors`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import sys
 import time
 
 from mlir_train.config import cli
-from mlir_train.runtime import platform_setup
+from mlir_train.runtime import errors, platform_setup
 
 
 def main(argv: list[str] | None = None) -> int:
     run_cfg = cli.parse(argv)
     platform_setup.configure_platform(cpu_devices=run_cfg.extras.cpu_devices)  # before jax starts
-    from mlir_train.data import DataError, build_datasets
+    from mlir_train.data import build_datasets
     from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
 
     d = run_cfg.data
@@ -34,9 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         data = build_datasets(cfg)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except errors.user_errors() as e:
+        return errors.report(e)
     print(data.summary())
     print(f"took {time.perf_counter() - start:.2f} s with {cfg.num_workers} worker(s)")
     return 0

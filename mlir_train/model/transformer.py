@@ -38,9 +38,9 @@ from flax import nnx
 from mlir_train.config.models import ModelConfig
 from mlir_train.model.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
 from mlir_train.model.layers import (
-    DEFAULT_ATTENTION_IMPL, MLP, SEGMENT_ID_IMPLS, Attention, RMSNorm, attention_mask, param, rope_tables,
+    MLP, SEGMENT_ID_IMPLS, Attention, RMSNorm, attention_mask, param, rope_tables,
 )
-from mlir_train.model.moe.block import DEFAULT_MOE_IMPL, MoE
+from mlir_train.model.moe.block import MoE
 from mlir_train.model.recompute import checkpointed
 from mlir_train.config.policies import LEGACY, RecomputePolicy
 from mlir_train.config.policies import RouterConfig
@@ -281,52 +281,6 @@ def logical_axes(model: nnx.Module) -> Any:
         lambda v: v.get_metadata()["logical_axes"], nnx.state(model, nnx.Param),
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
-
-
-# --moe-gemm-backend / --attention-kernel (mlir_train.config.flags) -> what the model runs.
-MOE_BACKENDS = ("auto", "mosaic", "tokamax", "padded")
-ATTENTION_BACKENDS = {"auto": None, "tokamax": "tokamax", "pallas-mha": "flash", "mlir": "docs-flash", "xla": "xla"}
-GPU_ONLY = {"mosaic", "tokamax", "pallas-mha", "mlir"}
-
-
-def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int = 1, moe_backend: str = "auto",
-                          attention_backend: str = "auto") -> dict[str, Any]:
-    """The kernels a model compiled for ``platform`` ("cpu", "gpu", "tpu": the mesh devices'
-    ``.platform``) runs: attention (``attention_backend``, ``--attention-kernel``: "auto" is
-    :data:`~mlir_train.model.layers.DEFAULT_ATTENTION_IMPL`) and, for MoE models, the experts
-    (``moe_backend``, ``--moe-gemm-backend``: "auto" is :data:`~mlir_train.model.moe.block.DEFAULT_MOE_IMPL`,
-    with our Mosaic-GPU block kernels under "grouped"; "tokamax" the same dropless block layout on
-    tokamax's kernels; "padded" the capacity / padded batched matmul).
-
-    With the sequence split over ``context_parallel`` > 1 ranks attention is the "xla" path
-    on every platform: the kernels mask causally from position 0 of one sequence shared
-    by queries and keys, which the load-balanced layout's two chunks per rank are not
-    (:func:`~mlir_train.model.layers.context_parallel_attention`); naming a kernel there is refused.
-    A GPU kernel named off GPU is refused (ValueError naming the flag), never replaced."""
-    if moe_backend not in MOE_BACKENDS:
-        raise ValueError(f"--moe-gemm-backend {moe_backend!r}: choose one of {', '.join(MOE_BACKENDS)}")
-    if attention_backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-kernel {attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
-    for flag, choice in (("--attention-kernel", attention_backend), ("--moe-gemm-backend", moe_backend)):
-        if choice in GPU_ONLY and platform != "gpu":
-            raise ValueError(f"{flag} {choice}: a GPU kernel, and this run compiles for {platform}; "
-                             f"use {flag} auto (or xla / padded)")
-    if context_parallel > 1:
-        if attention_backend not in ("auto", "xla"):
-            raise ValueError(f"--attention-kernel {attention_backend} does not run with --context-parallel-size "
-                             f"{context_parallel} (the kernels cannot mask the load-balanced chunks by their original "
-                             "positions); use --attention-kernel xla or auto")
-        impl = "xla"
-    else:
-        impl = ATTENTION_BACKENDS[attention_backend] or DEFAULT_ATTENTION_IMPL.get(platform, "xla")
-    kwargs: dict[str, Any] = {"attention_impl": impl}
-    if is_moe:
-        moe_impl = "padded" if moe_backend == "padded" else (
-            "grouped" if moe_backend in ("mosaic", "tokamax") else DEFAULT_MOE_IMPL.get(platform, "padded"))
-        kwargs |= {"moe_impl": moe_impl, "moe_platform": platform}
-        if moe_backend == "tokamax":
-            kwargs["moe_kernels"] = "tokamax"
-    return kwargs
 
 
 def init_model(cfg: ModelConfig, *, seed: int = 0, shardings: Any = None, **model_kwargs: Any) -> Qwen3:

@@ -313,10 +313,3 @@ def compile_target(mesh):
         return contextlib.nullcontext()
     return jax.default_device(mesh.devices.flat[0])
 
-
-def default_moe_impl(mesh) -> str:
-    """The MoE implementation for a mesh, from its devices' platform (:func:`mesh_platform`;
-    the table is :data:`mlir_train.model.moe.block.DEFAULT_MOE_IMPL`)."""
-    from mlir_train.model.moe.block import DEFAULT_MOE_IMPL
-
-    return DEFAULT_MOE_IMPL.get(mesh_platform(mesh), "padded")

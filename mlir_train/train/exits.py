@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from mlir_train.runtime import log
+
 
 class StopOnSignal:
     """SIGTERM/SIGINT set ``requested`` (the loop finishes its step, saves and exits 0); a second
@@ -27,7 +29,7 @@ class StopOnSignal:
 
     def _handle(self, signum, frame) -> None:
         self.requested = signal.Signals(signum).name
-        print(f"mlir-train: {self.requested} received; finishing this iteration, then saving and exiting", flush=True)
+        log.info(f"{self.requested} received; finishing this iteration, then saving and exiting")
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mlir_train.runtime import log as console
 from mlir_train.runtime.errors import ConfigError
 
 # Worst |kernel - reference| over the largest |reference| of each output and gradient, with the
@@ -257,7 +258,7 @@ def check_block_kernels(kernels, s: Shapes) -> float:
 
 # ----- at start-up -----------------------------------------------------------------------------------
 def self_check(kernels: list[Kernel], shapes: Shapes, choices: Mapping[str, Any] | None = None,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
+               log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run ``kernels`` at ``shapes``; the model kwargs of the fallbacks taken (empty when all
     passed). ``choices``: the run's flags by dest (``RunConfig.flat()``): a failed kernel whose
     fallback flag is absent or ``auto`` falls back loudly, any other value stops the run with a
@@ -280,8 +281,8 @@ def self_check(kernels: list[Kernel], shapes: Shapes, choices: Mapping[str, Any]
         results.append((kernel, err, problem))
     failed = _agreed([problem is not None for _, _, problem in results])
     summary = ", ".join(f"{k.name} {'FAILED' if bad else f'ok ({err:.1e})'}" for (k, err, _), bad in zip(results, failed))
-    log(f"mlir-train: kernel self-check took {time.perf_counter() - start:.1f}s ({shapes.dtype}, tolerance "
-        f"{tol:.0e}): {summary}")
+    (log or console.info)(f"kernel self-check took {time.perf_counter() - start:.1f}s ({shapes.dtype}, tolerance "
+                          f"{tol:.0e}): {summary}")
     overrides: dict[str, Any] = {}
     for (kernel, err, problem), bad in zip(results, failed):
         if not bad:
@@ -294,8 +295,9 @@ def self_check(kernels: list[Kernel], shapes: Shapes, choices: Mapping[str, Any]
                 f"kernel self-check: {kernel.name} (selected by {fb.flag} {chosen}) failed on "
                 f"{jax.devices()[0].device_kind}: {problem}; select the fallback with {fb.flag} {fb.value}, "
                 f"or skip this check with --no-kernel-self-check")
-        log(f"mlir-train: WARNING: kernel self-check: {kernel.name} failed: {problem}; falling back to "
-            f"{fb.describe} ({fb.flag} {fb.value} selects it; --no-kernel-self-check skips this check)")
+        (log or console.warning)(f"kernel self-check: {kernel.name} failed: {problem}; falling back to "
+                                 f"{fb.describe} ({fb.flag} {fb.value} selects it; --no-kernel-self-check skips "
+                                 "this check)")
         overrides |= fb.model_kwargs
     return overrides
 
@@ -313,7 +315,7 @@ def _agreed(failed: list[bool]) -> list[bool]:
     return [bool(x) for x in np.asarray(every).reshape(-1, len(failed)).any(axis=0)]
 
 
-def checked_trainer(run, trainer, log: Callable[[str], None] = print):
+def checked_trainer(run, trainer, log: Callable[[str], None] | None = None):
     """``trainer`` after :func:`self_check` of what its model is built with at ``run``'s
     shapes, or the run's trainer rebuilt with the fallbacks of the kernels that failed."""
     from flax import nnx

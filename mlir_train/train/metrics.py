@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from mlir_train.runtime import log
 from mlir_train.runtime.errors import NonFiniteLoss
 
 
@@ -42,8 +43,8 @@ class MetricsWriter:
             try:
                 import wandb
             except ImportError:
-                print("wandb: --wandb-project given but the wandb package is not installed "
-                      "(pip install wandb); logging to TensorBoard and metrics.jsonl only.")
+                log.warning("--wandb-project given but the wandb package is not installed "
+                            "(pip install wandb); logging to TensorBoard and metrics.jsonl only.")
             else:
                 self.wandb = wandb.init(project=wandb_project, name=wandb_name or None, config=config,
                                         dir=wandb_dir or log_dir)

@@ -128,15 +128,16 @@ def test_missing_tokenizer_directory_and_data_file(tmp_path):
 
 
 def test_cli_prints_the_error_and_exits_nonzero(tmp_path, capsys):
+    """One line, status 2: the one error family of every entry point (mlir_train.runtime.errors)."""
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"instruction": "x"}])
     code = preprocess.main(["--data-path", str(path), "--data-cache-path", str(tmp_path)])
-    assert code == 1
+    assert code == 2
     assert capsys.readouterr().err.strip() == (
-        f"error: {path}:2: missing field 'output': expected a string")
+        f"mlir-train: error: {path}:2: missing field 'output': expected a string")
     result = subprocess.run(
         [sys.executable, "-m", "mlir_train.preprocess", "--hf-tokenizer-path",
          str(tmp_path / "nope")], capture_output=True, text=True)
-    assert result.returncode == 1 and "no such directory" in result.stderr
+    assert result.returncode == 2 and "no such directory" in result.stderr
 
 
 def test_cli_summary(tmp_path, capsys):

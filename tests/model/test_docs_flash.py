@@ -92,7 +92,7 @@ def test_under_data_and_tensor_parallelism():
 
 
 def test_flag_selects_it_and_refuses_context_parallelism_and_cpu():
-    from mlir_train.model.transformer import platform_model_kwargs
+    from mlir_train.model.kernels import platform_model_kwargs
 
     assert platform_model_kwargs("gpu", is_moe=False, attention_backend="mlir")["attention_impl"] == "docs-flash"
     with pytest.raises(ValueError, match="--attention-kernel mlir does not run with --context-parallel-size"):

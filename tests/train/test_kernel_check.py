@@ -65,7 +65,7 @@ def test_failing_kernel_under_auto_falls_back_loudly(monkeypatch):
     assert "flash attention (Pallas-Triton mha) failed: ValueError: no kernel for this shape" in warn_attn
     assert "falling back to XLA attention" in warn_attn and "--attention-kernel xla selects it" in warn_attn
     assert "(broken block kernels) failed: max relative error" in warn_moe and "--moe-gemm-backend padded" in warn_moe
-    assert summary.startswith("mlir-train: kernel self-check took ") and summary.count("FAILED") == 2
+    assert summary.startswith("kernel self-check took ") and summary.count("FAILED") == 2
     # The explicit choice stops instead, naming the attention flag.
     with pytest.raises(ConfigError, match=r"flash attention .* select the fallback with --attention-kernel xla"):
         kernel_check.self_check(kernels[:1], SHAPES, {"attention_kernel": "pallas-mha"}, log=lines.append)
