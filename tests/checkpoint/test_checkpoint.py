@@ -18,28 +18,17 @@ import pytest
 from mlir_train import sft
 from mlir_train.checkpoint import orbax as checkpoint
 from mlir_train.config.models import get_model_config
-from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims
 from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh, validate
 from sharding.layout import Layout
+from tests.helpers import tiny_argv
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt_shared")
     return {"data": str(root / "data")}
-
-
-def tiny_argv(shared, tmp_path, name, *extra):
-    return [
-        "--model-name", "qwen3-moe-tiny", "--hf-tokenizer-path", DEFAULT_TOKENIZER,
-        "--data-path", DEFAULT_DATA, "--split", "100,0,0", "--chat-template", "alpaca", "--packing-sft-data",
-        "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size", "1", "--train-iters", "4",
-        "--eval-interval", "0", "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1",
-        "--data-cache-path", shared["data"],
-        "--tensorboard-dir", str(tmp_path / "tb" / name), *extra,
-    ]
 
 
 def losses(tmp_path, name):

@@ -19,6 +19,7 @@ import pytest
 from mlir_train import sft
 from mlir_train.checkpoint import orbax as checkpoint
 from mlir_train.checkpoint import integrity, saver, sources
+from tests.helpers import tiny_argv
 
 
 def tiny_state(scale: float):
@@ -219,12 +220,6 @@ def test_second_saver_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys, m
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     return {"data": str(tmp_path_factory.mktemp("integrity_shared") / "data")}
-
-
-def tiny_argv(shared, tmp_path, name, *extra):
-    from tests.checkpoint.test_checkpoint import tiny_argv as checkpoint_argv  # the same tiny run as there
-
-    return checkpoint_argv(shared, tmp_path, name, *extra)
 
 
 def test_load_falls_back_past_a_flipped_bit_and_resumes_exactly(shared, tmp_path, capsys):

@@ -131,7 +131,7 @@ def test_counted_work_on_packed_rows_is_below_megatrons_causal_count():
 
 @pytest.fixture(scope="module")
 def h200_mesh(h200_devices):
-    from gpu_helpers import one_device_mesh
+    from tests.helpers import one_device_mesh
 
     return one_device_mesh(h200_devices)
 
@@ -140,7 +140,7 @@ def test_h200_compile_holds_the_kernels_and_their_ptx_uses_wgmma_without_spills(
     """Forward and backward compiled deviceless for an H200 (bf16, T 2048, G 2, H 128): three
     Triton kernel calls, no dot or GEMM (no dense attention fallback); each kernel's PTX issues
     wgmma, no mma.sync, no spills, registers within the limit (about 20 s)."""
-    from gpu_helpers import compiled_attention_grads
+    from tests.helpers import compiled_attention_grads
     from mlir_train.planner.hlo_flops import matmul_flops
     from mlir_train.planner.kernel_audit import audit_xla_dump
     from mlir_train.model.layers import docs_flash_attention

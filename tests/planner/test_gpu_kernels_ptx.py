@@ -87,7 +87,7 @@ def test_flash_attention_tiles_follow_the_target():
 def test_flash_attention_backward_uses_wgmma_without_spills_on_h200(h200_device, tmp_path):
     """The Pallas-Triton attention, compiled under a mesh of H200s (its tiles follow the mesh's
     devices), forward and backward, read from XLA's per-module PTX with ptxas -v (~10 s)."""
-    from gpu_helpers import compiled_attention_grads, one_device_mesh
+    from tests.helpers import compiled_attention_grads, one_device_mesh
     from mlir_train.planner.kernel_audit import audit_xla_dump
     from mlir_train.model.layers import flash_attention
 

@@ -21,6 +21,7 @@ import pytest
 from sharding.context import from_zigzag, to_zigzag, zigzag_order
 from sharding.mesh import validate
 from sharding.layout import Layout, LayoutError
+from tests.helpers import cli_metrics, collectives
 from tests.train.test_pipeline import CFG, MICRO, ROWS, SEQ, _assert_same_step, _batch, _one_step
 
 
@@ -97,7 +98,6 @@ def test_context_parallel_step_equals_one_device(name, reference, monkeypatch):
 def test_context_parallel_attention_gathers_kv_over_the_context_ranks():
     """The CP2xDP4 step attends with K/V all-gathered over groups of 2 (the context ranks), and
     each rank's forward scores cover its own queries only: [rows/DP, K, G * SEQ/CP, SEQ]."""
-    from tests.train.test_layouts import collectives
 
     parallel = validate(LAYOUTS["CP2xDP4"], seq_length=SEQ)
     _, _, hlo = _one_step(parallel, jax.devices()[:8])
@@ -160,11 +160,10 @@ def test_cli_context_parallel_run_equals_data_parallel(tmp_path):
     """Three iterations on the bundled data: DP8 against CP2 x TP2 + SP (DP2), both 2 micro-batches
     of the same 8 rows per step (the aux loss is formed per micro-batch), with
     --calculate-per-token-loss so the rows per data-parallel micro-batch may differ."""
-    from tests.train.test_layouts import _cli_metrics
 
     per_token = ["--calculate-per-token-loss"]
-    dp = _cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1", *per_token])
-    cp = _cli_metrics(tmp_path, "cp", ["--micro-batch-size", "4", "--context-parallel-size", "2",
+    dp = cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1", *per_token])
+    cp = cli_metrics(tmp_path, "cp", ["--micro-batch-size", "4", "--context-parallel-size", "2",
                                        "--tensor-model-parallel-size", "2", "--sequence-parallel", *per_token])
     assert [r["iteration"] for r in dp] == [r["iteration"] for r in cp] == [1, 2, 3]
     for a, b in zip(dp, cp):

@@ -11,15 +11,11 @@ import pytest
 from flax import nnx
 
 import sharding
-from mlir_train.config.models import get_model_config
 from mlir_train.model import init_model, logical_axes
 from mlir_train.model.moe import block as moe_lib
 from sharding import Layout
+from tests.helpers import B, COMPILER_OPTIONS, T, TINY_MOE, moe_block, moe_block_inputs, run_moe_block
 
-TINY = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2)
-B, T = 8, 16  # 128 tokens: 16 per rank on 8 token ranks, enough to overflow the capacity guess
-# LLVM's optimisation passes are most of an XLA:CPU compile here and change nothing we check.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 MESHES = {
     "EP2xDP4": Layout(expert=2, num_devices=8),
@@ -31,7 +27,7 @@ MESHES = {
 
 def _inputs():
     rng = np.random.default_rng(0)
-    ids = jnp.asarray(rng.integers(0, TINY.vocab_size, (B, T)), jnp.int32)
+    ids = jnp.asarray(rng.integers(0, TINY_MOE.vocab_size, (B, T)), jnp.int32)
     # Two packed documents and some padding, so padding exclusion in the stats is exercised.
     seg = np.ones((B, T), np.int32)
     seg[0, 9:] = 2
@@ -50,10 +46,10 @@ def _step(graphdef, ids, seg):
 
 @pytest.fixture(scope="module")
 def reference():
-    model = init_model(TINY, moe_impl="padded")
+    model = init_model(TINY_MOE, moe_impl="padded")
     graphdef, state = nnx.split(model)
     ids, seg = _inputs()
-    return model, graphdef, state, _step(graphdef, ids, seg).lower(state).compile(FAST_COMPILE)(state)
+    return model, graphdef, state, _step(graphdef, ids, seg).lower(state).compile(COMPILER_OPTIONS)(state)
 
 
 @pytest.mark.parametrize("name", list(MESHES))
@@ -64,12 +60,12 @@ def test_expert_parallel_model_equals_one_device(name, reference):
     ids, seg = _inputs()
     with jax.set_mesh(mesh), sharding.use_rules(rules):
         state = jax.device_put(state, sharding.tree_shardings(logical_axes(model), rules, mesh))
-        compiled = _step(graphdef, ids, seg).lower(state).compile(FAST_COMPILE)
+        compiled = _step(graphdef, ids, seg).lower(state).compile(COMPILER_OPTIONS)
         (loss, (logits, stats)), grads = compiled(state)
     assert "all-to-all" in compiled.as_text()
     # Experts really are split: each device holds E / EP of them.
     gate = state["layers"][0]["mlp"]["gate_proj"][...]
-    assert gate.addressable_shards[0].data.shape[1] == TINY.num_experts // cfg.expert
+    assert gate.addressable_shards[0].data.shape[1] == TINY_MOE.num_experts // cfg.expert
 
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=1e-5)
@@ -97,34 +93,6 @@ def test_logical_axis_lookup():
 # ----- the dispatch alone, on one MoE block -----------------------------------------------------
 
 
-def _block(**kwargs):
-    return moe_lib.MoE(TINY, nnx.Rngs(1), TINY.init_std, **kwargs)
-
-
-def _block_inputs():
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.standard_normal((B, T, TINY.hidden_size)), jnp.float32)
-    valid = np.ones((B, T), bool)
-    valid[2, 5:] = False
-    return x, jnp.asarray(valid)
-
-
-def _run_block(block, x, valid, cfg=None, grads=False):
-    graphdef, state = nnx.split(block)
-
-    def f(state, x):
-        y, stats = nnx.merge(graphdef, state)(x, valid)
-        return jnp.sum(jnp.sin(y)), (y, stats)
-
-    f = jax.value_and_grad(f, argnums=(0, 1), has_aux=True) if grads else f
-    if cfg is None:
-        return jax.jit(f).lower(state, x).compile(FAST_COMPILE)(state, x), None
-    mesh, rules = sharding.make_mesh(cfg), sharding.rules_for(cfg)
-    with jax.set_mesh(mesh), sharding.use_rules(rules):
-        compiled = jax.jit(f).lower(state, x).compile(FAST_COMPILE)
-        return compiled(state, x), compiled.as_text()
-
-
 def test_capacity_is_per_rank_as_in_megatron():
     """With a capacity factor, each rank keeps at most C = ceil(cf * S_local * K / E) of *its own*
     tokens per expert (Megatron's drop is per rank too), so the EP run equals the single-device
@@ -133,14 +101,14 @@ def test_capacity_is_per_rank_as_in_megatron():
     tested in test_model.py."""
     cfg = MESHES["TP2xEP2xDP2"]
     ranks = 4  # token chunks: data x expert
-    block = _block(impl="padded", capacity_factor=0.5, drop_policy="probs")
-    x, valid = _block_inputs()
-    (_, (y, stats)), hlo = _run_block(block, x, valid, cfg)
+    block = moe_block(impl="padded", capacity_factor=0.5, drop_policy="probs")
+    x, valid = moe_block_inputs()
+    (_, (y, stats)), hlo = run_moe_block(block, x, valid, cfg)
     assert "all-to-all" in hlo
 
     s_local = B * T // ranks
     chunks = [
-        _run_block(block, xc[None], vc[None])[0][1]
+        run_moe_block(block, xc[None], vc[None])[0][1]
         for xc, vc in zip(x.reshape(ranks, s_local, -1), valid.reshape(ranks, s_local))
     ]
     ref_y = jnp.concatenate([c[0].reshape(s_local, -1) for c in chunks]).reshape(x.shape)
@@ -156,21 +124,21 @@ def test_dropless_fallback_and_ragged_dispatch():
     (run here through a dense emulation of ragged_all_to_all, which XLA:CPU lacks), both equal
     the dense reference, values and gradients."""
     cfg = MESHES["EP4xTP2"]
-    x, valid = _block_inputs()
+    x, valid = moe_block_inputs()
 
-    skewed = _block(impl="padded")
+    skewed = moe_block(impl="padded")
     skewed.router[...] = jnp.zeros_like(skewed.router[...])  # ties: experts 0 and 1 for every token
-    ref_skewed = _block(impl="dense")
+    ref_skewed = moe_block(impl="dense")
     ref_skewed.router[...] = skewed.router[...]
-    (_, (y, stats)), _ = _run_block(skewed, x, valid, cfg)
-    (_, (ref_y, _)), _ = _run_block(ref_skewed, x, valid)
+    (_, (y, stats)), _ = run_moe_block(skewed, x, valid, cfg)
+    (_, (ref_y, _)), _ = run_moe_block(ref_skewed, x, valid)
     assert float(stats["tokens_per_expert"][0]) == int(valid.sum())
     assert float(stats["dropped_tokens"]) == 0
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5, rtol=1e-5)
 
-    ragged = _block(impl="ragged", ragged_all_to_all=moe_lib.ragged_all_to_all_dense)
-    ((_, (y, _)), grads), hlo = _run_block(ragged, x, valid, cfg, grads=True)
-    ((_, (ref_y, _)), ref_grads), _ = _run_block(_block(impl="dense"), x, valid, grads=True)
+    ragged = moe_block(impl="ragged", ragged_all_to_all=moe_lib.ragged_all_to_all_dense)
+    ((_, (y, _)), grads), hlo = run_moe_block(ragged, x, valid, cfg, grads=True)
+    ((_, (ref_y, _)), ref_grads), _ = run_moe_block(moe_block(impl="dense"), x, valid, grads=True)
     assert "all-to-all" in hlo
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):

@@ -36,8 +36,9 @@ import pytest
 import sharding
 from mlir_train.model.moe import block as moe_lib
 from sharding import Layout
-from tests.train import test_expert_parallel as tep
-from tests.train.test_layouts import MODELS, _cli_metrics, _named_leaves, assert_step_matches, train_one_step
+from tests.helpers import (
+    B, T, MODELS, assert_step_matches, cli_metrics, moe_block, moe_block_inputs, named_leaves, run_moe_block, train_one_step,
+)
 
 MOE = MODELS["moe"]  # 8 experts, top-2, expert width 64
 # Capacity C = ceil(cf * S_r * K / E) = S_r at cf = E / K: a rank can never overflow it, so the
@@ -95,7 +96,7 @@ def test_step_matches_single_device(name):
     ref, got = _reference(), _run(name)
     assert_step_matches(got, ref, moe=True)
     # Adam's second moment is (1 - beta2) g^2 after one step: relative to each tensor's largest.
-    for (path, a), (_, b) in zip(_named_leaves(_adam_nu(got.state)), _named_leaves(_adam_nu(ref.state))):
+    for (path, a), (_, b) in zip(named_leaves(_adam_nu(got.state)), named_leaves(_adam_nu(ref.state))):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max(), err_msg=f"Adam nu {path}")
     # The experts really are split as the expert grid says in the compute layout: E / EP experts
     # and F / ETP columns per device (the stored float32 masters may be split further by ZeRO).
@@ -142,12 +143,12 @@ def test_capacity_drops_per_rank(name):
     """A capacity that drops: each of the 8 token ranks keeps at most C of its own tokens per
     expert, so the layout equals the one-device block on each rank's chunk, drops included."""
     cfg = BLOCK_LAYOUTS[name]
-    block = tep._block(impl="padded", capacity_factor=0.5, drop_policy="probs")
-    x, valid = tep._block_inputs()
-    (_, (y, stats)), _ = tep._run_block(block, x, valid, cfg)
+    block = moe_block(impl="padded", capacity_factor=0.5, drop_policy="probs")
+    x, valid = moe_block_inputs()
+    (_, (y, stats)), _ = run_moe_block(block, x, valid, cfg)
     ranks = 8
-    s_local = tep.B * tep.T // ranks
-    chunks = [tep._run_block(block, xc[None], vc[None])[0][1]
+    s_local = B * T // ranks
+    chunks = [run_moe_block(block, xc[None], vc[None])[0][1]
               for xc, vc in zip(x.reshape(ranks, s_local, -1), valid.reshape(ranks, s_local))]
     ref_y = jnp.concatenate([c[0].reshape(s_local, -1) for c in chunks]).reshape(x.shape)
     ref_dropped = sum(float(c[1]["dropped_tokens"]) for c in chunks)
@@ -160,11 +161,11 @@ def test_capacity_drops_per_rank(name):
 @pytest.mark.parametrize("name", ["TP2xEP4xETP1", "TP2xEP2xETP4"])
 def test_dropless_dispatchers_equal_the_dense_reference(impl, name):
     cfg = BLOCK_LAYOUTS.get(name) or Layout(tensor=2, expert=2, expert_tensor=4, num_devices=8)
-    x, valid = tep._block_inputs()
-    block = tep._block(impl=impl, ragged_all_to_all=moe_lib.ragged_all_to_all_dense, platform="cpu")
+    x, valid = moe_block_inputs()
+    block = moe_block(impl=impl, ragged_all_to_all=moe_lib.ragged_all_to_all_dense, platform="cpu")
     assert block.plan.dropless_dispatch == impl and block.plan.ragged_all_to_all is not None
-    ((_, (y, _)), grads), hlo = tep._run_block(block, x, valid, cfg, grads=True)
-    ((_, (ref_y, _)), ref_grads), _ = tep._run_block(tep._block(impl="dense"), x, valid, grads=True)
+    ((_, (y, _)), grads), hlo = run_moe_block(block, x, valid, cfg, grads=True)
+    ((_, (ref_y, _)), ref_grads), _ = run_moe_block(moe_block(impl="dense"), x, valid, grads=True)
     assert "all-to-all" in hlo
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
@@ -197,7 +198,7 @@ def test_checkpoint_saved_under_folding_restores_into_etp_equal_tp(tmp_path):
     assert meta["iteration"] == 1
     for key in ("params", "opt_state"):
         assert jax.tree.structure(saved.state[key]) == jax.tree.structure(state[key]), key
-        for (path, a), b, sh in zip(_named_leaves(jax.device_get(saved.state[key])), jax.tree.leaves(state[key]),
+        for (path, a), b, sh in zip(named_leaves(jax.device_get(saved.state[key])), jax.tree.leaves(state[key]),
                                     jax.tree.leaves(target.state_shardings[key])):
             np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{key} {path}")
             assert b.sharding.is_equivalent_to(sh, b.ndim), (path, b.sharding, sh)
@@ -209,8 +210,8 @@ def test_checkpoint_saved_under_folding_restores_into_etp_equal_tp(tmp_path):
 @pytest.mark.slow  # ~25-50 s; the flag reaching the layout is in tests/config/test_flags.py, the step in the cases above
 def test_cli_folding_agrees_with_data_parallel(tmp_path):
     per_token = ["--calculate-per-token-loss"]  # see tests/train/test_layouts.py's CLI test
-    dp = _cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1", *per_token])
-    fold = _cli_metrics(tmp_path, "fold", ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+    dp = cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1", *per_token])
+    fold = cli_metrics(tmp_path, "fold", ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
                                            "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
                                            "--sequence-parallel", *per_token])
     assert [r["iteration"] for r in fold] == [1, 2, 3]

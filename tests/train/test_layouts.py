@@ -45,33 +45,15 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
-import math
-import re
-from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 import pytest
 
-from mlir_train.config.models import get_model_config
-from mlir_train.train.optim import make_optimizer
-from mlir_train.train.schedule import megatron_lr_schedule
-from mlir_train.train.trainer import StepConfig, Trainer, model_dims
-from mlir_train.train.build import build_trainer
 from sharding.table import held_bytes
-from sharding.mesh import make_mesh, validate
 from sharding.layout import Layout
+from tests.helpers import Collective, MODELS, ROWS, SEQ, StepResult, assert_step_matches, cli_metrics, collectives, train_one_step
 
-SEED = 3
-LR = 1e-3
-BETA1 = 0.9
-MICRO, ROWS, SEQ = 2, 8, 32  # batch [micro-batches, rows per micro-batch, tokens per row]
-MODELS = {
-    "moe": get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2),
-    "dense": get_model_config("qwen3-tiny", vocab_size=512, num_layers=2),
-}
 MODELS["moe-loop"] = MODELS["moe-ragged"] = MODELS["moe"]
 # Issue 5's layouts on 8 devices (Megatron sizes: DP = 8 / TP, EP carved out of DP).
 LAYOUTS = {
@@ -84,66 +66,12 @@ LAYOUTS = {
     "FSDP8": Layout(fsdp=True),  # weights themselves split over the data ranks
 }
 SINGLE = "1 device"
-# LLVM -O0 for the CPU code: cuts XLA:CPU compile time ~6x, and compiles are most of this module's cost.
-# It changes code generation only, not the optimized HLO the collective checks read, and the
-# reference step is compiled the same way.
-COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 # "moe-loop": the same model with the dropless experts' block loop forced (the form larger
 # expert matmuls take; this tiny one would take the batched form), under tensor parallelism.
 # "moe-ragged": the experts as ``ragged_dot`` groups (the GPU/TPU path) with its custom gradient,
 # inside the pure-DP manual region.
 CASES = [("moe", name) for name in LAYOUTS] + [("dense", "TP2xDP4+SP"), ("moe-loop", "TP2xDP4"), ("moe-ragged", "DP8")]
-# Loss normalisation (losses.loss_token_weights): Megatron's default, each data-parallel
-# micro-batch of MICRO_BATCH_SIZE rows normalised by its own loss tokens (the rows of one
-# micro-batch slice are 4 such groups here, as TP2xDP4 would hold them), for every case above;
-# --calculate-per-token-loss (the global token count) for the PER_TOKEN_CASES.
-MICRO_BATCH_SIZE = 2
 PER_TOKEN_CASES = [("moe", "DP8"), ("moe", "TP2xDP4")]
-
-
-def packed_batch(vocab: int) -> dict[str, np.ndarray]:
-    """A fixed SFT-like batch ``[MICRO, ROWS, SEQ]``: rows packed with 1-3 documents and a
-    padded tail (segment id 0), positions restarting per document, labels the next token of
-    the same document, loss only on each document's "response" (its second half), and the
-    second micro-batch with about half the loss tokens of the first (so the two loss
-    normalisations weigh the tokens differently)."""
-    rng = np.random.default_rng(0)
-    shape = (MICRO, ROWS, SEQ)
-    ids = rng.integers(1, vocab, shape).astype(np.int32)
-    segment_ids = np.zeros(shape, np.int32)
-    positions = np.zeros(shape, np.int32)
-    labels = np.zeros(shape, np.int32)
-    loss_mask = np.zeros(shape, np.int32)
-    for m in range(MICRO):
-        for r in range(ROWS):
-            end = SEQ - int(rng.integers(0, 7))
-            cuts = sorted(int(c) for c in rng.choice(np.arange(4, end - 3), size=int(rng.integers(0, 3)), replace=False))
-            bounds = [0, *cuts, end]
-            for doc, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]), start=1):
-                segment_ids[m, r, a:b] = doc
-                positions[m, r, a:b] = np.arange(b - a)
-                labels[m, r, a:b - 1] = ids[m, r, a + 1:b]
-                response = a + (b - a) // 2
-                loss_mask[m, r, response:b - 1] = 1
-    loss_mask[1] &= (rng.random((ROWS, SEQ)) < 0.5).astype(np.int32)
-    assert loss_mask[0].sum() > 1.5 * loss_mask[1].sum() > 0
-    return dict(input_ids=ids, labels=labels, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
-
-
-class StepResult(NamedTuple):
-    trainer: Trainer
-    hlo: str  # optimized HLO of the compiled train step
-    init_params: Any  # host copies
-    metrics: dict[str, float]
-    params: Any
-    adam_mu: Any
-    state: Any  # the (device) state after the step
-
-
-def _adam_mu(opt_state) -> Any:
-    (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-               if isinstance(s, optax.ScaleByAdamState)]
-    return adam.mu
 
 
 @functools.cache
@@ -154,46 +82,11 @@ def run_step(model: str, layout: str, per_token: bool = False) -> StepResult:
     return train_one_step(MODELS[model], None if layout == SINGLE else LAYOUTS[layout], model_kwargs, per_token)
 
 
-def train_one_step(cfg, layout: Layout | None, model_kwargs: dict | None = None,
-                   per_token: bool = False) -> StepResult:
-    """One train step of model ``cfg`` on ``layout`` (None: one device) on :func:`packed_batch`."""
-    if layout is None:
-        parallel = Layout(num_devices=1)
-        mesh = make_mesh(parallel, devices=jax.devices()[:1])
-    else:
-        parallel = validate(layout, model_dims(cfg), seq_length=SEQ)
-        mesh = make_mesh(parallel)
-    schedule = megatron_lr_schedule(lr=LR, min_lr=LR / 10, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
-    optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
-    step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, micro_batch_size=MICRO_BATCH_SIZE,
-                          per_token_loss=per_token)
-    trainer = build_trainer(cfg, step_cfg, optimizer, parallel, mesh, model_kwargs=model_kwargs)
-    state = trainer.init_state(SEED)
-    init_params = jax.device_get(state["params"])
-    batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(cfg.vocab_size).items()}
-    compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)
-    state, metrics = compiled(state, batch)
-    return StepResult(
-        trainer=trainer,
-        hlo=compiled.as_text(),
-        init_params=init_params,
-        metrics={k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0},
-        params=jax.device_get(state["params"]),
-        adam_mu=jax.device_get(_adam_mu(state["opt_state"])),
-        state=state,
-    )
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _forget_runs():
     """The cached runs hold compiled programs and device state: drop them with the module."""
     yield
     run_step.cache_clear()
-
-
-def _named_leaves(tree) -> list[tuple[str, np.ndarray]]:
-    return [(jax.tree_util.keystr(p, simple=True, separator="/"), np.asarray(x))
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 # ----- one step equals one device ------------------------------------------------------------
@@ -206,26 +99,6 @@ def test_step_matches_single_device(model, layout, per_token):
     assert_step_matches(run_step(model, layout, per_token), ref, moe=model.startswith("moe"))
 
 
-def assert_step_matches(got: StepResult, ref: StepResult, *, moe: bool) -> None:
-    """One step of a layout equals the one-device step (tolerances: the module docstring)."""
-    for (path, a), (_, b) in zip(_named_leaves(got.init_params), _named_leaves(ref.init_params)):
-        np.testing.assert_array_equal(a, b, err_msg=f"initial {path}")
-    assert got.metrics["loss tokens"] == ref.metrics["loss tokens"]
-    for key in ("lm loss", "grad-norm") + (("load_balancing_loss",) if moe else ()):
-        np.testing.assert_allclose(got.metrics[key], ref.metrics[key], rtol=1e-5, err_msg=key)
-    assert ref.metrics["grad-norm"] > 1.0  # clipping is active, so its global norm is exercised too
-    for (path, a), (_, b) in zip(_named_leaves(got.adam_mu), _named_leaves(ref.adam_mu)):
-        assert np.abs(b).max() > 0, f"{path}: no gradient at all; the test would prove nothing"
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=f"gradient (Adam mu) {path}")
-    leaves = zip(_named_leaves(got.params), _named_leaves(ref.params), _named_leaves(ref.init_params),
-                 _named_leaves(ref.adam_mu))
-    for (path, a), (_, b), (_, p0), (_, mu) in leaves:
-        clear = np.abs(mu) / (1 - BETA1) >= 1e-6
-        np.testing.assert_allclose(a[clear], b[clear], rtol=0, atol=1e-3 * LR, err_msg=f"updated {path}")
-        np.testing.assert_allclose(a[~clear], b[~clear], rtol=0, atol=0.25 * LR, err_msg=f"updated {path} (|g| < 1e-6)")
-        assert np.abs(b - p0).max() > 0.5 * LR, f"{path} did not move; the comparison would be vacuous"
-
-
 def test_the_two_loss_normalisations_differ_on_this_batch():
     """Otherwise the per-token cases above would only repeat the default ones."""
     default, per_token = run_step("moe", SINGLE, False), run_step("moe", SINGLE, True)
@@ -234,42 +107,6 @@ def test_the_two_loss_normalisations_differ_on_this_batch():
 
 
 # ----- collectives in the compiled step --------------------------------------------------------
-
-_COLLECTIVE = re.compile(
-    r"^\s*(?:ROOT )?%\S+ = (?P<shape>.+?) (?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-    r"(?:-start)?\((?P<rest>.*)$",
-    re.MULTILINE,
-)
-
-
-class Collective(NamedTuple):
-    kind: str
-    shapes: tuple[tuple[int, ...], ...]  # output shapes (several when XLA combined ops into a tuple)
-    group: int | None  # ranks per replica group; None where the HLO does not say plainly
-
-
-def _group_size(attrs: str, num_devices: int) -> int | None:
-    """Replica-group size, from any of the spellings XLA prints: ``{{0,1},{2,3}}``, iota
-    ``[4,2]<=[8]`` (4 groups of 2) and ``mesh['axis_0'=4,'axis_1'=2] {'axis_1'}`` (the
-    product of the named axes)."""
-    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", attrs):
-        return len(m.group(1).split(","))
-    if re.search(r"replica_groups=\{\}", attrs):
-        return num_devices
-    if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", attrs):
-        return int(m.group(1))
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs):
-        sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
-        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", m.group(2)))
-    return None
-
-
-def collectives(hlo: str, num_devices: int = 8) -> list[Collective]:
-    out = []
-    for m in _COLLECTIVE.finditer(hlo):
-        shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"[a-z]\w*\[([\d,]*)\]", m["shape"]))
-        out.append(Collective(m["kind"], shapes, _group_size(m["rest"], num_devices)))
-    return out
 
 
 def _has(ops: list[Collective], kind: str, group: int) -> bool:
@@ -380,24 +217,6 @@ def test_parameters_and_optimizer_state_are_split():
 # ----- the CLI -----------------------------------------------------------------------------------
 
 
-def _cli_metrics(tmp_path, name: str, layout_flags: list[str]) -> list[dict]:
-    from mlir_train import sft
-    from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
-
-    log_dir = tmp_path / name
-    sft.main([
-        "--model-name", "qwen3-moe-tiny", "--num-layers", "2",
-        "--tokenizer-type", "HFTokenizer", "--hf-tokenizer-path", DEFAULT_TOKENIZER,
-        "--data-path", DEFAULT_DATA, "--split", "100,0,0", "--chat-template", "alpaca", "--packing-sft-data",
-        "--seq-length", "64", "--global-batch-size", "16", "--train-iters", "3",
-        "--lr", "1e-3", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--clip-grad", "1.0",
-        "--moe-aux-loss-coeff", "1e-2", "--eval-interval", "0", "--log-interval", "1",
-        "--data-cache-path", str(tmp_path / "cache"), "--tensorboard-dir", str(log_dir),
-        *layout_flags,
-    ])
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow  # ~50 s cold; each layout's step is in test_step_matches_single_device
 def test_cli_iterations_agree_across_layouts(tmp_path):
     # Both runs take 2 micro-batches of the same 8 rows (DP8 x 1 and DP4 x 2): the MoE aux loss
@@ -405,7 +224,7 @@ def test_cli_iterations_agree_across_layouts(tmp_path):
     # a different --micro-batch-size under Megatron's default loss normalisation (per data-parallel
     # micro-batch), hence --calculate-per-token-loss: the step tests above cover the default.
     per_token = ["--calculate-per-token-loss"]
-    dp = _cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1", *per_token])
+    dp = cli_metrics(tmp_path, "dp", ["--micro-batch-size", "1", *per_token])
     runs = {
         "tp-ep-sp-distopt": ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
                              "--expert-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"],
@@ -415,7 +234,7 @@ def test_cli_iterations_agree_across_layouts(tmp_path):
                              "--data-parallel-sharding-strategy", "optim_grads_params"],
     }
     for name, flags in runs.items():
-        par = _cli_metrics(tmp_path, name, [*flags, *per_token])
+        par = cli_metrics(tmp_path, name, [*flags, *per_token])
         assert [r["iteration"] for r in dp] == [r["iteration"] for r in par] == [1, 2, 3]
         for a, b in zip(dp, par):
             # Measured <= 2e-7 relative over the 3 iterations; the margin is for Adam's ±lr steps on
@@ -428,7 +247,7 @@ def test_cli_iterations_agree_across_layouts(tmp_path):
 
 def test_cli_fsdp_with_pipeline_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        _cli_metrics(tmp_path, "fsdp-pp", ["--micro-batch-size", "1", "--use-torch-fsdp2",
+        cli_metrics(tmp_path, "fsdp-pp", ["--micro-batch-size", "1", "--use-torch-fsdp2",
                                            "--pipeline-model-parallel-size", "2"])
     err = capsys.readouterr().err
     assert "--use-torch-fsdp2" in err and "--pipeline-model-parallel-size" in err

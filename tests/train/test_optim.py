@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from mlir_train.config import cli
-from mlir_train.train.optim import (
 from mlir_train.train import build
+from mlir_train.train.optim import (
     LossScaler,
     all_finite,
     global_norm,

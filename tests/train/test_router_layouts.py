@@ -27,7 +27,7 @@ from mlir_train.train.trainer import StepConfig, model_dims
 from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh, validate
 from sharding.layout import Layout
-from tests.train.test_layouts import COMPILER_OPTIONS, MICRO, MODELS, SEQ, SEED, _adam_mu, _named_leaves, packed_batch
+from tests.helpers import COMPILER_OPTIONS, MICRO, MODELS, SEQ, SEED, adam_mu, named_leaves, packed_batch, sft_args
 
 ROUTER = RouterConfig(score_function="sigmoid", num_groups=4, group_topk=2, enable_expert_bias=True,
                       per_sequence_stats=True)
@@ -91,7 +91,7 @@ def test_router_variants_match_single_device(layout):
     for name in per_layer:
         np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, err_msg=name)
     params, ref_params = jax.device_get(state["params"]), jax.device_get(ref_state["params"])
-    for (path, a), (_, b) in zip(_named_leaves(_adam_mu(state["opt_state"])), _named_leaves(_adam_mu(ref_state["opt_state"]))):
+    for (path, a), (_, b) in zip(named_leaves(adam_mu(state["opt_state"])), named_leaves(adam_mu(ref_state["opt_state"]))):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-30), err_msg=f"gradient {path}")
     bias, ref_bias = params["layers"][0]["mlp"]["expert_bias"], ref_params["layers"][0]["mlp"]["expert_bias"]
     np.testing.assert_array_equal(bias, ref_bias)
@@ -104,7 +104,7 @@ def test_sinkhorn_matches_single_device_and_evaluates_without_balancing(layout):
     for key in ("lm loss", "grad-norm", "z_loss"):
         np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, err_msg=key)
     np.testing.assert_array_equal(got["tokens_per_expert"], ref["tokens_per_expert"])
-    for (path, a), (_, b) in zip(_named_leaves(_adam_mu(state["opt_state"])), _named_leaves(_adam_mu(ref_state["opt_state"]))):
+    for (path, a), (_, b) in zip(named_leaves(adam_mu(state["opt_state"])), named_leaves(adam_mu(ref_state["opt_state"]))):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-30), err_msg=f"gradient {path}")
     # Evaluation routes by the plain softmax top-k (Megatron's eval mode): the same eval loss as
     # a pre-softmax top-2 router on the same weights, and not the training routing.
@@ -124,7 +124,7 @@ def test_expert_bias_moves_against_the_load_and_is_checkpointed(tmp_path):
     np.testing.assert_array_equal(bias, np.float32(RATE) * np.sign(mean - load).astype(np.float32))
     assert np.abs(bias).sum() > 0
     # No gradient reaches it: Adam's first moment of the bias is zero.
-    mu = _adam_mu(state["opt_state"])["layers"][0]["mlp"]["expert_bias"]
+    mu = adam_mu(state["opt_state"])["layers"][0]["mlp"]["expert_bias"]
     assert not np.any(np.asarray(mu))
     # Saved with the weights, restored as it was.
     mgr = checkpoint.CheckpointManager(str(tmp_path / "ck"), max_to_keep=1)
@@ -155,7 +155,6 @@ def test_cli_router_flags_train_in_bf16_and_log_per_layer(tmp_path, capsys):
     import os
 
     from mlir_train.sft import main
-    from tests.train.test_train import _sft_args
 
     flags = ["--train-iters", "2", "--eval-interval", "0", "--bf16", "--lr-warmup-iters", "0",
              "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "global_aux_loss",
@@ -163,7 +162,7 @@ def test_cli_router_flags_train_in_bf16_and_log_per_layer(tmp_path, capsys):
              "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
              "--moe-router-bias-update-rate", "1e-2", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
              "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp64", "--moe-per-layer-logging"]
-    args = _sft_args(tmp_path, *flags)
+    args = sft_args(tmp_path, *flags)
     args[args.index("--eval-iters") + 1] = "0"  # no eval step to compile
     args[args.index("--moe-aux-loss-coeff"):args.index("--moe-aux-loss-coeff") + 2] = []  # the list replaces it
     out = main(args)
@@ -183,15 +182,14 @@ def test_cli_router_flags_train_in_bf16_and_log_per_layer(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--moe-router-load-balancing-type", "sinkhorn"], "takes no aux loss"),  # _sft_args sets a coefficient
+    (["--moe-router-load-balancing-type", "sinkhorn"], "takes no aux loss"),  # sft_args sets a coefficient
     (["--moe-router-enable-expert-bias"], "--moe-router-score-function sigmoid"),
     (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], "one per type"),
     (["--moe-router-group-topk", "2"], "--moe-router-num-groups"),
 ])
 def test_cli_refuses_router_settings_by_flag(tmp_path, capsys, flags, message):
     from mlir_train.sft import main
-    from tests.train.test_train import _sft_args
 
     with pytest.raises(SystemExit):
-        main(_sft_args(tmp_path, "--train-iters", "1", *flags))
+        main(sft_args(tmp_path, "--train-iters", "1", *flags))
     assert message in capsys.readouterr().err

@@ -17,6 +17,7 @@ from mlir_train.train.trainer import StepConfig
 from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh
 from sharding.layout import Layout
+from tests.helpers import sft_args
 
 CFG = get_model_config("qwen3-moe-tiny", vocab_size=256, num_layers=2, hidden_size=64, intermediate_size=128)
 SEQ = 32
@@ -209,24 +210,10 @@ def test_flops_formula_against_xla_cost_analysis():
     assert 0.95 < ratio < 1.5, ratio
 
 
-def _sft_args(tmp_path, *extra):
-    return [
-        "--model-name", "qwen3-moe-tiny", "--num-layers", "2",
-        "--hf-tokenizer-path", os.path.join(os.path.dirname(__file__), "..", "..", "mlir_train", "assets", "tokenizer"),
-        "--data-path", os.path.join(os.path.dirname(__file__), "..", "..", "mlir_train", "assets", "alpaca_tasks.json"),
-        "--tokenizer-type", "HFTokenizer", "--chat-template", "alpaca", "--packing-sft-data", "--split", "90,10,0",
-        "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "8",
-        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
-        "--moe-aux-loss-coeff", "1e-2", "--log-interval", "1", "--eval-iters", "2",
-        "--data-cache-path", str(tmp_path / "cache"), "--tensorboard-dir", str(tmp_path / "tb"),
-        *extra,
-    ]
-
-
 def test_cli_run_loss_falls_and_writes_tensorboard_and_metrics(tmp_path, capsys):
     from mlir_train.sft import main
 
-    out = main(_sft_args(tmp_path, "--train-iters", "12", "--eval-interval", "12", "--log-timers-to-tensorboard",
+    out = main(sft_args(tmp_path, "--train-iters", "12", "--eval-interval", "12", "--log-timers-to-tensorboard",
                          "--distributed-backend", "nccl"))
     text = capsys.readouterr().out
     assert "ignoring flags that mean nothing under JAX/XLA: --distributed-backend" in text
@@ -246,7 +233,7 @@ def test_cli_bf16_with_expert_parallelism_runs(tmp_path):
     """Regression: XLA:CPU's all-reduce-promotion pass used to abort bf16 EP steps (sft.py skips it)."""
     from mlir_train.sft import main
 
-    out = main(_sft_args(tmp_path, "--train-iters", "2", "--eval-interval", "0", "--bf16", "--lr-warmup-iters", "0",
+    out = main(sft_args(tmp_path, "--train-iters", "2", "--eval-interval", "0", "--bf16", "--lr-warmup-iters", "0",
                          "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"))
     assert all(np.isfinite(l) for _, l in out.history["lm loss"])
 
@@ -255,7 +242,7 @@ def test_cli_nan_check_names_the_iteration(tmp_path):
     from mlir_train.sft import main
 
     with pytest.raises(SystemExit, match=r"iteration \d+: lm loss .* not finite"):
-        main(_sft_args(tmp_path, "--train-iters", "6", "--eval-interval", "0", "--lr", "1e30",
+        main(sft_args(tmp_path, "--train-iters", "6", "--eval-interval", "0", "--lr", "1e30",
                        "--lr-warmup-iters", "0", "--clip-grad", "0"))
     assert not os.path.exists(tmp_path / "ckpt")
 
@@ -264,5 +251,5 @@ def test_cli_rejects_bad_batch_split(tmp_path, capsys):
     from mlir_train.sft import main
 
     with pytest.raises(SystemExit):
-        main(_sft_args(tmp_path, "--train-iters", "2", "--global-batch-size", "12"))
+        main(sft_args(tmp_path, "--train-iters", "2", "--global-batch-size", "12"))
     assert "--global-batch-size" in capsys.readouterr().err

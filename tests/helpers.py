@@ -1,0 +1,308 @@
+"""Helpers the tests share, in one module (tests import nothing from each other's files).
+
+* paths: :data:`ROOT`;
+* deviceless XLA:GPU: one attention's forward and backward compiled for one compile-only GPU
+  device (conftest's ``h200_devices``);
+* one train step of a tiny model on a layout, on a fixed packed batch, and its comparison with
+  one device; the collectives of a compiled program;
+* short SFT runs through the CLI (:func:`sft_args`, :func:`tiny_argv`, :func:`cli_metrics`);
+* one MoE block on a mesh (:func:`moe_block`, :func:`run_moe_block`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import sharding
+from mlir_train import sft
+from mlir_train.config.models import get_model_config
+from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
+from mlir_train.model.moe import block as moe_lib
+from mlir_train.planner.moe_audit import compile_without_cache
+from mlir_train.train.build import build_trainer
+from mlir_train.train.optim import make_optimizer
+from mlir_train.train.schedule import megatron_lr_schedule
+from mlir_train.train.trainer import StepConfig, Trainer, model_dims
+from sharding.layout import Layout
+from sharding.mesh import make_mesh, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
+
+# ----- deviceless XLA:GPU --------------------------------------------------------------------------
+def one_device_mesh(devices) -> Mesh:
+    return Mesh(np.array(devices[:1]), ("d",))
+
+
+def compiled_attention_grads(attend, mesh: Mesh, *, t: int, kv: int = 2, g: int = 2, h: int = 128,
+                             dump_to=None, under=None):
+    """``jax.grad`` of ``sum(attend(q, k, v, segment_ids))`` over q, k and v (bf16, batch 1, ``kv``
+    kv heads of ``g`` query heads each, head dim ``h``), compiled for ``mesh`` without the
+    persistent cache; ``dump_to``: XLA's dump directory (the per-kernel PTX); ``under``: a context
+    the lowering runs in (default ``jax.set_mesh(mesh)``, so kernels see the target's devices)."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    q = jax.ShapeDtypeStruct((1, t, kv * g, h), jnp.bfloat16, sharding=rep)
+    k = jax.ShapeDtypeStruct((1, t, kv, h), jnp.bfloat16, sharding=rep)
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=rep)
+    loss = jax.grad(lambda q, k, v, s: jnp.sum(attend(q, k, v, s).astype(jnp.float32)), argnums=(0, 1, 2))
+    with under if under is not None else jax.set_mesh(mesh):
+        lowered = jax.jit(loss).lower(q, k, k, seg)
+    return compile_without_cache(lowered, {"xla_dump_to": str(dump_to)} if dump_to is not None else None)
+
+
+# ----- one train step on a layout, compared with one device (was tests/train/test_layouts.py) ----
+SEED = 3
+
+
+LR = 1e-3
+
+
+BETA1 = 0.9
+
+
+MICRO, ROWS, SEQ = 2, 8, 32  # batch [micro-batches, rows per micro-batch, tokens per row]
+
+
+MODELS = {
+    "moe": get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2),
+    "dense": get_model_config("qwen3-tiny", vocab_size=512, num_layers=2),
+}
+
+
+# LLVM -O0 for the CPU code: cuts XLA:CPU compile time ~6x, and compiles are most of this module's cost.
+# It changes code generation only, not the optimized HLO the collective checks read, and the
+# reference step is compiled the same way.
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+# Loss normalisation (losses.loss_token_weights): Megatron's default, each data-parallel
+# micro-batch of MICRO_BATCH_SIZE rows normalised by its own loss tokens (the rows of one
+# micro-batch slice are 4 such groups here, as TP2xDP4 would hold them), for every case above;
+# --calculate-per-token-loss (the global token count) for the PER_TOKEN_CASES.
+MICRO_BATCH_SIZE = 2
+
+
+def packed_batch(vocab: int) -> dict[str, np.ndarray]:
+    """A fixed SFT-like batch ``[MICRO, ROWS, SEQ]``: rows packed with 1-3 documents and a
+    padded tail (segment id 0), positions restarting per document, labels the next token of
+    the same document, loss only on each document's "response" (its second half), and the
+    second micro-batch with about half the loss tokens of the first (so the two loss
+    normalisations weigh the tokens differently)."""
+    rng = np.random.default_rng(0)
+    shape = (MICRO, ROWS, SEQ)
+    ids = rng.integers(1, vocab, shape).astype(np.int32)
+    segment_ids = np.zeros(shape, np.int32)
+    positions = np.zeros(shape, np.int32)
+    labels = np.zeros(shape, np.int32)
+    loss_mask = np.zeros(shape, np.int32)
+    for m in range(MICRO):
+        for r in range(ROWS):
+            end = SEQ - int(rng.integers(0, 7))
+            cuts = sorted(int(c) for c in rng.choice(np.arange(4, end - 3), size=int(rng.integers(0, 3)), replace=False))
+            bounds = [0, *cuts, end]
+            for doc, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]), start=1):
+                segment_ids[m, r, a:b] = doc
+                positions[m, r, a:b] = np.arange(b - a)
+                labels[m, r, a:b - 1] = ids[m, r, a + 1:b]
+                response = a + (b - a) // 2
+                loss_mask[m, r, response:b - 1] = 1
+    loss_mask[1] &= (rng.random((ROWS, SEQ)) < 0.5).astype(np.int32)
+    assert loss_mask[0].sum() > 1.5 * loss_mask[1].sum() > 0
+    return dict(input_ids=ids, labels=labels, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
+
+
+class StepResult(NamedTuple):
+    trainer: Trainer
+    hlo: str  # optimized HLO of the compiled train step
+    init_params: Any  # host copies
+    metrics: dict[str, float]
+    params: Any
+    adam_mu: Any
+    state: Any  # the (device) state after the step
+
+
+def adam_mu(opt_state) -> Any:
+    (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+               if isinstance(s, optax.ScaleByAdamState)]
+    return adam.mu
+
+
+def train_one_step(cfg, layout: Layout | None, model_kwargs: dict | None = None,
+                   per_token: bool = False) -> StepResult:
+    """One train step of model ``cfg`` on ``layout`` (None: one device) on :func:`packed_batch`."""
+    if layout is None:
+        parallel = Layout(num_devices=1)
+        mesh = make_mesh(parallel, devices=jax.devices()[:1])
+    else:
+        parallel = validate(layout, model_dims(cfg), seq_length=SEQ)
+        mesh = make_mesh(parallel)
+    schedule = megatron_lr_schedule(lr=LR, min_lr=LR / 10, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
+    optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
+    step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, micro_batch_size=MICRO_BATCH_SIZE,
+                          per_token_loss=per_token)
+    trainer = build_trainer(cfg, step_cfg, optimizer, parallel, mesh, model_kwargs=model_kwargs)
+    state = trainer.init_state(SEED)
+    init_params = jax.device_get(state["params"])
+    batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(cfg.vocab_size).items()}
+    compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)
+    state, metrics = compiled(state, batch)
+    return StepResult(
+        trainer=trainer,
+        hlo=compiled.as_text(),
+        init_params=init_params,
+        metrics={k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0},
+        params=jax.device_get(state["params"]),
+        adam_mu=jax.device_get(adam_mu(state["opt_state"])),
+        state=state,
+    )
+
+
+def named_leaves(tree) -> list[tuple[str, np.ndarray]]:
+    return [(jax.tree_util.keystr(p, simple=True, separator="/"), np.asarray(x))
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def assert_step_matches(got: StepResult, ref: StepResult, *, moe: bool) -> None:
+    """One step of a layout equals the one-device step (tolerances: the module docstring)."""
+    for (path, a), (_, b) in zip(named_leaves(got.init_params), named_leaves(ref.init_params)):
+        np.testing.assert_array_equal(a, b, err_msg=f"initial {path}")
+    assert got.metrics["loss tokens"] == ref.metrics["loss tokens"]
+    for key in ("lm loss", "grad-norm") + (("load_balancing_loss",) if moe else ()):
+        np.testing.assert_allclose(got.metrics[key], ref.metrics[key], rtol=1e-5, err_msg=key)
+    assert ref.metrics["grad-norm"] > 1.0  # clipping is active, so its global norm is exercised too
+    for (path, a), (_, b) in zip(named_leaves(got.adam_mu), named_leaves(ref.adam_mu)):
+        assert np.abs(b).max() > 0, f"{path}: no gradient at all; the test would prove nothing"
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=f"gradient (Adam mu) {path}")
+    leaves = zip(named_leaves(got.params), named_leaves(ref.params), named_leaves(ref.init_params),
+                 named_leaves(ref.adam_mu))
+    for (path, a), (_, b), (_, p0), (_, mu) in leaves:
+        clear = np.abs(mu) / (1 - BETA1) >= 1e-6
+        np.testing.assert_allclose(a[clear], b[clear], rtol=0, atol=1e-3 * LR, err_msg=f"updated {path}")
+        np.testing.assert_allclose(a[~clear], b[~clear], rtol=0, atol=0.25 * LR, err_msg=f"updated {path} (|g| < 1e-6)")
+        assert np.abs(b - p0).max() > 0.5 * LR, f"{path} did not move; the comparison would be vacuous"
+
+
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?%\S+ = (?P<shape>.+?) (?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\((?P<rest>.*)$",
+    re.MULTILINE,
+)
+
+
+class Collective(NamedTuple):
+    kind: str
+    shapes: tuple[tuple[int, ...], ...]  # output shapes (several when XLA combined ops into a tuple)
+    group: int | None  # ranks per replica group; None where the HLO does not say plainly
+
+
+def _group_size(attrs: str, num_devices: int) -> int | None:
+    """Replica-group size, from any of the spellings XLA prints: ``{{0,1},{2,3}}``, iota
+    ``[4,2]<=[8]`` (4 groups of 2) and ``mesh['axis_0'=4,'axis_1'=2] {'axis_1'}`` (the
+    product of the named axes)."""
+    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", attrs):
+        return len(m.group(1).split(","))
+    if re.search(r"replica_groups=\{\}", attrs):
+        return num_devices
+    if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", attrs):
+        return int(m.group(1))
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs):
+        sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", m.group(2)))
+    return None
+
+
+def collectives(hlo: str, num_devices: int = 8) -> list[Collective]:
+    out = []
+    for m in _COLLECTIVE.finditer(hlo):
+        shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"[a-z]\w*\[([\d,]*)\]", m["shape"]))
+        out.append(Collective(m["kind"], shapes, _group_size(m["rest"], num_devices)))
+    return out
+
+
+def cli_metrics(tmp_path, name: str, layout_flags: list[str]) -> list[dict]:
+    """Three iterations of ``sft.main`` on the bundled data with ``layout_flags``: the metrics.jsonl rows."""
+    log_dir = tmp_path / name
+    sft.main([
+        "--model-name", "qwen3-moe-tiny", "--num-layers", "2",
+        "--tokenizer-type", "HFTokenizer", "--hf-tokenizer-path", DEFAULT_TOKENIZER,
+        "--data-path", DEFAULT_DATA, "--split", "100,0,0", "--chat-template", "alpaca", "--packing-sft-data",
+        "--seq-length", "64", "--global-batch-size", "16", "--train-iters", "3",
+        "--lr", "1e-3", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--clip-grad", "1.0",
+        "--moe-aux-loss-coeff", "1e-2", "--eval-interval", "0", "--log-interval", "1",
+        "--data-cache-path", str(tmp_path / "cache"), "--tensorboard-dir", str(log_dir),
+        *layout_flags,
+    ])
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----- a short SFT through the CLI (was tests/train/test_train.py) ----------------------------
+def sft_args(tmp_path, *extra):
+    return [
+        "--model-name", "qwen3-moe-tiny", "--num-layers", "2",
+        "--hf-tokenizer-path", DEFAULT_TOKENIZER,
+        "--data-path", DEFAULT_DATA,
+        "--tokenizer-type", "HFTokenizer", "--chat-template", "alpaca", "--packing-sft-data", "--split", "90,10,0",
+        "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+        "--moe-aux-loss-coeff", "1e-2", "--log-interval", "1", "--eval-iters", "2",
+        "--data-cache-path", str(tmp_path / "cache"), "--tensorboard-dir", str(tmp_path / "tb"),
+        *extra,
+    ]
+
+
+# ----- a tiny run for the checkpoint tests (was tests/checkpoint/test_checkpoint.py) ----------
+def tiny_argv(shared, tmp_path, name, *extra):
+    return [
+        "--model-name", "qwen3-moe-tiny", "--hf-tokenizer-path", DEFAULT_TOKENIZER,
+        "--data-path", DEFAULT_DATA, "--split", "100,0,0", "--chat-template", "alpaca", "--packing-sft-data",
+        "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size", "1", "--train-iters", "4",
+        "--eval-interval", "0", "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1",
+        "--data-cache-path", shared["data"],
+        "--tensorboard-dir", str(tmp_path / "tb" / name), *extra,
+    ]
+
+
+# ----- one MoE block on a mesh (was tests/train/test_expert_parallel.py) ----------------------
+TINY_MOE = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2)
+
+
+B, T = 8, 16  # 128 tokens: 16 per rank on 8 token ranks, enough to overflow the capacity guess
+
+
+def moe_block(**kwargs):
+    return moe_lib.MoE(TINY_MOE, nnx.Rngs(1), TINY_MOE.init_std, **kwargs)
+
+
+def moe_block_inputs():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((B, T, TINY_MOE.hidden_size)), jnp.float32)
+    valid = np.ones((B, T), bool)
+    valid[2, 5:] = False
+    return x, jnp.asarray(valid)
+
+
+def run_moe_block(block, x, valid, cfg=None, grads=False):
+    graphdef, state = nnx.split(block)
+
+    def f(state, x):
+        y, stats = nnx.merge(graphdef, state)(x, valid)
+        return jnp.sum(jnp.sin(y)), (y, stats)
+
+    f = jax.value_and_grad(f, argnums=(0, 1), has_aux=True) if grads else f
+    if cfg is None:
+        return jax.jit(f).lower(state, x).compile(COMPILER_OPTIONS)(state, x), None
+    mesh, rules = sharding.make_mesh(cfg), sharding.rules_for(cfg)
+    with jax.set_mesh(mesh), sharding.use_rules(rules):
+        compiled = jax.jit(f).lower(state, x).compile(COMPILER_OPTIONS)
+        return compiled(state, x), compiled.as_text()
