@@ -66,7 +66,7 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     log.set_process(jax.process_index())
     if jax.process_index() != 0:
         sys.stdout = open(os.devnull, "w")  # console lines from process 0 only, as Megatron's rank 0
-    print(platform_setup.current().describe())
+    log.info(platform_setup.current().describe())
     if cfg.extras.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cfg.extras.compilation_cache_dir)
     return loop.train(build_job(cfg, launched))

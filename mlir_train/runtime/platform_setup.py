@@ -79,7 +79,7 @@ class PlatformSetup:
 
     def describe(self) -> str:
         """One line for the log: the platform and every setting added or left to the user."""
-        parts = [f"mlir-train: platform {self.platform} ({self.reason})"]
+        parts = [f"platform {self.platform} ({self.reason})"]
         if self.applied:
             parts.append("applied " + " ".join(self.applied))
         if self.kept:

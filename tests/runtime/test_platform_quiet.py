@@ -17,7 +17,8 @@ NOISE = ("Jax plugin configuration error", "Traceback", *platform_setup._DRIVERL
 
 START = """
 from mlir_train.runtime.platform_setup import configure_platform
-print(configure_platform().describe())
+from mlir_train.runtime import log
+log.info(configure_platform().describe())
 import jax
 print(len(jax.devices()), jax.devices()[0].platform)
 """
