@@ -25,13 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     run_cfg = cli.parse(argv)
     platform_setup.configure_platform(cpu_devices=run_cfg.extras.cpu_devices)  # before jax starts
     from mlir_train.data import build_datasets
-    from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
+    from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER, DataConfig
 
     d = run_cfg.data
     run_cfg = run_cfg.replace(data=dict(data_path=d.data_path or (DEFAULT_DATA,),
                                         hf_tokenizer_path=d.tokenizer_path or DEFAULT_TOKENIZER,
                                         seq_length=d.seq_length or 2048))
-    cfg = run_cfg.data.data_config(run_cfg.training.seed)
+    cfg = DataConfig.from_flags(run_cfg.data, run_cfg.training.seed)
     start = time.perf_counter()
     try:
         data = build_datasets(cfg)

@@ -13,12 +13,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from mlir_train.config.sections import section_fields
-
-if TYPE_CHECKING:
-    from mlir_train.config.flags import RunConfig
 
 # flag -> (number of values Megatron gives it, why it means nothing here)
 NOOP_FLAGS: dict[str, tuple[int, str]] = {
@@ -153,7 +150,7 @@ ARCH_IMPLIED_FLAGS: dict[str, tuple[int, tuple[str, ...] | None]] = {
 class Refusal:
     """A field whose value ``accepted(value, cfg)`` allows; anything else stops the run."""
 
-    accepted: Callable[[Any, "RunConfig"], bool]
+    accepted: Callable[[Any, Any], bool]  # (value, the RunConfig) -> allowed
     message: str  # what is not implemented and what to use instead
 
 

@@ -142,20 +142,6 @@ class DataFlags:
     def tokenizer_path(self) -> str | None:
         return self.hf_tokenizer_path or self.tokenizer_model
 
-    def data_config(self, seed: int):
-        """The data pipeline's :class:`~mlir_train.data.DataConfig` (sft and preprocess share it,
-        so both find the same cache)."""
-        from mlir_train.data import DataConfig
-
-        return DataConfig(
-            data_path=tuple(self.data_path), tokenizer_path=self.tokenizer_path,
-            tokenizer_type=self.tokenizer_type or "HFTokenizer", chat_template=self.chat_template or "alpaca",
-            seq_length=self.seq_length, packing=self.packing_sft_data,
-            num_workers=self.sft_num_preprocess_workers or 1, cache_path=self.data_cache_path,
-            dataset_config=self.sft_dataset_config, split=self.split, train_on_prompt=self.train_on_prompt,
-            drop_long=self.drop_long_samples, skip_bad_records=self.sft_skip_bad_records, seed=seed,
-        )
-
 
 @dataclasses.dataclass(frozen=True)
 class TrainingFlags:

@@ -28,6 +28,19 @@ class DataConfig:
     skip_bad_records: bool = False  # --sft-skip-bad-records
     seed: int = 1234  # --seed: split assignment, blend sampling (the loader takes its own seed)
 
+    @classmethod
+    def from_flags(cls, flags, seed: int) -> "DataConfig":
+        """From the data flags (:class:`mlir_train.config.sections.DataFlags`) and ``--seed``:
+        sft and preprocess share it, so both find the same cache."""
+        return cls(
+            data_path=tuple(flags.data_path), tokenizer_path=flags.tokenizer_path,
+            tokenizer_type=flags.tokenizer_type or "HFTokenizer", chat_template=flags.chat_template or "alpaca",
+            seq_length=flags.seq_length, packing=flags.packing_sft_data,
+            num_workers=flags.sft_num_preprocess_workers or 1, cache_path=flags.data_cache_path,
+            dataset_config=flags.sft_dataset_config, split=flags.split, train_on_prompt=flags.train_on_prompt,
+            drop_long=flags.drop_long_samples, skip_bad_records=flags.sft_skip_bad_records, seed=seed,
+        )
+
     def resolved_cache_path(self) -> str:
         if self.cache_path:
             return self.cache_path

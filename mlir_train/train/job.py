@@ -21,7 +21,7 @@ import jax
 
 from mlir_train.checkpoint import saver, sources
 from mlir_train.config.flags import RunConfig
-from mlir_train.data import BatchLoader, build_datasets, load_tokenizer
+from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokenizer
 from mlir_train.planner import flops as flops_lib
 from mlir_train.runtime import distributed, log
 from mlir_train.train import exits, kernel_check
@@ -104,7 +104,7 @@ def _datasets(cfg: RunConfig, tokenizer):
     share the cache directory, build their own without racing it)."""
     if jax.process_index() != 0:
         distributed.barrier("data-cache")
-    data = build_datasets(cfg.data.data_config(cfg.training.seed), tokenizer)
+    data = build_datasets(DataConfig.from_flags(cfg.data, cfg.training.seed), tokenizer)
     if jax.process_index() == 0:
         distributed.barrier("data-cache")
     return data
