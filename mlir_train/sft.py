@@ -63,7 +63,6 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     from mlir_train.train import loop
     from mlir_train.train.job import build_job
 
-    log.set_process(jax.process_index())
     if jax.process_index() != 0:
         sys.stdout = open(os.devnull, "w")  # console lines from process 0 only, as Megatron's rank 0
     log.info(platform_setup.current().describe())

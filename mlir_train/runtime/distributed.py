@@ -29,6 +29,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from mlir_train.runtime import log
 from mlir_train.runtime.errors import DistributedEnvError
 
 DEFAULT_PORT = 29500  # torchrun's default MASTER_PORT
@@ -120,6 +121,7 @@ def initialize_from_env(*, cpu_devices: int | None = None, env: Mapping[str, str
     else:
         jax.distributed.initialize(coordinator_address=layout.coordinator, num_processes=layout.num_processes,
                                    process_id=layout.process_id)
+    log.set_process(jax.process_index())  # from here on only process 0 prints
     return layout
 
 
