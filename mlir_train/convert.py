@@ -76,7 +76,7 @@ def to_megatron(trainer, params, dst: str, layout, *, iteration: int | None = No
     import jax
     import numpy as np
 
-    from mlir_train.checkpoint.megatron import read as mc
+    from mlir_train.checkpoint import megatron as mc
 
     if os.path.isdir(dst) and os.listdir(dst):
         raise mc.MegatronCheckpointError(f"{dst} is not empty; give an empty or new directory")
@@ -108,7 +108,7 @@ def convert(args) -> str:
     """One conversion: SRC detected once (:func:`mlir_train.checkpoint.sources.detect`), its
     weights read through a data-parallel trainer, written in the target format. Returns what was written."""
     from mlir_train.checkpoint import sources
-    from mlir_train.checkpoint.megatron import read as mc
+    from mlir_train.checkpoint import megatron as mc
     from mlir_train.runtime.errors import CheckpointError
 
     src = sources.detect(args.src, step=args.step, exit_on_missing=True, flag="SRC")

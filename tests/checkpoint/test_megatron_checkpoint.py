@@ -24,7 +24,7 @@ from flax import nnx
 from tests import mcore_cpu  # noqa: E402
 
 from mlir_train import convert, sft
-from mlir_train.checkpoint.megatron import read as mc  # noqa: E402
+from mlir_train.checkpoint import megatron as mc  # noqa: E402
 from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER  # noqa: E402
 from mlir_train.model import Qwen3  # noqa: E402
 
