@@ -1,19 +1,24 @@
-"""Megatron-LM / AIAK checkpoints: recognise, read into any layout, write the legacy format."""
+"""Megatron-LM / AIAK checkpoints: recognise them (``find``), open their files (``read``), lay them
+into our parameters from any layout (``load``), write the legacy format (``save``). Import from here."""
 
-from mlir_train.checkpoint.megatron.load import (  # noqa: F401
+from mlir_train.checkpoint.megatron.find import (
+    TRACKER,
     MegatronCheckpoint,
-    MegatronCheckpointError,
     find,
     identify,
     is_megatron_dir,
-    layer_stacks,
-    load_params,
     looks_like_megatron,
-    megatron_args,
-    MegatronLayout,
     model_config,
     padded_vocab,
     resume_notes,
-    save_legacy,
     unpadded_vocab,
 )
+from mlir_train.checkpoint.megatron.load import layer_stacks, load_params
+from mlir_train.checkpoint.megatron.read import MegatronCheckpointError
+from mlir_train.checkpoint.megatron.save import MegatronLayout, megatron_args, save_legacy
+
+__all__ = [
+    "TRACKER", "MegatronCheckpoint", "MegatronCheckpointError", "MegatronLayout", "find", "identify",
+    "is_megatron_dir", "layer_stacks", "load_params", "looks_like_megatron", "megatron_args", "model_config",
+    "padded_vocab", "resume_notes", "save_legacy", "unpadded_vocab",
+]

@@ -1,0 +1,181 @@
+"""Megatron-LM / AIAK checkpoint files, opened without Megatron: torch pickles and torch DCP regions.
+
+Two on-disk formats, both under ``DIR/latest_checkpointed_iteration.txt`` (an iteration number
+or ``release``) and ``DIR/iter_0000500/`` or ``DIR/release/``:
+
+* legacy ``torch`` (``--ckpt-format torch``, AIAK's default): one
+  ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per model-parallel rank (``_PPP`` only with
+  PP > 1, ``_EEE`` only with EP > 1, as Megatron-LM's ``get_checkpoint_name``), each a pickled
+  dict with ``model`` (``model0``, ``model1``... under a virtual pipeline), ``args``,
+  ``checkpoint_version``, ``iteration`` and optionally ``optimizer``/``rng_state``;
+  :func:`torch_load` opens one, memory-mapped;
+* ``torch_dist`` (Megatron-LM's default): ``metadata.json`` (``sharded_backend: torch_dist``),
+  ``common.pt`` (args, iteration) and a torch DCP checkpoint (``.metadata`` + ``*.distcp``) of
+  *global* tensors; :class:`DistReader` reads any region of one.
+
+Reading never imports Megatron: pickled Megatron classes (``MCoreMetadata``, enums in ``args``)
+are replaced by inert stubs. It needs torch (the files are torch pickles); torch is imported
+only here, only when a Megatron checkpoint is read or written. Where those files' tensors go
+in our model is :mod:`~mlir_train.checkpoint.megatron.load`'s business.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import re
+import types
+from typing import Any
+
+import numpy as np
+
+from mlir_train.checkpoint.shards import full_index
+from mlir_train.runtime.errors import CheckpointError
+
+class MegatronCheckpointError(CheckpointError):
+    """A Megatron checkpoint that cannot be read or does not fit this run (names the file)."""
+
+
+# ----- unpickling without Megatron -------------------------------------------------------------
+_STUB_PREFIXES = ("megatron", "transformer_engine", "apex", "nemo", "modelopt", "aiak", "loongforge")
+
+
+@functools.cache
+def _stub_class(module: str, name: str) -> type:
+    def __init__(self, *args, **kwargs):
+        self._args, self._kwargs = args, kwargs
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self._state = state
+
+    def __repr__(self):
+        return f"<{module}.{name} (stub) {getattr(self, '_args', ())!r}>"
+
+    def __call__(self, *a, **k):  # pickled functions (e.g. init methods in args) become stubs too
+        return self
+
+    return type(name, (), {"__init__": __init__, "__setstate__": __setstate__, "__repr__": __repr__,
+                           "__call__": __call__, "__module__": f"stub:{module}"})
+
+
+class _StubUnpickler(pickle.Unpickler):
+    """Megatron (and TE, Apex, ...) classes become stubs; everything else unpickles normally,
+    and a class that no longer exists becomes a stub too rather than failing the whole file."""
+
+    def find_class(self, module: str, name: str):
+        if module.split(".")[0] in _STUB_PREFIXES:
+            return _stub_class(module, name)
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return _stub_class(module, name)
+
+
+_pickle_module = types.SimpleNamespace(
+    Unpickler=_StubUnpickler, load=lambda f, **kw: _StubUnpickler(f, **kw).load(), __name__="mlir_train_stub_pickle")
+
+
+def import_torch():
+    try:
+        import torch
+    except ImportError:
+        raise MegatronCheckpointError(
+            "reading or writing Megatron checkpoints needs torch (its files are torch pickles): "
+            "pip install torch (the CPU build is enough)") from None
+    return torch
+
+
+def torch_load(path: str, *, mmap: bool = True) -> Any:
+    torch = import_torch()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=_pickle_module)
+    except RuntimeError as e:
+        if mmap and "mmap" in str(e):  # an old (non-zip) torch.save file cannot be memory-mapped
+            return torch_load(path, mmap=False)
+        raise MegatronCheckpointError(f"{path}: cannot read it as a torch file ({e})") from e
+    except (pickle.UnpicklingError, EOFError, OSError) as e:
+        raise MegatronCheckpointError(f"{path}: cannot read it as a torch file ({type(e).__name__}: {e})") from e
+
+
+# ----- the files ----------------------------------------------------------------------------------
+# mp_rank_TT[_PPP][_EEE]: the legacy format's per-rank directories (Megatron-LM's get_checkpoint_name)
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+def listing(names: list[str], n: int = 8) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f" ... ({len(names)} entries)" if len(names) > n else "") if names else "nothing"
+
+
+class DistReader:
+    """Region reads from a torch DCP directory on one process, no process group, no Megatron."""
+
+    def __init__(self, directory: str):
+        import_torch()
+        from torch.distributed.checkpoint import FileSystemReader
+
+        class Reader(FileSystemReader):
+            def read_metadata(self, *a, **k):
+                with open(os.path.join(directory, ".metadata"), "rb") as f:
+                    md = _StubUnpickler(f).load()
+                if getattr(md, "storage_meta", None) is None:
+                    from torch.distributed.checkpoint.metadata import StorageMeta
+
+                    md.storage_meta = StorageMeta()
+                md.storage_meta.load_id = self.load_id
+                return md
+
+        self.directory = directory
+        if not os.path.exists(os.path.join(directory, ".metadata")):
+            raise MegatronCheckpointError(f"{directory}: no .metadata (torch DCP index) in it")
+        self.reader = Reader(directory)
+        try:
+            self.metadata = self.reader.read_metadata()
+        except Exception as e:  # noqa: BLE001 - any unpickling failure: name the file
+            raise MegatronCheckpointError(f"{directory}/.metadata: cannot read it ({type(e).__name__}: {e})") from e
+        self.reader.set_up_storage_reader(self.metadata, True)
+
+    def keys(self) -> list[str]:
+        return list(self.metadata.state_dict_metadata)
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        md = self.metadata.state_dict_metadata.get(key)
+        return tuple(md.size) if md is not None and hasattr(md, "size") else None
+
+    def read(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
+        torch = import_torch()
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        md = self.metadata.state_dict_metadata[key]
+        shape = tuple(md.size)
+        index = full_index(index, len(shape))
+        starts = [s.indices(n)[0] for s, n in zip(index, shape)]
+        sizes = [len(range(*s.indices(n))) for s, n in zip(index, shape)]
+        dest = torch.empty(sizes, dtype=md.properties.dtype)
+        items = create_read_items_for_chunk_list(
+            key, md, [ChunkStorageMetadata(offsets=torch.Size(starts), sizes=torch.Size(sizes))])
+        covered = sum(int(np.prod(it.lengths)) for it in items)
+        if covered != dest.numel():
+            raise MegatronCheckpointError(f"{self.directory}: {key}{list(zip(starts, sizes))} is not fully stored "
+                                          f"({covered} of {dest.numel()} values); truncated checkpoint?")
+
+        class Planner(DefaultLoadPlanner):
+            def resolve_tensor(self, item):
+                return dest[tuple(slice(o, o + n) for o, n in zip(item.dest_offsets, item.lengths))]
+
+            def commit_tensor(self, item, tensor):
+                pass
+
+        planner = Planner()
+        planner.set_up_planner({}, self.metadata, True)
+        plan = self.reader.prepare_local_plan(LoadPlan(items))
+        self.reader.read_data(plan, planner).wait()
+        out = dest.numpy() if dest.dtype in (torch.float32, torch.float64) else dest.float().numpy()
+        return out
