@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mlir_train.checkpoint import shards
 from mlir_train.checkpoint.megatron.read import RANK_DIR, DistReader, MegatronCheckpointError, import_torch, listing, torch_load
 from mlir_train.config.models import ModelConfig
 
@@ -471,19 +472,15 @@ def _check(arr: np.ndarray, want: tuple[int, ...], what: str, ckpt_dir: str) -> 
     return arr
 
 
-def _whole_callback(source, cfg, leaf, shape, dtype):
-    @functools.cache
-    def whole():
-        return _check(_ours_from(source, cfg, leaf, None, None), shape, leaf, source.ckpt.directory)
-
-    return lambda index: np.asarray(whole()[index], dtype=dtype)
+def _whole_callback(source, cfg, leaf, shape, dtype) -> shards.Callback:
+    read = lambda: _check(_ours_from(source, cfg, leaf, None, None), shape, leaf, source.ckpt.directory)
+    return shards.whole_callback(read, dtype)
 
 
-def _layer_callback(source, cfg, leaf, first, shape, expert, dtype):
+def _layer_callback(source, cfg, leaf, first, shape, expert, dtype) -> shards.Callback:
     per = shape[2:] if expert else shape[1:]
 
-    @functools.lru_cache(maxsize=16)
-    def one(l: int, e: int | None):
+    def one(l: int, e: int | None) -> np.ndarray:
         what = f"layer {first + l}" + (f" expert {e}" if e is not None else "") + f" {leaf}"
         try:
             arr = _ours_from(source, cfg, leaf, first + l, e)
@@ -494,12 +491,4 @@ def _layer_callback(source, cfg, leaf, first, shape, expert, dtype):
                                           "(--model-name / overrides / the checkpoint's args) match its tensors?") from err
         return _check(arr, per, what, source.ckpt.directory)
 
-    def callback(index):
-        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        layers = range(*index[0].indices(shape[0]))
-        if not expert:
-            return np.stack([one(l, None)[index[1:]] for l in layers]).astype(dtype)
-        experts = range(*index[1].indices(shape[1]))
-        return np.stack([np.stack([one(l, e)[index[2:]] for e in experts]) for l in layers]).astype(dtype)
-
-    return callback
+    return shards.stacked_callback(shape, one, dtype, experts=expert, cache=16)
