@@ -420,10 +420,11 @@ def test_expert_tensor_parallel_above_tp_torch_dist(mcore_etp_over_tp):
 
 def test_legacy_writer_refuses_etp_above_tp(tmp_path):
     from mlir_train.config.models import get_model_config
+    from sharding.layout import Layout
 
     cfg = get_model_config("qwen3-moe-tiny")
     with pytest.raises(mc.MegatronCheckpointError, match="must divide --tensor-model-parallel-size 1"):
-        mc.save_legacy(None, None, cfg, str(tmp_path), mc.MegatronLayout(tensor=1, expert=2, expert_tensor=2))
+        mc.save_legacy(None, None, cfg, str(tmp_path), Layout(tensor=1, expert=2, expert_tensor=2))
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from typing import Any
 from mlir_train.checkpoint import integrity
 from mlir_train.checkpoint.megatron.load import open_source
 from mlir_train.checkpoint.megatron.read import RANK_DIR, DistReader, MegatronCheckpointError, listing, torch_load
+from mlir_train.config.sections import padded_vocab_size
 from mlir_train.config.models import ModelConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -259,8 +260,9 @@ def unpadded_vocab(ckpt: MegatronCheckpoint, candidates: list[int | None]) -> in
     padded = padded_vocab(ckpt)
     if padded is None:
         return next((c for c in candidates if c), None)
-    multiple = int(a.get("make_vocab_size_divisible_by") or 128) * int(a.get("tensor_model_parallel_size") or 1)
-    return next((int(c) for c in candidates if c and c <= padded and -(-c // multiple) * multiple == padded), None)
+    divisible_by, tp = int(a.get("make_vocab_size_divisible_by") or 128), int(a.get("tensor_model_parallel_size") or 1)
+    fits = lambda c: c <= padded and padded_vocab_size(c, divisible_by, tp) == padded
+    return next((int(c) for c in candidates if c and fits(c)), None)
 
 
 def resume_notes(ckpt: MegatronCheckpoint, *, finetune: bool, load_optim: bool, load_rng: bool) -> list[str]:

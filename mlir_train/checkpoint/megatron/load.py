@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mlir_train.checkpoint import shards
-from mlir_train.checkpoint.megatron.read import RANK_DIR, DistReader, MegatronCheckpointError, import_torch, listing, torch_load
+from mlir_train.checkpoint.megatron.read import (
+    RANK_DIR, DistReader, MegatronCheckpointError, import_torch, listing, torch_load)
 from mlir_train.config.models import ModelConfig
 
 if TYPE_CHECKING:
