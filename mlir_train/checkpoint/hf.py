@@ -37,6 +37,7 @@ from flax import nnx
 from mlir_train.checkpoint import shards
 from mlir_train.config.models import ModelConfig
 from mlir_train.model import Qwen3
+from mlir_train.runtime import log
 from mlir_train.runtime.errors import CheckpointError
 from sharding import Rules
 from sharding.logical import logical_to_spec
@@ -343,9 +344,9 @@ def save_pretrained(model: Qwen3, path: str, *, dtype=None, max_shard_bytes: int
 
     for our_path, var in flat.items():
         if our_path[-1] == "expert_bias" and np.any(_to_numpy(var.get_value()) != 0):
-            print(f"mlir-train: WARNING: {path}: the expert bias of {'/'.join(map(str, our_path[:-1]))} "
-                  "(--moe-router-enable-expert-bias) has no place in the HF Qwen3-MoE format and is not written; "
-                  "the exported model routes without it")
+            log.warning(f"{path}: the expert bias of {'/'.join(map(str, our_path[:-1]))} "
+                        "(--moe-router-enable-expert-bias) has no place in the HF Qwen3-MoE format and is not written; "
+                        "the exported model routes without it")
     for our_path, entry, first, _ in _walk_params(model, cfg):
         value = flat[our_path].get_value()
         if first is None:
