@@ -70,13 +70,14 @@ def _save_hf(trainer, params, dst: str, dtype: str | None) -> None:
     save_pretrained(trainer.model(params), dst, dtype=None if dtype is None else jnp.dtype(dtype))
 
 
-def to_megatron(trainer, params, dst: str, layout, *, iteration: int | None = None, dtype: str | None = None) -> list[str]:
+def to_megatron(trainer, params, dst: str, layout, *, make_vocab_size_divisible_by: int = 128,
+                iteration: int | None = None, dtype: str | None = None) -> list[str]:
     """Our parameters (any sharding) as a Megatron legacy checkpoint in ``layout``, read to
     the host one layer (one expert) at a time."""
     import jax
     import numpy as np
 
-    from mlir_train.checkpoint.megatron import read as mc
+    from mlir_train.checkpoint import megatron as mc
 
     if os.path.isdir(dst) and os.listdir(dst):
         raise mc.MegatronCheckpointError(f"{dst} is not empty; give an empty or new directory")
@@ -101,15 +102,16 @@ def to_megatron(trainer, params, dst: str, layout, *, iteration: int | None = No
         import torch
 
         torch_dtype = getattr(torch, dtype)
-    return mc.save_legacy(layer_array, global_array, cfg, dst, layout, iteration=iteration, dtype=torch_dtype)
+    return mc.save_legacy(layer_array, global_array, cfg, dst, layout, iteration=iteration, dtype=torch_dtype,
+                          make_vocab_size_divisible_by=make_vocab_size_divisible_by)
 
 
 def convert(args) -> str:
     """One conversion: SRC detected once (:func:`mlir_train.checkpoint.sources.detect`), its
     weights read through a data-parallel trainer, written in the target format. Returns what was written."""
     from mlir_train.checkpoint import sources
-    from mlir_train.checkpoint.megatron import read as mc
     from mlir_train.runtime.errors import CheckpointError
+    from sharding.layout import Layout
 
     src = sources.detect(args.src, step=args.step, exit_on_missing=True, flag="SRC")
     to = args.to or DEFAULT_TARGET[src.kind]
@@ -118,10 +120,12 @@ def convert(args) -> str:
     trainer = _trainer(src.stored_model_config(args.vocab_size))
     params = src.read_params(trainer)
     if to == "megatron":
-        layout = mc.MegatronLayout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                   args.expert_model_parallel_size, args.expert_tensor_parallel_size,
-                                   args.make_vocab_size_divisible_by)
-        files = to_megatron(trainer, params, args.dst, layout, iteration=args.iteration, dtype=args.dtype)
+        layout = Layout(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
+                        expert=args.expert_model_parallel_size,
+                        expert_tensor=args.expert_tensor_parallel_size or None)  # 0 too: = TP, as before
+        files = to_megatron(trainer, params, args.dst, layout,
+                            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                            iteration=args.iteration, dtype=args.dtype)
         return (f"a Megatron legacy checkpoint ({len(files)} mp_rank files, TP{layout.tensor} PP{layout.pipeline} "
                 f"EP{layout.expert} ETP{layout.etp})")
     if to == "hf":

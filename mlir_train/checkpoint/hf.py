@@ -22,7 +22,6 @@ names, which ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -35,9 +34,11 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from mlir_train.checkpoint import shards
 from mlir_train.config.models import ModelConfig
-from mlir_train.runtime.errors import CheckpointError
 from mlir_train.model import Qwen3
+from mlir_train.runtime import log
+from mlir_train.runtime.errors import CheckpointError
 from sharding import Rules
 from sharding.logical import logical_to_spec
 
@@ -300,34 +301,17 @@ def load_pretrained(
     return nnx.merge(graphdef, state)
 
 
-def _shard_reader(ckpt, cfg, entry: _Entry, first: int | None, shape, np_dtype):
+def _shard_reader(ckpt, cfg, entry: _Entry, first: int | None, shape, np_dtype) -> shards.Callback:
     """A ``make_array_from_callback`` callback that reads only the requested shard from disk."""
     if first is None:
-        @functools.cache
-        def whole() -> np.ndarray:
-            return entry.to_ours(ckpt.read(entry.hf_name))
-
-        return lambda index: np.asarray(whole()[index], dtype=np_dtype)
-
-    expert_reader = _ExpertReader(ckpt, cfg, entry, shape[1:]) if entry.per_expert else None
-
-    @functools.lru_cache(maxsize=8)
-    def layer(l: int) -> np.ndarray:
-        return entry.to_ours(ckpt.read(entry.hf_name.format(l=first + l)))
-
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        layers = range(*index[0].indices(shape[0]))
-        if expert_reader is None:
-            block = np.stack([layer(l)[index[1:]] for l in layers])
-        else:
-            experts = range(*index[1].indices(shape[1]))
-            block = np.stack([
-                np.stack([expert_reader.read(first + l, e)[index[2:]] for e in experts]) for l in layers
-            ])
-        return block.astype(np_dtype)
-
-    return callback
+        return shards.whole_callback(lambda: entry.to_ours(ckpt.read(entry.hf_name)), np_dtype)
+    if entry.per_expert:
+        expert_reader = _ExpertReader(ckpt, cfg, entry, shape[1:])
+        # experts are not kept: each is its own (memory-mapped) tensor or slice, read when asked for
+        return shards.stacked_callback(shape, lambda l, e: expert_reader.read(first + l, e), np_dtype,
+                                       experts=True, cache=0)
+    return shards.stacked_callback(shape, lambda l, _: entry.to_ours(ckpt.read(entry.hf_name.format(l=first + l))),
+                                   np_dtype, experts=False, cache=8)
 
 
 # ----- writing -----------------------------------------------------------------------------------
@@ -360,9 +344,9 @@ def save_pretrained(model: Qwen3, path: str, *, dtype=None, max_shard_bytes: int
 
     for our_path, var in flat.items():
         if our_path[-1] == "expert_bias" and np.any(_to_numpy(var.get_value()) != 0):
-            print(f"mlir-train: WARNING: {path}: the expert bias of {'/'.join(map(str, our_path[:-1]))} "
-                  "(--moe-router-enable-expert-bias) has no place in the HF Qwen3-MoE format and is not written; "
-                  "the exported model routes without it")
+            log.warning(f"{path}: the expert bias of {'/'.join(map(str, our_path[:-1]))} "
+                        "(--moe-router-enable-expert-bias) has no place in the HF Qwen3-MoE format and is not written; "
+                        "the exported model routes without it")
     for our_path, entry, first, _ in _walk_params(model, cfg):
         value = flat[our_path].get_value()
         if first is None:

@@ -176,7 +176,7 @@ class Megatron(Source):
     def own_model_config(self, cfg: RunConfig, tokenizer_size: int | None, vocab_size: int | None = None) -> ModelConfig:
         """The checkpoint's args as our config, its vocabulary unpadded to ``vocab_size``, else
         to what it recorded or what ``--model-name`` / the tokenizer say."""
-        from mlir_train.checkpoint.megatron import read as mc
+        from mlir_train.checkpoint import megatron as mc
 
         m = cfg.model
         named = m.model_config(None) if m.model_name else None
@@ -187,7 +187,7 @@ class Megatron(Source):
 
     def stored_model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """Its args as our config, the vocabulary unpadded to ``vocab_size`` (default: what it recorded)."""
-        from mlir_train.checkpoint.megatron import read as mc
+        from mlir_train.checkpoint import megatron as mc
 
         vocab_size = vocab_size or mc.unpadded_vocab(self.checkpoint, [])
         cfg = mc.model_config(self.checkpoint, name=os.path.basename(os.path.abspath(self.path)), vocab_size=vocab_size)
@@ -200,7 +200,7 @@ class Megatron(Source):
         import jax
         import numpy as np
 
-        from mlir_train.checkpoint.megatron import read as mc
+        from mlir_train.checkpoint import megatron as mc
 
         ck = cfg.checkpoint
         log.info(f"loading weights from {self.describe()}")
@@ -213,7 +213,7 @@ class Megatron(Source):
         return state
 
     def read_params(self, trainer) -> dict[str, Any]:
-        from mlir_train.checkpoint.megatron import read as mc
+        from mlir_train.checkpoint import megatron as mc
 
         return mc.load_params(self.checkpoint, trainer.model_cfg, trainer.param_shapes, trainer.master_shardings)
 
@@ -234,7 +234,7 @@ def detect(load: str | None, *, step: int | None = None, exit_on_missing: bool =
     scratch (one script both starts and resumes a job), unless ``exit_on_missing``
     (--exit-on-missing-checkpoint) makes that an error. Our checkpoints are verified here.
     ``flag``: how messages name the path (``convert`` passes "SRC" and ``exit_on_missing``)."""
-    from mlir_train.checkpoint.megatron import read as mc
+    from mlir_train.checkpoint import megatron as mc
 
     if not load:
         if step is not None:

@@ -251,7 +251,7 @@ def test_load_falls_back_past_a_flipped_bit_and_resumes_exactly(shared, tmp_path
 
     # Our Megatron export carries checksums too: a flipped bit there is named on reading it.
     from mlir_train import convert
-    from mlir_train.checkpoint.megatron import read as mc
+    from mlir_train.checkpoint import megatron as mc
 
     mg = str(tmp_path / "megatron")
     assert convert.main([ck, mg, "--to", "megatron"]) == 0

@@ -1,0 +1,280 @@
+"""Recognising a Megatron checkpoint: its directory, tracker and iteration, its args and format.
+
+:func:`find` turns a ``--load`` directory (the one holding
+``latest_checkpointed_iteration.txt``, or one ``iter_*`` / ``release`` directory of it) into a
+:class:`MegatronCheckpoint`; :func:`model_config` reads our model's shape from its ``args``.
+The file formats are described in :mod:`~mlir_train.checkpoint.megatron.read`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+from mlir_train.checkpoint import integrity
+from mlir_train.checkpoint.megatron.load import open_source
+from mlir_train.checkpoint.megatron.read import RANK_DIR, DistReader, MegatronCheckpointError, listing, torch_load
+from mlir_train.config.sections import padded_vocab_size
+from mlir_train.config.models import ModelConfig
+
+TRACKER = "latest_checkpointed_iteration.txt"
+SUPPORTED_DIST_BACKENDS = {("torch_dist", 1)}
+
+
+def _args_dict(args: Any) -> dict[str, Any]:
+    if args is None:
+        return {}
+    if isinstance(args, dict):
+        return dict(args)
+    return dict(vars(args))
+
+
+# ----- finding a checkpoint ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MegatronCheckpoint:
+    """One iteration of a Megatron checkpoint directory."""
+
+    root: str                 # the --load directory
+    directory: str            # iter_XXXXXXX/ or release/
+    format: str               # "torch" | "torch_dist"
+    iteration: int            # 0 for release
+    release: bool
+    args: dict[str, Any]      # Megatron's argparse namespace, as a dict (may be empty)
+    checkpoint_version: float | None
+    has_optimizer: bool
+    has_rng: bool
+
+    def describe(self) -> str:
+        it = "release" if self.release else f"iteration {self.iteration}"
+        return f"Megatron {self.format} checkpoint {self.directory} ({it})"
+
+
+def looks_like_megatron(path: str) -> bool:
+    """A tracker file, or iter_*/release sub-directories: a Megatron checkpoint (readable or not)."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return TRACKER in names or any(n == "release" or re.fullmatch(r"iter_\d{7}", n) for n in names)
+
+
+def find(path: str, *, iteration: int | None = None) -> MegatronCheckpoint | None:
+    """The checkpoint at ``path`` (the tracker's iteration, or ``iteration``), None when ``path``
+    is no Megatron checkpoint directory; raises when it is one we cannot read, naming why."""
+    if not looks_like_megatron(path):
+        if _is_iteration_dir(path):  # --load DIR/iter_0000500 itself, as some scripts pass it
+            base = os.path.basename(os.path.normpath(path))
+            it = int(base[5:]) if re.fullmatch(r"iter_\d{7}", base) else 0
+            return _read_iteration_dir(os.path.dirname(os.path.normpath(path)), path, it, base == "release")
+        return None
+    names = os.listdir(path)
+    if iteration is not None:
+        sub, release = f"iter_{iteration:07d}", False
+    elif TRACKER in names:
+        with open(os.path.join(path, TRACKER)) as f:
+            tag = f.read().strip()
+        if tag == "release":
+            sub, release, iteration = "release", True, 0
+        elif tag.isdigit():
+            sub, release, iteration = f"iter_{int(tag):07d}", False, int(tag)
+        else:
+            raise MegatronCheckpointError(f"{path}/{TRACKER}: holds {tag!r}, expected an iteration number or 'release'")
+    else:  # no tracker (copied by hand): the newest iteration, else release
+        iters = sorted(int(n[5:]) for n in names if re.fullmatch(r"iter_\d{7}", n))
+        if iters:
+            sub, release, iteration = f"iter_{iters[-1]:07d}", False, iters[-1]
+        else:
+            sub, release, iteration = "release", True, 0
+    directory = os.path.join(path, sub)
+    if not os.path.isdir(directory):
+        raise MegatronCheckpointError(f"{path}: the tracker names {sub}, which does not exist there")
+    return _read_iteration_dir(path, directory, iteration, release)
+
+
+def is_megatron_dir(path: str) -> bool:
+    """A Megatron checkpoint directory (its root, or one iter_*/release directory of it)."""
+    return looks_like_megatron(path) or _is_iteration_dir(path)
+
+
+def _is_iteration_dir(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return "metadata.json" in names and "common.pt" in names or any(
+        RANK_DIR.match(n) and os.path.exists(os.path.join(path, n, "model_optim_rng.pt")) for n in names)
+
+
+def _read_iteration_dir(path: str, directory: str, iteration: int, release: bool) -> MegatronCheckpoint:
+    inside = os.listdir(directory)
+    if integrity.MANIFEST in inside:  # written by our exporter (save_legacy); Megatron's own have none
+        check = integrity.verify_step(directory)
+        if not check.usable:
+            raise MegatronCheckpointError(f"Megatron checkpoint {check.describe()}")
+    if "metadata.json" in inside:
+        import json
+
+        with open(os.path.join(directory, "metadata.json")) as f:
+            meta = json.load(f)
+        backend = (meta.get("sharded_backend"), meta.get("sharded_backend_version"))
+        if backend not in SUPPORTED_DIST_BACKENDS or meta.get("common_backend", "torch") != "torch":
+            raise MegatronCheckpointError(
+                f"{directory}: Megatron distributed checkpoint with sharded backend {backend[0]} version {backend[1]} "
+                f"(common backend {meta.get('common_backend')}): written by an unsupported version; supported: "
+                "torch_dist v1. Re-save it with --ckpt-format torch_dist or torch")
+        common = torch_load(os.path.join(directory, "common.pt"), mmap=False) \
+            if os.path.exists(os.path.join(directory, "common.pt")) else {}
+        keys = DistReader(directory).keys()
+        return MegatronCheckpoint(
+            root=path, directory=directory, format="torch_dist", iteration=iteration, release=release,
+            args=_args_dict(common.get("args")), checkpoint_version=common.get("checkpoint_version"),
+            has_optimizer=any(k.startswith("optimizer.") for k in keys), has_rng="rng_state" in common or any(
+                k.startswith("rng_state") for k in keys))
+    ranks = [n for n in inside if RANK_DIR.match(n)]
+    if ranks:
+        first = os.path.join(directory, sorted(ranks)[0], "model_optim_rng.pt")
+        if not os.path.exists(first):
+            raise MegatronCheckpointError(f"{directory}/{sorted(ranks)[0]}: no model_optim_rng.pt in it")
+        sd = torch_load(first)
+        return MegatronCheckpoint(
+            root=path, directory=directory, format="torch", iteration=int(sd.get("iteration", iteration) or 0)
+            if not release else 0, release=release, args=_args_dict(sd.get("args")),
+            checkpoint_version=sd.get("checkpoint_version"), has_optimizer="optimizer" in sd,
+            has_rng="rng_state" in sd)
+    if ".metadata" in inside:
+        raise MegatronCheckpointError(f"{directory}: a plain torch DCP checkpoint (Megatron --ckpt-format torch_dcp "
+                                      "or fsdp_dtensor), which is not supported; re-save with --ckpt-format torch_dist")
+    raise MegatronCheckpointError(f"{directory}: neither mp_rank_* directories (legacy torch format) nor "
+                                  f"metadata.json (torch_dist); it holds {listing(inside)}")
+
+def identify(path: str) -> str | None:
+    """What a non-empty directory that is no checkpoint we read holds, for the error message;
+    None when it is missing, empty, or holds only interrupted mlir-train writes (no checkpoint yet)."""
+    if not os.path.isdir(path):
+        return None
+    names = [n for n in os.listdir(path) if not n.startswith(".")] or os.listdir(path)
+    # interrupted or set-aside writes of ours, and a --save lock left behind: still no checkpoint
+    ours_partial = lambda n: re.fullmatch(r"\d+(\.orbax-checkpoint-tmp.*|\.(partial|corrupt|superseded)-\d+)?|\.lock", n)
+    if not names or all(ours_partial(n) for n in names):
+        return None
+    has = set(names)
+
+    def sub_has(pattern: str) -> bool:
+        return any(re.fullmatch(pattern, f) for n in names if os.path.isdir(os.path.join(path, n))
+                   for f in os.listdir(os.path.join(path, n)))
+
+    if "latest" in has and any(n.startswith("global_step") for n in names) or sub_has(r".*_model_states\.pt|zero_pp_rank_.*"):
+        return "a DeepSpeed checkpoint (global_step*/ with *_model_states.pt); convert it to HF first"
+    if any(n.endswith(".nemo") for n in names) or "model_weights" in has:
+        return "a NeMo checkpoint; export it to HF first"
+    if any(n.endswith((".safetensors", ".bin")) for n in names) and "config.json" not in has:
+        return "model weights (*.safetensors / *.bin) but no config.json: an incomplete HF directory"
+    if ".metadata" in has or any(n.endswith(".distcp") for n in names):
+        return ("a torch DCP checkpoint without Megatron's iter_*/ layout (give --load the directory that holds "
+                "latest_checkpointed_iteration.txt)")
+    if any(RANK_DIR.match(n) for n in names):
+        return ("Megatron mp_rank_* directories without their iter_*/release parent (give --load the directory that "
+                "holds latest_checkpointed_iteration.txt)")
+    return f"no checkpoint we can read (it holds {listing(names)})"
+
+
+# ----- the model shape from Megatron's args ----------------------------------------------------------
+def model_config(ckpt: MegatronCheckpoint, *, name: str, vocab_size: int | None = None,
+                 fallback: ModelConfig | None = None) -> ModelConfig:
+    """Our model config from the checkpoint's ``args`` (``fallback``, e.g. the --model-name
+    config, when it has none). ``vocab_size`` is the vocabulary to strip the padding back to
+    (default: Megatron's ``--vocab-size`` if set, else the padded size)."""
+    a = ckpt.args
+    if not a:
+        if fallback is None:
+            raise MegatronCheckpointError(f"{ckpt.describe()} stores no 'args'; give --model-name (and overrides) so "
+                                          "its shape is known")
+        return fallback if vocab_size is None else fallback.replace(vocab_size=vocab_size)
+    where = ckpt.describe()
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise MegatronCheckpointError(f"{where}: {what}; only Qwen3 / Qwen3-MoE models are supported")
+
+    need(a.get("normalization", "RMSNorm") == "RMSNorm", f"normalization={a.get('normalization')!r}")
+    need(bool(a.get("swiglu", True)), "swiglu is off")
+    need(not a.get("add_bias_linear", False) and not a.get("add_qkv_bias", False), "linear biases are on")
+    need(a.get("position_embedding_type", "rope") == "rope", f"position_embedding_type={a.get('position_embedding_type')!r}")
+    need(float(a.get("rotary_percent", 1.0) or 1.0) == 1.0, f"rotary_percent={a.get('rotary_percent')}")
+    need(not a.get("rotary_interleaved", False), "rotary_interleaved is on")
+    need(bool(a.get("qk_layernorm", True)), "qk_layernorm is off")
+    need(not a.get("moe_shared_expert_intermediate_size"), "it has shared experts")
+    need(a.get("moe_router_score_function", "softmax") == "softmax",
+         f"moe_router_score_function={a.get('moe_router_score_function')!r}")
+    need(not a.get("mtp_num_layers"), "it has multi-token-prediction layers")
+    heads = int(a["num_attention_heads"])
+    groups = int(a["num_query_groups"]) if a.get("group_query_attention") and a.get("num_query_groups") else heads
+    hidden = int(a["hidden_size"])
+    layers = int(a["num_layers"])
+    experts = int(a.get("num_experts") or 0)
+    kinds: list[int]
+    freq = a.get("moe_layer_freq", 1)
+    if not experts:
+        kinds = [0] * layers
+    elif isinstance(freq, int):
+        kinds = [1 if i % freq == 0 else 0 for i in range(layers)]
+    else:
+        kinds = [int(x) for x in freq]
+    padded = a.get("padded_vocab_size")
+    vocab = vocab_size or a.get("vocab_size") or padded
+    if vocab is None:
+        raise MegatronCheckpointError(f"{where}: its args hold no padded_vocab_size; pass the vocabulary size")
+    return ModelConfig(
+        name=name, vocab_size=int(vocab), hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=groups, head_dim=int(a.get("kv_channels") or hidden // heads),
+        intermediate_size=int(a.get("ffn_hidden_size") or 0), num_experts=experts,
+        moe_intermediate_size=int(a.get("moe_ffn_hidden_size") or a.get("ffn_hidden_size") or 0) if experts else 0,
+        top_k=int(a.get("moe_router_topk") or 0) if experts else 0,
+        # top-k of the logits then softmax over the k (pre_softmax off) = HF's renormalised top-k
+        norm_topk_prob=bool(experts) and not a.get("moe_router_pre_softmax", False),
+        mlp_only_layers=tuple(i for i, k in enumerate(kinds) if not k) if experts else (),
+        rope_theta=float(a.get("rotary_base") or 10000),
+        rope_scaling_factor=float(a.get("rotary_seq_len_interpolation_factor") or 1.0),
+        rms_norm_eps=float(a.get("norm_epsilon") or 1e-5),
+        # Megatron's default ties them; an args namespace without the flag: look for the LM head
+        tie_word_embeddings=(not a["untie_embeddings_and_output_weights"]) if "untie_embeddings_and_output_weights" in a
+        else not open_source(ckpt).has_output_layer(),
+        max_position_embeddings=int(a.get("max_position_embeddings") or a.get("seq_length") or 4096),
+        init_std=float(a.get("init_method_std") or 0.02),
+    )
+
+
+def padded_vocab(ckpt: MegatronCheckpoint) -> int | None:
+    v = ckpt.args.get("padded_vocab_size")
+    return int(v) if v else None
+
+
+def unpadded_vocab(ckpt: MegatronCheckpoint, candidates: list[int | None]) -> int | None:
+    """The vocabulary under Megatron's padding: its ``--vocab-size`` when recorded, else the
+    first candidate (the named model's vocabulary, the tokenizer's size) that pads to exactly
+    the checkpoint's ``padded_vocab_size`` (``--make-vocab-size-divisible-by`` x TP), else None
+    (keep the padded rows)."""
+    a = ckpt.args
+    if a.get("vocab_size"):
+        return int(a["vocab_size"])
+    padded = padded_vocab(ckpt)
+    if padded is None:
+        return next((c for c in candidates if c), None)
+    divisible_by, tp = int(a.get("make_vocab_size_divisible_by") or 128), int(a.get("tensor_model_parallel_size") or 1)
+    fits = lambda c: c <= padded and padded_vocab_size(c, divisible_by, tp) == padded
+    return next((int(c) for c in candidates if c and fits(c)), None)
+
+
+def resume_notes(ckpt: MegatronCheckpoint, *, finetune: bool, load_optim: bool, load_rng: bool) -> list[str]:
+    """What of a Megatron checkpoint besides the weights a run cannot take, said once each."""
+    notes = []
+    if not finetune and ckpt.iteration:
+        what = "optimizer state, LR-scheduler position" if load_optim and ckpt.has_optimizer else "LR-scheduler position"
+        notes.append(f"continuing Megatron's iteration count from {ckpt.iteration}; its {what} and data-loader "
+                     "position cannot be taken (optax state differs from Megatron's), so they start fresh "
+                     "(--finetune restarts at iteration 0)")
+    elif load_optim and ckpt.has_optimizer and not finetune:
+        notes.append("Megatron's optimizer state cannot be taken (optax state differs from Megatron's); it starts fresh")
+    if load_rng and ckpt.has_rng:
+        notes.append("Megatron's RNG state does not apply here (all randomness comes from --seed)")
+    return notes
