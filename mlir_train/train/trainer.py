@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mlir_train.config import policies
 from mlir_train.model import losses
-from mlir_train.train.pipeline import parallel as pipeline_parallel
+from mlir_train.train.pipeline import schedule as pipeline_parallel
 from mlir_train.config.models import ModelConfig
 from mlir_train.data.dataset import BATCH_KEYS
 from mlir_train.model import Qwen3, logical_axes
@@ -261,7 +261,7 @@ class Trainer:
         return {**params, "layers": layers}
 
     def _pipeline_loss(self, params, batch, scale, graphdef=None):
-        """All micro-batches through the pipeline stages at once (see ``mlir_train.train.pipeline.parallel``)."""
+        """All micro-batches through the pipeline stages at once (see ``mlir_train.train.pipeline``)."""
         sc = self.step_cfg
         return pipeline_parallel.pipeline_loss(
             self.graphdef if graphdef is None else graphdef, self._to_compute(params), batch, schedule=self.schedule,
