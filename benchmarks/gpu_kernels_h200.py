@@ -186,7 +186,7 @@ def moe_inputs(case: MoECase, seed=0):
 
 # ----- attention backends: fn(q_BTNH, k_BSKH, v_BSKH) -> o_BTNH, causal -------------------------
 def attention_backends():
-    from mlir_train.model.layers import flash_attention
+    from mlir_train.model.attention import flash_attention
 
     def pallas(q, k, v):
         return flash_attention(q, k, v, jnp.ones(q.shape[:2], jnp.int32), interpret=SMOKE)
@@ -197,7 +197,7 @@ def attention_backends():
 
 
 def xla_attention(q, k, v):
-    from mlir_train.model.layers import attention_mask, masked_attention
+    from mlir_train.model.attention import attention_mask, masked_attention
 
     b, t, n, h = q.shape
     kv = k.shape[2]

@@ -34,7 +34,7 @@ def attention_reports(device, compute_capability: str, t: int = 4096):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from mlir_train.model.layers import flash_attention
+    from mlir_train.model.attention import flash_attention
 
     mesh = Mesh(np.array([device]), ("d",))
     rep = NamedSharding(mesh, PartitionSpec())

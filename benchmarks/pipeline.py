@@ -13,7 +13,7 @@ per stage), and reports:
   (DP8, ``M / P`` micro-batches of one row per rank): the same useful work, every device busy
   all the time;
 * ``bubble``: ``1 - ideal / step`` measured, next to the schedule's theoretical
-  idle-tick fraction (``mlir_train.train.pipeline.parallel``): ``(P - 1) / (M * R + P - 1)`` for GPipe and
+  idle-tick fraction (``mlir_train.train.pipeline.schedule``): ``(P - 1) / (M * R + P - 1)`` for GPipe and
   circular, ``(R * P + P - 2) / (M * R + R * P + P - 2)`` for (interleaved) 1F1B, whose ticks
   also recompute the chunk's forward (so its measured figure also holds that ~1/3 extra work);
 * ``temp MB``: XLA's temporary buffer size per device from the ahead-of-time compile

@@ -76,16 +76,32 @@ def validate(
     off with a warning, as Megatron does.
     """
     _check_sizes(cfg)
+    _check_model(cfg, dict(model_dims or {}))
+    if cfg.sequence_parallel and cfg.tensor == 1:
+        warnings.warn(
+            "--sequence-parallel has no effect without --tensor-model-parallel-size > 1; "
+            "disabling it (as Megatron does)",
+            stacklevel=2,
+        )
+        cfg = dataclasses.replace(cfg, sequence_parallel=False)
+    if seq_length is not None:
+        _check_sequence(cfg, seq_length)
+    if global_batch_size is not None or micro_batch_size is not None:
+        _check_batch(cfg, global_batch_size, micro_batch_size)
+    return cfg
+
+
+def _need(dims: dict[str, int], key: str, divisor: int, flag: str, what: str, hint: str = "") -> None:
+    if key in dims and divisor > 1 and dims[key] % divisor:
+        raise LayoutError(
+            f"{what} ({key}={dims[key]}) is not divisible by {flag} ({divisor}){hint}"
+        )
+
+
+def _check_model(cfg: Layout, dims: dict[str, int]) -> None:
+    """The model's sizes against the tensor, pipeline and expert splits."""
     tp, pp, ep = cfg.tensor, cfg.pipeline, cfg.expert
-    dims = dict(model_dims or {})
-
-    def need(key: str, divisor: int, flag: str, what: str, hint: str = "") -> None:
-        if key in dims and divisor > 1 and dims[key] % divisor:
-            raise LayoutError(
-                f"{what} ({key}={dims[key]}) is not divisible by {flag} ({divisor}){hint}"
-            )
-
-    need("num_heads", tp, "--tensor-model-parallel-size", "attention heads")
+    _need(dims, "num_heads", tp, "--tensor-model-parallel-size", "attention heads")
     if "num_kv_heads" in dims and tp > 1 and dims["num_kv_heads"] % tp:
         kv = dims["num_kv_heads"]
         if not kv_heads_replicated(tp, kv):
@@ -94,11 +110,11 @@ def validate(
                 f"--tensor-model-parallel-size ({tp}): kv heads are split over tensor ranks when "
                 "TP divides them and replicated on every rank when TP is a multiple of them"
             )
-    need("vocab_size", tp, "--tensor-model-parallel-size", "vocabulary",
-         ": the embedding and LM head are vocab-parallel; pad the vocabulary "
-         "(Megatron's --make-vocab-size-divisible-by)")
-    need("intermediate_size", tp, "--tensor-model-parallel-size", "dense FFN size")
-    need("num_layers", pp, "--pipeline-model-parallel-size", "decoder layers")
+    _need(dims, "vocab_size", tp, "--tensor-model-parallel-size", "vocabulary",
+          ": the embedding and LM head are vocab-parallel; pad the vocabulary "
+          "(Megatron's --make-vocab-size-divisible-by)")
+    _need(dims, "intermediate_size", tp, "--tensor-model-parallel-size", "dense FFN size")
+    _need(dims, "num_layers", pp, "--pipeline-model-parallel-size", "decoder layers")
     experts = dims.get("num_experts")
     if experts is not None:
         if ep > 1 and experts == 0:
@@ -106,20 +122,17 @@ def validate(
                 f"--expert-model-parallel-size ({ep}) > 1 needs a mixture-of-experts model (num_experts=0)"
             )
         if experts:
-            need("num_experts", ep, "--expert-model-parallel-size", "routed experts")
+            _need(dims, "num_experts", ep, "--expert-model-parallel-size", "routed experts")
             if cfg.expert_tensor is None:
-                need("moe_intermediate_size", tp, "--tensor-model-parallel-size", "expert FFN size")
+                _need(dims, "moe_intermediate_size", tp, "--tensor-model-parallel-size", "expert FFN size")
             else:
-                need("moe_intermediate_size", cfg.etp, "--expert-tensor-parallel-size", "expert FFN size")
+                _need(dims, "moe_intermediate_size", cfg.etp, "--expert-tensor-parallel-size", "expert FFN size")
 
-    if cfg.sequence_parallel and tp == 1:
-        warnings.warn(
-            "--sequence-parallel has no effect without --tensor-model-parallel-size > 1; "
-            "disabling it (as Megatron does)",
-            stacklevel=2,
-        )
-        cfg = dataclasses.replace(cfg, sequence_parallel=False)
-    if cfg.context > 1 and seq_length is not None:
+
+def _check_sequence(cfg: Layout, seq_length: int) -> None:
+    """``--seq-length`` against the context and sequence-parallel splits."""
+    tp = cfg.tensor
+    if cfg.context > 1:
         cp = cfg.context
         if seq_length % (2 * cp):
             raise LayoutError(
@@ -130,23 +143,24 @@ def validate(
                 f"--sequence-parallel splits each context rank's {seq_length // cp} tokens further over the "
                 f"tensor ranks: --seq-length ({seq_length}) is not divisible by --context-parallel-size ({cp}) x "
                 f"--tensor-model-parallel-size ({tp}) = {cp * tp}")
-    if cfg.sequence_parallel and seq_length is not None and seq_length % tp:
+    if cfg.sequence_parallel and seq_length % tp:
         raise LayoutError(
             f"--sequence-parallel splits the sequence over tensor ranks: --seq-length ({seq_length}) "
             f"is not divisible by --tensor-model-parallel-size ({tp})"
         )
 
-    if global_batch_size is not None or micro_batch_size is not None:
-        mbs = 1 if micro_batch_size is None else micro_batch_size
-        dp = cfg.data_parallel
-        if mbs < 1:
-            raise LayoutError(f"--micro-batch-size must be positive, got {mbs}")
-        if global_batch_size is not None and global_batch_size % (mbs * dp):
-            raise LayoutError(
-                f"--global-batch-size ({global_batch_size}) is not divisible by --micro-batch-size "
-                f"({mbs}) x data-parallel size ({dp})"
-            )
-    return cfg
+
+def _check_batch(cfg: Layout, global_batch_size: int | None, micro_batch_size: int | None) -> None:
+    """``--global-batch-size`` against ``--micro-batch-size`` x the data-parallel size."""
+    mbs = 1 if micro_batch_size is None else micro_batch_size
+    dp = cfg.data_parallel
+    if mbs < 1:
+        raise LayoutError(f"--micro-batch-size must be positive, got {mbs}")
+    if global_batch_size is not None and global_batch_size % (mbs * dp):
+        raise LayoutError(
+            f"--global-batch-size ({global_batch_size}) is not divisible by --micro-batch-size "
+            f"({mbs}) x data-parallel size ({dp})"
+        )
 
 
 def make_mesh(cfg: Layout, devices: Sequence[Any] | None = None) -> Mesh:

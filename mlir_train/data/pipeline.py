@@ -209,8 +209,23 @@ def _blend(doc_lists: list[np.ndarray], weights: list[float | None], rng) -> lis
     return blended
 
 
-def _build(cfg: DataConfig, tokenizer, sources, formats, spec, out_dir: str) -> DataStats:
-    fractions = parse_split(cfg.split)
+@dataclasses.dataclass
+class _Documents:
+    """Every source's kept documents, tokenised and back to back, and what reading them counted."""
+    tokens: np.ndarray  # int32
+    loss: np.ndarray  # uint8
+    lengths: np.ndarray  # int64 tokens per document
+    per_source_docs: list[np.ndarray]  # global doc ids per source
+    source_info: list[dict]
+    records_read: int
+    truncated: int
+    truncated_tokens: int
+    dropped: dict[str, int]
+    bad_examples: list[str]
+
+
+def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Documents:
+    """Read, render and tokenise every source in order (its format resolved from its first record)."""
     tokenizer_json = tokenizer.backend_tokenizer.to_str()
     token_parts, loss_parts, length_parts = [], [], []
     records_read = truncated = truncated_tokens = 0
@@ -245,52 +260,67 @@ def _build(cfg: DataConfig, tokenizer, sources, formats, spec, out_dir: str) -> 
         source_info.append(dict(path=source.path, weight=source.weight,
                                 records=len(records) + sum(bad.values()), kept=kept))
         next_doc += kept
+    return _Documents(
+        tokens=np.concatenate(token_parts) if token_parts else np.zeros(0, np.int32),
+        loss=np.concatenate(loss_parts) if loss_parts else np.zeros(0, np.uint8),
+        lengths=np.concatenate(length_parts) if length_parts else np.zeros(0, np.int64),
+        per_source_docs=per_source_docs, source_info=source_info, records_read=records_read, truncated=truncated,
+        truncated_tokens=truncated_tokens, dropped=dropped, bad_examples=bad_examples)
 
-    lengths = np.concatenate(length_parts) if length_parts else np.zeros(0, np.int64)
-    tokens = np.concatenate(token_parts) if token_parts else np.zeros(0, np.int32)
-    loss = np.concatenate(loss_parts) if loss_parts else np.zeros(0, np.uint8)
-    if not len(lengths):
-        raise DataError(f"--data-path {' '.join(s.path for s in sources)}: no usable records "
-                        f"(dropped: {dropped or 'none'})")
-    doc_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    positions = lengths - 1  # positions a document takes in a row
 
-    # Split each source (shuffled by seed) before blending, so upsampling never copies a
-    # document into two splits.
+def _split_blend_pack(cfg: DataConfig, fractions, sources, docs: _Documents, doc_offsets, positions):
+    """Each split's rows (``<split>_row_offsets`` / ``<split>_row_docs`` arrays) and its row,
+    token and loss-token counts; records each source's blended share in ``docs.source_info``.
+
+    Each source is split (shuffled by seed) before blending, so upsampling never copies a
+    document into two splits."""
     # Loss positions per document: its flags after the first token (the shift drops it).
-    doc_loss = (np.add.reduceat(loss.astype(np.int64), doc_offsets[:-1])
-                - loss[doc_offsets[:-1]].astype(np.int64))
+    doc_loss = (np.add.reduceat(docs.loss.astype(np.int64), doc_offsets[:-1])
+                - docs.loss[doc_offsets[:-1]].astype(np.int64))
     split_docs = [[], [], []]
-    for i, docs in enumerate(per_source_docs):
-        docs = docs[np.random.default_rng([cfg.seed, i]).permutation(len(docs))]
-        for s, (start, end) in enumerate(_split_bounds(len(docs), fractions)):
-            split_docs[s].append(docs[start:end])
-    arrays = {"tokens": tokens, "loss": loss, "doc_offsets": doc_offsets}
-    rows, split_tokens, split_loss = {}, {}, {}
+    for i, source_docs in enumerate(docs.per_source_docs):
+        source_docs = source_docs[np.random.default_rng([cfg.seed, i]).permutation(len(source_docs))]
+        for s, (start, end) in enumerate(_split_bounds(len(source_docs), fractions)):
+            split_docs[s].append(source_docs[start:end])
+    arrays, rows, split_tokens, split_loss = {}, {}, {}, {}
     for s, split in enumerate(SPLITS):
         rng = np.random.default_rng([cfg.seed, 1000 + s])
         blended = _blend(split_docs[s], [src.weight for src in sources], rng)
-        for info, docs in zip(source_info, blended):
-            info.setdefault("blended", []).append(len(docs))
-        docs = np.concatenate(blended) if blended else np.zeros(0, np.int64)
+        for info, blended_docs in zip(docs.source_info, blended):
+            info.setdefault("blended", []).append(len(blended_docs))
+        split_ids = np.concatenate(blended) if blended else np.zeros(0, np.int64)
         if cfg.packing:
-            row_offsets, local = pack_best_fit(positions[docs], cfg.seq_length)
-            row_docs = docs[local]
+            row_offsets, local = pack_best_fit(positions[split_ids], cfg.seq_length)
+            row_docs = split_ids[local]
         else:
-            row_offsets, row_docs = one_per_row(len(docs))
-            row_docs = docs[row_docs]
+            row_offsets, row_docs = one_per_row(len(split_ids))
+            row_docs = split_ids[row_docs]
         arrays[f"{split}_row_offsets"] = row_offsets
         arrays[f"{split}_row_docs"] = row_docs
         rows[split] = len(row_offsets) - 1
         split_tokens[split] = int(positions[row_docs].sum())
         split_loss[split] = int(doc_loss[row_docs].sum())
+    return arrays, rows, split_tokens, split_loss
 
+
+def _build(cfg: DataConfig, tokenizer, sources, formats, spec, out_dir: str) -> DataStats:
+    """Tokenise, split, blend and pack the sources into ``out_dir``'s arrays and ``meta.json``."""
+    fractions = parse_split(cfg.split)  # a bad --split fails before any tokenising
+    docs = _tokenize_sources(cfg, tokenizer, sources, formats, spec)
+    lengths = docs.lengths
+    if not len(lengths):
+        raise DataError(f"--data-path {' '.join(s.path for s in sources)}: no usable records "
+                        f"(dropped: {docs.dropped or 'none'})")
+    doc_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    positions = lengths - 1  # positions a document takes in a row
+    row_arrays, rows, split_tokens, split_loss = _split_blend_pack(cfg, fractions, sources, docs, doc_offsets, positions)
+    arrays = {"tokens": docs.tokens, "loss": docs.loss, "doc_offsets": doc_offsets, **row_arrays}
     stats = DataStats(
-        records_read=records_read, records_kept=int(len(lengths)), truncated=truncated,
-        truncated_tokens=truncated_tokens, document_tokens=int(positions.sum()), dropped=dropped,
+        records_read=docs.records_read, records_kept=int(len(lengths)), truncated=docs.truncated,
+        truncated_tokens=docs.truncated_tokens, document_tokens=int(positions.sum()), dropped=docs.dropped,
         rows=rows, tokens=split_tokens, loss_tokens=split_loss, seq_length=cfg.seq_length,
-        packing=cfg.packing, sources=tuple(source_info),
-        bad_record_examples=tuple(bad_examples))
+        packing=cfg.packing, sources=tuple(docs.source_info),
+        bad_record_examples=tuple(docs.bad_examples))
     for name, array in arrays.items():
         np.save(os.path.join(out_dir, f"{name}.npy"), array)
     meta = dict(version=CACHE_VERSION, pad_id=pad_id(tokenizer), stats=stats.as_dict(),

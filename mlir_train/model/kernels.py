@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlir_train.model.layers import DEFAULT_ATTENTION_IMPL
+from mlir_train.model.attention import DEFAULT_ATTENTION_IMPL
 from mlir_train.model.moe.dispatch import DEFAULT_MOE_IMPL
 
 # --moe-gemm-backend / --attention-kernel (mlir_train.config.flags) -> what the model runs.

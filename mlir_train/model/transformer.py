@@ -37,9 +37,8 @@ from flax import nnx
 
 from mlir_train.config.models import ModelConfig
 from mlir_train.model.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
-from mlir_train.model.layers import (
-    MLP, SEGMENT_ID_IMPLS, Attention, RMSNorm, attention_mask, param, rope_tables,
-)
+from mlir_train.model.attention import SEGMENT_ID_IMPLS, attention_mask
+from mlir_train.model.layers import MLP, Attention, RMSNorm, param, rope_tables
 from mlir_train.model.moe.block import MoE
 from mlir_train.model.recompute import checkpointed
 from mlir_train.config.policies import LEGACY, RecomputePolicy

@@ -256,7 +256,7 @@ def _causal_tile_pairs(t: int, tile_q: int, tile_k: int) -> int:
 
 
 def _flash_flops(rest: str) -> float | None:
-    from mlir_train.model.layers import flash_block_sizes
+    from mlir_train.model.attention import flash_block_sizes
 
     op_name = re.search(r'op_name="([^"]*)"', rest)
     layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", rest)

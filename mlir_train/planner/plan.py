@@ -258,7 +258,7 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     attn_core = a * rows * heads * hd + 4 * b * heads * t  # output + log-sum-exp
     attn = a * rows * (d + (heads + 2 * kv) * hd + (heads + kv) * hd) + attn_core
     if layout.context > 1:  # blocked_attention: one key block of scores, and the gathered K/V
-        from mlir_train.model.layers import KEY_BLOCK
+        from mlir_train.model.attention import KEY_BLOCK
 
         attn_matrices = 3 * 4 * b * heads * t * min(keys, KEY_BLOCK) + 2 * a * b * keys * kv * hd
     else:

@@ -24,7 +24,7 @@ from mlir_train.model import platform_model_kwargs
 from mlir_train.runtime import log
 from mlir_train.runtime.errors import ConfigError
 from mlir_train.train.optim import LossScaler, make_optimizer
-from mlir_train.train.pipeline.parallel import make_schedule
+from mlir_train.train.pipeline.schedule import make_schedule
 from mlir_train.train.schedule import megatron_lr_schedule
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims
 from sharding.layout import Layout, LayoutError

@@ -62,7 +62,7 @@ MOE_FALLBACK = Fallback("--moe-gemm-backend", "padded", {"moe_impl": "padded"},
 
 
 def _flash(interpret: bool):
-    from mlir_train.model.layers import flash_attention
+    from mlir_train.model.attention import flash_attention
 
     return lambda q, k, v, seg: flash_attention(q, k, v, seg, interpret=interpret)
 
@@ -70,13 +70,13 @@ def _flash(interpret: bool):
 def _tokamax(interpret: bool):
     """tokamax's Mosaic-GPU flash attention; it has no CPU interpreter here, so ``interpret``
     runs its XLA implementation (the mask and layout plumbing are ours either way)."""
-    from mlir_train.model.layers import kernel_attention
+    from mlir_train.model.attention import kernel_attention
 
     return lambda q, k, v, seg: kernel_attention(q, k, v, seg, implementation="xla" if interpret else "mosaic_gpu")
 
 
 def _docs_flash(interpret: bool):
-    from mlir_train.model.layers import docs_flash_attention
+    from mlir_train.model.attention import docs_flash_attention
 
     return lambda q, k, v, seg: docs_flash_attention(q, k, v, seg, interpret=interpret)
 
@@ -198,7 +198,7 @@ def check_attention(fn: Callable, s: Shapes) -> float:
     import jax.numpy as jnp
     import numpy as np
 
-    from mlir_train.model.layers import attention_mask, blocked_attention, masked_attention
+    from mlir_train.model.attention import attention_mask, blocked_attention, masked_attention
 
     t, n, kv, h = s.seq_length, s.heads, s.kv_heads, s.head_dim
     long = n * t * t > REFERENCE_SCORES

@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mlir_train.config import policies
 from mlir_train.model import losses
-from mlir_train.train.pipeline import parallel as pipeline_parallel
+from mlir_train.train import pipeline
 from mlir_train.config.models import ModelConfig
 from mlir_train.data.dataset import BATCH_KEYS
 from mlir_train.model import Qwen3, logical_axes
@@ -84,12 +84,6 @@ class StepConfig:
     # ``aux_loss`` of ``aux_loss_coeff`` and a z-loss of ``z_loss_coeff``.
     balancing: policies.LoadBalancing | None = None
     expert_bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate (with an expert bias)
-
-    def load_balancing(self) -> policies.LoadBalancing:
-        if self.balancing is not None:
-            return self.balancing
-        return policies.LoadBalancing(coeffs=(("aux_loss", self.aux_loss_coeff),) if self.aux_loss_coeff else (),
-                                    z_loss_coeff=self.z_loss_coeff)
     micro_batch_size: int = 1  # --micro-batch-size: rows of one data-parallel rank's micro-batch
     per_token_loss: bool = False  # --calculate-per-token-loss
     # logged "lm loss": "objective" (AIAK's SFT phase: the normalised LM objective) or
@@ -98,6 +92,15 @@ class StepConfig:
     pipeline_schedule: str = "1f1b"              # --pipeline-schedule: 1f1b | gpipe | circular
     first_stage_layers: int | None = None        # --decoder-first-pipeline-num-layers
     last_stage_layers: int | None = None         # --decoder-last-pipeline-num-layers
+
+    def load_balancing(self) -> policies.LoadBalancing:
+        """The router losses of the step, the one place they are configured (the plain and the
+        pipelined steps both read it): ``balancing`` when given, else an ``aux_loss`` of
+        ``aux_loss_coeff`` and a z-loss of ``z_loss_coeff``."""
+        if self.balancing is not None:
+            return self.balancing
+        return policies.LoadBalancing(coeffs=(("aux_loss", self.aux_loss_coeff),) if self.aux_loss_coeff else (),
+                                      z_loss_coeff=self.z_loss_coeff)
 
 
 def model_dims(cfg: ModelConfig) -> dict[str, int]:
@@ -129,7 +132,7 @@ class Trainer:
         self.model_kwargs = dict(model_kwargs or {})
         self.rules = rules_for(parallel, model_dims(model_cfg))
         abstract = nnx.eval_shape(lambda: Qwen3(model_cfg, rngs=nnx.Rngs(0), **self.model_kwargs))
-        self.schedule = None if parallel.pipeline == 1 else pipeline_parallel.make_schedule(
+        self.schedule = None if parallel.pipeline == 1 else pipeline.make_schedule(
             model_cfg.num_layers, parallel.pipeline, kind=step_cfg.pipeline_schedule,
             layers_per_virtual_stage=step_cfg.layers_per_virtual_stage,
             first_stage_layers=step_cfg.first_stage_layers, last_stage_layers=step_cfg.last_stage_layers,
@@ -148,7 +151,7 @@ class Trainer:
         self.param_shapes = nnx.to_pure_dict(abstract_state)
         self.logical = nnx.to_pure_dict(logical_axes(abstract))
         if parallel.pipeline > 1:
-            self.logical = pipeline_parallel.storage_axes(self.logical, abstract.stack_kinds, parallel.pipeline)
+            self.logical = pipeline.storage_axes(self.logical, abstract.stack_kinds, parallel.pipeline)
         self.specs: StateSpecs = state_specs(parallel, self.param_shapes, self.logical, mesh, model_dims(model_cfg))
         named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
         self.compute_shardings = named(self.specs.compute)
@@ -261,20 +264,20 @@ class Trainer:
         return {**params, "layers": layers}
 
     def _pipeline_loss(self, params, batch, scale, graphdef=None):
-        """All micro-batches through the pipeline stages at once (see ``mlir_train.train.pipeline.parallel``)."""
+        """All micro-batches through the pipeline stages at once (see ``mlir_train.train.pipeline``)."""
         sc = self.step_cfg
-        return pipeline_parallel.pipeline_loss(
+        return pipeline.pipeline_loss(
             self.graphdef if graphdef is None else graphdef, self._to_compute(params), batch, schedule=self.schedule,
-            scale=scale, top_k=self.model_cfg.top_k, aux_loss_coeff=sc.aux_loss_coeff, z_loss_coeff=sc.z_loss_coeff,
-            remat=self.model_kwargs.get("remat", "none"), balancing=sc.load_balancing(),
+            scale=scale, top_k=self.model_cfg.top_k, remat=self.model_kwargs.get("remat", "none"),
+            balancing=sc.load_balancing(),
         )
 
     def _pipeline_value_and_grad(self, params, batch, scale):
         sc = self.step_cfg
-        (objective, aux), grads = pipeline_parallel.pipeline_value_and_grad(
+        (objective, aux), grads = pipeline.pipeline_value_and_grad(
             self.graphdef, self._to_compute(params), batch, schedule=self.schedule,
-            scale=scale, top_k=self.model_cfg.top_k, aux_loss_coeff=sc.aux_loss_coeff, z_loss_coeff=sc.z_loss_coeff,
-            remat=self.model_kwargs.get("remat", "none"), balancing=sc.load_balancing(),
+            scale=scale, top_k=self.model_cfg.top_k, remat=self.model_kwargs.get("remat", "none"),
+            balancing=sc.load_balancing(),
         )
         # The transpose of _to_compute (cast, compute-layout constraint), kept in float32.
         grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, s), grads, self.compute_shardings)

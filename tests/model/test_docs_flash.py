@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlir_train.model.docs_flash import Tiles, docs_flash_attention, document_bounds
-from mlir_train.model.layers import attention_mask, masked_attention
+from mlir_train.model.attention import attention_mask, masked_attention
 
 # Row 0: documents of 40, 1 and 59 tokens (crossing 16-token tile edges), then 28 of padding;
 # row 1: one document.
@@ -79,7 +79,7 @@ def test_under_data_and_tensor_parallelism():
     import sharding
     from sharding import Layout
 
-    from mlir_train.model.layers import docs_flash_attention as sharded
+    from mlir_train.model.attention import docs_flash_attention as sharded
 
     b, t, kv, g, h = 4, 32, 2, 2, 16
     q, k, v, _ = _case(g, jnp.float32, seed=1, b=b, t=t, kv=kv, h=h)
@@ -143,7 +143,7 @@ def test_h200_compile_holds_the_kernels_and_their_ptx_uses_wgmma_without_spills(
     from tests.helpers import compiled_attention_grads
     from mlir_train.planner.hlo_flops import matmul_flops
     from mlir_train.planner.kernel_audit import audit_xla_dump
-    from mlir_train.model.layers import docs_flash_attention
+    from mlir_train.model.attention import docs_flash_attention
 
     hlo = compiled_attention_grads(docs_flash_attention, h200_mesh, t=2048, dump_to=tmp_path).as_text()
     flops = matmul_flops(hlo)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlir_train.model.layers import attention_mask, flash_attention, masked_attention
+from mlir_train.model.attention import attention_mask, flash_attention, masked_attention
 
 
 def test_flash_attention_equals_masked_attention():

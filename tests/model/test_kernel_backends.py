@@ -12,7 +12,7 @@ from mlir_train.config.models import get_model_config
 from mlir_train.model import platform_model_kwargs
 from mlir_train.model.moe import dispatch as moe_dispatch
 from mlir_train.model.moe import experts as moe_experts
-from mlir_train.model.layers import attention_mask, masked_attention
+from mlir_train.model.attention import attention_mask, masked_attention
 from sharding import Layout
 
 

@@ -162,7 +162,7 @@ def _plain_attention(q_BTKGH, k_BSKH, v_BSKH, mask_BTS):
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 3e-2)])
 def test_attention_custom_gradient_equals_autodiff(dtype, tol):
-    from mlir_train.model.layers import attention_mask, masked_attention
+    from mlir_train.model.attention import attention_mask, masked_attention
 
     rng = np.random.default_rng(0)
     b, t, k, g, h = 2, 24, 2, 3, 16

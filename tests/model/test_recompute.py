@@ -215,7 +215,7 @@ def test_pieces_follow_megatrons_layer_positions():
 
 def test_stage_program_records_where_each_run_starts():
     """A mixed dense/MoE pipeline: the offsets the recompute method counts from, per segment."""
-    from mlir_train.train.pipeline.parallel import make_schedule, stage_program
+    from mlir_train.train.pipeline import make_schedule, stage_program
 
     schedule = make_schedule(8, 2)  # layers 0-3 on stage 0, 4-7 on stage 1
     # kinds: dense, dense, moe x 3, dense x 3 -> stage 0 = [d d][m m], stage 1 = [m][d d d]

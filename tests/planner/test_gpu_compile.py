@@ -52,7 +52,7 @@ def test_flash_attention_compiles_and_skips_the_masked_half(h200_devices):
     import contextlib
 
     from tests.helpers import compiled_attention_grads, one_device_mesh
-    from mlir_train.model.layers import attention_mask, flash_attention, masked_attention
+    from mlir_train.model.attention import attention_mask, flash_attention, masked_attention
 
     b, t, kv, g, h = 1, 1024, 2, 4, 128
     mesh = one_device_mesh(h200_devices)

@@ -76,7 +76,7 @@ def test_parse_ptx_finds_the_unwaited_pipeline_and_spills():
 
 
 def test_flash_attention_tiles_follow_the_target():
-    from mlir_train.model.layers import flash_block_sizes
+    from mlir_train.model.attention import flash_block_sizes
 
     assert flash_block_sizes(4096, "9.0").block_q_dkv == 64 and flash_block_sizes(4096, "9.0").block_q == 128
     assert flash_block_sizes(4096, None).block_q_dkv == 32  # CPU (interpreter) and unknown targets
@@ -89,7 +89,7 @@ def test_flash_attention_backward_uses_wgmma_without_spills_on_h200(h200_device,
     devices), forward and backward, read from XLA's per-module PTX with ptxas -v (~10 s)."""
     from tests.helpers import compiled_attention_grads, one_device_mesh
     from mlir_train.planner.kernel_audit import audit_xla_dump
-    from mlir_train.model.layers import flash_attention
+    from mlir_train.model.attention import flash_attention
 
     compiled_attention_grads(flash_attention, one_device_mesh([h200_device]), t=2048, dump_to=tmp_path)
     reports = {r.name: r for r in audit_xla_dump(str(tmp_path))}

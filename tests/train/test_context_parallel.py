@@ -86,9 +86,9 @@ SLOW = {"CP4xTP2-SP", "CP2xDP4"}  # ~10-25 s each; CP over data ranks is also in
 
 @pytest.mark.parametrize("name", [n if n not in SLOW else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS])
 def test_context_parallel_step_equals_one_device(name, reference, monkeypatch):
-    from mlir_train.model import layers
+    from mlir_train.model import attention
 
-    monkeypatch.setattr(layers, "KEY_BLOCK", 8)  # the gathered row of 32 keys in 4 blocks
+    monkeypatch.setattr(attention, "KEY_BLOCK", 8)  # the gathered row of 32 keys in 4 blocks
     parallel = validate(LAYOUTS[name], seq_length=SEQ)
     out = _one_step(parallel, jax.devices()[:8])
     _assert_same_step(out, reference)
@@ -117,7 +117,7 @@ def test_blocked_attention_equals_masked_attention(order):
     load-balanced order and keys in blocks of 8 of 32."""
     import jax.numpy as jnp
 
-    from mlir_train.model.layers import attention_mask, blocked_attention, masked_attention
+    from mlir_train.model.attention import attention_mask, blocked_attention, masked_attention
 
     rng = np.random.default_rng(0)
     b, t, kv, g, h = 2, 32, 2, 2, 8

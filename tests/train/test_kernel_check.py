@@ -132,7 +132,7 @@ def test_auto_fallback_rebuilds_the_trainer(monkeypatch):
 def test_long_sequences_check_against_the_blocked_reference(monkeypatch):
     """Past REFERENCE_SCORES the reference is blocked_attention on one kv group (a 32k-token
     run's [heads, T, T] float32 scores would not fit): it still tells a right kernel from a wrong one."""
-    from mlir_train.model.layers import flash_block_sizes  # noqa: F401  (the Pallas import the flash path needs)
+    from mlir_train.model.attention import flash_block_sizes  # noqa: F401  (the Pallas import the flash path needs)
 
     monkeypatch.setattr(kernel_check, "REFERENCE_SCORES", 0)
     right = lambda q, k, v, seg: kernel_check.ATTENTION_KERNELS["flash"][1](True)(q, k, v, seg)

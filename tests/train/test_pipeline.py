@@ -17,7 +17,7 @@ import pytest
 
 from mlir_train.config.models import get_model_config
 from mlir_train.train.optim import make_optimizer
-from mlir_train.train.pipeline.parallel import Schedule, from_stages, make_schedule, stage_program, to_stages
+from mlir_train.train.pipeline import Schedule, from_stages, make_schedule, stage_program, to_stages
 from mlir_train.train.schedule import megatron_lr_schedule
 from mlir_train.train.trainer import StepConfig
 from mlir_train.train.build import build_trainer

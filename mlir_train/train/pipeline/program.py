@@ -1,0 +1,153 @@
+"""The stage program: which decoder layers every chunk of every stage runs, and how the
+weights are stored for it.
+
+Every decoder-layer parameter is stacked ``[L_k, ...]`` per layer stack (one stack for the
+released Qwen3 models; consecutive dense/MoE runs otherwise) with the logical axis
+``"layers"``, which the pipeline rule table maps to the ``"stage"`` mesh axis, so the stored
+(and checkpointed) weights are the real layers split contiguously over the stages (a stack
+whose length P does not divide is stored whole on every stage, :func:`storage_axes`). Inside
+the step every chunk runs the same *stage program* (:func:`stage_program`): a list of
+segments, each a run of same-kind layers ``[P, R, S, ...]``, with padding slots that are
+identity layers (``run_stack(active=...)``: they add nothing to the activations, their router
+statistics are masked and their weights get exactly zero gradient). Layer
+``l = (r * P + s) * V + j`` is chunk ``r``, layer ``j`` of stage ``s`` (Megatron's interleaved
+assignment); ``--decoder-first/last-pipeline-num-layers`` give the first/last stage their own
+count and the middle stages share the rest, as Megatron does. For an even split of one stack
+with R = 1 the segment is a pure reshape of the stored split, no data moves. For R > 1, uneven
+splits or mixed stacks XLA moves the layer weights a stage runs but does not store, once per
+step (the gradients go back the same way). Only ``"stage"`` is manual (``shard_map`` via
+:func:`sharding.logical_shard_map` with ``manual=("layers",)``); data, expert and tensor stay
+under XLA's automatic partitioning, so TP, SP, DP and ZeRO-1 compose unchanged, and the
+expert-parallel ``shard_map`` of the MoE block nests inside (manual over data and expert).
+
+Shape suffixes as in :mod:`mlir_train.train.pipeline.schedule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mlir_train.train.pipeline.schedule import Schedule, to_stages
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Segment:
+    """One run of same-kind layers in every chunk's program, ``S`` slots long.
+
+    ``src[s, r, j]`` is the layer at slot ``j`` of chunk ``r`` of stage ``s``, as a row of the
+    concatenation (in layer order) of all stacks of this kind; ``active`` is False for padding
+    slots (identity layers) where that chunk has fewer layers of this run than another."""
+    is_moe: bool
+    src: np.ndarray     # [P, R, S] int
+    active: np.ndarray  # [P, R, S] bool
+    # where slot 0 sits in its chunk, over the chunks that run layers here (for the recompute
+    # method's per-chunk layer positions: one value unless stages start this run differently)
+    offsets: tuple[int, ...] = (0,)
+
+    @property
+    def slots(self) -> int:
+        return self.src.shape[-1]
+
+
+def stage_program(schedule: Schedule, stack_kinds: tuple[tuple[int, int, bool], ...]) -> list[Segment]:
+    """Every chunk runs the same sequence of segments (SPMD: one program on every stage).
+
+    A chunk's layers split into runs at stack boundaries (stacks alternate dense / MoE), and
+    the runs line up on an alternating kind sequence starting with layer 0's kind; a segment
+    is as long as the longest run mapped to it. Even splits of a single stack give one segment
+    without padding; a period of dense/MoE layers that divides the stage length gives one
+    segment per run without padding."""
+    num_layers = sum(n for _, n, _ in stack_kinds)
+    stack_of = np.concatenate([[k] * n for k, (_, n, _) in enumerate(stack_kinds)])
+    kind_row = np.zeros(num_layers, np.int64)
+    counter = {False: 0, True: 0}
+    for l in range(num_layers):
+        moe = stack_kinds[stack_of[l]][2]
+        kind_row[l], counter[moe] = counter[moe], counter[moe] + 1
+    first_kind = stack_kinds[0][2]
+    chunks = schedule.chunk_layers(num_layers)
+    p, r = schedule.stages, schedule.virtual
+    placed: dict[tuple[int, int], list[list[int]]] = {}  # (stage, chunk) -> rows per program segment
+    length = 0
+    for s in range(p):
+        for c in range(r):
+            runs: list[list[int]] = []
+            for l in chunks[s][c]:
+                if runs and stack_of[l] == stack_of[runs[-1][-1]]:
+                    runs[-1].append(l)
+                else:
+                    runs.append([l])
+            offset = 0 if stack_kinds[stack_of[runs[0][0]]][2] == first_kind else 1
+            placed[s, c] = [[] for _ in range(offset)] + runs
+            length = max(length, len(placed[s, c]))
+    segments = []
+    for g in range(length):
+        slots = max(len(placed[s, c][g]) if g < len(placed[s, c]) else 0 for s in range(p) for c in range(r))
+        if not slots:
+            continue
+        is_moe = first_kind if g % 2 == 0 else not first_kind
+        src = np.zeros((p, r, slots), np.int64)
+        active = np.zeros((p, r, slots), bool)
+        offsets = set()
+        for (s, c), segs in placed.items():
+            run = segs[g] if g < len(segs) else []
+            rows = [int(kind_row[l]) for l in run]
+            src[s, c, :len(rows)] = rows
+            src[s, c, len(rows):] = rows[-1] if rows else 0
+            active[s, c, :len(rows)] = True
+            if run:
+                offsets.add(sum(len(x) for x in segs[:g]))
+        segments.append(Segment(is_moe=is_moe, src=src, active=active, offsets=tuple(sorted(offsets))))
+    return segments
+
+
+def _canonical(seg: Segment, schedule: Schedule) -> bool:
+    """Whether the segment is the plain ``to_stages`` view of its (single) stack."""
+    p, r, v = seg.src.shape
+    return bool(seg.active.all()) and np.array_equal(
+        seg.src, np.arange(p * r * v).reshape(r, p, v).swapaxes(0, 1))
+
+
+def to_segments(stacks: list[Any], stack_kinds, program: list[Segment], schedule: Schedule) -> list[Any]:
+    """The stacks' ``[L_k, ...]`` weights -> each segment's ``[P, R, S, ...]`` (linear)."""
+    by_kind = {}
+    for moe in (False, True):
+        trees = [t for t, (_, _, m) in zip(stacks, stack_kinds) if m == moe]
+        if trees:
+            by_kind[moe] = trees[0] if len(trees) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *trees)
+    out = []
+    for seg in program:
+        tree = by_kind[seg.is_moe]
+        if _canonical(seg, schedule):
+            out.append(jax.tree.map(lambda x: to_stages(x, schedule), tree))
+        else:  # uneven or mixed: XLA moves the layers a stage runs but does not store
+            flat = seg.src.reshape(-1)
+            out.append(jax.tree.map(lambda x: jnp.take(x, flat, axis=0).reshape(*seg.src.shape, *x.shape[1:]), tree))
+    return out
+
+
+def layer_order(program: list[Segment], per_moe_segment: list[jax.Array], num_moe: int) -> jax.Array:
+    """Per-(stage, chunk, slot) MoE sums ``[P, R, S, ...]`` -> ``[L_moe, ...]`` in layer order."""
+    out = None
+    for seg, x in zip([s for s in program if s.is_moe], per_moe_segment):
+        real = x.reshape(-1, *x.shape[3:])[np.flatnonzero(seg.active.reshape(-1))]
+        part = jnp.zeros((num_moe,) + x.shape[3:], x.dtype).at[seg.src[seg.active]].add(real)
+        out = part if out is None else out + part
+    return out
+
+
+
+def storage_axes(logical: dict[str, Any], stack_kinds, stages: int) -> dict[str, Any]:
+    """The logical axes to store the weights with: a layer stack whose length the stages do not
+    divide (a short run of a mixed dense/MoE model, or an uneven split's odd total) keeps its
+    ``"layers"`` axis unsplit, i.e. every stage stores it whole and computes the layers it runs."""
+    layers = dict(logical["layers"])
+    for k, (_, n, _) in enumerate(stack_kinds):
+        if n % stages:
+            layers[k] = jax.tree.map(lambda names: tuple(None if a == "layers" else a for a in names), layers[k],
+                                     is_leaf=lambda x: isinstance(x, tuple))
+    return {**logical, "layers": layers}

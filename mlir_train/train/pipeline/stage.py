@@ -1,0 +1,156 @@
+"""What every compiled schedule runs on a stage: the setup (stage axes, stage program, the
+model around the non-layer weights), one chunk's forward, the router-loss terms and the
+per-stage accumulators they add to (per (chunk, slot), back in layer order by
+:func:`aux_out`), and the ``shard_map`` over the stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlir_train.config import policies
+from mlir_train.model import losses
+from mlir_train.model.transformer import run_stack
+from mlir_train.train.pipeline.program import Segment, layer_order, stage_program, to_segments
+from sharding import logical_shard_map, mesh_axes_of
+
+
+def chunk_forward(stack_graphs, program, states_r, active_r, x, context, remat):
+    """One chunk: its segments in order; the MoE segments' router stats, one dict each."""
+    stats = []
+    for seg, state, on in zip(program, states_r, active_r):
+        stack = nnx.merge(stack_graphs[seg.is_moe], state)
+        x, st = run_stack(stack, x, context, remat, None if seg.active.all() else on, offsets=seg.offsets)
+        if seg.is_moe:
+            stats.append(st)
+    return x, stats
+
+
+
+def router_terms(program, stats, active_r, keep, balancing, top_k, m, counts=None, micro_index=None):
+    """This chunk's router-loss objective (:func:`losses.router_losses`, over ``m``
+    micro-batches), its per-slot sums for the logs and, under ``global_aux_loss``, the running
+    expert counts (``counts``: one ``[S, E]`` per MoE segment, the sum over the micro-batches
+    before ``micro_index``). MoE segments only, in program order. The stats of padding slots
+    and of items not ``keep`` are zeroed first, which makes every router term (and its
+    gradient) of theirs exactly zero and leaves their running counts unchanged."""
+    objective, sums, new_counts = 0.0, [], []
+    moe_active = [on for seg, on in zip(program, active_r) if seg.is_moe]
+    for i, (st, on) in enumerate(zip(stats, moe_active)):
+        k_S = keep & on
+        st = jax.tree.map(lambda x: jnp.where(k_S.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x)), st)
+        obj, per_layer, c = losses.router_losses(st, balancing, top_k, None if counts is None else counts[i],
+                                                 micro_index)
+        objective = objective + obj / m
+        sums.append(dict(layers=per_layer, tokens_per_expert=st["tokens_per_expert"],
+                         dropped_tokens=jnp.sum(st["dropped_tokens"])))
+        new_counts.append(c)
+    return objective, sums, (new_counts if counts is not None else None)
+
+
+def _router_names(balancing) -> list[str]:
+    return ["load_balancing_loss", "z_loss"] + [
+        policies.TRACKER_NAMES[k] for k in ("seq_aux_loss", "global_aux_loss") if balancing.coeff(k) > 0]
+
+
+def zero_acc(program, r, setup, balancing, scalars):
+    acc = {k: jnp.zeros((), jnp.float32) for k in scalars}
+    if setup.num_moe:
+        moe = [seg for seg in program if seg.is_moe]
+        acc["moe"] = [dict(layers={k: jnp.zeros((r, seg.slots)) for k in _router_names(balancing)},
+                           tokens_per_expert=jnp.zeros((r, seg.slots, setup.num_experts)),
+                           dropped_tokens=jnp.zeros(())) for seg in moe]
+        if balancing.uses_global:
+            acc["counts"] = [jnp.zeros((r, seg.slots, setup.num_experts)) for seg in moe]
+    return acc
+
+
+def add_sums(acc, sums, chunk):
+    return [dict(layers={k: a["layers"][k].at[chunk].add(s["layers"][k]) for k in a["layers"]},
+                 tokens_per_expert=a["tokens_per_expert"].at[chunk].add(s["tokens_per_expert"]),
+                 dropped_tokens=a["dropped_tokens"] + s["dropped_tokens"]) for a, s in zip(acc, sums)]
+
+
+def aux_out(acc, program, m, num_moe):
+    """The step's ``aux`` from the per-stage accumulators (leading stage axis)."""
+    aux = {k: jnp.sum(acc[k]) for k in ("ce_sum", "loss_tokens", "lm_objective")}
+    moe = acc.get("moe")
+    if moe:
+        order = lambda get: layer_order(program, [get(s) for s in moe], num_moe)
+        # Per-layer sums over micro-batches, back in layer order; /M gives the per-micro mean the
+        # non-pipelined step logs, and a leading axis of 1 stands for its micro-batch axis.
+        aux.update(router_layers={k: (order(lambda s: s["layers"][k]) / m)[None] for k in moe[0]["layers"]},
+                   tokens_per_expert=order(lambda s: s["tokens_per_expert"])[None],
+                   dropped_tokens=sum(jnp.sum(s["dropped_tokens"]) for s in moe))
+    return aux
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSetup:
+    program: list[Segment]
+    stack_kinds: tuple
+    stack_graphs: dict
+    placeholder: Any
+    num_moe: int
+    num_experts: int
+
+
+def _setup(graphdef, params, schedule):
+    stages_axes, p = mesh_axes_of("layers")
+    if p != schedule.stages:
+        raise ValueError(f"'layers' is split over {p} devices but the schedule has {schedule.stages} stages")
+    model = nnx.merge(graphdef, params)
+    kinds = model.stack_kinds
+    program = stage_program(schedule, kinds)
+    graphs = {}
+    for k, (_, _, moe) in enumerate(kinds):
+        graphs.setdefault(moe, nnx.split(model.layers[k])[0])
+    moe_layers = [k for k, (_, _, moe) in enumerate(kinds) if moe]
+    num_experts = model.layers[moe_layers[0]].mlp.num_experts if moe_layers else 0
+    placeholder = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params["layers"])
+    return stages_axes, StageSetup(program, kinds, graphs, placeholder,
+                               sum(n for _, n, moe in kinds if moe), num_experts)
+
+
+def merge(graphdef, setup, rest):
+    """The model around ``rest`` (embedding, final norm, head); its layer stacks are shapes only."""
+    return nnx.merge(graphdef, {**rest, "layers": setup.placeholder})
+
+
+def prepare(graphdef, params, schedule):
+    """What every schedule starts from: the stage axes and stage program, the layer stacks and
+    the rest of the weights, the stacks as the program's segments and each segment's
+    active-slot mask."""
+    stage_axes, setup = _setup(graphdef, params, schedule)
+    stacks, rest = _split_params(params, setup)
+    segs = to_segments(stacks, setup.stack_kinds, setup.program, schedule)
+    active = [jnp.asarray(seg.active) for seg in setup.program]
+    return stage_axes, setup, stacks, rest, segs, active
+
+
+def _split_params(params, setup):
+    stacks = [params["layers"][k] for k in range(len(setup.stack_kinds))]
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return stacks, rest
+
+
+def stage_shard_map(body, segs, active, rest, batch, scalars, out_names):
+    per_stage = ("layers",)
+    return logical_shard_map(
+        body,
+        in_names=(jax.tree.map(lambda _: per_stage, segs), jax.tree.map(lambda _: per_stage, active),
+                  jax.tree.map(lambda _: (), rest), jax.tree.map(lambda _: (), batch),
+                  jax.tree.map(lambda _: (), scalars)),
+        out_names=out_names,
+        manual=("layers",),
+        # jax 0.10's transpose of a shard_map nested in a vma-checked one (the expert-parallel
+        # dispatch inside a stage) names the outer manual axis in the inner region's shardings,
+        # which Shardy rejects; unchecked, the outer region transposes cleanly.
+        check_vma=False,
+    )(segs, active, rest, batch, scalars)
+
