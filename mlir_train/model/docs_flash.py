@@ -4,7 +4,7 @@ tile's documents can see.
 
 Inputs ``q [B, T, N, H]``, ``k, v [B, S, K, H]`` (S = T; ``G = N / K`` query heads share a kv head,
 mapped in the block index maps: k/v are never repeated), ``segment_ids [B, T]``. The function is
-:func:`~mlir_train.model.layers.masked_attention` of ``attention_mask(segment_ids)``: causal within
+:func:`~mlir_train.model.attention.masked_attention` of ``attention_mask(segment_ids)``: causal within
 equal segment ids, padding (id 0) attending to padding.
 
 In XLA, outside the kernels, each position's document start (the first index of its run of equal

@@ -1,7 +1,7 @@
 """Which kernels a model compiled for a platform runs: the one place that decides.
 
 The defaults by platform are the tables beside the code they pick from
-(:data:`~mlir_train.model.layers.DEFAULT_ATTENTION_IMPL`,
+(:data:`~mlir_train.model.attention.DEFAULT_ATTENTION_IMPL`,
 :data:`~mlir_train.model.moe.dispatch.DEFAULT_MOE_IMPL`); ``--attention-kernel`` and
 ``--moe-gemm-backend`` override them here, and :func:`platform_model_kwargs` turns the choice
 into the model's constructor arguments. The trainer, the planner, the kernel self-check and
@@ -25,7 +25,7 @@ def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int 
                           attention_backend: str = "auto") -> dict[str, Any]:
     """The kernels a model compiled for ``platform`` ("cpu", "gpu", "tpu": the mesh devices'
     ``.platform``) runs: attention (``attention_backend``, ``--attention-kernel``: "auto" is
-    :data:`~mlir_train.model.layers.DEFAULT_ATTENTION_IMPL`) and, for MoE models, the experts
+    :data:`~mlir_train.model.attention.DEFAULT_ATTENTION_IMPL`) and, for MoE models, the experts
     (``moe_backend``, ``--moe-gemm-backend``: "auto" is :data:`~mlir_train.model.moe.block.DEFAULT_MOE_IMPL`,
     with our Mosaic-GPU block kernels under "grouped"; "tokamax" the same dropless block layout on
     tokamax's kernels; "padded" the capacity / padded batched matmul).
@@ -33,7 +33,7 @@ def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int 
     With the sequence split over ``context_parallel`` > 1 ranks attention is the "xla" path
     on every platform: the kernels mask causally from position 0 of one sequence shared
     by queries and keys, which the load-balanced layout's two chunks per rank are not
-    (:func:`~mlir_train.model.layers.context_parallel_attention`); naming a kernel there is refused.
+    (:func:`~mlir_train.model.attention.context_parallel_attention`); naming a kernel there is refused.
     A GPU kernel named off GPU is refused (ValueError naming the flag), never replaced."""
     if moe_backend not in MOE_BACKENDS:
         raise ValueError(f"--moe-gemm-backend {moe_backend!r}: choose one of {', '.join(MOE_BACKENDS)}")

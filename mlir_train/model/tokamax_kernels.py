@@ -100,7 +100,7 @@ def tokamax_block_kernels(block_rows: int = 64, *, implementation: str | None = 
 
 def document_starts(segment_ids_BT: jax.Array) -> jax.Array:
     """``[B, T]``: the index where each position's run of equal segment ids begins, the first key a
-    query of a packed document may see. Equal to :func:`~mlir_train.model.layers.attention_mask`'s
+    query of a packed document may see. Equal to :func:`~mlir_train.model.attention.attention_mask`'s
     documents when every segment id is one contiguous run (as packing lays them out); padding
     (segment 0) attends within its own run."""
     t = segment_ids_BT.shape[1]
@@ -114,7 +114,7 @@ def tokamax_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation:
     """Causal GQA attention within packed documents (:func:`document_starts`) with tokamax's flash
     attention; ``implementation`` ``"mosaic_gpu"`` (GPU), or ``"xla"`` (tokamax's reference, any
     platform: the CPU tests). The same function as
-    :func:`~mlir_train.model.layers.masked_attention` of ``attention_mask(segment_ids)`` for
+    :func:`~mlir_train.model.attention.masked_attention` of ``attention_mask(segment_ids)`` for
     contiguous documents."""
     require_tokamax(ATTENTION_FLAG)
     from tokamax._src.ops.attention import api, base

@@ -17,9 +17,9 @@ nothing, so this counts the matmuls themselves:
   flash attention's forward and backward kernels by their tile loops (:class:`AttentionCall`;
   ``attention_flops`` with one document per row, :meth:`AttentionCall.flops` for packed rows);
 * the Pallas FlashAttention kernels (``__gpu$xla.gpu.triton`` calls under ``mha_forward`` /
-  ``mha_backward``, :func:`mlir_train.model.layers.flash_attention`): from q's shape
+  ``mha_backward``, :func:`mlir_train.model.attention.flash_attention`): from q's shape
   ``[B, T, N, H]`` and the kernel's causal loop structure (key tiles up to the diagonal, the
-  tiles read from the call's launch grid, since :func:`~mlir_train.model.layers.flash_block_sizes`
+  tiles read from the call's launch grid, since :func:`~mlir_train.model.attention.flash_block_sizes`
   picks them per GPU): the forward does
   2 matmuls per visited (query tile, key tile) pair, the backward 7 (the dK/dV loop
   recomputes the scores and dP, then dV and dK; the dQ loop recomputes both again, then dQ);

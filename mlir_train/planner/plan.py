@@ -238,7 +238,7 @@ def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_b
     """Per-device activation memory of the forward/backward (see the module doc): one
     micro-batch's, or under pipeline parallelism a stage's layers for every micro-batch in
     flight (GPipe / circular keep all of them until their backward), or under 1F1B
-    (``schedule``, a :class:`mlir_train.train.pipeline.parallel.Schedule`) its ``2 R P - 1`` saved chunk
+    (``schedule``, a :class:`mlir_train.train.pipeline.schedule.Schedule`) its ``2 R P - 1`` saved chunk
     inputs plus one chunk's activations while its backward recomputes it."""
     from sharding.mesh import kv_heads_replicated
 

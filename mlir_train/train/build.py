@@ -213,7 +213,7 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
         platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
     if parallel.context > 1 and platform == "gpu" and cfg.extras.attention_kernel == "auto":
         log.info(f"--context-parallel-size {parallel.context}: attention runs as XLA ops "
-                 "(mlir_train.model.layers.blocked_attention: each rank's queries against the gathered row, one key "
+                 "(mlir_train.model.attention.blocked_attention: each rank's queries against the gathered row, one key "
                  "block at a time), not the flash kernel, which cannot mask the load-balanced chunks by their "
                  "original positions")
     backend = cfg.extras.moe_gemm_backend

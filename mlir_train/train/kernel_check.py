@@ -192,7 +192,7 @@ def _compare(kernel_loss, reference_loss, args, dtype: str) -> float:
 
 def check_attention(fn: Callable, s: Shapes) -> float:
     """``fn`` (the kernel's ``(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> o_BTNH``) against
-    :func:`~mlir_train.model.layers.masked_attention` on one sequence of ``s.seq_length``
+    :func:`~mlir_train.model.attention.masked_attention` on one sequence of ``s.seq_length``
     tokens packed with two documents and padding."""
     import jax
     import jax.numpy as jnp
