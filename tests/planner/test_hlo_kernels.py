@@ -1,9 +1,9 @@
-"""mlir_train.planner.hlo_flops on hand-written HLO and on an XLA:CPU compile (no GPU needed)."""
+"""mlir_train.planner.hlo_kernels on hand-written HLO and on an XLA:CPU compile (no GPU needed)."""
 
 import jax
 import jax.numpy as jnp
 
-from mlir_train.planner.hlo_flops import _causal_tile_pairs, matmul_flops
+from mlir_train.planner.hlo_kernels import _causal_tile_pairs, matmul_flops
 
 HLO = """
 %body (p: (s32[], f32[4,4])) -> (s32[], f32[4,4]) {
