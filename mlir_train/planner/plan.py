@@ -364,7 +364,6 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
     import jax.numpy as jnp
 
     from mlir_train.planner import flops as flops_lib
-    from mlir_train.planner import hlo_kernels
     from mlir_train.planner import hlo as hlo_stats
     from mlir_train.planner.targets import compile_only_devices
     from mlir_train.train.trainer import BATCH_KEYS, DTYPES
@@ -410,7 +409,7 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
         t0 = time.perf_counter()
         try:
             compiled = trainer.lower_train_step(state, batch).compile()
-            step = hlo_stats.audit_compiled(compiled, custom_call_flops=hlo_kernels.custom_call_counters())
+            step = hlo_stats.audit_compiled(compiled)
             if hlo_dir:  # the optimized HLO the figures come from, to see where they come from
                 os.makedirs(hlo_dir, exist_ok=True)
                 with open(os.path.join(hlo_dir, re.sub(r"[^\w.+-]+", "_", plan.name) + ".hlo.txt"), "w") as f:

@@ -141,7 +141,7 @@ def test_h200_compile_holds_the_kernels_and_their_ptx_uses_wgmma_without_spills(
     Triton kernel calls, no dot or GEMM (no dense attention fallback); each kernel's PTX issues
     wgmma, no mma.sync, no spills, registers within the limit (about 20 s)."""
     from tests.helpers import compiled_attention_grads
-    from mlir_train.planner.hlo_kernels import matmul_flops
+    from mlir_train.planner.hlo import matmul_flops
     from mlir_train.planner.kernel_audit import audit_xla_dump
     from mlir_train.model.attention import docs_flash_attention
 
