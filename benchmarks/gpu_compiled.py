@@ -41,11 +41,10 @@ from mlir_train.planner import plan
 from mlir_train.planner import targets  # noqa: E402
 
 LAYOUTS = {
-    "dp8": plan.Layout(),
-    "ep8": plan.Layout(expert=8),
-    "tp2ep4": plan.Layout(tensor=2, expert=4, sequence_parallel=True),
-    "seed": plan.Layout(tensor=2, pipeline=2, expert=2, distributed_optimizer=True, recompute="full",
-                        sequence_parallel=True),
+    "dp8": plan.candidate(),
+    "ep8": plan.candidate(expert=8),
+    "tp2ep4": plan.candidate(tensor=2, expert=4, sequence_parallel=True),
+    "seed": plan.candidate("full", tensor=2, pipeline=2, expert=2, distributed_optimizer=True, sequence_parallel=True),
 }
 
 
@@ -73,16 +72,16 @@ def main(argv=None) -> int:
         model += ["--hidden-size", "256", "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels",
                   "64", "--num-experts", "16", "--moe-ffn-hidden-size", "128", "--vocab-size", "4096"]
     seq = 256 if a.quick else a.seq_length
-    args, _ = cli.parse_args(model + ["--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size",
+    args = cli.parse(model + ["--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size",
                                       str(a.global_batch_size), "--bf16", "--moe-router-topk", "8"])
-    print(f"Qwen3-30B-A3B layer stack ({args.num_layers} layers{', toy widths' if a.quick else ''}), seq {seq}, "
+    print(f"Qwen3-30B-A3B layer stack ({1 if a.quick else a.layers} layers{', toy widths' if a.quick else ''}), seq {seq}, "
           f"micro-batch 1, global batch {a.global_batch_size}, bf16; XLA:GPU for 8 x {kind.description}, deviceless; "
           f"jax {jax.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     rows = []
     for name in a.layouts.split(","):
         layout = LAYOUTS[name]
         if name != "seed" and a.recompute != "none":
-            layout = plan.dataclasses.replace(layout, recompute=a.recompute)
+            layout = plan.Candidate(layout.layout, a.recompute)
         t0 = time.perf_counter()
         result = plan.plan_layout(args, layout, 8, memory_gb=kind.memory_bytes / plan.GIB,
                                   peak_tflops=kind.bf16_tflops, assumed_mfu=a.assumed_mfu, target=kind.name,

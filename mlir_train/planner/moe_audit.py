@@ -3,7 +3,7 @@
 Used by ``benchmarks/moe_gpu.py`` and the tests with the compile-only devices of a deviceless
 XLA:GPU topology (``jax.experimental.topologies``), so the figures are XLA:GPU's program for,
 say, 8 x H200, built on a CPU-only host. Expert FLOPs per device are read from the optimized
-HLO (:mod:`mlir_train.planner.hlo_flops`): every dot and GEMM except the router's (traced under
+HLO (:mod:`mlir_train.planner.hlo`): every dot and GEMM except the router's (traced under
 ``jax.named_scope(moe.ROUTER_SCOPE)``) plus the block kernels' work. The kernels skip spare blocks, so their
 work depends on the routing; it is given for a sampled routing (``used_rows``: every token
 picks ``top_k`` distinct experts uniformly at random, as an untrained router does, seeded)
@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import sharding
-from mlir_train.planner.hlo_flops import matmul_flops
+from mlir_train.planner.hlo import matmul_flops
 from mlir_train.model import logical_axes
 from mlir_train.model.moe.block import ROUTER_SCOPE, MoE
 from mlir_train.model.moe.gpu import BLOCK_ROWS

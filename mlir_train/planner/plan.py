@@ -92,7 +92,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import math
 import os
 import re
@@ -100,10 +99,11 @@ import sys
 import time
 from typing import Any
 
-from mlir_train.runtime.platform_setup import GPU_MEM_FRACTION
 from mlir_train.config.flags import RunConfig
-from mlir_train.train.build import resolve
-from mlir_train.planner.targets import DEVICE_KINDS, GIB, DeviceKind
+from mlir_train.planner.candidates import Candidate, candidate, candidate_layouts  # noqa: F401 (the planner's API)
+from mlir_train.planner.estimate import activation_bytes
+from mlir_train.planner.report import format_collectives, format_plan, write_json  # noqa: F401 (the planner's API)
+from mlir_train.planner.targets import DEVICE_KINDS, GIB, USABLE_FRACTION, DeviceKind
 
 
 def _preset_devices(argv: list[str]) -> None:
@@ -116,46 +116,9 @@ def _preset_devices(argv: list[str]) -> None:
     configure_platform(compile_only=True, cpu_devices=int(n) if n else None)
 
 
-
-# What JAX's allocator may use of a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, as sft sets it).
-USABLE_FRACTION = GPU_MEM_FRACTION
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    tensor: int = 1
-    expert: int = 1
-    pipeline: int = 1
-    distributed_optimizer: bool = False
-    # a RecomputePolicy (mlir_train.model.recompute), or "none" | "selective" | "full"
-    recompute: Any = "none"
-    sequence_parallel: bool = False
-    expert_tensor: int | None = None  # --expert-tensor-parallel-size (None: = tensor)
-    context: int = 1  # --context-parallel-size
-
-    @property
-    def etp(self) -> int:
-        return self.tensor if self.expert_tensor is None else self.expert_tensor
-
-    @property
-    def policy(self):
-        from mlir_train.config.policies import RecomputePolicy
-
-        return RecomputePolicy.of(self.recompute)
-
-    def name(self, num_devices: int) -> str:
-        dp = num_devices // (self.tensor * self.pipeline * self.context)
-        parts = [f"TP{self.tensor}", f"PP{self.pipeline}", f"EP{self.expert}"]
-        parts += ([f"ETP{self.etp}"] if self.etp != self.tensor else []) + [f"DP{dp}"]
-        if self.context > 1:
-            parts.insert(1, f"CP{self.context}")
-        extra = (["SP"] if self.sequence_parallel else []) + (["distopt"] if self.distributed_optimizer else [])
-        return "x".join(parts) + "".join("+" + e for e in extra) + f" recompute={self.policy.name}"
-
-
 @dataclasses.dataclass
 class Plan:
-    layout: Layout
+    candidate: Candidate
     name: str
     num_devices: int = 1
     # Analytic breakdown (exact sizes from the shardings; activations estimated).
@@ -233,150 +196,84 @@ def _device_bytes(tree: Any) -> int:
     return total
 
 
-def activation_bytes(cfg, layout: Layout, *, micro_batch: int, seq: int, dtype_bytes: int, num_micro: int = 1,
-                     schedule=None) -> int:
-    """Per-device activation memory of the forward/backward (see the module doc): one
-    micro-batch's, or under pipeline parallelism a stage's layers for every micro-batch in
-    flight (GPipe / circular keep all of them until their backward), or under 1F1B
-    (``schedule``, a :class:`mlir_train.train.pipeline.schedule.Schedule`) its ``2 R P - 1`` saved chunk
-    inputs plus one chunk's activations while its backward recomputes it."""
-    from sharding.mesh import kv_heads_replicated
-
-    a, b, d, tp = dtype_bytes, micro_batch, cfg.hidden_size, layout.tensor
-    # Under context parallelism a rank holds T / CP tokens of each row, and its queries' scores
-    # against all T keys (the gathered K/V, counted with the working set).
-    t, keys = seq // layout.context, seq
-    sp = tp if layout.sequence_parallel else 1
-    heads = cfg.num_heads // tp
-    kv = cfg.num_kv_heads if kv_heads_replicated(tp, cfg.num_kv_heads) else max(1, cfg.num_kv_heads // tp)
-    hd = cfg.head_dim
-    rows = b * t
-    residual = 2 * a * rows * d // sp
-    # The attention's custom gradient keeps q, k, v, its output and a float32 log-sum-exp per
-    # row; the [T, T] matrices (float32 scores/probabilities, their gradients) exist only
-    # while one layer runs, so they count in the working set, not per layer.
-    attn_core = a * rows * heads * hd + 4 * b * heads * t  # output + log-sum-exp
-    attn = a * rows * (d + (heads + 2 * kv) * hd + (heads + kv) * hd) + attn_core
-    if layout.context > 1:  # blocked_attention: one key block of scores, and the gathered K/V
-        from mlir_train.model.attention import KEY_BLOCK
-
-        attn_matrices = 3 * 4 * b * heads * t * min(keys, KEY_BLOCK) + 2 * a * b * keys * kv * hd
-    else:
-        attn_matrices = 3 * 4 * b * heads * t * keys
-    kinds = cfg.layer_kinds()
-    if cfg.is_moe:
-        s, k = rows // sp, cfg.top_k
-        etp = layout.etp
-        if etp < tp:  # folding: the tensor ranks that are expert ranks hold their own tokens
-            s = rows // (tp // etp)
-        local = cfg.num_experts // layout.expert
-        # ETP > TP: the expert-tensor ranks that are data ranks gather each other's rows
-        m = layout.expert * s * min(k, local) * max(1, etp // tp)
-        f = cfg.moe_intermediate_size // etp
-        router = a * rows * d + 2 * 4 * s * cfg.num_experts
-        experts = 2 * a * s * k * d + (a * m * d if layout.expert > 1 else 0) + 3 * a * m * f + a * m * d
-    else:
-        router = experts = 0
-    moe = router + experts
-    dense = a * rows * (d + 3 * cfg.intermediate_size // tp)
-    per_layer = [residual + attn + (moe if is_moe else dense) for is_moe in kinds]
-    chunks = schedule.virtual if schedule is not None else 1
-    n = max(schedule.stage_layers) if schedule is not None and schedule.stage_layers else len(per_layer) // (layout.pipeline * chunks)
-    per_layer = per_layer[:max(1, n)]  # the (largest) stage's, or one chunk's, layers
-    policy = layout.policy
-    layer_input = a * rows * d // sp
-    if policy.granularity == "selective":
-        # The submodules' kept tensors go: the attention core's output and log-sum-exp, the norms'
-        # outputs (2 per layer), the expert activation's output, a dense MLP's or MoE layer's
-        # activations but its input.
-        saved = 0
-        for is_moe, act in zip(kinds, per_layer):
-            drop = (attn_core if policy.recomputes("core_attn") else 0) + (
-                2 * layer_input if policy.recomputes("layernorm") else 0)
-            if is_moe:
-                drop += (moe - layer_input if policy.recomputes("moe") else
-                         a * m * f if policy.recomputes("moe_act") else 0)
-            elif policy.recomputes("mlp"):
-                drop += dense - layer_input
-            saved += act - drop
-        # one layer's backward, plus a recomputed MoE layer / MLP's forward
-        working = max(per_layer) + attn_matrices + max(
-            (moe if policy.recomputes("moe") and is_moe else dense if policy.recomputes("mlp") and not is_moe else 0)
-            for is_moe in kinds[:len(per_layer)])
-    elif policy.granularity == "full":
-        # The recomputed layers keep their input (uniform: one per group of N), block's others all
-        # of their activations; a group of N is recomputed at once.
-        group = policy.num_layers if policy.method == "uniform" else 1
-        recomputed = len(per_layer) if policy.method != "block" else min(policy.num_layers, len(per_layer))
-        saved = -(-recomputed // group) * layer_input + sum(per_layer[recomputed:])
-        working = (group + 1) * max(per_layer) + attn_matrices
-    else:
-        saved = sum(per_layer)
-        working = max(per_layer) + attn_matrices
-    logits = 2 * 4 * rows * (cfg.vocab_size // tp)
-    if layout.pipeline > 1 and schedule is not None and schedule.saved_inputs() is not None:
-        return int(schedule.saved_inputs() * a * rows * d // sp + saved + working + logits)
-    in_flight = num_micro * chunks if layout.pipeline > 1 else 1
-    return int(in_flight * saved + working + logits)
-
-
-def _trainer(cfg: RunConfig, layout: Layout, num_devices: int, devices=None):
-    """The Trainer ``sft`` would build for this layout, over ``devices`` (compile-only XLA:GPU
+def _trainer(cfg: RunConfig, c: Candidate, num_devices: int, devices=None):
+    """The Trainer ``sft`` would build for this candidate, over ``devices`` (compile-only XLA:GPU
     devices of the target) or the first ``num_devices`` of this process (fake CPU devices); the
     kernels (MoE experts, attention) are the ones the mesh's platform selects."""
     import jax
 
     from mlir_train.runtime.platform_setup import mesh_platform
+    from mlir_train.train.build import resolve  # imports jax: not before _preset_devices
     from sharding.mesh import make_mesh
 
+    lay, policy = c.layout, c.recompute
     cfg = cfg.replace(
-        parallel=dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
-                      expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.expert_tensor,
-                      sequence_parallel=layout.sequence_parallel, context_parallel_size=layout.context,
-                      use_distributed_optimizer=layout.distributed_optimizer, use_torch_fsdp2=False,
+        parallel=dict(tensor_model_parallel_size=lay.tensor, pipeline_model_parallel_size=lay.pipeline,
+                      expert_model_parallel_size=lay.expert, expert_tensor_parallel_size=lay.expert_tensor,
+                      sequence_parallel=lay.sequence_parallel, context_parallel_size=lay.context,
+                      use_distributed_optimizer=lay.distributed_optimizer, use_torch_fsdp2=False,
                       data_parallel_sharding_strategy="no_shard",
                       # the pipeline's own flags mean nothing to (and are refused by) a PP1 layout
-                      **({} if layout.pipeline > 1 else dict(num_layers_per_virtual_pipeline_stage=None,
-                                                             num_virtual_stages_per_pipeline_rank=None,
-                                                             decoder_first_pipeline_num_layers=None,
-                                                             decoder_last_pipeline_num_layers=None,
-                                                             pipeline_schedule=None))),
-        training=dict(recompute_granularity=layout.policy.granularity, recompute_method=layout.policy.method,
-                      recompute_num_layers=layout.policy.num_layers,
-                      recompute_modules=layout.policy.modules or None, moe_layer_recompute=False,
+                      **({} if lay.pipeline > 1 else dict(num_layers_per_virtual_pipeline_stage=None,
+                                                          num_virtual_stages_per_pipeline_rank=None,
+                                                          decoder_first_pipeline_num_layers=None,
+                                                          decoder_last_pipeline_num_layers=None,
+                                                          pipeline_schedule=None))),
+        training=dict(recompute_granularity=policy.granularity, recompute_method=policy.method,
+                      recompute_num_layers=policy.num_layers,
+                      recompute_modules=policy.modules or None, moe_layer_recompute=False,
                       recompute_activations=False, lr=cfg.training.lr or 1e-5,
                       train_iters=cfg.training.train_iters or 1))
     vocab = cfg.model.vocab_size or cfg.model.model_config(None).vocab_size
-    model_cfg = cfg.model.model_config(cfg.model.padded_vocab_size(vocab, layout.tensor))
+    model_cfg = cfg.model.model_config(cfg.model.padded_vocab_size(vocab, lay.tensor))
     platform = "cpu" if devices is None else mesh_platform(jax.sharding.Mesh(devices, ("all",)))
     run = resolve(cfg, model_cfg, num_devices=num_devices, platform=platform)
     mesh = make_mesh(run.parallel, devices=devices)
     return run.trainer(mesh), model_cfg, run.global_batch_size, run.num_micro_batches
 
 
-def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: float, peak_tflops: float | None,
+def plan_layout(cfg: RunConfig, c: Candidate, num_devices: int, *, memory_gb: float, peak_tflops: float | None,
                 assumed_mfu: float, compile_step: bool = True, target: str | None = None,
                 compiler_note: str | None = None, hlo_dir: str | None = None) -> Plan:
-    """Sizes (and, with ``compile_step``, the AOT-compiled step) of one layout. ``target``: a
+    """Sizes (and, with ``compile_step``, the AOT-compiled step) of one candidate. ``target``: a
     device kind to compile for with XLA:GPU (deviceless); None compiles for this process's CPU
     devices, and ``compiler_note`` says why (printed with the figures)."""
-    import jax
-    import jax.numpy as jnp
-
-    from mlir_train.planner import flops as flops_lib
-    from mlir_train.planner import hlo_flops
-    from mlir_train.planner import hlo as hlo_stats
     from mlir_train.planner.targets import compile_only_devices
-    from mlir_train.train.trainer import BATCH_KEYS, DTYPES
 
-    plan = Plan(layout, layout.name(num_devices), num_devices=num_devices, capacity_bytes=memory_gb * GIB)
+    plan = Plan(c, c.name(num_devices), num_devices=num_devices, capacity_bytes=memory_gb * GIB)
     devices = compile_only_devices(target, num_devices) if target and compile_step else None
     try:
-        trainer, model_cfg, gbs, num_micro = _trainer(cfg, layout, num_devices, devices)
+        trainer, model_cfg, gbs, num_micro = _trainer(cfg, c, num_devices, devices)
     except Exception as e:  # an invalid layout for this model / device count
         plan.error = str(e).splitlines()[0]
         return plan
     plan.moe_impl = trainer.model_kwargs.get("moe_impl")
+    state, batch = _estimate(plan, cfg, trainer, model_cfg, gbs, num_micro, peak_tflops, assumed_mfu)
+    if compile_step:
+        plan.compiler = f"XLA:GPU {target} (deviceless)" if devices is not None else "XLA:CPU"
+        plan.compiler_note = compiler_note
+        _compile_and_audit(plan, trainer, state, batch, hlo_dir)
+        if plan.error is not None:
+            return plan
+        plan.compiled_for_target = devices is not None
+        if peak_tflops and plan.compiled_matmul_flops:
+            plan.compiled_step_time_s = plan.compiled_matmul_flops / (peak_tflops * 1e12 * assumed_mfu)
+            plan.compiled_tokens_per_s = gbs * cfg.data.seq_length / plan.compiled_step_time_s
+    return plan
+
+
+def _estimate(plan: Plan, cfg: RunConfig, trainer, model_cfg, gbs: int, num_micro: int, peak_tflops: float | None,
+              assumed_mfu: float):
+    """Fill in the analytic breakdown (exact state sizes from the shardings, the activation
+    estimate) and Megatron's FLOPs with the step time they give; returns the abstract state and
+    batch to compile with."""
+    import jax
+    import jax.numpy as jnp
+
+    from mlir_train.planner import flops as flops_lib
+    from mlir_train.train.trainer import BATCH_KEYS, DTYPES
+
+    c = plan.candidate
     state = trainer.abstract_state()
     rows = gbs // num_micro
     batch = {k: jax.ShapeDtypeStruct((num_micro, rows, cfg.data.seq_length),
@@ -393,157 +290,49 @@ def plan_layout(cfg: RunConfig, layout: Layout, num_devices: int, *, memory_gb: 
     plan.compute_weight_bytes = _device_bytes(compute) if needs_copy else 0
     plan.gradient_bytes = _device_bytes(compute) + plan.master_bytes
     plan.batch_bytes = _device_bytes(batch)
-    plan.activation_bytes = activation_bytes(model_cfg, layout, micro_batch=cfg.training.micro_batch_size,
+    plan.activation_bytes = activation_bytes(model_cfg, c, micro_batch=cfg.training.micro_batch_size,
                                              seq=cfg.data.seq_length, dtype_bytes=jnp.dtype(dtype).itemsize,
                                              num_micro=num_micro, schedule=trainer.schedule)
     plan.flops_per_step = flops_lib.num_floating_point_operations(model_cfg, cfg.data.seq_length, gbs)
     if peak_tflops:
-        per_stage = model_cfg.num_layers // layout.pipeline
-        hardware = plan.flops_per_step * (3 + layout.policy.recomputed_fraction(per_stage)) / 3
+        per_stage = model_cfg.num_layers // c.layout.pipeline
+        hardware = plan.flops_per_step * (3 + c.recompute.recomputed_fraction(per_stage)) / 3
         if trainer.schedule is not None:  # the pipeline bubble (and 1F1B's recomputed chunk forward)
-            hardware *= trainer.schedule.step_factor(num_micro, layout.policy.kind)
-        plan.step_time_s = hardware / (num_devices * peak_tflops * 1e12 * assumed_mfu)
+            hardware *= trainer.schedule.step_factor(num_micro, c.recompute.kind)
+        plan.step_time_s = hardware / (plan.num_devices * peak_tflops * 1e12 * assumed_mfu)
         plan.tokens_per_s = gbs * cfg.data.seq_length / plan.step_time_s
-    if compile_step:
-        plan.compiler = f"XLA:GPU {target} (deviceless)" if devices is not None else "XLA:CPU"
-        plan.compiler_note = compiler_note
-        t0 = time.perf_counter()
-        try:
-            compiled = trainer.lower_train_step(state, batch).compile()
-            step = hlo_stats.audit_compiled(compiled, custom_call_flops=hlo_flops.custom_call_counters())
-            if hlo_dir:  # the optimized HLO the figures come from, to see where they come from
-                os.makedirs(hlo_dir, exist_ok=True)
-                with open(os.path.join(hlo_dir, re.sub(r"[^\w.+-]+", "_", plan.name) + ".hlo.txt"), "w") as f:
-                    f.write(compiled.as_text())
-        except Exception as e:
-            plan.error = f"does not compile ({plan.compiler}): {str(e).splitlines()[0]}"
-            return plan
-        plan.compile_s = time.perf_counter() - t0
-        plan.compiled_for_target = devices is not None
-        plan.compiled_argument_bytes = step.argument_bytes
-        plan.compiled_temp_bytes = step.temp_bytes
-        plan.compiled_needed_bytes = step.needed_bytes
-        plan.compiled_matmul_flops = step.stats.matmul_flops
-        plan.collectives = {k: {"count": c.count, "bytes": c.bytes} for k, c in step.stats.collectives.items()}
-        plan.conditionals = step.stats.conditionals
-        plan.unknown_loops = step.stats.unknown_loops
-        if plan.conditionals:
-            plan.compiled_matmul_flops_cheapest = step.stats_cheapest.matmul_flops
-            plan.collectives_cheapest = {k: {"count": c.count, "bytes": c.bytes}
-                                         for k, c in step.stats_cheapest.collectives.items()}
-        plan.uncounted_custom_calls = step.stats.uncounted_custom_calls or None
-        if peak_tflops and plan.compiled_matmul_flops:
-            plan.compiled_step_time_s = plan.compiled_matmul_flops / (peak_tflops * 1e12 * assumed_mfu)
-            plan.compiled_tokens_per_s = gbs * cfg.data.seq_length / plan.compiled_step_time_s
-    return plan
+    return state, batch
 
 
-def candidate_layouts(run_cfg: RunConfig, num_devices: int) -> list[Layout]:
-    """TP (within one 8-device node), EP, PP that divide the model, distributed optimizer on/off,
-    recompute none/full, and for long rows (``--seq-length`` >= 8192, what CP is for) context
-    parallelism of 1, 2, 4 or 8 ranks; DP is what is left (EP is carved out of CP x DP). A given
-    --expert-tensor-parallel-size is kept for every candidate (EP then ranges over what ETP x EP
-    leaves of a stage's ranks: folding)."""
-    cfg = run_cfg.model.model_config(None)
-    etp = run_cfg.parallel.expert_tensor_parallel_size
-    seq = run_cfg.data.seq_length or 0
-    divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
-    pipelines = [p for p in divisors if cfg.num_layers % p == 0]
-    out = []
-    for pp in pipelines:
-        for tp in (d for d in divisors if d <= 8 and num_devices % (d * pp) == 0):
-            dp = num_devices // (tp * pp)
-            room = dp if etp is None else num_devices // (pp * etp)
-            experts = [e for e in divisors if room % e == 0 and cfg.is_moe and cfg.num_experts % e == 0] or [1]
-            sp = run_cfg.parallel.sequence_parallel and tp > 1
-            contexts = [c for c in (1, 2, 4, 8) if dp % c == 0 and seq % (2 * c) == 0
-                        and (not sp or seq % (c * tp) == 0)] if seq >= 8192 else [1]
-            for ep, cp in itertools.product(experts, contexts):
-                for distopt in ((True, False) if dp > 1 else (False,)):  # ZeRO needs data ranks
-                    for recompute in ("none", "full"):
-                        out.append(Layout(tp, ep, pp, distopt, recompute, sp, etp, context=cp))
-    return out
+def _compile_and_audit(plan: Plan, trainer, state, batch, hlo_dir: str | None) -> None:
+    """Compile the step and fill in its memory analysis and HLO audit (:mod:`mlir_train.planner.hlo`),
+    or ``plan.error`` where it does not compile."""
+    from mlir_train.planner import hlo
 
-
-def _gib(n: float | None) -> str:
-    if n is None:
-        return "-"
-    return f"{n / GIB:8.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2**20:8.2f} MiB"
-
-
-def format_collectives(collectives: dict[str, dict[str, int]] | None) -> str:
-    from mlir_train.planner.hlo import Collective, format_collectives as fmt
-
-    return fmt({k: Collective(v["count"], v["bytes"]) for k, v in (collectives or {}).items()})
-
-
-def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
-    lines = [f"layout {plan.name}"]
-    if plan.error:
-        return lines[0] + f"\n  NOT PLANNED: {plan.error}"
-    on_target = plan.compiled_for_target
-    if plan.compiled_argument_bytes is not None:
-        head = f"  compiled by {plan.compiler} in {plan.compile_s:.1f}s" + \
-            (f" (MoE: {plan.moe_impl})" if plan.moe_impl else "") + ", per device"
-        lines.append(head + (f" ({plan.compiler_note})" if plan.compiler_note else "") + ":")
-        temp_label = "temporaries" if on_target else "temp (CPU, not a GPU budget)"
-        lines += [f"    {'arguments (state + batch)':<46s} {_gib(plan.compiled_argument_bytes)}",
-                  f"    {temp_label:<46s} {_gib(plan.compiled_temp_bytes)}",
-                  f"    {'needed (args + unaliased outputs + temp)':<46s} {_gib(plan.compiled_needed_bytes)}"]
-        more = f" (costliest branch of {plan.conditionals} conditionals)" if plan.conditionals else ""
-        lines.append(f"    collectives{more}: {format_collectives(plan.collectives)}")
-        if plan.conditionals:
-            lines.append(f"    collectives (cheapest branches): {format_collectives(plan.collectives_cheapest)}")
-        if plan.flop_ratio is not None:
-            lines.append(f"    matmul FLOPs{more} {plan.compiled_matmul_flops:.3e} per device = {plan.flop_ratio:.2f}x "
-                         f"Megatron's model FLOPs ({plan.flops_per_step:.3e} over {plan.num_devices} devices)")
-        if plan.conditionals and plan.flops_per_step:
-            cheap = plan.compiled_matmul_flops_cheapest
-            lines.append(f"    matmul FLOPs (cheapest branches) {cheap:.3e} per device = "
-                         f"{cheap * plan.num_devices / plan.flops_per_step:.2f}x Megatron's model FLOPs")
-        if plan.unknown_loops:
-            lines.append(f"    ({plan.unknown_loops} while loops without a known trip count: their bodies counted once, "
-                         "so FLOPs and collectives above are lower bounds)")
-        if plan.uncounted_custom_calls:
-            lines.append("    custom calls whose FLOPs the HLO does not show (not counted): "
-                         + ", ".join(f"{t} x{n}" for t, n in plan.uncounted_custom_calls.items()))
-    rows = [
-        ("master weights (fp32)", plan.master_bytes),
-        ("optimizer state", plan.optimizer_bytes),
-        ("compute weights (gathered)", plan.compute_weight_bytes),
-        ("gradients (micro + fp32 accumulator)", plan.gradient_bytes),
-        (f"activations (estimate, recompute={plan.layout.policy.name})", plan.activation_bytes),
-        ("batch", plan.batch_bytes),
-        ("total per device", plan.total_bytes),
-    ]
-    lines.append("  analytic breakdown (exact state sizes from the shardings, activations estimated):")
-    lines += [f"    {label:<46s} {_gib(value)}" for label, value in rows]
-    if plan.compiled_argument_bytes is not None:
-        args_est = plan.master_bytes + plan.optimizer_bytes + plan.batch_bytes
-        temp_est = plan.total_bytes - args_est
-        lines.append(f"  compiled vs analytic: arguments {plan.compiled_argument_bytes / GIB:.2f} vs {args_est / GIB:.2f} "
-                     f"GiB ({'equal' if abs(plan.compiled_argument_bytes - args_est) <= 1e-6 * args_est + 64 else 'DIFFER'}: "
-                     f"the same state and batch); temporaries {plan.compiled_temp_bytes / GIB:.2f} vs {temp_est / GIB:.2f} "
-                     f"GiB ({(plan.compiled_temp_bytes - temp_est) / GIB:+.2f} GiB: "
-                     + ("the compiler's buffers are what this program allocates -- fusion outputs, collective "
-                        "buffers kept live to overlap them, loop carries -- where the estimate counts the "
-                        "tensors the step must hold" if on_target else
-                        "XLA:CPU's float32 copies of bf16 operands and CPU scheduling; the estimate decides") + ")")
-    lines.append(f"  FLOPs per step (model): {plan.flops_per_step:.3e}")
-    if plan.step_time_s is not None:
-        line = f"  at MFU {assumed_mfu:.0%}: step {plan.step_time_s:.2f}s, {plan.tokens_per_s:,.0f} tokens/s (Megatron's FLOPs)"
-        if plan.compiled_step_time_s is not None:
-            line += (f"; compiled matmul FLOPs at {assumed_mfu:.0%} of peak: step {plan.compiled_step_time_s:.2f}s, "
-                     f"{plan.compiled_tokens_per_s:,.0f} tokens/s")
-        lines.append(line)
-    else:
-        lines.append("  step time: unknown peak for this device; pass --peak-tflops")
-    verdict = "FITS" if plan.fits else "DOES NOT FIT"
-    source = (f"compiled by {plan.compiler}" if plan.verdict_from == "compiled"
-              else "analytic estimate" + (f"; {plan.compiler_note}" if plan.compiler_note else ""))
-    lines.append(f"  {verdict} in {plan.capacity_bytes / GIB:.0f} GiB ({kind}; {USABLE_FRACTION:.0%} usable): "
-                 f"{plan.needed_bytes / GIB:.1f} GiB needed ({source})")
-    return "\n".join(lines)
+    t0 = time.perf_counter()
+    try:
+        compiled = trainer.lower_train_step(state, batch).compile()
+        step = hlo.audit_compiled(compiled)
+        if hlo_dir:  # the optimized HLO the figures come from, to see where they come from
+            os.makedirs(hlo_dir, exist_ok=True)
+            with open(os.path.join(hlo_dir, re.sub(r"[^\w.+-]+", "_", plan.name) + ".hlo.txt"), "w") as f:
+                f.write(compiled.as_text())
+    except Exception as e:
+        plan.error = f"does not compile ({plan.compiler}): {str(e).splitlines()[0]}"
+        return
+    plan.compile_s = time.perf_counter() - t0
+    plan.compiled_argument_bytes = step.argument_bytes
+    plan.compiled_temp_bytes = step.temp_bytes
+    plan.compiled_needed_bytes = step.needed_bytes
+    plan.compiled_matmul_flops = step.stats.matmul_flops
+    plan.collectives = {k: {"count": c.count, "bytes": c.bytes} for k, c in step.stats.collectives.items()}
+    plan.conditionals = step.stats.conditionals
+    plan.unknown_loops = step.stats.unknown_loops
+    if plan.conditionals:
+        plan.compiled_matmul_flops_cheapest = step.stats_cheapest.matmul_flops
+        plan.collectives_cheapest = {k: {"count": c.count, "bytes": c.bytes}
+                                     for k, c in step.stats_cheapest.collectives.items()}
+    plan.uncounted_custom_calls = step.stats.uncounted_custom_calls or None
 
 
 def _planner_parser() -> argparse.ArgumentParser:
@@ -596,21 +385,30 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     print(f"compiler: {f'XLA:GPU for {kind.description}, deviceless' if target else 'XLA:CPU'}"
           + (f" -- {note}" if note else ""))
     if not own.search:
-        layout = Layout(par.tensor_model_parallel_size, par.expert_model_parallel_size,
-                        par.pipeline_model_parallel_size, par.distributed_optimizer, t.recompute, par.sequence_parallel,
-                        par.expert_tensor_parallel_size, context=par.context_parallel_size)
-        plan = plan_layout(cfg, layout, num_devices, **common)
+        c = candidate(t.recompute, tensor=par.tensor_model_parallel_size, expert=par.expert_model_parallel_size,
+                      pipeline=par.pipeline_model_parallel_size, distributed_optimizer=par.distributed_optimizer,
+                      sequence_parallel=par.sequence_parallel, expert_tensor=par.expert_tensor_parallel_size,
+                      context=par.context_parallel_size)
+        plan = plan_layout(cfg, c, num_devices, **common)
         print(format_plan(plan, own.device_kind, own.assumed_mfu))
-        _write_json(own.json, [plan])
+        write_json(own.json, [plan])
         return [plan]
+    ranked = search(cfg, num_devices, common, device_kind=own.device_kind, top=own.search_top)
+    write_json(own.json, ranked)
+    return ranked
 
-    estimates = [plan_layout(cfg, l, num_devices, compile_step=False, **common) for l in candidate_layouts(cfg, num_devices)]
+
+def search(cfg: RunConfig, num_devices: int, common: dict, *, device_kind: str, top: int | None) -> list[Plan]:
+    """``--search``: estimate every candidate, compile the ``top`` best that the estimate says fit
+    (all of them for None), and rank those the compiled step says fit; prints as it goes."""
+    memory_gb, assumed_mfu = common["memory_gb"], common["assumed_mfu"]
+    estimates = [plan_layout(cfg, c, num_devices, compile_step=False, **common) for c in candidate_layouts(cfg, num_devices)]
     valid = [p for p in estimates if p.error is None]
     fitting = sorted((p for p in valid if p.fits), key=Plan.ranking_key)
-    if own.search_top is not None:
-        fitting = fitting[:own.search_top]
+    if top is not None:
+        fitting = fitting[:top]
     print(f"{len(estimates)} layouts, {len(valid)} valid for this model, {len(fitting)} to compile "
-          f"(estimated to fit{'' if own.search_top is None else f', best {own.search_top}'})")
+          f"(estimated to fit{'' if top is None else f', best {top}'})")
     for p in estimates:
         if p.error is None and not p.fits:
             print(f"  does not fit (estimate): {p.name}: {p.total_bytes / GIB:.1f} GiB > "
@@ -619,12 +417,12 @@ def main(argv: list[str] | None = None) -> list[Plan]:
             print(f"  not planned: {p.name}: {p.error}")
     ranked = []
     for p in fitting:
-        compiled = plan_layout(cfg, p.layout, num_devices, **common)
-        print(format_plan(compiled, own.device_kind, own.assumed_mfu), flush=True)
+        compiled = plan_layout(cfg, p.candidate, num_devices, **common)
+        print(format_plan(compiled, device_kind, assumed_mfu), flush=True)
         if compiled.error is None and compiled.fits:
             ranked.append(compiled)
     ranked.sort(key=Plan.ranking_key)
-    by = "compiled step time, then compiled memory" if target else "estimated throughput, then memory"
+    by = "compiled step time, then compiled memory" if common["target"] else "estimated throughput, then memory"
     print(f"\nranking ({by}):" if ranked else
           "\nno layout fits: more devices, --recompute-granularity full, a shorter --seq-length or a smaller "
           "--micro-batch-size")
@@ -633,7 +431,6 @@ def main(argv: list[str] | None = None) -> list[Plan]:
         ratio = f"  FLOPs {p.flop_ratio:.2f}x model" if p.flop_ratio is not None else ""
         print(f"  {i:2d}. {p.name:<48s} {p.needed_bytes / GIB:7.1f} GiB  "
               + (f"{speed:,.0f} tokens/s" if speed else "speed unknown") + ratio)
-    _write_json(own.json, ranked)
     return ranked
 
 
@@ -650,17 +447,6 @@ def choose_compiler(kind: DeviceKind, *, force_cpu: bool = False) -> tuple[str |
     if missing:
         return None, f"the XLA:GPU compiler is not available ({missing}): XLA:CPU compile, verdict from the analytic estimate"
     return kind.name, None
-
-
-def _write_json(path: str | None, plans: list[Plan]) -> None:
-    if path:
-        import json
-
-        rows = [dataclasses.asdict(p) | {"total_bytes": p.total_bytes, "needed_bytes": p.needed_bytes,
-                                         "verdict_from": p.verdict_from, "flop_ratio": p.flop_ratio, "fits": p.fits}
-                for p in plans]
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,12 @@ import shutil
 import sys
 import tempfile
 
+from mlir_train.runtime.platform_setup import GPU_MEM_FRACTION
+
 GIB = 2**30
+# What JAX's allocator may use of a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, as sft sets it): a plan
+# fits when it needs at most this fraction of the device memory.
+USABLE_FRACTION = GPU_MEM_FRACTION
 _SPEC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 
 

@@ -113,7 +113,7 @@ def test_counted_work_on_packed_rows_is_below_megatrons_causal_count():
     """qwen3-0.6b's attention at seq 4096 (N 16, H 128, 64x64 tiles): Megatron counts 3 x 2 x T^2
     x N x H for causal attention; the tiles our kernels visit come below it on 4 and 8 documents
     per row, and on one document the forward is below pallas-mha's 128x128 forward."""
-    from mlir_train.planner.hlo_flops import DocsFlashCall
+    from mlir_train.planner.hlo_kernels import DocsFlashCall
 
     t, n, h = 4096, 16, 128
     calls = [DocsFlashCall(kind, 1, t, n, h, 64, 64) for kind in ("fwd", "dq", "dkv")]
@@ -141,7 +141,7 @@ def test_h200_compile_holds_the_kernels_and_their_ptx_uses_wgmma_without_spills(
     Triton kernel calls, no dot or GEMM (no dense attention fallback); each kernel's PTX issues
     wgmma, no mma.sync, no spills, registers within the limit (about 20 s)."""
     from tests.helpers import compiled_attention_grads
-    from mlir_train.planner.hlo_flops import matmul_flops
+    from mlir_train.planner.hlo import matmul_flops
     from mlir_train.planner.kernel_audit import audit_xla_dump
     from mlir_train.model.attention import docs_flash_attention
 

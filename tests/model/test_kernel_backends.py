@@ -149,7 +149,7 @@ def test_tokamax_attention_compiles_and_skips_other_documents_on_h200(h200_devic
     skipped). tokamax 0.0.12's backward visits every causal tile, so fwd+bwd stays above
     Megatron's causal count (6 half-matmuls): 9 half-matmuls for one document, ~8.3 for four."""
     from tests.helpers import compiled_attention_grads, one_device_mesh
-    from mlir_train.planner.hlo_flops import matmul_flops
+    from mlir_train.planner.hlo import matmul_flops
     from mlir_train.model.tokamax_kernels import document_starts, tokamax_attention
     from mlir_train.runtime.platform_setup import compile_target
 

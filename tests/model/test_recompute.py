@@ -286,7 +286,7 @@ def test_uniform_groups_must_divide_each_chunk():
 def test_planner_compiles_the_policy():
     """``python -m mlir_train.plan`` takes the recompute flags: its compiled temporaries and its
     labelled activation estimate both drop from none to block 3 of 4 to every layer."""
-    from mlir_train.planner.plan import Layout, plan_layout
+    from mlir_train.planner.plan import candidate as Layout, plan_layout
 
     cfg = cli.parse(["--model-name", "qwen3-moe-tiny", "--vocab-size", "256", "--seq-length", "256",
                      "--micro-batch-size", "4", "--global-batch-size", "4", "--moe-expert-capacity-factor", "2"])

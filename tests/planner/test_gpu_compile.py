@@ -1,6 +1,6 @@
 """Deviceless XLA:GPU compiles for 8 x H200 (mlir_train/targets/h200.txtpb): the MoE layer's
 expert matmul FLOPs against the routed FLOPs, and the flash attention's FLOPs against the causal
-count, read from the optimized HLO (mlir_train.planner.hlo_flops). Skipped, with the reason, where
+count, read from the optimized HLO (mlir_train.planner.hlo). Skipped, with the reason, where
 jax-cuda12-plugin (and -pjrt, nvidia-cuda-nvcc-cu12) is not installed."""
 
 
@@ -10,7 +10,7 @@ import pytest
 
 from mlir_train.planner.targets import DEVICE_KINDS
 from mlir_train.config.models import get_model_config
-from mlir_train.planner.hlo_flops import matmul_flops
+from mlir_train.planner.hlo import matmul_flops
 from mlir_train.planner.moe_audit import audit_moe_layer, compile_without_cache
 from sharding import Layout
 

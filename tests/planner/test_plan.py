@@ -14,7 +14,9 @@ import sys
 import pytest
 
 from mlir_train.config.models import get_model_config
-from mlir_train.planner.plan import GIB, USABLE_FRACTION, Layout, activation_bytes, candidate_layouts
+from mlir_train.planner.candidates import candidate, candidate_layouts
+from mlir_train.planner.estimate import activation_bytes
+from mlir_train.planner.targets import GIB, USABLE_FRACTION
 from mlir_train.config.sections import padded_vocab_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,12 +83,12 @@ def test_qwen3_235b_a22b_tp4_ep8_distopt_on_64_h100(tmp_path):
 
 def test_activation_estimate_follows_the_recompute_policy():
     cfg = get_model_config("qwen3-30b-a3b")
-    sizes = {r: activation_bytes(cfg, Layout(tensor=2, expert=2, recompute=r), micro_batch=1, seq=4096, dtype_bytes=2)
+    sizes = {r: activation_bytes(cfg, candidate(r, tensor=2, expert=2), micro_batch=1, seq=4096, dtype_bytes=2)
              for r in ("none", "selective", "full")}
     assert sizes["none"] > sizes["selective"] > sizes["full"]
     # Full recompute keeps one [T, D] bf16 input per layer (+ one layer's working set, logits).
     assert sizes["full"] < 16 * GIB < sizes["none"]
-    seq_parallel = activation_bytes(cfg, Layout(tensor=2, expert=2, recompute="full", sequence_parallel=True),
+    seq_parallel = activation_bytes(cfg, candidate("full", tensor=2, expert=2, sequence_parallel=True),
                                     micro_batch=1, seq=4096, dtype_bytes=2)
     assert seq_parallel < sizes["full"]
 
@@ -98,7 +100,7 @@ def test_pipeline_activation_estimate_follows_the_schedule():
     from mlir_train.train.pipeline.schedule import make_schedule
 
     cfg = get_model_config("qwen3-30b-a3b")
-    layout = Layout(tensor=2, expert=2, pipeline=2, recompute="full", sequence_parallel=True)
+    layout = candidate("full", tensor=2, expert=2, pipeline=2, sequence_parallel=True)
     size = lambda kind, m: activation_bytes(cfg, layout, micro_batch=1, seq=2048, dtype_bytes=2, num_micro=m,
                                             schedule=make_schedule(cfg.num_layers, 2, kind=kind))
     assert size("1f1b", 64) == size("1f1b", 4) < size("gpipe", 4) < size("gpipe", 64)
@@ -112,7 +114,22 @@ def test_search_candidates_cover_the_layouts():
     names = {l.name(8) for l in layouts}
     assert "TP2xPP1xEP2xDP4+distopt recompute=full" in names
     assert "TP8xPP1xEP1xDP1 recompute=none" in names
-    assert all(l.expert <= 8 // (l.tensor * l.pipeline) for l in layouts)
+    assert all(l.layout.expert <= 8 // (l.layout.tensor * l.layout.pipeline) for l in layouts)
+
+
+def test_a_candidate_is_the_one_layout_type_plus_a_recompute_policy():
+    """The planner has no layout class of its own: a candidate pairs sharding's Layout with a
+    RecomputePolicy, and its printed name is the planner's as before."""
+    from mlir_train.config.policies import RecomputePolicy
+    from mlir_train.planner.candidates import Candidate
+    from sharding.layout import Layout
+
+    c = candidate("full", tensor=2, expert=4, expert_tensor=1, sequence_parallel=True, distributed_optimizer=True)
+    assert c == Candidate(Layout(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True,
+                                 distributed_optimizer=True), RecomputePolicy("full"))
+    assert type(c.layout) is Layout and c.etp == c.layout.etp == 1
+    assert c.name(8) == "TP2xPP1xEP4xETP1xDP4+SP+distopt recompute=full"
+    assert candidate(tensor=2, context=2).name(8) == "TP2xCP2xPP1xEP1xDP2 recompute=none"
 
 
 @pytest.mark.slow
@@ -125,3 +142,10 @@ def test_search_ranks_fitting_layouts(tmp_path):
     assert "does not fit (estimate):" in text and "ranking" in text
     speeds = [p["tokens_per_s"] for p in ranked]
     assert speeds == sorted(speeds, reverse=True)
+
+
+def test_the_planner_imports_no_jax():
+    """python -m mlir_train.plan sets the platform up (compile-only GPU devices, fake CPU
+    devices) before jax starts: its modules must not import jax (the sharding package does)."""
+    code = "import sys, mlir_train.planner.plan; assert 'jax' not in sys.modules, 'jax imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": ROOT})

@@ -230,7 +230,7 @@ def test_context_parallel_eval_equals_one_device():
 
 def test_planner_search_tries_context_parallelism_for_long_rows():
     from mlir_train.config.cli import parse
-    from mlir_train.planner.plan import Layout, activation_bytes, candidate_layouts
+    from mlir_train.planner.plan import activation_bytes, candidate as Layout, candidate_layouts
 
     def layouts(seq):
         return candidate_layouts(parse(["--model-name", "qwen3-30b-a3b", "--seq-length", str(seq),

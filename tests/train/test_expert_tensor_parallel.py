@@ -228,7 +228,7 @@ def test_planner_layouts_carry_etp():
     sizes come from its shardings) and splits the estimated expert activations by it."""
     from mlir_train.config import cli
     from mlir_train.config.models import get_model_config
-    from mlir_train.planner.plan import Layout, activation_bytes, candidate_layouts
+    from mlir_train.planner.plan import activation_bytes, candidate as Layout, candidate_layouts
 
     fold = Layout(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)
     assert fold.etp == 1 and "ETP1" in fold.name(8) and "ETP" not in Layout(tensor=2, expert=2).name(8)

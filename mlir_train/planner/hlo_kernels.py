@@ -1,21 +1,20 @@
-"""Matmul FLOPs of a compiled program, read from its optimized HLO text.
+"""What each kernel custom call of an optimized HLO computes: the recognisers that
+:mod:`mlir_train.planner.hlo`'s one traversal asks about every ``custom-call`` it meets.
 
 ``compiled.cost_analysis()`` is None for deviceless XLA:GPU compiles and counts custom calls as
-nothing, so this counts the matmuls themselves:
+nothing, so the FLOPs of these calls are read from their operands, attributes and op names:
 
-* ``dot`` instructions (top level or inside fusions, e.g. Triton GEMM fusions):
-  2 x (output elements) x (contracted elements), from the operands' shapes;
-* cuBLAS GEMM custom calls (``__cublas$gemm``, ``__cublas$lt$matmul``): the same from their
-  operands and the ``dot_dimension_numbers`` of their backend config;
+* cuBLAS GEMM custom calls (``__cublas$gemm``, ``__cublas$lt$matmul``): 2 x batch x M x N x K from
+  their operands and the ``dot_dimension_numbers`` of their backend config;
 * the MoE block kernels of :mod:`mlir_train.model.moe.gpu` (``mosaic_gpu_v2`` custom calls
   whose ``op_name`` names the kernel): their static bound, 2 x R x K x N for R block rows,
   from the operand shapes. The kernels compute only the used blocks, so the work a step does
   is that bound times (used block rows / R), which depends on the routing: see
-  :func:`MatmulFlops.kernel_flops_for_rows`. Other ``mosaic_gpu`` calls are listed, uncounted;
+  :meth:`KernelCall.flops_for_rows`. Other ``mosaic_gpu`` calls are listed, uncounted;
 * tokamax's kernels (their ``op_name`` carries the op as JSON): the Mosaic-GPU / Triton ragged
   dots of ``--moe-gemm-backend tokamax`` as block kernels (:class:`KernelCall`), the Mosaic-GPU
   flash attention's forward and backward kernels by their tile loops (:class:`AttentionCall`;
-  ``attention_flops`` with one document per row, :meth:`AttentionCall.flops` for packed rows);
+  one document per row, :meth:`AttentionCall.flops` for packed rows);
 * the Pallas FlashAttention kernels (``__gpu$xla.gpu.triton`` calls under ``mha_forward`` /
   ``mha_backward``, :func:`mlir_train.model.attention.flash_attention`): from q's shape
   ``[B, T, N, H]`` and the kernel's causal loop structure (key tiles up to the diagonal, the
@@ -25,13 +24,11 @@ nothing, so this counts the matmuls themselves:
   recomputes the scores and dP, then dV and dK; the dQ loop recomputes both again, then dQ);
 * our document-skipping Pallas-Triton attention (``docs_flash_{fwd,dq,dkv}_q<bq>_k<bk>``,
   :mod:`mlir_train.model.docs_flash`, ``--attention-kernel mlir``) by the tiles it visits
-  (:class:`DocsFlashCall`; ``attention_flops`` with one document per row,
-  :meth:`DocsFlashCall.flops` for packed rows' document starts).
+  (:class:`DocsFlashCall`; one document per row, :meth:`DocsFlashCall.flops` for packed rows'
+  document starts).
 
-Instructions inside a ``while`` body count as many times as the loop's ``known_trip_count``
-(XLA's annotation, e.g. a layer ``scan``), nested loops multiplying; a loop without a known
-trip count (a data-dependent ``fori_loop``) counts its body once and is listed in
-``unknown_trip_count_loops``: a figure with such loops is not the work.
+:func:`read_custom_call` is the one entry: a :class:`Read` (what the call counts as, per
+execution) or None for a call whose FLOPs the HLO does not show.
 """
 
 from __future__ import annotations
@@ -43,9 +40,6 @@ import re
 import numpy as np
 
 _SHAPE = r"[a-z0-9]+\[[0-9,]*\]"
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
-_PARAMS = re.compile(r"(?:%?)([\w.\-]+):\s*(" + _SHAPE + r")")
-_DIMS = re.compile(r"(lhs|rhs)_(contracting|batch)_dims=\{([0-9,]*)\}")
 
 
 def _dims(shape: str) -> tuple[int, ...]:
@@ -53,7 +47,7 @@ def _dims(shape: str) -> tuple[int, ...]:
     return tuple(int(d) for d in inner.split(",") if d)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class KernelCall:
     name: str  # moe_block_matmul | moe_block_matmul_t | tokamax_ragged_dot (+ _t: the weight gradient)
     rows: int  # R: block rows of the buffer (the static bound's rows)
@@ -64,165 +58,17 @@ class KernelCall:
         return self.flops_bound * used_rows / self.rows
 
 
-@dataclasses.dataclass
-class MatmulFlops:
-    dot_flops: float = 0.0  # dots and cuBLAS GEMMs (outside ``exclude_scope``)
-    excluded_flops: float = 0.0  # dots and GEMMs whose op_name names ``exclude_scope``
-    batched_dot_flops: float = 0.0  # the part with batch dimensions (expert-batched matmuls)
-    kernels: list[KernelCall] = dataclasses.field(default_factory=list)
-    attention_flops: float = 0.0  # flash attention kernels (tokamax's: with one document per row)
-    attention_calls: list["AttentionCall"] = dataclasses.field(default_factory=list)  # tokamax's
-    other_custom_calls: list[str] = dataclasses.field(default_factory=list)
-    while_loops: int = 0
-    unknown_trip_count_loops: int = 0
-
-    @property
-    def total_flops(self) -> float:
-        """Dots, GEMMs and attention kernels, with the block kernels at their static bound."""
-        return self.dot_flops + self.attention_flops + self.kernel_flops_bound
-
-    @property
-    def kernel_flops_bound(self) -> float:
-        return sum(k.flops_bound for k in self.kernels)
-
-    def kernel_flops_for_rows(self, used_rows_by_buffer: dict[int, float]) -> float:
-        """Kernel work when a buffer of R rows has ``used_rows_by_buffer[R]`` used block rows."""
-        return sum(k.flops_for_rows(used_rows_by_buffer.get(k.rows, k.rows)) for k in self.kernels)
-
-
-def matmul_flops(hlo_text: str, exclude_scope: str | None = None) -> MatmulFlops:
-    """Matmul FLOPs of ``hlo_text``; dots and GEMMs traced under ``jax.named_scope(exclude_scope)``
-    (their ``op_name`` names it, forward and transposed) go to ``excluded_flops`` instead."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    lines = hlo_text.splitlines()
-    for line in lines:
-        if "{" in line and "->" in line and "(" in line and "=" not in line.split("(")[0]:
-            for name, shape in _PARAMS.findall(line.split("->")[0]):
-                shapes[name] = _dims(shape)
-        m = _INSTR.match(line)
-        if m and re.match(_SHAPE, m.group(2).lstrip("(")):
-            shapes[m.group(1)] = _dims(re.match(_SHAPE, m.group(2).lstrip("(")).group(0))
-    multiplier = _computation_multipliers(lines)
-    out = MatmulFlops()
-    computation = None
-    for line in lines:
-        header = _HEADER.match(line) if not line.startswith(" ") else None
-        if header:
-            computation = header.group(1)
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        times = multiplier.get(computation, 1)
-        name, result, op, rest = m.groups()
-        operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
-        if op == "while":
-            out.while_loops += 1
-            out.unknown_trip_count_loops += _trip_count(rest) is None
-        elif op == "dot":
-            dims = {(s, kind): [int(d) for d in v.split(",") if d] for s, kind, v in _DIMS.findall(rest)}
-            lhs = shapes.get(operands[0]) if operands else None
-            if lhs is None:
-                continue
-            contracted = math.prod(lhs[d] for d in dims.get(("lhs", "contracting"), []))
-            flops = 2.0 * math.prod(shapes[name]) * contracted * times
-            if _in_scope(rest, exclude_scope):
-                out.excluded_flops += flops
-                continue
-            out.dot_flops += flops
-            if dims.get(("lhs", "batch")):
-                out.batched_dot_flops += flops
-        elif op == "custom-call":
-            target = re.search(r'custom_call_target="([^"]+)"', rest)
-            target = target.group(1) if target else ""
-            if target.startswith("__cublas") and ("gemm" in target or "matmul" in target):
-                flops, batched = _gemm_flops(rest, [shapes.get(o) for o in operands[:2]])
-                flops *= times
-                if _in_scope(rest, exclude_scope):
-                    out.excluded_flops += flops
-                    continue
-                out.dot_flops += flops
-                out.batched_dot_flops += flops if batched else 0.0
-            elif target == "__gpu$xla.gpu.triton" and _flash_flops(rest) is not None:
-                out.attention_flops += _flash_flops(rest) * times
-            elif target == "__gpu$xla.gpu.triton" and (dc := _docs_flash_call(rest)) is not None:
-                out.attention_calls.extend([dc] * times)
-                out.attention_flops += dc.flops() * times
-            elif (tk := _tokamax_call(rest, shapes.get(name), result)) is not None:
-                if isinstance(tk, KernelCall):
-                    out.kernels.extend([tk] * times)
-                else:
-                    out.attention_calls.extend([tk] * times)
-                    out.attention_flops += tk.flops() * times
-            elif target.startswith("mosaic_gpu"):
-                kernel = _block_kernel(rest)
-                if kernel is None:
-                    out.other_custom_calls.append(name)
-                else:
-                    out.kernels.extend([kernel] * times)
-    return out
-
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLEES = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
-
-
-def _trip_count(rest: str) -> int | None:
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
-    return int(m.group(1)) if m else None
-
-
-def _computation_multipliers(lines: list[str]) -> dict[str, int]:
-    """How many times each computation runs per execution of the entry computation: 1 for the
-    entry, a while body's caller's count times the loop's known trip count (1 if unknown), any
-    other callee (fusions, calls, branches: each counted as if taken) its caller's count."""
-    edges: dict[str, list[tuple[str, int]]] = {}
-    entry, computation = None, None
-    for line in lines:
-        header = _HEADER.match(line)
-        if header and not line.startswith(" "):
-            computation = header.group(1)
-            if line.startswith("ENTRY"):
-                entry = computation
-            continue
-        m = _INSTR.match(line)
-        if not m or computation is None:
-            continue
-        rest = m.group(4)
-        trips = _trip_count(rest) if m.group(3) == "while" else None
-        for kind, names in _CALLEES.findall(rest):
-            for callee in re.findall(r"%?([\w.\-]+)", names):
-                edges.setdefault(computation, []).append((callee, (trips or 1) if kind == "body" else 1))
-    multiplier: dict[str, int] = {}
-
-    def visit(name: str, times: int, depth: int = 0):
-        if depth > 64:
-            return
-        multiplier[name] = multiplier.get(name, 0) + times
-        for callee, factor in edges.get(name, []):
-            visit(callee, times * factor, depth + 1)
-
-    if entry is not None:
-        visit(entry, 1)
-    return multiplier
-
-
-def _in_scope(rest: str, scope: str | None) -> bool:
-    if scope is None:
-        return False
-    op_name = re.search(r'op_name="([^"]*)"', rest)
-    return op_name is not None and scope in op_name.group(1)
-
-
 def _gemm_flops(rest: str, operand_shapes) -> tuple[float, bool]:
-    config = re.search(r"backend_config=(\{.*\})", rest)
-    if config is None or None in operand_shapes:
+    """(2 x batch x M x N x K, has batch dimensions) of a cuBLAS GEMM call."""
+    at = rest.find("backend_config=")
+    if at < 0 or len(operand_shapes) < 2 or None in operand_shapes[:2]:
         return 0.0, False
-    try:
-        dnums = json.loads(config.group(1))["gemm_backend_config"]["dot_dimension_numbers"]
-    except (ValueError, KeyError):
+    try:  # the config is JSON; whatever follows it on the line is not
+        config = json.JSONDecoder().raw_decode(rest, at + len("backend_config="))[0]
+        dnums = config["gemm_backend_config"]["dot_dimension_numbers"]
+    except (ValueError, KeyError, TypeError):
         return 0.0, False
-    lhs, rhs = operand_shapes
+    lhs, rhs = operand_shapes[:2]
     lc = [int(d) for d in dnums.get("lhs_contracting_dimensions", [])]
     lb = [int(d) for d in dnums.get("lhs_batch_dimensions", [])]
     rc = [int(d) for d in dnums.get("rhs_contracting_dimensions", [])]
@@ -403,22 +249,44 @@ def _tokamax_call(rest: str, result_shape, result_text: str):
     return None
 
 
-def custom_call_counters() -> dict:
-    """This module's kernel counters in :func:`mlir_train.planner.hlo.analyze`'s
-    ``custom_call_flops`` form (target -> f(instruction, types)): the flash-attention Triton
-    kernels by their causal tile pairs, tokamax's flash attention with one document per row, the
-    MoE block kernels (ours and tokamax's) at their static bound (every block of the buffer: the
-    planner's upper bound, no routing assumed)."""
-    def flash(ins, types):
-        docs = _docs_flash_call(ins.attrs)
-        return docs.flops() if docs is not None else (_flash_flops(ins.attrs) or 0.0)
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """What one custom call counts as, per execution: ``kind`` is "gemm" (``flops``, ``batched``:
+    with batch dimensions), "attention" (a Pallas mha kernel's ``flops``; 0 for its backward's
+    preprocess kernel, which does no matmul), "attention_call"
+    (``call``: an :class:`AttentionCall` or :class:`DocsFlashCall`, its ``flops()`` with one
+    document per row) or "kernel" (``call``: a :class:`KernelCall`, counted at its static bound)."""
+    kind: str
+    flops: float = 0.0
+    call: KernelCall | AttentionCall | DocsFlashCall | None = None
+    batched: bool = False
 
-    def block(ins, types):
-        result = re.match(_SHAPE, ins.result_type.lstrip("("))
-        tk = _tokamax_call(ins.attrs, _dims(result.group(0)) if result else None, ins.result_type)
-        if tk is not None:  # tokamax: ragged dots at their static bound, attention with one document per row
-            return tk.flops_bound if isinstance(tk, KernelCall) else tk.flops()
-        kernel = _block_kernel(ins.attrs)
-        return 0.0 if kernel is None else kernel.flops_bound
 
-    return {"__gpu$xla.gpu.triton": flash, "mosaic_gpu": block, "mosaic_gpu_v2": block}
+def custom_call_target(attrs: str) -> str:
+    m = re.search(r'custom_call_target="([^"]*)"', attrs)
+    return m.group(1) if m else "?"
+
+
+def read_custom_call(attrs: str, result_type: str, operand_shapes: list) -> Read | None:
+    """What the custom call with these attributes (the instruction's text after its operands),
+    result type and operand shapes (None where unknown) computes; None: a call whose FLOPs the HLO
+    does not show (fused attention of cuDNN, other Mosaic/Triton kernels)."""
+    target = custom_call_target(attrs)
+    if target.startswith("__cublas") and ("gemm" in target or "matmul" in target):
+        flops, batched = _gemm_flops(attrs, operand_shapes)
+        return Read("gemm", flops, batched=batched)
+    if target == "__gpu$xla.gpu.triton":
+        if (flash := _flash_flops(attrs)) is not None:
+            return Read("attention", flash)
+        if (docs := _docs_flash_call(attrs)) is not None:
+            return Read("attention_call", docs.flops(), docs)
+        if re.search(r'op_name="[^"]*[/(]mha_preprocess_backward[/)]', attrs):  # delta = rowsum(o * do)
+            return Read("attention", 0.0)
+    result = re.match(_SHAPE, result_type.lstrip("("))
+    if (tk := _tokamax_call(attrs, _dims(result.group(0)) if result else None, result_type)) is not None:
+        if isinstance(tk, KernelCall):
+            return Read("kernel", tk.flops_bound, tk)
+        return Read("attention_call", tk.flops(), tk)
+    if target.startswith("mosaic_gpu") and (kernel := _block_kernel(attrs)) is not None:
+        return Read("kernel", kernel.flops_bound, kernel)
+    return None

@@ -1,0 +1,115 @@
+"""The planner's report: one plan's figures as text (:func:`format_plan`), the plans as JSON
+(:func:`write_json`). These are report lines (``print``), not the library's ``mlir-train:`` log."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING
+
+from mlir_train.planner.hlo import Collective, format_collectives as fmt
+from mlir_train.planner.targets import GIB, USABLE_FRACTION
+
+if TYPE_CHECKING:
+    from mlir_train.planner.plan import Plan
+
+
+def _gib(n: float | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GIB:8.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2**20:8.2f} MiB"
+
+
+def format_collectives(collectives: dict[str, dict[str, int]] | None) -> str:
+    return fmt({k: Collective(v["count"], v["bytes"]) for k, v in (collectives or {}).items()})
+
+
+def _compiled_lines(plan: Plan) -> list[str]:
+    """The compiled figures of a plan: memory analysis, collectives, matmul FLOPs."""
+    on_target = plan.compiled_for_target
+    head = f"  compiled by {plan.compiler} in {plan.compile_s:.1f}s" + \
+        (f" (MoE: {plan.moe_impl})" if plan.moe_impl else "") + ", per device"
+    lines = [head + (f" ({plan.compiler_note})" if plan.compiler_note else "") + ":"]
+    temp_label = "temporaries" if on_target else "temp (CPU, not a GPU budget)"
+    lines += [f"    {'arguments (state + batch)':<46s} {_gib(plan.compiled_argument_bytes)}",
+              f"    {temp_label:<46s} {_gib(plan.compiled_temp_bytes)}",
+              f"    {'needed (args + unaliased outputs + temp)':<46s} {_gib(plan.compiled_needed_bytes)}"]
+    more = f" (costliest branch of {plan.conditionals} conditionals)" if plan.conditionals else ""
+    lines.append(f"    collectives{more}: {format_collectives(plan.collectives)}")
+    if plan.conditionals:
+        lines.append(f"    collectives (cheapest branches): {format_collectives(plan.collectives_cheapest)}")
+    if plan.flop_ratio is not None:
+        lines.append(f"    matmul FLOPs{more} {plan.compiled_matmul_flops:.3e} per device = {plan.flop_ratio:.2f}x "
+                     f"Megatron's model FLOPs ({plan.flops_per_step:.3e} over {plan.num_devices} devices)")
+    if plan.conditionals and plan.flops_per_step:
+        cheap = plan.compiled_matmul_flops_cheapest
+        lines.append(f"    matmul FLOPs (cheapest branches) {cheap:.3e} per device = "
+                     f"{cheap * plan.num_devices / plan.flops_per_step:.2f}x Megatron's model FLOPs")
+    if plan.unknown_loops:
+        lines.append(f"    ({plan.unknown_loops} while loops without a known trip count: their bodies counted once, "
+                     "so FLOPs and collectives above are lower bounds)")
+    if plan.uncounted_custom_calls:
+        lines.append("    custom calls whose FLOPs the HLO does not show (not counted): "
+                     + ", ".join(f"{t} x{n}" for t, n in plan.uncounted_custom_calls.items()))
+    return lines
+
+
+def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
+    lines = [f"layout {plan.name}"]
+    if plan.error:
+        return lines[0] + f"\n  NOT PLANNED: {plan.error}"
+    on_target = plan.compiled_for_target
+    if plan.compiled_argument_bytes is not None:
+        lines += _compiled_lines(plan)
+    rows = [
+        ("master weights (fp32)", plan.master_bytes),
+        ("optimizer state", plan.optimizer_bytes),
+        ("compute weights (gathered)", plan.compute_weight_bytes),
+        ("gradients (micro + fp32 accumulator)", plan.gradient_bytes),
+        (f"activations (estimate, recompute={plan.candidate.recompute.name})", plan.activation_bytes),
+        ("batch", plan.batch_bytes),
+        ("total per device", plan.total_bytes),
+    ]
+    lines.append("  analytic breakdown (exact state sizes from the shardings, activations estimated):")
+    lines += [f"    {label:<46s} {_gib(value)}" for label, value in rows]
+    if plan.compiled_argument_bytes is not None:
+        args_est = plan.master_bytes + plan.optimizer_bytes + plan.batch_bytes
+        temp_est = plan.total_bytes - args_est
+        lines.append(f"  compiled vs analytic: arguments {plan.compiled_argument_bytes / GIB:.2f} vs {args_est / GIB:.2f} "
+                     f"GiB ({'equal' if abs(plan.compiled_argument_bytes - args_est) <= 1e-6 * args_est + 64 else 'DIFFER'}: "
+                     f"the same state and batch); temporaries {plan.compiled_temp_bytes / GIB:.2f} vs {temp_est / GIB:.2f} "
+                     f"GiB ({(plan.compiled_temp_bytes - temp_est) / GIB:+.2f} GiB: "
+                     + ("the compiler's buffers are what this program allocates -- fusion outputs, collective "
+                        "buffers kept live to overlap them, loop carries -- where the estimate counts the "
+                        "tensors the step must hold" if on_target else
+                        "XLA:CPU's float32 copies of bf16 operands and CPU scheduling; the estimate decides") + ")")
+    lines.append(f"  FLOPs per step (model): {plan.flops_per_step:.3e}")
+    if plan.step_time_s is not None:
+        line = f"  at MFU {assumed_mfu:.0%}: step {plan.step_time_s:.2f}s, {plan.tokens_per_s:,.0f} tokens/s (Megatron's FLOPs)"
+        if plan.compiled_step_time_s is not None:
+            line += (f"; compiled matmul FLOPs at {assumed_mfu:.0%} of peak: step {plan.compiled_step_time_s:.2f}s, "
+                     f"{plan.compiled_tokens_per_s:,.0f} tokens/s")
+        lines.append(line)
+    else:
+        lines.append("  step time: unknown peak for this device; pass --peak-tflops")
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    source = (f"compiled by {plan.compiler}" if plan.verdict_from == "compiled"
+              else "analytic estimate" + (f"; {plan.compiler_note}" if plan.compiler_note else ""))
+    lines.append(f"  {verdict} in {plan.capacity_bytes / GIB:.0f} GiB ({kind}; {USABLE_FRACTION:.0%} usable): "
+                 f"{plan.needed_bytes / GIB:.1f} GiB needed ({source})")
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, plans: list[Plan]) -> None:
+    """The plans as JSON rows: every field (the candidate as its layout's sizes and the recompute
+    policy's name) and the derived figures."""
+    if path:
+        rows = []
+        for p in plans:
+            row = dataclasses.asdict(p)
+            del row["candidate"]
+            rows.append({"layout": dataclasses.asdict(p.candidate.layout) | {"recompute": p.candidate.recompute.name}}
+                        | row | {"total_bytes": p.total_bytes, "needed_bytes": p.needed_bytes,
+                               "verdict_from": p.verdict_from, "flop_ratio": p.flop_ratio, "fits": p.fits})
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
