@@ -8,7 +8,7 @@ Needs jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cuda-nvcc-cu12. Compiles ``j
 LM loss (bf16 parameters, one sequence, recompute off) for ``mlir_train/targets/h200.txtpb``
 and counts, from the optimized HLO (``mlir_train.planner.hlo``; layer-scan bodies times their trip
 count), every dot plus the flash attention kernels' work, against
-``mlir_train.planner.flops.num_floating_point_operations`` (Megatron's count: causal attention halved,
+``mlir_train.model.flops.num_floating_point_operations`` (Megatron's count: causal attention halved,
 backward = 2 x forward). The XLA attention computes the whole [T, S] score matrix; the flash
 kernel skips the key tiles above the diagonal (its backward recomputes the scores twice: 9
 half-matmuls against Megatron's 6). ``--documents N`` packs N equal documents per row (segment ids
@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from mlir_train.planner.targets import DEVICE_KINDS
 from mlir_train.config.models import get_model_config  # noqa: E402
-from mlir_train.planner.flops import num_floating_point_operations  # noqa: E402
+from mlir_train.model.flops import num_floating_point_operations  # noqa: E402
 from mlir_train.planner.hlo import matmul_flops  # noqa: E402
 from mlir_train.model import Qwen3  # noqa: E402
 from mlir_train.planner.moe_audit import gpu_topology_devices  # noqa: E402

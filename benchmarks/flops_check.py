@@ -1,11 +1,11 @@
-"""Our per-step FLOPs (``mlir_train.planner.flops``, Megatron's formula) vs XLA's count of the compiled step.
+"""Our per-step FLOPs (``mlir_train.model.flops``, Megatron's formula) vs XLA's count of the compiled step.
 
     python benchmarks/flops_check.py [--quick] [--rows N] [--seq N]
 
 For a dense and an MoE one-layer model, compiles the training step (forward, backward, AdamW)
 ahead of time on one CPU device and reads ``compiled.cost_analysis()["flops"]``. Prints:
 
-* ``ours``: :func:`mlir_train.planner.flops.num_floating_point_operations`, the *model* FLOPs MFU is
+* ``ours``: :func:`mlir_train.model.flops.num_floating_point_operations`, the *model* FLOPs MFU is
   computed from (matmuls only, causal attention halved, the routed experts only);
 * ``XLA``: what the compiled program executes by XLA's count;
 * ``predicted``: ours plus the matmul work the program really does on top of the model
@@ -41,7 +41,7 @@ configure_platform(cpu_devices=1)  # before jax starts: the platform's XLA setti
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from mlir_train.planner import flops  # noqa: E402
+from mlir_train.model import flops  # noqa: E402
 from mlir_train.config.models import ModelConfig, get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import BATCH_KEYS, StepConfig  # noqa: E402

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
               + (f"  [{r.conditionals} conditionals, costliest branches; cheapest: "
                  f"{r.compiled_matmul_flops_cheapest * 8 / r.flops_per_step:.2f}x, "
                  f"{plan.format_collectives(r.collectives_cheapest)}]" if r.conditionals else ""))
-    print(f"\nratio: compiled matmul FLOPs / Megatron's model FLOPs (mlir_train.planner.flops); need = arguments + "
+    print(f"\nratio: compiled matmul FLOPs / Megatron's model FLOPs (mlir_train.model.flops); need = arguments + "
           f"unaliased outputs + temp; fits = need <= {plan.USABLE_FRACTION:.0%} of {kind.memory_bytes / g:.1f} GiB")
     return 0
 

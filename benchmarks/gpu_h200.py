@@ -19,7 +19,7 @@ the median gives tokens/s and
 
     MFU = num_floating_point_operations(cfg, seq, batch) / (step time * peak)
 
-with Megatron's FLOPs formula (``mlir_train.planner.flops``: model FLOPs, recomputation not counted)
+with Megatron's FLOPs formula (``mlir_train.model.flops``: model FLOPs, recomputation not counted)
 and the bf16 dense peak of the device (989 TFLOP/s for an H200; ``--peak-tflops`` overrides).
 """
 
@@ -42,7 +42,7 @@ SETUP = configure_platform(compile_only="--compile-only" in sys.argv)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlir_train.planner import flops
+from mlir_train.model import flops
 from mlir_train.planner import hlo as hlo_stats
 from mlir_train.planner import plan  # noqa: E402
 from mlir_train.runtime import platform_setup  # noqa: E402

@@ -21,7 +21,7 @@ assumption as tokamax's ``k_start``); the masking inside the tiles does not.
 A ``custom_vjp`` keeps only the output and the (base-2) log-sum-exp; accumulation is float32;
 bf16 and float32 inputs. ``interpret=True`` runs the kernels in Pallas' interpreter (CPU tests).
 The kernels are named ``docs_flash_{fwd,dq,dkv}_q<bq>_k<bk>`` (the op_name
-:mod:`mlir_train.planner.hlo_flops` reads the tiles from)."""
+:mod:`mlir_train.planner.hlo_kernels` reads the tiles from)."""
 
 from __future__ import annotations
 

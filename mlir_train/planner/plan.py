@@ -28,7 +28,7 @@ and with the MoE implementation the mesh's platform selects. Per device it repor
   cuBLAS);
 * the collectives of the optimized HLO by kind with their bytes, and its matmul FLOPs (dots and
   GEMM custom calls, loops counted by their trip counts: :mod:`mlir_train.planner.hlo`) against
-  Megatron's model FLOPs (:mod:`mlir_train.planner.flops`) as a ratio (recomputation, padding and
+  Megatron's model FLOPs (:mod:`mlir_train.model.flops`) as a ratio (recomputation, padding and
   pipeline-bubble work make it exceed 1);
 * beside them, labelled, the analytic breakdown: master weights (float32) and optimizer
   state (exact, from the state's shardings: they must equal the compiled argument bytes),
@@ -270,7 +270,7 @@ def _estimate(plan: Plan, cfg: RunConfig, trainer, model_cfg, gbs: int, num_micr
     import jax
     import jax.numpy as jnp
 
-    from mlir_train.planner import flops as flops_lib
+    from mlir_train.model import flops as flops_lib
     from mlir_train.train.trainer import BATCH_KEYS, DTYPES
 
     c = plan.candidate

@@ -22,7 +22,7 @@ import jax
 from mlir_train.checkpoint import saver, sources
 from mlir_train.config.flags import RunConfig
 from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokenizer
-from mlir_train.planner import flops as flops_lib
+from mlir_train.model import flops as flops_lib
 from mlir_train.runtime import distributed, log
 from mlir_train.train import exits, kernel_check
 from mlir_train.train.build import Run, resolve

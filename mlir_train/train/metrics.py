@@ -203,7 +203,7 @@ class StepLogger:
                 f"iteration {iteration}: lm loss {lm_loss} / grad norm {grad_norm} is not finite; stopping before "
                 "any checkpoint of this state is written (--no-check-for-nan-in-loss-and-grad disables the check)")
         self.history["lm loss"].append((iteration, lm_loss))
-        from mlir_train.planner import flops as flops_lib
+        from mlir_train.model import flops as flops_lib
 
         scalars = {
             "lm loss": lm_loss, "grad-norm": grad_norm, "learning-rate": self.lr_at(iteration),

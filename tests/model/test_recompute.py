@@ -286,13 +286,13 @@ def test_uniform_groups_must_divide_each_chunk():
 def test_planner_compiles_the_policy():
     """``python -m mlir_train.plan`` takes the recompute flags: its compiled temporaries and its
     labelled activation estimate both drop from none to block 3 of 4 to every layer."""
-    from mlir_train.planner.plan import candidate as Layout, plan_layout
+    from mlir_train.planner.plan import candidate, plan_layout
 
     cfg = cli.parse(["--model-name", "qwen3-moe-tiny", "--vocab-size", "256", "--seq-length", "256",
                      "--micro-batch-size", "4", "--global-batch-size", "4", "--moe-expert-capacity-factor", "2"])
-    plans = {p.name: plan_layout(cfg, Layout(recompute=p), 1, memory_gb=80, peak_tflops=None, assumed_mfu=0.4)
+    plans = {p.name: plan_layout(cfg, candidate(recompute=p), 1, memory_gb=80, peak_tflops=None, assumed_mfu=0.4)
              for p in (NONE, block(3))}
-    plans["full"] = plan_layout(cfg, Layout(recompute=FULL), 1, memory_gb=80, peak_tflops=None, assumed_mfu=0.4,
+    plans["full"] = plan_layout(cfg, candidate(recompute=FULL), 1, memory_gb=80, peak_tflops=None, assumed_mfu=0.4,
                                 compile_step=False)
     assert all(p.error is None for p in plans.values()), {k: p.error for k, p in plans.items()}
     none, blk, full = plans["none"], plans["full-block3"], plans["full"]

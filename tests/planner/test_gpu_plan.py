@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mlir_train.planner import flops
+from mlir_train.model import flops
 from mlir_train.planner import hlo as hlo_stats
 from mlir_train.runtime import platform_setup
 from mlir_train.planner import plan

@@ -230,7 +230,7 @@ def test_context_parallel_eval_equals_one_device():
 
 def test_planner_search_tries_context_parallelism_for_long_rows():
     from mlir_train.config.cli import parse
-    from mlir_train.planner.plan import activation_bytes, candidate as Layout, candidate_layouts
+    from mlir_train.planner.plan import activation_bytes, candidate, candidate_layouts
 
     def layouts(seq):
         return candidate_layouts(parse(["--model-name", "qwen3-30b-a3b", "--seq-length", str(seq),
@@ -243,6 +243,6 @@ def test_planner_search_tries_context_parallelism_for_long_rows():
     from mlir_train.config.models import get_model_config
 
     cfg = get_model_config("qwen3-30b-a3b")
-    est = {cp: activation_bytes(cfg, Layout(tensor=2, context=cp, recompute="full"), micro_batch=1, seq=32768,
+    est = {cp: activation_bytes(cfg, candidate(tensor=2, context=cp, recompute="full"), micro_batch=1, seq=32768,
                                 dtype_bytes=2) for cp in (1, 2, 4)}
     assert est[1] > 1.9 * est[2] > 3.6 * est[4]  # a context rank holds 1/CP of the row (estimate)

@@ -228,14 +228,14 @@ def test_planner_layouts_carry_etp():
     sizes come from its shardings) and splits the estimated expert activations by it."""
     from mlir_train.config import cli
     from mlir_train.config.models import get_model_config
-    from mlir_train.planner.plan import activation_bytes, candidate as Layout, candidate_layouts
+    from mlir_train.planner.plan import activation_bytes, candidate, candidate_layouts
 
-    fold = Layout(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)
-    assert fold.etp == 1 and "ETP1" in fold.name(8) and "ETP" not in Layout(tensor=2, expert=2).name(8)
+    fold = candidate(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)
+    assert fold.etp == 1 and "ETP1" in fold.name(8) and "ETP" not in candidate(tensor=2, expert=2).name(8)
     cfg = get_model_config("qwen3-30b-a3b")
     est = lambda layout: activation_bytes(cfg, layout, micro_batch=1, seq=4096, dtype_bytes=2)
     # ETP1 under TP2: half the tokens per rank dispatched, each to experts of full width.
-    assert est(fold) != est(Layout(tensor=2, expert=4, sequence_parallel=True))
+    assert est(fold) != est(candidate(tensor=2, expert=4, sequence_parallel=True))
     run_cfg = cli.parse(["--model-name", "qwen3-moe-tiny", "--expert-tensor-parallel-size", "1"])
     layouts = candidate_layouts(run_cfg, 8)
     assert {l.expert_tensor for l in layouts} == {1}

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlir_train.planner import flops
+from mlir_train.model import flops
 from mlir_train.model import losses
 from mlir_train.config.models import get_model_config
 from mlir_train.train.optim import LossScaler, make_optimizer

@@ -19,7 +19,7 @@ Mosaic-GPU interpreter runs them on CPU (tests), and it cannot run transposed vi
 ``moe_experts.xla_block_kernels`` computes the same two functions with ``jax.lax.ragged_dot``.
 
 In the optimized HLO each kernel is a ``mosaic_gpu_v2`` custom call whose ``op_name`` ends in
-the kernel body's name (``moe_block_matmul``, ``moe_block_matmul_t``): ``mlir_train.planner.hlo_flops``
+the kernel body's name (``moe_block_matmul``, ``moe_block_matmul_t``): ``mlir_train.planner.hlo_kernels``
 counts their work from the operand shapes (the static bound) and the block counts.
 """
 

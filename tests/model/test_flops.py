@@ -3,7 +3,7 @@
 import pytest
 
 from mlir_train.config.models import MODELS
-from mlir_train.planner.flops import (
+from mlir_train.model.flops import (
     device_peak_tflops,
     flops_per_token,
     mfu,
