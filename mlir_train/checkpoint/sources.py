@@ -160,7 +160,7 @@ class Ours(Source):
 @dataclasses.dataclass(frozen=True)
 class Megatron(Source):
     """A Megatron-LM / AIAK checkpoint (``checkpoint``: its
-    :class:`~mlir_train.checkpoint.megatron.find.MegatronCheckpoint`)."""
+    :class:`~mlir_train.checkpoint.megatron.read.MegatronCheckpoint`)."""
 
     kind: ClassVar[str] = "megatron"
     shape_fields: ClassVar[tuple[str, ...]] = SHAPE_FIELDS + ("head_dim", "intermediate_size", "moe_intermediate_size")

@@ -6,7 +6,7 @@ The flags are the fields of :mod:`mlir_train.config.flags` (one place for the pa
 Megatron script (seed: ``qwen3_30b_a3b_sft_megatron_aiak.txt``) is accepted under Megatron's
 name, type and default, in a ``--help`` group named after the seed's bash array that carries it.
 
-Three kinds of accepted flags (``run_config`` explains each): honoured fields; flags that mean
+Three kinds of accepted flags (``flag_table`` explains each): honoured fields; flags that mean
 nothing under JAX/XLA or restate the Qwen3 architecture (accepted with Megatron's arity, not
 stored, printed once by the trainer; an architecture flag whose value contradicts Qwen3, e.g.
 ``--normalization LayerNorm``, is an error); and refused values (a Megatron feature we do not

@@ -91,7 +91,6 @@ estimate counts the schedule's idle ticks and 1F1B's recomputed chunk forward
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import re
@@ -102,7 +101,7 @@ from typing import Any
 from mlir_train.config.flags import RunConfig
 from mlir_train.planner.candidates import Candidate, candidate, candidate_layouts  # noqa: F401 (the planner's API)
 from mlir_train.planner.estimate import activation_bytes
-from mlir_train.planner.report import format_collectives, format_plan, write_json  # noqa: F401 (the planner's API)
+from mlir_train.planner.report import Plan, format_collectives, format_plan, write_json  # noqa: F401 (the planner's API)
 from mlir_train.planner.targets import DEVICE_KINDS, GIB, USABLE_FRACTION, DeviceKind
 
 
@@ -114,76 +113,6 @@ def _preset_devices(argv: list[str]) -> None:
 
     n = flag_value(argv, "--num-devices")
     configure_platform(compile_only=True, cpu_devices=int(n) if n else None)
-
-
-@dataclasses.dataclass
-class Plan:
-    candidate: Candidate
-    name: str
-    num_devices: int = 1
-    # Analytic breakdown (exact sizes from the shardings; activations estimated).
-    master_bytes: int = 0
-    optimizer_bytes: int = 0
-    compute_weight_bytes: int = 0
-    gradient_bytes: int = 0
-    activation_bytes: int = 0
-    batch_bytes: int = 0
-    # The compiled step, per device: which compiler, its memory analysis and HLO audit.
-    compiler: str | None = None              # "XLA:GPU h200 (deviceless)" | "XLA:CPU (...)"
-    compiler_note: str | None = None         # why not XLA:GPU, where it is not
-    compiled_for_target: bool = False        # True: the compiled figures decide the verdict
-    moe_impl: str | None = None              # the MoE implementation the mesh's platform chose
-    compiled_argument_bytes: int | None = None
-    compiled_temp_bytes: int | None = None
-    compiled_needed_bytes: int | None = None
-    compiled_matmul_flops: float | None = None   # per device per step
-    collectives: dict[str, dict[str, int]] | None = None  # kind -> {"count", "bytes"} per device
-    conditionals: int = 0
-    unknown_loops: int = 0                   # while loops without a known trip count (counted once)
-    # With conditionals: the cheapest branches' figures (e.g. a dropless dispatcher's no-overflow path).
-    compiled_matmul_flops_cheapest: float | None = None
-    collectives_cheapest: dict[str, dict[str, int]] | None = None
-    uncounted_custom_calls: dict[str, int] | None = None
-    flops_per_step: float = 0.0              # Megatron's model FLOPs, all devices
-    step_time_s: float | None = None         # from the model FLOPs at --assumed-mfu
-    tokens_per_s: float | None = None
-    compiled_step_time_s: float | None = None  # from the compiled matmul FLOPs at the same fraction of peak
-    compiled_tokens_per_s: float | None = None
-    capacity_bytes: float = 0.0
-    compile_s: float | None = None
-    error: str | None = None
-
-    @property
-    def total_bytes(self) -> int:
-        """The analytic estimate of what one device holds."""
-        return (self.master_bytes + self.optimizer_bytes + self.compute_weight_bytes + self.gradient_bytes
-                + self.activation_bytes + self.batch_bytes)
-
-    @property
-    def needed_bytes(self) -> int:
-        """What decides the verdict: the target compiler's figure, else the analytic estimate."""
-        if self.compiled_for_target and self.compiled_needed_bytes is not None:
-            return self.compiled_needed_bytes
-        return self.total_bytes
-
-    @property
-    def verdict_from(self) -> str:
-        return "compiled" if self.compiled_for_target and self.compiled_needed_bytes is not None else "estimate"
-
-    @property
-    def fits(self) -> bool:
-        return self.error is None and self.needed_bytes <= USABLE_FRACTION * self.capacity_bytes
-
-    @property
-    def flop_ratio(self) -> float | None:
-        """Compiled matmul FLOPs (all devices) / Megatron's model FLOPs."""
-        if self.compiled_matmul_flops is None or not self.flops_per_step:
-            return None
-        return self.compiled_matmul_flops * self.num_devices / self.flops_per_step
-
-    def ranking_key(self) -> tuple[float, int]:
-        speed = self.compiled_tokens_per_s if self.compiled_for_target and self.compiled_tokens_per_s else self.tokens_per_s
-        return (-(speed or 0.0), self.needed_bytes)
 
 
 def _device_bytes(tree: Any) -> int:

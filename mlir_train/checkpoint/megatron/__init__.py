@@ -3,7 +3,6 @@ into our parameters from any layout (``load``), write the legacy format (``save`
 
 from mlir_train.checkpoint.megatron.find import (
     TRACKER,
-    MegatronCheckpoint,
     find,
     identify,
     is_megatron_dir,
@@ -14,7 +13,7 @@ from mlir_train.checkpoint.megatron.find import (
     unpadded_vocab,
 )
 from mlir_train.checkpoint.megatron.load import layer_stacks, load_params
-from mlir_train.checkpoint.megatron.read import MegatronCheckpointError
+from mlir_train.checkpoint.megatron.read import MegatronCheckpoint, MegatronCheckpointError
 from mlir_train.checkpoint.megatron.save import megatron_args, save_legacy
 
 __all__ = [

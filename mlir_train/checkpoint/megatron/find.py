@@ -8,14 +8,14 @@ The file formats are described in :mod:`~mlir_train.checkpoint.megatron.read`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from typing import Any
 
 from mlir_train.checkpoint import integrity
 from mlir_train.checkpoint.megatron.load import open_source
-from mlir_train.checkpoint.megatron.read import RANK_DIR, DistReader, MegatronCheckpointError, listing, torch_load
+from mlir_train.checkpoint.megatron.read import (
+    RANK_DIR, DistReader, MegatronCheckpoint, MegatronCheckpointError, listing, torch_load)
 from mlir_train.config.sections import padded_vocab_size
 from mlir_train.config.models import ModelConfig
 
@@ -32,25 +32,6 @@ def _args_dict(args: Any) -> dict[str, Any]:
 
 
 # ----- finding a checkpoint ----------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class MegatronCheckpoint:
-    """One iteration of a Megatron checkpoint directory."""
-
-    root: str                 # the --load directory
-    directory: str            # iter_XXXXXXX/ or release/
-    format: str               # "torch" | "torch_dist"
-    iteration: int            # 0 for release
-    release: bool
-    args: dict[str, Any]      # Megatron's argparse namespace, as a dict (may be empty)
-    checkpoint_version: float | None
-    has_optimizer: bool
-    has_rng: bool
-
-    def describe(self) -> str:
-        it = "release" if self.release else f"iteration {self.iteration}"
-        return f"Megatron {self.format} checkpoint {self.directory} ({it})"
-
-
 def looks_like_megatron(path: str) -> bool:
     """A tracker file, or iter_*/release sub-directories: a Megatron checkpoint (readable or not)."""
     if not os.path.isdir(path):

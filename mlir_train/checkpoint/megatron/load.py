@@ -25,17 +25,14 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from mlir_train.checkpoint import shards
 from mlir_train.checkpoint.megatron.read import (
-    RANK_DIR, DistReader, MegatronCheckpointError, import_torch, listing, torch_load)
+    RANK_DIR, DistReader, MegatronCheckpoint, MegatronCheckpointError, import_torch, listing, torch_load)
 from mlir_train.config.models import ModelConfig
-
-if TYPE_CHECKING:
-    from mlir_train.checkpoint.megatron.find import MegatronCheckpoint
 
 
 # ----- the checkpoint as Megatron's global per-layer tensors -------------------------------------------

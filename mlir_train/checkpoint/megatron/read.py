@@ -21,6 +21,7 @@ in our model is :mod:`~mlir_train.checkpoint.megatron.load`'s business.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import pickle
@@ -179,3 +180,23 @@ class DistReader:
         self.reader.read_data(plan, planner).wait()
         out = dest.numpy() if dest.dtype in (torch.float32, torch.float64) else dest.float().numpy()
         return out
+
+
+# ----- one iteration of a checkpoint directory ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MegatronCheckpoint:
+    """One iteration of a Megatron checkpoint directory."""
+
+    root: str                 # the --load directory
+    directory: str            # iter_XXXXXXX/ or release/
+    format: str               # "torch" | "torch_dist"
+    iteration: int            # 0 for release
+    release: bool
+    args: dict[str, Any]      # Megatron's argparse namespace, as a dict (may be empty)
+    checkpoint_version: float | None
+    has_optimizer: bool
+    has_rng: bool
+
+    def describe(self) -> str:
+        it = "release" if self.release else f"iteration {self.iteration}"
+        return f"Megatron {self.format} checkpoint {self.directory} ({it})"
