@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -29,6 +31,7 @@ from mlir_train import sft
 from mlir_train.config.models import get_model_config
 from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
 from mlir_train.model.moe import block as moe_lib
+from mlir_train.planner import plan, targets
 from mlir_train.planner.moe_audit import compile_without_cache
 from mlir_train.train.build import build_trainer
 from mlir_train.train.optim import make_optimizer
@@ -306,3 +309,72 @@ def run_moe_block(block, x, valid, cfg=None, grads=False):
     with jax.set_mesh(mesh), sharding.use_rules(rules):
         compiled = jax.jit(f).lower(state, x).compile(COMPILER_OPTIONS)
         return compiled(state, x), compiled.as_text()
+
+
+# ----- one pipelined train step, compared with one device (was tests/train/test_pipeline.py) ----
+PIPELINE_CFG = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=4)
+
+
+def pipeline_batch(seed=0):
+    """Rows packed with three documents each (lengths vary by row), some rows padded at the end."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, PIPELINE_CFG.vocab_size, (ROWS, SEQ)).astype(np.int32)
+    seg = np.zeros((ROWS, SEQ), np.int32)
+    pos = np.zeros((ROWS, SEQ), np.int32)
+    for r in range(ROWS):
+        cuts = [0, 5 + r, 14 + r, SEQ - (r % 3) * 4]
+        for d in range(3):
+            seg[r, cuts[d]:cuts[d + 1]] = d + 1
+            pos[r, cuts[d]:cuts[d + 1]] = np.arange(cuts[d + 1] - cuts[d])
+    mask = (rng.random((ROWS, SEQ)) < 0.7).astype(np.float32) * (seg != 0)
+    return dict(input_ids=ids, labels=np.roll(ids, -1, 1), loss_mask=mask, segment_ids=seg, positions=pos)
+
+
+def pipeline_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f1b", cfg=PIPELINE_CFG, per_token=False, **step):
+    mesh = make_mesh(parallel, devices=devices)
+    opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=1e-3, train_iters=10), weight_decay=0.1, clip_grad=1.0)
+    # Megatron's default loss normalisation per data-parallel micro-batch of 2 rows (two such
+    # groups per micro-batch slice), or --calculate-per-token-loss.
+    step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
+                          layers_per_virtual_stage=layers_per_virtual_stage, micro_batch_size=2,
+                          per_token_loss=per_token, pipeline_schedule=schedule, **step)
+    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh)
+    state = trainer.init_state(seed=0)
+    batch = trainer.shard_batch({k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in pipeline_batch().items()})
+    compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)
+    with jax.set_mesh(mesh):
+        new_state, metrics = compiled(state, batch)
+    return jax.device_get(new_state), jax.device_get(metrics), compiled.as_text()
+
+
+def assert_same_step(out, ref):
+    (state, metrics, _), (ref_state, ref_metrics, _) = out, ref
+    assert set(metrics) == set(ref_metrics)
+    for key in ("lm loss", "grad-norm", "load_balancing_loss", "z_loss"):
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=2e-5, err_msg=key)
+    for key in ("loss tokens", "tokens_per_expert", "dropped_tokens"):
+        np.testing.assert_array_equal(metrics[key], ref_metrics[key], err_msg=key)
+    # The gradients, read from Adam's first moment (mu = (1 - beta1) * clipped g), to 1e-5 of each
+    # tensor's largest. Adam's first update is ~lr * g / (|g| + eps): on clear gradients it is
+    # insensitive to rounding (5e-5 = 0.05 lr); a gradient at the summation-noise level
+    # (|g| < 1e-6, a few weights in 1e5) can step anywhere in +-lr, as test_layouts explains.
+    mu, ref_mu = adam_mu(state["opt_state"]), adam_mu(ref_state["opt_state"])
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mu), jax.tree.leaves(ref_mu)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=f"mu {jax.tree_util.keystr(path)}")
+    leaves = zip(jax.tree_util.tree_leaves_with_path(state["params"]), jax.tree.leaves(ref_state["params"]),
+                 jax.tree.leaves(ref_mu))
+    for (path, a), b, m in leaves:
+        clear = np.abs(m) / (1 - 0.9) >= 1e-6
+        np.testing.assert_allclose(a[clear], b[clear], atol=5e-5, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(a[~clear], b[~clear], atol=0.25e-3, err_msg=f"{jax.tree_util.keystr(path)} (|g| < 1e-6)")
+
+
+# ----- the planner run in-process (was tests/planner/test_gpu_plan.py) ------------------------
+GPU_MISSING = targets.gpu_compiler_missing()
+
+
+def run_planner(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        plans = plan.main(argv)
+    return plans, out.getvalue()

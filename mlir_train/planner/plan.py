@@ -99,6 +99,7 @@ import time
 from typing import Any
 
 from mlir_train.config.flags import RunConfig
+from mlir_train.runtime.errors import ConfigError
 from mlir_train.planner.candidates import Candidate, candidate, candidate_layouts  # noqa: F401 (the planner's API)
 from mlir_train.planner.estimate import activation_bytes
 from mlir_train.planner.report import Plan, format_collectives, format_plan, write_json  # noqa: F401 (the planner's API)
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     cfg = cli.parse(rest)
     t, par = cfg.training, cfg.parallel
     if cfg.data.seq_length is None or t.micro_batch_size is None:
-        raise SystemExit("error: --seq-length and --micro-batch-size are required")
+        raise ConfigError("--seq-length and --micro-batch-size are required")
     import jax
 
     num_devices = cfg.extras.num_devices or jax.device_count()
@@ -304,8 +305,8 @@ def main(argv: list[str] | None = None) -> list[Plan]:
     if target:  # a compile-only executable cannot be stored or reloaded by JAX's persistent cache
         jax.config.update("jax_enable_compilation_cache", False)
     if target is None and num_devices > jax.device_count():  # the XLA:CPU compile needs fake devices
-        raise SystemExit(f"error: --num-devices {num_devices} but this process has {jax.device_count()} devices "
-                         "(run it as python -m mlir_train.plan, which creates them)")
+        raise ConfigError(f"--num-devices {num_devices} but this process has {jax.device_count()} devices "
+                          "(run it as python -m mlir_train.plan, which creates them)")
     common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu, target=target, compiler_note=note,
                   hlo_dir=own.hlo_dir)
     print(f"mlir-train plan: {cfg.model.model_config(None).name} on {num_devices} x {own.device_kind} ({memory_gb:.1f} GiB; "

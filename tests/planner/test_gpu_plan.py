@@ -5,8 +5,6 @@ extra installs them); without them the GPU tests skip and say why. The CPU-side 
 descriptions, HLO counting on an XLA:CPU program, the platform decision) run everywhere.
 """
 
-import contextlib
-import io
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +20,13 @@ from mlir_train.planner import targets
 from mlir_train.config.models import get_model_config
 from mlir_train.model.kernels import platform_model_kwargs
 from mlir_train.model.moe.block import DEFAULT_MOE_IMPL
+from tests.helpers import GPU_MISSING, run_planner
 
 # JAX decides once per process whether its persistent cache is on (conftest turns it on), so
 # plan.main's switch-off may come too late here: a deviceless executable found in the cache
 # cannot be reloaded (no client), JAX warns and compiles it again.
 pytestmark = pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
 
-GPU_MISSING = targets.gpu_compiler_missing()
 needs_gpu_compiler = pytest.mark.skipif(GPU_MISSING is not None, reason=f"deviceless XLA:GPU: {GPU_MISSING}")
 
 # Small models: Qwen3 layers at toy widths, 2 layers, short sequences (each compile ~15 s of CPU).
@@ -45,13 +43,6 @@ def _restore_compilation_cache():
     enabled = jax.config.jax_enable_compilation_cache
     yield
     jax.config.update("jax_enable_compilation_cache", enabled)
-
-
-def _run_planner(argv):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        plans = plan.main(argv)
-    return plans, out.getvalue()
 
 
 # ----- runs everywhere ----------------------------------------------------------------------
@@ -234,7 +225,7 @@ def test_gpu_mesh_gets_the_gpu_moe_path_from_a_cpu_host():
 @pytest.fixture(scope="module")
 def dense_tp2():
     """qwen3-tiny (2 layers) under TP2 + SP, DP4, recompute off, compiled for 8 x H200."""
-    [p], text = _run_planner(DENSE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    [p], text = run_planner(DENSE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
     return p, text
 
 
@@ -254,7 +245,7 @@ def test_planner_fits_by_the_compiled_figure(dense_tp2):
 def test_planner_does_not_fit_when_the_compiled_step_is_bigger_than_the_device(dense_tp2):
     p, _ = dense_tp2
     memory_gib = 0.9 * p.compiled_needed_bytes / plan.GIB  # below what the compiler says it needs
-    [small], text = _run_planner(DENSE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+    [small], text = run_planner(DENSE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                           "--device-memory-gb", f"{memory_gib:.6f}"])
     assert small.verdict_from == "compiled" and not small.fits
     assert "DOES NOT FIT" in text and small.compiled_needed_bytes > plan.USABLE_FRACTION * small.capacity_bytes
@@ -279,7 +270,7 @@ def test_tensor_parallel_collectives_and_dense_flops_match_megatron(dense_tp2):
 
 @needs_gpu_compiler
 def test_expert_parallel_step_has_all_to_all_and_the_gpu_moe_path():
-    [p], text = _run_planner(MOE + ["--expert-model-parallel-size", "4"])
+    [p], text = run_planner(MOE + ["--expert-model-parallel-size", "4"])
     assert p.error is None and p.compiled_for_target
     assert p.moe_impl == DEFAULT_MOE_IMPL["gpu"]
     kinds = set(p.collectives)

@@ -22,7 +22,7 @@ from sharding.context import from_zigzag, to_zigzag, zigzag_order
 from sharding.mesh import validate
 from sharding.layout import Layout, LayoutError
 from tests.helpers import cli_metrics, collectives
-from tests.train.test_pipeline import CFG, MICRO, ROWS, SEQ, _assert_same_step, _batch, _one_step
+from tests.helpers import MICRO, PIPELINE_CFG as CFG, ROWS, SEQ, assert_same_step, pipeline_batch, pipeline_step
 
 
 # ----- the layout is Megatron's ----------------------------------------------------------------
@@ -60,7 +60,7 @@ def test_zigzag_round_trips_and_refuses_uneven_chunks():
 
 def test_packed_documents_cross_the_chunk_boundaries():
     """Otherwise the equality below would not show that documents are stitched back together."""
-    seg = _batch()["segment_ids"]
+    seg = pipeline_batch()["segment_ids"]
     chunk = SEQ // 4  # CP = 2
     crossing = [(seg[:, b - 1] == seg[:, b]) & (seg[:, b] > 0) for b in range(chunk, SEQ, chunk)]
     assert all(c.any() for c in crossing)
@@ -78,7 +78,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference():
-    return _one_step(Layout(num_devices=1), jax.devices()[:1])
+    return pipeline_step(Layout(num_devices=1), jax.devices()[:1])
 
 
 SLOW = {"CP4xTP2-SP", "CP2xDP4"}  # ~10-25 s each; CP over data ranks is also in CP2xEP4-distopt, TP + SP in CP2xTP2xPP2-SP
@@ -90,8 +90,8 @@ def test_context_parallel_step_equals_one_device(name, reference, monkeypatch):
 
     monkeypatch.setattr(attention, "KEY_BLOCK", 8)  # the gathered row of 32 keys in 4 blocks
     parallel = validate(LAYOUTS[name], seq_length=SEQ)
-    out = _one_step(parallel, jax.devices()[:8])
-    _assert_same_step(out, reference)
+    out = pipeline_step(parallel, jax.devices()[:8])
+    assert_same_step(out, reference)
     assert "all-gather" in out[2]
 
 
@@ -100,7 +100,7 @@ def test_context_parallel_attention_gathers_kv_over_the_context_ranks():
     each rank's forward scores cover its own queries only: [rows/DP, K, G * SEQ/CP, SEQ]."""
 
     parallel = validate(LAYOUTS["CP2xDP4"], seq_length=SEQ)
-    _, _, hlo = _one_step(parallel, jax.devices()[:8])
+    _, _, hlo = pipeline_step(parallel, jax.devices()[:8])
     rows = ROWS // MICRO // parallel.data_parallel
     kv, g, h = CFG.num_kv_heads, CFG.num_heads // CFG.num_kv_heads, CFG.head_dim
     gathers = [c for c in collectives(hlo) if c.kind == "all-gather" and c.group == 2]
@@ -123,7 +123,7 @@ def test_blocked_attention_equals_masked_attention(order):
     b, t, kv, g, h = 2, 32, 2, 2, 8
     q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
                for shape in ((b, t, kv, g, h), (b, t, kv, h), (b, t, kv, h)))
-    seg = _batch()["segment_ids"][:b]
+    seg = pipeline_batch()["segment_ids"][:b]
     order_T = jnp.asarray(zigzag_order(t, 2 if order == "zigzag" else 1))
     perm = lambda x: jnp.take(x, order_T, axis=1)  # the rows in the layout's order
     ref = lambda q, k, v: jnp.sum(jnp.sin(masked_attention(q, k, v, attention_mask(jnp.asarray(seg)))))
@@ -213,7 +213,7 @@ def test_context_parallel_eval_equals_one_device():
     from mlir_train.train.build import build_trainer
     from sharding.mesh import make_mesh
 
-    batch = {k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in _batch().items()}
+    batch = {k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in pipeline_batch().items()}
     out = {}
     for key, (par, devices) in {"one": (Layout(num_devices=1), jax.devices()[:1]),
                                 "cp": (LAYOUTS["CP2xDP4"], jax.devices()[:8])}.items():

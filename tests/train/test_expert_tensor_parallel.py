@@ -252,13 +252,13 @@ def test_gpu_grouped_path_compiles_deviceless(flags):
     """The GPU path (block-grouped Mosaic-GPU experts, ragged all-to-all) under folding and under
     ETP > TP > 1 (rows gathered over the expert-tensor data ranks, the kernels manual over the
     tensor ranks), compiled by XLA:GPU for 8 x H200 on this CPU-only machine."""
-    from tests.planner.test_gpu_plan import GPU_MISSING, _run_planner
+    from tests.helpers import GPU_MISSING, run_planner
 
     if GPU_MISSING is not None:
         pytest.skip(f"deviceless XLA:GPU: {GPU_MISSING}")
     enabled = jax.config.jax_enable_compilation_cache
     try:
-        (p,), out = _run_planner(["--model-name", "qwen3-moe-tiny", "--num-layers", "2", "--moe-ffn-hidden-size", "512",
+        (p,), out = run_planner(["--model-name", "qwen3-moe-tiny", "--num-layers", "2", "--moe-ffn-hidden-size", "512",
                                   "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16", "--bf16",
                                   "--num-devices", "8", "--device-kind", "h200", "--sequence-parallel", *flags])
     finally:

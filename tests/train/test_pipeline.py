@@ -12,87 +12,22 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from mlir_train.config.models import get_model_config
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.pipeline import Schedule, from_stages, make_schedule, stage_program, to_stages
-from mlir_train.train.schedule import megatron_lr_schedule
 from mlir_train.train.trainer import StepConfig
 from mlir_train.train.build import build_trainer
 from sharding import use_rules
 from sharding.mesh import make_mesh
 from sharding.layout import Layout, LayoutError
-
-CFG = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=4)
-ROWS, SEQ, MICRO = 8, 32, 2
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def _batch(seed=0):
-    """Rows packed with three documents each (lengths vary by row), some rows padded at the end."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, CFG.vocab_size, (ROWS, SEQ)).astype(np.int32)
-    seg = np.zeros((ROWS, SEQ), np.int32)
-    pos = np.zeros((ROWS, SEQ), np.int32)
-    for r in range(ROWS):
-        cuts = [0, 5 + r, 14 + r, SEQ - (r % 3) * 4]
-        for d in range(3):
-            seg[r, cuts[d]:cuts[d + 1]] = d + 1
-            pos[r, cuts[d]:cuts[d + 1]] = np.arange(cuts[d + 1] - cuts[d])
-    mask = (rng.random((ROWS, SEQ)) < 0.7).astype(np.float32) * (seg != 0)
-    return dict(input_ids=ids, labels=np.roll(ids, -1, 1), loss_mask=mask, segment_ids=seg, positions=pos)
-
-
-def _one_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f1b", cfg=CFG, per_token=False, **step):
-    mesh = make_mesh(parallel, devices=devices)
-    opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=1e-3, train_iters=10), weight_decay=0.1, clip_grad=1.0)
-    # Megatron's default loss normalisation per data-parallel micro-batch of 2 rows (two such
-    # groups per micro-batch slice), or --calculate-per-token-loss.
-    step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
-                          layers_per_virtual_stage=layers_per_virtual_stage, micro_batch_size=2,
-                          per_token_loss=per_token, pipeline_schedule=schedule, **step)
-    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh)
-    state = trainer.init_state(seed=0)
-    batch = trainer.shard_batch({k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in _batch().items()})
-    compiled = trainer.lower_train_step(state, batch).compile(FAST_COMPILE)
-    with jax.set_mesh(mesh):
-        new_state, metrics = compiled(state, batch)
-    return jax.device_get(new_state), jax.device_get(metrics), compiled.as_text()
+from tests.helpers import COMPILER_OPTIONS, MICRO, PIPELINE_CFG, ROWS, SEQ, assert_same_step, pipeline_batch, pipeline_step
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return _one_step(Layout(num_devices=1), jax.devices()[:1])
-
-
-def _assert_same_step(out, ref):
-    (state, metrics, _), (ref_state, ref_metrics, _) = out, ref
-    assert set(metrics) == set(ref_metrics)
-    for key in ("lm loss", "grad-norm", "load_balancing_loss", "z_loss"):
-        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=2e-5, err_msg=key)
-    for key in ("loss tokens", "tokens_per_expert", "dropped_tokens"):
-        np.testing.assert_array_equal(metrics[key], ref_metrics[key], err_msg=key)
-    # The gradients, read from Adam's first moment (mu = (1 - beta1) * clipped g), to 1e-5 of each
-    # tensor's largest. Adam's first update is ~lr * g / (|g| + eps): on clear gradients it is
-    # insensitive to rounding (5e-5 = 0.05 lr); a gradient at the summation-noise level
-    # (|g| < 1e-6, a few weights in 1e5) can step anywhere in +-lr, as test_layouts explains.
-    mu, ref_mu = _adam_mu(state["opt_state"]), _adam_mu(ref_state["opt_state"])
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mu), jax.tree.leaves(ref_mu)):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=f"mu {jax.tree_util.keystr(path)}")
-    leaves = zip(jax.tree_util.tree_leaves_with_path(state["params"]), jax.tree.leaves(ref_state["params"]),
-                 jax.tree.leaves(ref_mu))
-    for (path, a), b, m in leaves:
-        clear = np.abs(m) / (1 - 0.9) >= 1e-6
-        np.testing.assert_allclose(a[clear], b[clear], atol=5e-5, err_msg=jax.tree_util.keystr(path))
-        np.testing.assert_allclose(a[~clear], b[~clear], atol=0.25e-3, err_msg=f"{jax.tree_util.keystr(path)} (|g| < 1e-6)")
-
-
-def _adam_mu(opt_state):
-    (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-               if isinstance(s, optax.ScaleByAdamState)]
-    return adam.mu
+    return pipeline_step(Layout(num_devices=1), jax.devices()[:1])
 
 
 LAYOUTS = {
@@ -116,8 +51,8 @@ SLOW = set(CASES[4:]) | {("PP4xTP2", "1f1b")}  # PP4 x TP2 stays in the default 
                          ids=[f"{n}-{s}" for n, s in CASES])
 def test_pipelined_step_equals_one_device(name, schedule, reference):
     parallel, per_virtual = LAYOUTS[name]
-    out = _one_step(parallel, jax.devices()[:8], per_virtual, schedule)
-    _assert_same_step(out, reference)
+    out = pipeline_step(parallel, jax.devices()[:8], per_virtual, schedule)
+    assert_same_step(out, reference)
     hlo = out[2]
     assert "collective-permute" in hlo  # activations move between stages by permutes
     if parallel.expert > 1:
@@ -128,23 +63,23 @@ def test_pipelined_step_equals_one_device(name, schedule, reference):
 def test_pipelined_step_equals_one_device_per_token_loss():
     """The same under --calculate-per-token-loss (normalised by the global batch's loss tokens)."""
     parallel, _ = LAYOUTS["TP2xPP2xEP2-SP-distopt"]
-    ref = _one_step(Layout(num_devices=1), jax.devices()[:1], per_token=True)
-    _assert_same_step(_one_step(parallel, jax.devices()[:8], per_token=True), ref)
+    ref = pipeline_step(Layout(num_devices=1), jax.devices()[:1], per_token=True)
+    assert_same_step(pipeline_step(parallel, jax.devices()[:8], per_token=True), ref)
 
 
 # A dense first layer (DeepSeek-style; Megatron's --moe-layer-freq ([0]+[1]*3)) over two uneven
 # stages: stage 0 runs [dense], stage 1 [MoE x 3], so the stage program is a dense segment of 1
 # slot and a MoE segment of 3, each padded on the stage that has none of it, and both stacks
 # (1 and 3 layers) are stored whole on every stage.
-MIXED = CFG.replace(mlp_only_layers=(0,))
+MIXED = PIPELINE_CFG.replace(mlp_only_layers=(0,))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
 def test_uneven_mixed_pipeline_equals_one_device(schedule):
-    ref = _one_step(Layout(num_devices=1), jax.devices()[:1], cfg=MIXED)
-    out = _one_step(Layout(pipeline=2, num_devices=8), jax.devices()[:8], None, schedule, cfg=MIXED,
+    ref = pipeline_step(Layout(num_devices=1), jax.devices()[:1], cfg=MIXED)
+    out = pipeline_step(Layout(pipeline=2, num_devices=8), jax.devices()[:8], None, schedule, cfg=MIXED,
                     first_stage_layers=1)
-    _assert_same_step(out, ref)
+    assert_same_step(out, ref)
 
 
 def test_stage_program_pads_uneven_and_mixed_stages():
@@ -211,7 +146,7 @@ def _compiled_temp_bytes(pp: int, micro: int, schedule: str) -> int:
     batch = {k: jax.ShapeDtypeStruct((micro, parallel.data_parallel, SEQ), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding)
              for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
-    compiled = trainer.lower_train_step(trainer.abstract_state(), batch).compile(FAST_COMPILE)
+    compiled = trainer.lower_train_step(trainer.abstract_state(), batch).compile(COMPILER_OPTIONS)
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -266,11 +201,11 @@ def test_pipelined_eval_equals_one_device(name):
     not a gather of every stage's weights: same summed loss and token count as one device, which
     in turn equals the sum of its micro-batches evaluated one by one."""
     parallel, per_virtual = LAYOUTS[name]
-    batch = {k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in _batch().items()}
+    batch = {k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in pipeline_batch().items()}
     out = {}
     for key, (par, devices, virtual) in {"one": (Layout(num_devices=1), jax.devices()[:1], None),
                                          "pp": (parallel, jax.devices()[:8], per_virtual)}.items():
-        trainer = build_trainer(CFG, StepConfig(num_micro_batches=MICRO, layers_per_virtual_stage=virtual),
+        trainer = build_trainer(PIPELINE_CFG, StepConfig(num_micro_batches=MICRO, layers_per_virtual_stage=virtual),
                           make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), par, make_mesh(par, devices=devices))
         params = trainer.init_state(seed=0)["params"]
         out[key] = jax.device_get(trainer.eval_step(params, trainer.shard_batch(batch)))
@@ -310,7 +245,7 @@ def test_moe_layer_freq_as_megatron_reads_it():
 
     assert moe_layer_pattern("2", 4) == (True, False, True, False)  # MoE where layer % N == 0
     assert moe_layer_pattern("([0]*1+[1]*3)", 4) == (False, True, True, True)
-    assert CFG.replace(**layer_pattern_overrides(moe_layer_pattern("[0,1,1,1]", 4))).layer_kinds() == (False, True, True, True)
+    assert PIPELINE_CFG.replace(**layer_pattern_overrides(moe_layer_pattern("[0,1,1,1]", 4))).layer_kinds() == (False, True, True, True)
     for bad in ("[1,0]", "__import__('os')", "0"):
         with pytest.raises(ValueError, match="--moe-layer-freq"):
             moe_layer_pattern(bad, 4)
