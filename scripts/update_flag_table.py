@@ -1,4 +1,4 @@
-"""Rewrite README.md's flag table (between the flag-table markers) from mlir_train.config.flags.
+"""Rewrite README.md's flag table (between the flag-table markers) from mlir_train.config.flag_table.
 
     python scripts/update_flag_table.py
 
