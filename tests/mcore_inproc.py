@@ -106,6 +106,9 @@ def initialize(seed: int = 0) -> None:
         os.environ["MASTER_PORT"] = str(_free_port())
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     if not _initialized:
-        parallel_state.initialize_model_parallel(1, 1)
+        # One rank, TP = PP = 1; the router oracle (tests/mcore_router.py) may have set up the
+        # same groups first in this process.
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
         _initialized = True
     torch.manual_seed(seed)
