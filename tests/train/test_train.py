@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -238,12 +239,15 @@ def test_cli_bf16_with_expert_parallelism_runs(tmp_path):
     assert all(np.isfinite(l) for _, l in out.history["lm loss"])
 
 
-def test_cli_nan_check_names_the_iteration(tmp_path):
+def test_cli_nan_check_names_the_iteration(tmp_path, capsys):
+    """A non-finite loss stops the run with status 1 (a failed run, not bad input) and one error line."""
     from mlir_train.sft import main
 
-    with pytest.raises(SystemExit, match=r"iteration \d+: lm loss .* not finite"):
+    with pytest.raises(SystemExit) as stop:
         main(sft_args(tmp_path, "--train-iters", "6", "--eval-interval", "0", "--lr", "1e30",
                        "--lr-warmup-iters", "0", "--clip-grad", "0"))
+    assert stop.value.code == 1
+    assert re.search(r"mlir-train: error: iteration \d+: lm loss .* not finite", capsys.readouterr().err)
     assert not os.path.exists(tmp_path / "ckpt")
 
 
