@@ -53,10 +53,11 @@ def _save_ours(trainer, params, dst: str, src: str) -> None:
     import dataclasses
 
     from mlir_train.checkpoint import orbax
+    from mlir_train.runtime.errors import CheckpointError
 
     mgr = orbax.CheckpointManager(dst)
     if mgr.latest_step() is not None:
-        raise orbax.CheckpointError(f"{dst} already holds checkpoints {mgr.steps()}; give an empty directory")
+        raise CheckpointError(f"{dst} already holds checkpoints {mgr.steps()}; give an empty directory")
     mgr.save(0, {"params": params}, {"model": dataclasses.asdict(trainer.model_cfg), "consumed_samples": 0,
                                      "converted_from": os.path.abspath(src)}, force=True)
     mgr.close()

@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 from mlir_train.config.flag_table import REFUSED
+from mlir_train.config.policies import ABSENT_MODULES
 from mlir_train.config.sections import (
     SECTIONS, CheckpointFlags, DataFlags, ExtraFlags, LoggingFlags, ModelFlags, MoEFlags, ParallelFlags, TrainingFlags,
     _flag_names,
@@ -98,8 +99,6 @@ def check_recompute(t: TrainingFlags) -> None:
     """megatron-core 0.16's checks of the recompute flags (``TransformerConfig.__post_init__``
     and ``validate_args``), naming the flags; where it silently ignores or overrides one (a
     method without a granularity, --recompute-activations over full) we refuse instead."""
-    from mlir_train.config.policies import ABSENT_MODULES
-
     g, method, n = t.recompute_granularity, t.recompute_method, t.recompute_num_layers
     if t.recompute_activations and g == "full":
         raise ConfigError("--recompute-activations is Megatron's --recompute-granularity selective, which it would "

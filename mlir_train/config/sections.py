@@ -13,6 +13,7 @@ import math
 from typing import ClassVar
 
 from mlir_train.config.fields import OneOrList, flag, switch
+from mlir_train.config.policies import LoadBalancing, RecomputePolicy, RouterConfig
 from mlir_train.runtime.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +237,6 @@ class TrainingFlags:
         0.16 reads them (``--recompute-activations`` and ``--moe-layer-recompute`` make the
         granularity selective; the modules default to core_attn; ``--moe-layer-recompute`` adds
         moe). :func:`check` has refused the combinations it would not run."""
-        from mlir_train.config.policies import RecomputePolicy
-
         selective = self.recompute_activations or self.moe_layer_recompute
         granularity = "selective" if selective else self.recompute_granularity
         if granularity != "selective":
@@ -301,19 +300,12 @@ class MoEFlags:
 
     def load_balancing(self):
         """The router losses and their coefficients (``mlir_train.config.policies.LoadBalancing``)."""
-        from mlir_train.config.policies import LoadBalancing, LoadBalancingError
-
-        try:
-            return LoadBalancing.from_flags(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff,
-                                            self.moe_z_loss_coeff)
-        except LoadBalancingError as e:
-            raise ConfigError(str(e)) from None
+        return LoadBalancing.from_flags(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff,
+                                        self.moe_z_loss_coeff)
 
     def router(self, model_cfg, expert_parallel: int):
         """The router's settings (``mlir_train.config.policies.RouterConfig``), checked as Megatron
-        checks them, or None for a dense model."""
-        from mlir_train.config.policies import RouterConfig, RouterConfigError
-
+        checks them, or None for a dense model (its errors are ConfigErrors naming the flag)."""
         if not model_cfg.is_moe:
             return None
         num_groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
@@ -331,10 +323,7 @@ class MoEFlags:
             per_sequence_stats=balancing.per_sequence, sinkhorn=balancing.sinkhorn,
             dtype=self.moe_router_dtype or "fp32",
         )
-        try:
-            router.check(model_cfg.num_experts, model_cfg.top_k, model_cfg.norm_topk_prob)
-        except RouterConfigError as e:
-            raise ConfigError(str(e)) from None
+        router.check(model_cfg.num_experts, model_cfg.top_k, model_cfg.norm_topk_prob)
         return router
 
 
