@@ -129,7 +129,7 @@ NOT_IMPLEMENTED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--mtp-num-layers": (1, "multi-token prediction is not part of Qwen3"),
     "--mtp-standalone": (0, "multi-token prediction is not part of Qwen3"),
     # LoongForge's SFT data flags we do not implement
-    **{f: ("*", "separate train/valid/test files (LoongForge's --train-data-path/--valid-data-path/"
+    **{f: ("+", "separate train/valid/test files (LoongForge's --train-data-path/--valid-data-path/"
                 "--test-data-path) are not implemented: use --data-path with --split, and --sft-dataset "
                 "to name the --sft-dataset-config entries") for f in
        ("--sft-train-dataset", "--sft-valid-dataset", "--sft-test-dataset")},
