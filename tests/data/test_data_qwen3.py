@@ -73,6 +73,7 @@ def ids(tok, text):
 
 
 def build(tok, tmp_path, records, **overrides):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     values = dict(data_path=(str(path),), seq_length=2048, packing=False, chat_template="qwen3",
@@ -135,7 +136,6 @@ def test_hf_template_with_the_official_jinja_gives_the_same_tokens(tok, official
     """--chat-template hf runs the official jinja itself: multi-turn reasoning (stripped from
     the history by the template) now renders, with the same tokens as qwen3."""
     for name in ("multi_turn", "reasoning_content", "inline_think"):
-        (tmp_path / name).mkdir()
         hf = build(official, tmp_path / name, [record(name)], chat_template="hf")
         ours = build(tok, tmp_path / name, [record(name)])
         assert document(hf)[0] == document(ours)[0]
@@ -250,3 +250,13 @@ def test_a_file_without_loss_tokens_is_an_error_naming_it(tok, tmp_path):
         build(im_end_eos, tmp_path, records, eod_mask_loss=True, reasoning_loss="none")
     data = build(im_end_eos, tmp_path, records, eod_mask_loss=True)  # the reasoning is trained
     assert data.stats.masking["eod tokens masked"] == 2
+
+
+def test_worker_processes_give_the_same_documents_and_counts(tok, tmp_path):
+    records = [record(name) for name in sorted(CONVERSATIONS)] * 3
+    one = build(tok, tmp_path / "a", records, history_mask=True)
+    two = build(tok, tmp_path / "b", records, history_mask=True, num_workers=2)
+    assert one.stats.masking == two.stats.masking
+    assert one.stats.loss_tokens_by_role == two.stats.loss_tokens_by_role
+    assert [document(one, r)[0] for r in range(len(records))] == \
+        [document(two, r)[0] for r in range(len(records))]
