@@ -125,7 +125,8 @@ class DataFlags:
     data_cache_path: str | None = flag("--data-cache-path", help="where tokenized/packed data is cached")
     seq_length: int | None = flag("--seq-length", type=int, group="training", help="tokens per sample row")
     chat_template: str | None = flag("--chat-template", group="sft",
-                                     help="prompt template name, e.g. alpaca, qwen (default: the data's)")
+                                     help="alpaca, qwen/chatml, qwen3 (Qwen3's official template: thinking, tools) or hf "
+                                          "(the tokenizer's jinja) (default: alpaca)")
     sft_num_preprocess_workers: int | None = flag("--sft-num-preprocess-workers", type=int, group="sft",
                                                   help="processes for tokenizing the SFT data")
     packing_sft_data: bool = switch("--packing-sft-data", group="sft",
