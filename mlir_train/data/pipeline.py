@@ -28,7 +28,7 @@ from mlir_train.data.dataset import SPLITS, DataStats, SFTDataset, SFTDatasets
 from mlir_train.data.packing import one_per_row, pack_best_fit
 from mlir_train.data.records import (DataError, DatasetFormat, RawRecord, format_for,
                                      iter_samples, load_dataset_config, parse_data_path,
-                                     parse_split, read_raw_records, resolve_format)
+                                     parse_split, read_raw_records, resolve_format, usable)
 from mlir_train.data.templates import (TemplateSpec, make_spec, parse_template_kwargs,
                                        render_full)
 from mlir_train.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint
@@ -226,7 +226,7 @@ def dataset_formats(cfg: DataConfig, sources, named_formats) -> list[DatasetForm
     if unknown:
         raise DataError(f"--sft-dataset {' '.join(unknown)}: not in {cfg.dataset_config} "
                         f"(it has {sorted(named_formats)})")
-    return [named_formats[names[0] if len(names) == 1 else names[i]]
+    return [usable(named_formats[names[0] if len(names) == 1 else names[i]], cfg.dataset_config)
             for i in range(len(sources))]
 
 

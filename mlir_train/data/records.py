@@ -88,6 +88,8 @@ class DatasetFormat:
     reasoning: str = "reasoning_content"  # an assistant message's reasoning
     tool_calls: str = "tool_calls"  # an assistant message's calls (OpenAI form)
     template_kwargs: str = "chat_template_kwargs"  # per-record template options
+    name: str = ""  # the --sft-dataset-config entry, for errors
+    unsupported: tuple[str, ...] = ()  # config column/tag names we cannot honour (an error if used)
 
 
 FORMATS = ("alpaca", "sharegpt", "openai")
@@ -198,7 +200,7 @@ def load_dataset_config(path: str | None) -> dict[str, DatasetFormat]:
         raise DataError(f"{path}: cannot parse the dataset config: {e}") from None
     if not isinstance(raw, dict):
         raise DataError(f"{path}: expected a mapping of dataset name -> description")
-    field_names = {f.name for f in dataclasses.fields(DatasetFormat)}
+    field_names = {f.name for f in dataclasses.fields(DatasetFormat)} - {"name", "unsupported"}
     formats = {}
     for name, desc in raw.items():
         if not isinstance(desc, dict):
@@ -209,12 +211,12 @@ def load_dataset_config(path: str | None) -> dict[str, DatasetFormat]:
             raise DataError(f"{path}: dataset {name!r}: unknown format {formatting!r}; expected "
                             f"one of {FORMATS}")
         names = {**(desc.get("columns") or {}), **(desc.get("tags") or {})}
-        unknown = sorted(set(names) - field_names)
-        if unknown:
-            raise DataError(f"{path}: dataset {name!r}: unknown column/tag names {unknown}; "
-                            f"expected some of {sorted(field_names - {'formatting'})}")
-        formats[name] = DatasetFormat(formatting=formatting,
-                                      **{k: v for k, v in names.items() if v is not None})
+        # Names we do not know (LoongForge's multimodal 'images', 'videos', ...) make the entry
+        # unusable, not the file: a shared config may describe datasets this run does not read.
+        unknown = tuple(sorted(set(names) - field_names))
+        formats[name] = DatasetFormat(formatting=formatting, name=str(name), unsupported=unknown,
+                                      **{k: v for k, v in names.items()
+                                         if v is not None and k in field_names})
     return formats
 
 
@@ -225,9 +227,19 @@ def format_for(path: str, formats: dict[str, DatasetFormat], config_path: str | 
     base = os.path.basename(path)
     for key in (path, base, os.path.splitext(base)[0]):
         if key in formats:
-            return formats[key]
+            return usable(formats[key], config_path)
     raise DataError(f"{config_path}: no entry for data file {path}: expected a dataset named "
                     f"{os.path.splitext(base)[0]!r} (have {sorted(formats)})")
+
+
+def usable(fmt: DatasetFormat, config_path: str | None) -> DatasetFormat:
+    """``fmt``, unless its config entry names columns or tags we cannot honour."""
+    if fmt.unsupported:
+        field_names = {f.name for f in dataclasses.fields(DatasetFormat)}
+        raise DataError(f"{config_path}: dataset {fmt.name!r}: unknown column/tag names "
+                        f"{list(fmt.unsupported)} (text-only SFT); expected some of "
+                        f"{sorted(field_names - {'formatting', 'name', 'unsupported'})}")
+    return fmt
 
 
 # ------------------------------------------------------------------------------ reading

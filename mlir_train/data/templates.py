@@ -172,7 +172,7 @@ def render_full(sample: Sample, spec: TemplateSpec, where: str = "") -> Rendered
         out = (_render_alpaca if spec.name == "alpaca" else _render_chatml)(sample, spec)
     if spec.history_mask:
         out.history_masked += out.mask_history()
-    return out.result(where)
+    return out.result()
 
 
 class _Builder:
@@ -205,7 +205,7 @@ class _Builder:
         self.spans = [span for span in self.spans if span[2] == last]
         return masked
 
-    def result(self, where: str = "") -> Rendered:
+    def result(self) -> Rendered:
         return Rendered("".join(self.parts), [(a, b) for a, b, _ in self.spans], self.roles,
                         self.empty_think_skipped, self.history_masked, self.reasoning_dropped)
 

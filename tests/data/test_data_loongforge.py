@@ -106,3 +106,23 @@ def test_packing_buffer_packs_that_many_samples_at_a_time(tok, tmp_path):
     assert rows == [5, 5, 2]
     with pytest.raises(DataError, match="--packing-buffer-size 0: expected a positive"):
         build_datasets(default_data_config(packing_buffer_size=0, **base), tok)
+
+
+def test_a_shared_config_with_multimodal_entries_serves_its_text_entries(tok, tmp_path):
+    """LoongForge's own sft_dataset_config.yaml describes multimodal datasets too: their
+    'images' columns make only those entries unusable."""
+    config = tmp_path / "sft_dataset_config.yaml"
+    config.write_text(
+        "openai:\n  format: openai\n  columns: {messages: messages, tools: tools}\n"
+        "  tags: {role_tag: role, content_tag: content, user_tag: user, assistant_tag: assistant,"
+        " system_tag: system, tool_tag: tool}\n"
+        "multimodal:\n  format: sharegpt\n  columns: {messages: messages, images: images}\n")
+    chat = write(tmp_path / "chat.jsonl", [{"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}])
+    base = dict(data_path=(chat,), dataset_config=str(config), cache_path=str(tmp_path / "c"),
+                chat_template="qwen3")
+    data = build_datasets(default_data_config(dataset_names=("openai",), **base), tok)
+    assert data.stats.records_kept == 1
+    with pytest.raises(DataError, match=r"sft_dataset_config\.yaml: dataset 'multimodal': unknown "
+                                        r"column/tag names \['images'\] \(text-only SFT\)"):
+        build_datasets(default_data_config(dataset_names=("multimodal",), **base), tok)
