@@ -38,6 +38,8 @@ import os
 from mlir_train.data.records import DataError, Message, Sample
 
 TEMPLATES = ("alpaca", "qwen", "chatml", "qwen3", "hf")
+# LoongForge's names for the same templates.
+TEMPLATE_ALIASES = {"qwen3-hf": "qwen3"}
 REASONING_LOSS = ("nonempty", "all", "none")
 QWEN3_KWARGS = {"enable_thinking": bool}
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -105,6 +107,7 @@ def _check_kwargs(name: str, kwargs: dict, what: str) -> None:
 
 def make_spec(name: str, tokenizer, *, history_mask: bool = False,
               reasoning_loss: str = "nonempty", kwargs: dict | None = None) -> TemplateSpec:
+    name = TEMPLATE_ALIASES.get(name, name)
     if name not in TEMPLATES:
         raise DataError(f"--chat-template {name!r}: unknown template; expected one of {TEMPLATES}")
     if reasoning_loss not in REASONING_LOSS:

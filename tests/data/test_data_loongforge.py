@@ -126,3 +126,28 @@ def test_a_shared_config_with_multimodal_entries_serves_its_text_entries(tok, tm
     with pytest.raises(DataError, match=r"sft_dataset_config\.yaml: dataset 'multimodal': unknown "
                                         r"column/tag names \['images'\] \(text-only SFT\)"):
         build_datasets(default_data_config(dataset_names=("multimodal",), **base), tok)
+
+
+def test_preprocess_takes_a_loongforge_qwen3_command_line(tmp_path, capsys):
+    """LoongForge's Qwen3 SFT data flags on one command line: accepted, honoured, summarised."""
+    from mlir_train import preprocess
+
+    chat = write(tmp_path / "chat.jsonl", [
+        {"messages": [{"role": "user", "content": "1 + 1?"},
+                      {"role": "assistant", "content": "2", "reasoning_content": "add"},
+                      {"role": "user", "content": "2 + 2?"},
+                      {"role": "assistant", "content": "4", "reasoning_content": "add again"}]}] * 3)
+    config = tmp_path / "sft_dataset_config.json"
+    config.write_text(json.dumps({"openai": {"format": "openai"}}))
+    code = preprocess.main([
+        "--data-path", chat, "--data-cache-path", str(tmp_path / "cache"), "--seq-length", "512",
+        "--chat-template", "qwen3-hf", "--sft-dataset-config", str(config), "--sft-dataset", "openai",
+        "--history-mask-loss", "--chat-template-kwargs", '{"enable_thinking": true}',
+        "--eod-mask-loss", "--sft-data-mix-strategy", "concat", "--packing-sft-data",
+        "--packing-buffer-size", "2", "--enable-discard-sample", "--use-fixed-seq-lengths",
+        "--split", "100,0,0"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "turns masked by history 3" in out and "records kept   3" in out
+    assert "loss tokens by role (kept documents): assistant " in out and ", reasoning " in out
+    assert "train  rows        2" in out  # packed two samples at a time
