@@ -86,6 +86,9 @@ NOOP_FLAGS: dict[str, tuple[int, str]] = {
     "--inference-fuse-tp-communication": (0, "inference only"),
     "--moe-pad-experts-for-cuda-graph-inference": (0, "inference (CUDA graphs) only"),
     "--mtp-loss-scaling-factor": (1, "only with --mtp-num-layers, which is refused (Qwen3 has no MTP head)"),
+    # LoongForge's SFT data flags that mean nothing here
+    "--use-fixed-seq-lengths": (0, "rows are always padded to --seq-length: XLA compiles one shape"),
+    "--streaming-buffer-size": (1, "only with --sft-data-streaming, which is refused"),
 }
 
 
@@ -125,6 +128,18 @@ NOT_IMPLEMENTED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--moe-upcycling-granularity": (1, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
     "--mtp-num-layers": (1, "multi-token prediction is not part of Qwen3"),
     "--mtp-standalone": (0, "multi-token prediction is not part of Qwen3"),
+    # LoongForge's SFT data flags we do not implement
+    **{f: ("+", "separate train/valid/test files (LoongForge's --train-data-path/--valid-data-path/"
+                "--test-data-path) are not implemented: use --data-path with --split, and --sft-dataset "
+                "to name the --sft-dataset-config entries") for f in
+       ("--sft-train-dataset", "--sft-valid-dataset", "--sft-test-dataset")},
+    "--is-tokenized-data": (0, "pre-tokenized records are not read: give the text records; the "
+                               "preprocessing cache (--data-cache-path) already skips tokenizing on reuse"),
+    "--sft-data-streaming": (0, "streaming is not implemented: the data is preprocessed once into a "
+                                "memory-mapped cache (--data-cache-path, --sft-num-preprocess-workers), "
+                                "which holds no dataset in memory"),
+    "--sft-sort-batch": (0, "length-sorted batches are not implemented: rows are visited in a seeded, "
+                            "resumable random order each epoch"),
 }
 
 

@@ -57,8 +57,9 @@ def build(values: dict[str, Any], ignored: tuple[str, ...] = ()) -> RunConfig:
     sections = {}
     for name, cls in SECTIONS.items():
         fields = {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
-        if "data_path" in fields and fields["data_path"] is not None:
-            fields["data_path"] = tuple(fields["data_path"])
+        for key in ("data_path", "sft_dataset"):  # nargs lists, kept as tuples
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key])
         sections[name] = cls(**fields)
     cfg = RunConfig(**sections, ignored_flags=tuple(ignored))
     check(cfg)

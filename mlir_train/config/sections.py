@@ -125,7 +125,8 @@ class DataFlags:
     data_cache_path: str | None = flag("--data-cache-path", help="where tokenized/packed data is cached")
     seq_length: int | None = flag("--seq-length", type=int, group="training", help="tokens per sample row")
     chat_template: str | None = flag("--chat-template", group="sft",
-                                     help="prompt template name, e.g. alpaca, qwen (default: the data's)")
+                                     help="alpaca, qwen/chatml, qwen3 (Qwen3's official template: thinking, tools) or hf "
+                                          "(the tokenizer's jinja) (default: alpaca)")
     sft_num_preprocess_workers: int | None = flag("--sft-num-preprocess-workers", type=int, group="sft",
                                                   help="processes for tokenizing the SFT data")
     packing_sft_data: bool = switch("--packing-sft-data", group="sft",
@@ -136,8 +137,35 @@ class DataFlags:
                                    help="compute the loss on prompt tokens too (default: responses only)")
     sft_skip_bad_records: bool = switch("--sft-skip-bad-records", group="sft",
                                         help="skip malformed records with a warning instead of failing")
-    drop_long_samples: bool = switch("--drop-long-samples", "--sft-drop-long-samples", group="sft",
-                                     help="drop samples longer than --seq-length instead of truncating them")
+    drop_long_samples: bool = switch("--drop-long-samples", "--sft-drop-long-samples", "--enable-discard-sample",
+                                     group="sft",
+                                     help="drop samples longer than --seq-length instead of truncating them "
+                                          "(--enable-discard-sample: LoongForge's spelling)")
+    history_mask_loss: bool = switch("--history-mask-loss", group="sft",
+                                     help="loss on the last assistant turn of each conversation only (LoongForge)")
+    reasoning_loss: str = flag("--reasoning-loss", default="nonempty", group="sft",
+                               choices=["nonempty", "all", "none"],
+                               help="qwen3 template: which <think> blocks get loss: nonempty (reasoning is "
+                                    "trained, an empty think block never), all (empty ones too), none")
+    chat_template_kwargs: str | None = flag(
+        "--chat-template-kwargs", group="sft",
+        help="JSON object (or a file of one) of chat template kwargs, e.g. '{\"enable_thinking\": false}'; "
+             "a record's own chat_template_kwargs field overrides it per key (qwen3 and hf templates)")
+    eod_mask_loss: bool = switch("--eod-mask-loss", group="sft",
+                                 help="no loss on end-of-document (eos) and pad tokens (Megatron/LoongForge)")
+    sft_dataset: tuple[str, ...] | None = flag(
+        "--sft-dataset", nargs="*", group="sft",
+        help="names of --sft-dataset-config entries: one for every --data-path file, or one per file "
+             "(LoongForge; default: the entry named after each file)")
+    sft_data_mix_strategy: str = flag(
+        "--sft-data-mix-strategy", default="concat", group="sft",
+        choices=["concat", "interleave_under", "interleave_over"],
+        help="several --data-path files without weights: concat (all of each), interleave_under (as many "
+             "from each as the smallest has), interleave_over (as many as the largest has, repeating)")
+    packing_buffer_size: int | None = flag(
+        "--packing-buffer-size", type=int, group="sft",
+        help="with --packing-sft-data: pack N samples at a time, in split order, as LoongForge does "
+             "(default: the whole split at once)")
 
     @property
     def tokenizer_path(self) -> str | None:

@@ -10,8 +10,9 @@
 
 Batch keys, each ``[rows, seq_length]``: ``input_ids`` int32; ``labels`` int32, the next token at
 each position (shifted per document, so never across a document boundary); ``loss_mask``
-float32, 1 on response tokens and the token that ends each response (all tokens with
-train_on_prompt), 0 on prompts and padding; ``segment_ids`` int32, 1, 2, ... per document in the
+float32, 1 on response tokens and the token that ends each response (qwen3: tool calls too, and
+reasoning per ``reasoning_loss``; the last turn only with ``history_mask``; no eos/pad targets
+with ``eod_mask_loss``; all tokens with train_on_prompt), 0 on prompts and padding; ``segment_ids`` int32, 1, 2, ... per document in the
 row and 0 on padding; ``positions`` int32, restarting at 0 for each document.
 """
 

@@ -15,7 +15,7 @@ class DataConfig:
     data_path: tuple[str, ...]  # --data-path, incl. the blend syntax "w1 p1 w2 p2"
     tokenizer_path: str  # --hf-tokenizer-path
     tokenizer_type: str = "HFTokenizer"  # --tokenizer-type
-    chat_template: str = "alpaca"  # --chat-template: alpaca | qwen | chatml | hf
+    chat_template: str = "alpaca"  # --chat-template: alpaca | qwen | chatml | qwen3 | hf
     seq_length: int = 2048  # --seq-length
     packing: bool = False  # --packing-sft-data
     num_workers: int = 1  # --sft-num-preprocess-workers
@@ -27,6 +27,13 @@ class DataConfig:
     drop_long: bool = False  # --sft-drop-long-samples: drop (not truncate) samples over a row
     skip_bad_records: bool = False  # --sft-skip-bad-records
     seed: int = 1234  # --seed: split assignment, blend sampling (the loader takes its own seed)
+    history_mask: bool = False  # --history-mask-loss: loss on the last assistant turn only
+    reasoning_loss: str = "nonempty"  # --reasoning-loss: which <think> blocks get loss (qwen3)
+    chat_template_kwargs: str | None = None  # --chat-template-kwargs: JSON object or a file of one
+    eod_mask_loss: bool = False  # --eod-mask-loss: no loss on eos/pad tokens
+    dataset_names: tuple[str, ...] = ()  # --sft-dataset: the --sft-dataset-config entry per file
+    mix_strategy: str = "concat"  # --sft-data-mix-strategy: concat | interleave_under | _over
+    packing_buffer_size: int | None = None  # --packing-buffer-size: documents packed together
 
     @classmethod
     def from_flags(cls, flags, seed: int) -> "DataConfig":
@@ -39,6 +46,10 @@ class DataConfig:
             num_workers=flags.sft_num_preprocess_workers or 1, cache_path=flags.data_cache_path,
             dataset_config=flags.sft_dataset_config, split=flags.split, train_on_prompt=flags.train_on_prompt,
             drop_long=flags.drop_long_samples, skip_bad_records=flags.sft_skip_bad_records, seed=seed,
+            history_mask=flags.history_mask_loss, reasoning_loss=flags.reasoning_loss,
+            chat_template_kwargs=flags.chat_template_kwargs, eod_mask_loss=flags.eod_mask_loss,
+            dataset_names=tuple(flags.sft_dataset or ()), mix_strategy=flags.sft_data_mix_strategy,
+            packing_buffer_size=flags.packing_buffer_size,
         )
 
     def resolved_cache_path(self) -> str:

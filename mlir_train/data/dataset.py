@@ -87,6 +87,11 @@ class DataStats:
     packing: bool
     sources: tuple[dict, ...] = ()  # per data file: path, weight, records, kept, blended per split
     bad_record_examples: tuple[str, ...] = ()  # the first few skipped-record messages
+    # What masking did over the kept documents: records with tools, empty think blocks
+    # skipped, turns masked by history, reasoning dropped (enable_thinking false), eod tokens
+    # masked; and loss positions per role (system, user, tool, assistant, reasoning).
+    masking: dict[str, int] = dataclasses.field(default_factory=dict)
+    loss_tokens_by_role: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def fill_ratio(self, split: str = "train") -> float:
         capacity = self.rows[split] * self.seq_length
@@ -122,6 +127,12 @@ class DataStats:
                          f"tokens {self.tokens[split]:>10}  "
                          f"loss tokens {self.loss_tokens[split]:>10}  "
                          f"fill {100 * self.fill_ratio(split):6.2f}%")
+        if self.loss_tokens_by_role:
+            lines.append("loss tokens by role (kept documents): " + ", ".join(
+                f"{role} {count}" for role, count in sorted(self.loss_tokens_by_role.items())))
+        if self.masking:
+            lines.append("masking: " + ", ".join(
+                f"{what} {count}" for what, count in self.masking.items()))
         for source in self.sources:
             lines.append(f"  source {source['path']} weight {source['weight']}: "
                          f"{source['kept']}/{source['records']} kept, "

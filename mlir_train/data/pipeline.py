@@ -28,11 +28,12 @@ from mlir_train.data.dataset import SPLITS, DataStats, SFTDataset, SFTDatasets
 from mlir_train.data.packing import one_per_row, pack_best_fit
 from mlir_train.data.records import (DataError, DatasetFormat, RawRecord, format_for,
                                      iter_samples, load_dataset_config, parse_data_path,
-                                     parse_split, read_raw_records, resolve_format)
-from mlir_train.data.templates import TemplateSpec, make_spec, render
+                                     parse_split, read_raw_records, resolve_format, usable)
+from mlir_train.data.templates import (TemplateSpec, make_spec, parse_template_kwargs,
+                                       render_full)
 from mlir_train.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: masking and per-role loss counts in the stats
 _CHUNK = 2048  # records per tokenisation task
 _MAX_BAD_EXAMPLES = 5
 
@@ -50,6 +51,7 @@ class TokenizeJob:
     train_on_prompt: bool
     drop_long: bool
     skip_bad: bool
+    eod_mask_ids: tuple[int, ...] = ()  # --eod-mask-loss: token ids that never get loss
 
 
 @dataclasses.dataclass
@@ -61,6 +63,18 @@ class Chunk:
     truncated_tokens: int
     dropped: dict[str, int]
     bad_examples: list[str]
+    masking: dict[str, int] = dataclasses.field(default_factory=dict)  # see _MASKING_COUNTS
+    role_loss: dict[str, int] = dataclasses.field(default_factory=dict)  # role -> loss positions
+
+
+# What masking did, counted over the kept documents (DataStats.masking).
+_MASKING_COUNTS = ("records with tools", "empty think blocks skipped", "turns masked by history",
+                   "reasoning dropped (enable_thinking false)", "eod tokens masked")
+
+
+def _count(counts: dict[str, int], key: str, n: int = 1) -> None:
+    if n:
+        counts[key] = counts.get(key, 0) + n
 
 
 _worker: tuple[TokenizeJob, object] | None = None
@@ -83,50 +97,65 @@ def _tokenize_in_worker(records: list[RawRecord]) -> Chunk:
 def tokenize_records(records: list[RawRecord], job: TokenizeJob, tokenizer) -> Chunk:
     dropped: dict[str, int] = {}
     bad_examples: list[str] = []
-    texts, spans_list = [], []
+    rendered = []
     for record, sample in zip(records, iter_samples(records, job.fmt, job.skip_bad, dropped,
                                                     bad_examples)):
         if sample is None:
             continue
         try:
-            text, spans = render(sample, job.spec, record.where)
+            rendered.append((render_full(sample, job.spec, record.where), bool(sample.tools)))
         except DataError as e:
             if not job.skip_bad:
                 raise
-            dropped[e.reason] = dropped.get(e.reason, 0) + 1
+            _count(dropped, e.reason)
             if len(bad_examples) < _MAX_BAD_EXAMPLES:
                 bad_examples.append(str(e))
-            continue
-        texts.append(text)
-        spans_list.append(spans)
-    encodings = tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
+    encodings = (tokenizer.encode_batch([r.text for r, _ in rendered], add_special_tokens=False)
+                 if rendered else [])
     limit = job.seq_length + 1  # a row holds n - 1 positions of an n-token document
+    eod_ids = np.asarray(job.eod_mask_ids, np.int64)
     token_parts, loss_parts, lengths = [], [], []
     truncated = truncated_tokens = 0
-    for encoding, spans in zip(encodings, spans_list):
-        ids = encoding.ids
+    masking: dict[str, int] = {}
+    role_loss: dict[str, int] = {}
+    for encoding, (out, has_tools) in zip(encodings, rendered):
+        ids = np.asarray(encoding.ids, np.int64)
         loss = np.zeros(len(ids), np.uint8)
         if job.train_on_prompt:
             loss[:] = 1
         else:
-            for start, end in spans:
+            for start, end in out.spans:
                 first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
                 if first is not None and last is not None:
                     loss[first:last + 1] = 1
+        eod_masked = 0
+        if len(eod_ids):
+            on_eod = np.isin(ids, eod_ids) & (loss == 1)
+            eod_masked = int(on_eod[1:].sum())
+            loss[on_eod] = 0
         n = len(ids)
         if n > limit:
             if job.drop_long:
-                dropped["longer than seq_length"] = dropped.get("longer than seq_length", 0) + 1
+                _count(dropped, "longer than seq_length")
                 continue
             ids, loss = ids[:limit], loss[:limit]
         if n < 2 or not loss[1:].any():
-            reason = "response truncated away" if n > limit else "no loss tokens"
-            dropped[reason] = dropped.get(reason, 0) + 1
+            _count(dropped, "response truncated away" if n > limit else "no loss tokens")
             continue
         if n > limit:
             truncated += 1
             truncated_tokens += n - limit
-        token_parts.append(np.asarray(ids, np.int32))
+        # Loss positions by the role of the text each token starts in.
+        starts = np.asarray([o[0] for o in encoding.offsets[:len(ids)]], np.int64)
+        for a, b, role in out.roles:
+            lo, hi = np.searchsorted(starts, [a, b], side="left")
+            _count(role_loss, role, int(loss[max(lo, 1):max(hi, 1)].sum()))
+        _count(masking, "records with tools", int(has_tools))
+        _count(masking, "empty think blocks skipped", out.empty_think_skipped)
+        _count(masking, "turns masked by history", out.history_masked)
+        _count(masking, "reasoning dropped (enable_thinking false)", out.reasoning_dropped)
+        _count(masking, "eod tokens masked", eod_masked)
+        token_parts.append(ids.astype(np.int32))
         loss_parts.append(loss)
         lengths.append(len(ids))
     return Chunk(
@@ -134,7 +163,7 @@ def tokenize_records(records: list[RawRecord], job: TokenizeJob, tokenizer) -> C
         loss=np.concatenate(loss_parts) if loss_parts else np.zeros(0, np.uint8),
         lengths=np.asarray(lengths, np.int64),
         truncated=truncated, truncated_tokens=truncated_tokens, dropped=dropped,
-        bad_examples=bad_examples)
+        bad_examples=bad_examples, masking=masking, role_loss=role_loss)
 
 
 def tokenize_all(job: TokenizeJob, records: list[RawRecord], num_workers: int) -> list[Chunk]:
@@ -173,8 +202,32 @@ def cache_key(cfg: DataConfig, sources, formats: list[DatasetFormat], spec: Temp
     add(dataclasses.asdict(spec))
     add(tokenizer_fingerprint(tokenizer))
     add([cfg.seq_length, cfg.packing, cfg.drop_long, cfg.train_on_prompt, cfg.skip_bad_records,
-         parse_split(cfg.split), cfg.seed])
+         parse_split(cfg.split), cfg.seed, cfg.eod_mask_loss, cfg.mix_strategy,
+         cfg.packing_buffer_size if cfg.packing else None])
     return h.hexdigest()[:24]
+
+
+MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
+
+
+def dataset_formats(cfg: DataConfig, sources, named_formats) -> list[DatasetFormat]:
+    """Each file's format: the ``--sft-dataset`` entry given for it (one name for every file, or
+    one per file), else the ``--sft-dataset-config`` entry named after the file."""
+    names = cfg.dataset_names
+    if not names:
+        return [format_for(source.path, named_formats, cfg.dataset_config) for source in sources]
+    if cfg.dataset_config is None:
+        raise DataError(f"--sft-dataset {' '.join(names)}: names entries of --sft-dataset-config, "
+                        f"which is not given")
+    if len(names) not in (1, len(sources)):
+        raise DataError(f"--sft-dataset {' '.join(names)}: {len(names)} names for "
+                        f"{len(sources)} --data-path files; give one name, or one per file")
+    unknown = [n for n in names if n not in named_formats]
+    if unknown:
+        raise DataError(f"--sft-dataset {' '.join(unknown)}: not in {cfg.dataset_config} "
+                        f"(it has {sorted(named_formats)})")
+    return [usable(named_formats[names[0] if len(names) == 1 else names[i]], cfg.dataset_config)
+            for i in range(len(sources))]
 
 
 def _split_bounds(n: int, fractions) -> list[tuple[int, int]]:
@@ -184,24 +237,37 @@ def _split_bounds(n: int, fractions) -> list[tuple[int, int]]:
     return [(int(edges[i]), int(edges[i + 1])) for i in range(3)]
 
 
-def _blend(doc_lists: list[np.ndarray], weights: list[float | None], rng) -> list[np.ndarray]:
+def _blend(doc_lists: list[np.ndarray], weights: list[float | None], rng,
+           strategy: str = "concat") -> list[np.ndarray]:
     """Megatron-style weighted blend: source i gets weight_i / sum of the split's documents.
 
     Sources are repeated whole and then sampled without replacement to reach their share.
-    Without weights every source contributes all of its documents once.
+    Without weights, ``strategy`` (``--sft-data-mix-strategy``, as LoongForge's interleaving
+    decides how many samples each dataset gives): ``concat`` every source contributes all of its
+    documents once; ``interleave_under`` each as many as the smallest source has (the rest are
+    left out, counted in the summary's per-source blend); ``interleave_over`` each as many as
+    the largest has (smaller ones repeated).
     """
     if weights[0] is None:
-        return doc_lists
-    total = sum(len(d) for d in doc_lists)
-    shares = total * np.asarray(weights, np.float64) / sum(weights)
-    targets = np.floor(shares).astype(np.int64)
-    # Largest remainder, so the blended split keeps exactly the split's document count.
-    for i in np.argsort(-(shares - targets), kind="stable")[:total - int(targets.sum())]:
-        targets[i] += 1
+        if strategy == "concat" or not doc_lists:
+            return doc_lists
+        sizes = [len(d) for d in doc_lists]
+        target = min(sizes) if strategy == "interleave_under" else max(sizes)
+        targets = np.full(len(doc_lists), target, np.int64)
+    else:
+        total = sum(len(d) for d in doc_lists)
+        shares = total * np.asarray(weights, np.float64) / sum(weights)
+        targets = np.floor(shares).astype(np.int64)
+        # Largest remainder, so the blended split keeps exactly the split's document count.
+        for i in np.argsort(-(shares - targets), kind="stable")[:total - int(targets.sum())]:
+            targets[i] += 1
     blended = []
     for docs, target in zip(doc_lists, targets.tolist()):
         if not len(docs) or not target:
             blended.append(np.zeros(0, np.int64))
+            continue
+        if target <= len(docs) and weights[0] is None:  # interleave_under: the first documents
+            blended.append(docs[:target])
             continue
         repeats, rest = divmod(target, len(docs))
         extra = np.sort(rng.choice(len(docs), rest, replace=False))
@@ -222,6 +288,16 @@ class _Documents:
     truncated_tokens: int
     dropped: dict[str, int]
     bad_examples: list[str]
+    masking: dict[str, int]  # what masking did (_MASKING_COUNTS)
+    role_loss: dict[str, int]  # role -> loss positions of the kept documents
+
+
+def _masking_flags(cfg: DataConfig) -> str:
+    flags = [name for name, on in (("--history-mask-loss", cfg.history_mask),
+                                   ("--eod-mask-loss", cfg.eod_mask_loss)) if on]
+    if cfg.reasoning_loss != "nonempty":
+        flags.append(f"--reasoning-loss {cfg.reasoning_loss}")
+    return f" under {' '.join(flags)}" if flags else ""
 
 
 def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Documents:
@@ -233,7 +309,11 @@ def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Do
     bad_examples: list[str] = []
     per_source_docs: list[np.ndarray] = []  # global doc ids per source
     source_info = []
+    masking = dict.fromkeys(_MASKING_COUNTS[:-1] if not cfg.eod_mask_loss else _MASKING_COUNTS, 0)
+    role_loss: dict[str, int] = {}
     next_doc = 0
+    eod_ids = tuple(sorted({i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id)
+                            if i is not None})) if cfg.eod_mask_loss else ()
     for source, fmt in zip(sources, formats):
         bad: dict[str, int] = {}
         records = read_raw_records(source.path, cfg.skip_bad_records, bad)
@@ -242,7 +322,7 @@ def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Do
         fmt = resolve_format(fmt, first.value if first else {},
                              first.where if first else source.path)
         job = TokenizeJob(tokenizer_json, spec, fmt, cfg.seq_length, cfg.train_on_prompt,
-                          cfg.drop_long, cfg.skip_bad_records)
+                          cfg.drop_long, cfg.skip_bad_records, eod_ids)
         chunks = tokenize_all(job, records, cfg.num_workers)
         for reason, count in bad.items():
             dropped[reason] = dropped.get(reason, 0) + count
@@ -255,7 +335,17 @@ def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Do
             for reason, count in chunk.dropped.items():
                 dropped[reason] = dropped.get(reason, 0) + count
             bad_examples.extend(chunk.bad_examples[:_MAX_BAD_EXAMPLES - len(bad_examples)])
+            for key, count in chunk.masking.items():
+                _count(masking, key, count)
+            for key, count in chunk.role_loss.items():
+                _count(role_loss, key, count)
         kept = sum(len(c.lengths) for c in chunks)
+        no_loss = sum(c.dropped.get("no loss tokens", 0) for c in chunks)
+        if records and not kept and no_loss:
+            raise DataError(
+                f"{source.path}: masking leaves no loss tokens in any of its records ({no_loss} "
+                f"with none{_masking_flags(cfg)}); check the roles the file's format names "
+                f"(--sft-dataset-config) and the masking flags")
         per_source_docs.append(np.arange(next_doc, next_doc + kept, dtype=np.int64))
         source_info.append(dict(path=source.path, weight=source.weight,
                                 records=len(records) + sum(bad.values()), kept=kept))
@@ -265,7 +355,22 @@ def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Do
         loss=np.concatenate(loss_parts) if loss_parts else np.zeros(0, np.uint8),
         lengths=np.concatenate(length_parts) if length_parts else np.zeros(0, np.int64),
         per_source_docs=per_source_docs, source_info=source_info, records_read=records_read, truncated=truncated,
-        truncated_tokens=truncated_tokens, dropped=dropped, bad_examples=bad_examples)
+        truncated_tokens=truncated_tokens, dropped=dropped, bad_examples=bad_examples,
+        masking=masking, role_loss=role_loss)
+
+
+def _pack(positions: np.ndarray, split_ids: np.ndarray, cfg: DataConfig):
+    """Best-fit packing of the split's documents, all at once or (``--packing-buffer-size N``)
+    N documents at a time in split order, as LoongForge packs each buffer of N samples."""
+    size = cfg.packing_buffer_size or max(len(split_ids), 1)
+    offsets, docs = [np.zeros(1, np.int64)], []
+    for start in range(0, len(split_ids), size):
+        ids = split_ids[start:start + size]
+        row_offsets, local = pack_best_fit(positions[ids], cfg.seq_length)
+        offsets.append(row_offsets[1:] + sum(len(d) for d in docs))
+        docs.append(ids[local])
+    return (np.concatenate(offsets),
+            np.concatenate(docs) if docs else np.zeros(0, np.int64))
 
 
 def _split_blend_pack(cfg: DataConfig, fractions, sources, docs: _Documents, doc_offsets, positions):
@@ -285,13 +390,12 @@ def _split_blend_pack(cfg: DataConfig, fractions, sources, docs: _Documents, doc
     arrays, rows, split_tokens, split_loss = {}, {}, {}, {}
     for s, split in enumerate(SPLITS):
         rng = np.random.default_rng([cfg.seed, 1000 + s])
-        blended = _blend(split_docs[s], [src.weight for src in sources], rng)
+        blended = _blend(split_docs[s], [src.weight for src in sources], rng, cfg.mix_strategy)
         for info, blended_docs in zip(docs.source_info, blended):
             info.setdefault("blended", []).append(len(blended_docs))
         split_ids = np.concatenate(blended) if blended else np.zeros(0, np.int64)
         if cfg.packing:
-            row_offsets, local = pack_best_fit(positions[split_ids], cfg.seq_length)
-            row_docs = split_ids[local]
+            row_offsets, row_docs = _pack(positions, split_ids, cfg)
         else:
             row_offsets, row_docs = one_per_row(len(split_ids))
             row_docs = split_ids[row_docs]
@@ -320,7 +424,8 @@ def _build(cfg: DataConfig, tokenizer, sources, formats, spec, out_dir: str) -> 
         truncated_tokens=docs.truncated_tokens, document_tokens=int(positions.sum()), dropped=docs.dropped,
         rows=rows, tokens=split_tokens, loss_tokens=split_loss, seq_length=cfg.seq_length,
         packing=cfg.packing, sources=tuple(docs.source_info),
-        bad_record_examples=tuple(docs.bad_examples))
+        bad_record_examples=tuple(docs.bad_examples), masking=docs.masking,
+        loss_tokens_by_role=docs.role_loss)
     for name, array in arrays.items():
         np.save(os.path.join(out_dir, f"{name}.npy"), array)
     meta = dict(version=CACHE_VERSION, pad_id=pad_id(tokenizer), stats=stats.as_dict(),
@@ -372,11 +477,22 @@ def build_datasets(cfg: DataConfig, tokenizer=None) -> SFTDatasets:
     sources = parse_data_path(cfg.data_path)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg)
-    spec = make_spec(cfg.chat_template, tokenizer)
+    spec = make_spec(cfg.chat_template, tokenizer, history_mask=cfg.history_mask,
+                     reasoning_loss=cfg.reasoning_loss,
+                     kwargs=parse_template_kwargs(cfg.chat_template_kwargs))
+    if cfg.mix_strategy not in MIX_STRATEGIES:
+        raise DataError(f"--sft-data-mix-strategy {cfg.mix_strategy!r}: expected one of "
+                        f"{MIX_STRATEGIES}")
+    if cfg.mix_strategy != "concat" and sources[0].weight is not None:
+        raise DataError(f"--sft-data-mix-strategy {cfg.mix_strategy} with a weighted --data-path "
+                        f"blend: give either blend weights or a mix strategy, not both")
+    if cfg.packing_buffer_size is not None and cfg.packing_buffer_size < 1:
+        raise DataError(f"--packing-buffer-size {cfg.packing_buffer_size}: expected a positive "
+                        f"number of samples")
     named_formats = load_dataset_config(cfg.dataset_config)
     # Unresolved ("auto") formats go into the cache key: resolution depends only on the file's
     # contents, which the key hashes, so a cache hit never has to parse the data files.
-    formats = [format_for(source.path, named_formats, cfg.dataset_config) for source in sources]
+    formats = dataset_formats(cfg, sources, named_formats)
 
     root = cfg.resolved_cache_path()
     os.makedirs(root, exist_ok=True)

@@ -5,10 +5,17 @@ Formats (AIAK/LoongForge ``sft_dataset_config`` names):
 - ``alpaca``: ``{instruction, input?, output, system?, history?: [[prompt, response], ...]}``,
   as a JSON list or JSON Lines.
 - ``sharegpt``: ``{conversations: [{from, value}, ...], system?}``.
-- ``openai``: ``{messages: [{role, content}, ...]}``.
+- ``openai``: ``{messages: [{role, content, reasoning_content?, tool_calls?}, ...], tools?,
+  chat_template_kwargs?}``, roles ``system`` (first only), ``user``, ``assistant``, ``tool``.
+  ShareGPT's ``function_call`` / ``observation`` turns are an assistant's tool call and the
+  tool's response.
 
-Every record becomes a :class:`Sample`: an optional system prompt and a tuple of user/assistant
-turns. Errors name the file, the JSONL line or the record index, and what was expected.
+Every record becomes a :class:`Sample`: an optional system prompt, the user/assistant turns the
+turn templates (alpaca, chatml) render, and for chat formats the conversation as given
+(:class:`Message`: reasoning, tool calls, tool responses) that the ``qwen3`` template renders.
+Errors name the file, the JSONL line or the record index, and what was expected; each carries a
+countable ``reason`` (``unknown role``, ``roles out of order``, ``tool response without a call``,
+``empty assistant turn``, ...) under which ``--sft-skip-bad-records`` counts the records it drops.
 """
 
 from __future__ import annotations
@@ -21,6 +28,20 @@ from typing import Any, Iterator
 from mlir_train.runtime.errors import DataError
 
 
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: Any  # a string is rendered verbatim, anything else as JSON
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One message of a chat record, as given (the template decides what of it is rendered)."""
+
+    role: str  # system | user | assistant | tool
+    content: str = ""
+    reasoning: str | None = None  # reasoning_content; None: not given (may be inline <think>)
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +53,17 @@ class Turn:
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-    turns: tuple[Turn, ...]
+    turns: tuple[Turn, ...]  # () when the conversation is more than user/assistant text
     system: str | None = None
+    messages: tuple[Message, ...] = ()  # chat formats: the conversation as given
+    tools: tuple = ()  # the record's tool schemas (JSON objects)
+    template_kwargs: tuple[tuple[str, Any], ...] = ()  # the record's chat_template_kwargs
+
+    @property
+    def has_extras(self) -> bool:
+        """Tool calls, tool responses, tools or reasoning_content: only qwen3/hf render them."""
+        return bool(self.tools) or any(m.role == "tool" or m.tool_calls or m.reasoning is not None
+                                       for m in self.messages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +82,22 @@ class DatasetFormat:
     user_tag: str = ""
     assistant_tag: str = ""
     system_tag: str = "system"
+    tool_tag: str = ""  # "" -> "observation" for sharegpt, "tool" for openai
+    function_tag: str = ""  # "" -> "function_call" for sharegpt (an assistant's tool call)
+    tools: str = "tools"  # the record's tool schemas: a list, or that list as a JSON string
+    reasoning: str = "reasoning_content"  # an assistant message's reasoning
+    tool_calls: str = "tool_calls"  # an assistant message's calls (OpenAI form)
+    template_kwargs: str = "chat_template_kwargs"  # per-record template options
+    name: str = ""  # the --sft-dataset-config entry, for errors
+    unsupported: tuple[str, ...] = ()  # config column/tag names we cannot honour (an error if used)
 
 
 FORMATS = ("alpaca", "sharegpt", "openai")
 _SHAREGPT_DEFAULTS = dict(messages="conversations", role_tag="from", content_tag="value",
-                          user_tag="human", assistant_tag="gpt")
+                          user_tag="human", assistant_tag="gpt", tool_tag="observation",
+                          function_tag="function_call")
 _OPENAI_DEFAULTS = dict(messages="messages", role_tag="role", content_tag="content",
-                        user_tag="user", assistant_tag="assistant")
+                        user_tag="user", assistant_tag="assistant", tool_tag="tool")
 
 
 def resolve_format(fmt: DatasetFormat, first_record: Any, where: str) -> DatasetFormat:
@@ -161,7 +200,7 @@ def load_dataset_config(path: str | None) -> dict[str, DatasetFormat]:
         raise DataError(f"{path}: cannot parse the dataset config: {e}") from None
     if not isinstance(raw, dict):
         raise DataError(f"{path}: expected a mapping of dataset name -> description")
-    field_names = {f.name for f in dataclasses.fields(DatasetFormat)}
+    field_names = {f.name for f in dataclasses.fields(DatasetFormat)} - {"name", "unsupported"}
     formats = {}
     for name, desc in raw.items():
         if not isinstance(desc, dict):
@@ -172,12 +211,12 @@ def load_dataset_config(path: str | None) -> dict[str, DatasetFormat]:
             raise DataError(f"{path}: dataset {name!r}: unknown format {formatting!r}; expected "
                             f"one of {FORMATS}")
         names = {**(desc.get("columns") or {}), **(desc.get("tags") or {})}
-        unknown = sorted(set(names) - field_names)
-        if unknown:
-            raise DataError(f"{path}: dataset {name!r}: unknown column/tag names {unknown}; "
-                            f"expected some of {sorted(field_names - {'formatting'})}")
-        formats[name] = DatasetFormat(formatting=formatting,
-                                      **{k: v for k, v in names.items() if v is not None})
+        # Names we do not know (LoongForge's multimodal 'images', 'videos', ...) make the entry
+        # unusable, not the file: a shared config may describe datasets this run does not read.
+        unknown = tuple(sorted(set(names) - field_names))
+        formats[name] = DatasetFormat(formatting=formatting, name=str(name), unsupported=unknown,
+                                      **{k: v for k, v in names.items()
+                                         if v is not None and k in field_names})
     return formats
 
 
@@ -188,9 +227,19 @@ def format_for(path: str, formats: dict[str, DatasetFormat], config_path: str | 
     base = os.path.basename(path)
     for key in (path, base, os.path.splitext(base)[0]):
         if key in formats:
-            return formats[key]
+            return usable(formats[key], config_path)
     raise DataError(f"{config_path}: no entry for data file {path}: expected a dataset named "
                     f"{os.path.splitext(base)[0]!r} (have {sorted(formats)})")
+
+
+def usable(fmt: DatasetFormat, config_path: str | None) -> DatasetFormat:
+    """``fmt``, unless its config entry names columns or tags we cannot honour."""
+    if fmt.unsupported:
+        field_names = {f.name for f in dataclasses.fields(DatasetFormat)}
+        raise DataError(f"{config_path}: dataset {fmt.name!r}: unknown column/tag names "
+                        f"{list(fmt.unsupported)} (text-only SFT); expected some of "
+                        f"{sorted(field_names - {'formatting', 'name', 'unsupported'})}")
+    return fmt
 
 
 # ------------------------------------------------------------------------------ reading
@@ -285,47 +334,122 @@ def _alpaca_sample(value: dict, fmt: DatasetFormat, where: str) -> Sample:
     return Sample(tuple(turns), system)
 
 
+def _tool_calls(value: Any, at: str) -> tuple[ToolCall, ...]:
+    """OpenAI ``[{type, function: {name, arguments}}]`` or bare ``{name, arguments}`` items."""
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise DataError(f"{at}: tool calls are {type(value).__name__}: expected a list of "
+                        f"{{name, arguments}} objects", reason="bad tool call")
+    calls = []
+    for i, call in enumerate(value):
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            call = call["function"]
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            raise DataError(f"{at}: tool call {i}: expected an object with a string 'name' and "
+                            f"'arguments'", reason="bad tool call")
+        calls.append(ToolCall(call["name"], call.get("arguments", {})))
+    return tuple(calls)
+
+
+def _json_field(value: dict, key: str, kind: type, where: str, reason: str):
+    raw = value.get(key)
+    if raw is None:
+        return kind()
+    if isinstance(raw, str) and kind is list:  # LLaMA-Factory keeps tools as a JSON string
+        try:
+            raw = json.loads(raw) if raw.strip() else []
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: field {key!r} is not valid JSON ({e.msg})",
+                            reason=reason) from None
+    if not isinstance(raw, kind):
+        raise DataError(f"{where}: field {key!r} is {type(raw).__name__}: expected a JSON "
+                        f"{'list' if kind is list else 'object'}", reason=reason)
+    return raw
+
+
 def _chat_sample(value: dict, fmt: DatasetFormat, where: str) -> Sample:
-    messages = value.get(fmt.messages)
-    if not isinstance(messages, list) or not messages:
+    raw_messages = value.get(fmt.messages)
+    if not isinstance(raw_messages, list) or not raw_messages:
         raise DataError(f"{where}: field {fmt.messages!r} is "
-                        f"{'missing' if messages is None else type(messages).__name__}: expected "
-                        f"a non-empty list of {{{fmt.role_tag}, {fmt.content_tag}}} messages",
-                        reason="missing messages")
+                        f"{'missing' if raw_messages is None else type(raw_messages).__name__}: "
+                        f"expected a non-empty list of {{{fmt.role_tag}, {fmt.content_tag}}} "
+                        f"messages", reason="missing messages")
     system = _string(value, fmt.system, where, required=False) or None
-    roles = {fmt.user_tag: "user", fmt.assistant_tag: "assistant", fmt.system_tag: "system"}
-    turns, prompt = [], None
-    for i, message in enumerate(messages):
+    roles = {fmt.user_tag: "user", fmt.assistant_tag: "assistant", fmt.system_tag: "system",
+             fmt.tool_tag: "tool", fmt.function_tag: "function"}
+    roles.pop("", None)
+    messages: list[Message] = []
+    pending_calls = 0  # calls of the last assistant message not yet answered by a tool message
+    for i, message in enumerate(raw_messages):
         at = f"{where}: {fmt.messages}[{i}]"
         if not isinstance(message, dict):
             raise DataError(f"{at}: expected an object with {fmt.role_tag!r} and "
                             f"{fmt.content_tag!r}", reason="bad message")
         role = roles.get(message.get(fmt.role_tag))
         if role is None:
-            raise DataError(f"{at}: unsupported {fmt.role_tag!r} {message.get(fmt.role_tag)!r}: "
-                            f"expected one of {sorted(k for k in roles if k)}",
-                            reason="unsupported role")
-        content = _string(message, fmt.content_tag, at, required=True)
+            raise DataError(f"{at}: unknown {fmt.role_tag!r} {message.get(fmt.role_tag)!r}: "
+                            f"expected one of {sorted(roles)}", reason="unknown role")
+        previous = messages[-1].role if messages else None
         if role == "system":
             if i != 0:
-                raise DataError(f"{at}: a system message is only allowed first",
-                                reason="misplaced system message")
-            system = content or None
+                raise DataError(f"{at}: roles out of order: a system message is only allowed "
+                                f"first", reason="roles out of order")
+            system = _string(message, fmt.content_tag, at, required=True) or None
         elif role == "user":
-            if prompt is not None:
-                raise DataError(f"{at}: two user messages in a row: expected user/assistant to "
-                                f"alternate", reason="roles do not alternate")
-            prompt = _nonempty(content, "user message", at)
-        else:
-            if prompt is None:
-                raise DataError(f"{at}: assistant message without a user message before it",
-                                reason="roles do not alternate")
-            turns.append(Turn(prompt, _nonempty(content, "response", at)))
-            prompt = None
-    if prompt is not None or not turns:
+            if previous == "user":
+                raise DataError(f"{at}: roles out of order: two user messages in a row: expected "
+                                f"user/assistant to alternate", reason="roles out of order")
+            messages.append(Message("user", _nonempty(
+                _string(message, fmt.content_tag, at, required=True), "user message", at)))
+        elif role == "tool":
+            if pending_calls == 0:
+                raise DataError(f"{at}: tool response without a call: expected an assistant "
+                                f"message with tool calls before it (one response per call)",
+                                reason="tool response without a call")
+            pending_calls -= 1
+            messages.append(Message("tool", _string(message, fmt.content_tag, at,
+                                                    required=True)))
+        else:  # assistant, or sharegpt's function_call (an assistant turn that calls tools)
+            if previous not in ("user", "tool"):
+                what = "first" if previous is None else f"after an {previous} message"
+                raise DataError(f"{at}: roles out of order: an assistant message {what}: "
+                                f"expected it after a user or tool message",
+                                reason="roles out of order")
+            if role == "function":
+                text = _string(message, fmt.content_tag, at, required=True)
+                try:
+                    calls = _tool_calls(json.loads(text), at)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{at}: a {fmt.function_tag!r} message must hold the call as "
+                                    f"JSON ({e.msg})", reason="bad tool call") from None
+                content, reasoning = "", None
+            else:
+                content = _string(message, fmt.content_tag, at, required=False)
+                reasoning = message.get(fmt.reasoning)
+                if reasoning is not None and not isinstance(reasoning, str):
+                    raise DataError(f"{at}: field {fmt.reasoning!r} is "
+                                    f"{type(reasoning).__name__}: expected a string",
+                                    reason="non-string field")
+                raw_calls = message.get(fmt.tool_calls)
+                calls = _tool_calls(raw_calls, at) if raw_calls else ()
+            if not (content.strip() or (reasoning or "").strip() or calls):
+                raise DataError(f"{at}: assistant turn with neither content nor reasoning "
+                                f"(nor tool calls): expected non-empty text",
+                                reason="empty assistant turn")
+            pending_calls = len(calls)
+            messages.append(Message("assistant", content, reasoning, calls))
+    if not messages or messages[-1].role != "assistant":
         raise DataError(f"{where}: conversation must end with an assistant message",
                         reason="no final response")
-    return Sample(tuple(turns), system)
+    tools = _json_field(value, fmt.tools, list, where, "bad tools")
+    kwargs = _json_field(value, fmt.template_kwargs, dict, where, "bad chat_template_kwargs")
+    turns = ()
+    plain = not tools and all(m.role in ("user", "assistant") and not m.tool_calls
+                              and m.reasoning is None for m in messages)
+    if plain:  # strictly user/assistant alternation (checked above): the turn templates' form
+        turns = tuple(Turn(u.content, a.content) for u, a in zip(messages[::2], messages[1::2]))
+    return Sample(turns, system, tuple(messages), tuple(tools), tuple(sorted(kwargs.items())))
 
 
 def iter_samples(records: list[RawRecord], fmt: DatasetFormat, skip_bad: bool,

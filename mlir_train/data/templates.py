@@ -4,8 +4,24 @@
   followed by the tokenizer's eos token, which is part of the loss (it teaches the model to stop).
 - ``chatml`` / ``qwen``: ``<|im_start|>role\\n...<|im_end|>\\n`` turns, system only when given
   (Qwen3 has no default system prompt); the loss covers each response and its ``<|im_end|>``.
-- ``hf``: the tokenizer's own jinja ``chat_template``; responses are located in the rendered
-  text, and the end-of-turn special token right after each one is part of the loss.
+- ``qwen3``: Qwen3's official chat template, written out here (token for token what
+  ``tokenizer.apply_chat_template`` gives with Qwen3's jinja; ``tests/data`` checks it): system,
+  user, assistant and tool turns, the ``tools`` system block, ``<tool_call>`` JSON, tool responses
+  merged into one user turn, ``<think>`` reasoning from ``reasoning_content`` or inline, dropped
+  from assistant turns before the last user query, and the empty ``<think>\n\n</think>\n\n``
+  the template writes before a final answer without reasoning. The loss covers each assistant
+  turn's content, tool calls and ``<|im_end|>``; its think block per ``reasoning_loss``:
+  ``nonempty`` (default: reasoning is trained, an empty think block never), ``all``, ``none``.
+  ``enable_thinking: false`` (chat template kwargs) drops the final answer's reasoning, which
+  leaves the empty think block in the prompt, as the template's generation prompt writes it.
+- ``hf``: the tokenizer's own jinja ``chat_template``; each assistant answer (its text after any
+  ``</think>``) is located in the rendered text, and the end-of-turn special token right after
+  each one is part of the loss. Tool calls cannot be located this way: use ``qwen3``.
+
+Options for every template (:class:`TemplateSpec`): ``history_mask`` (loss on the last assistant
+turn only) and the chat template kwargs (``hf``: passed to the jinja; ``qwen3``:
+``enable_thinking``). Every rendering also labels its text by role, so the data summary can say
+how many loss tokens each role got.
 
 The text is tokenised once as a whole, so token boundaries are those of the real tokenizer on
 the full conversation, and a token is a loss token when its first character lies in a span.
@@ -14,12 +30,19 @@ the full conversation, and a token is a loss token when its first character lies
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
+import os
 
-from mlir_train.data.records import DataError, Sample
+from mlir_train.data.records import DataError, Message, Sample
 
-TEMPLATES = ("alpaca", "qwen", "chatml", "hf")
+TEMPLATES = ("alpaca", "qwen", "chatml", "qwen3", "hf")
+# LoongForge's names for the same templates.
+TEMPLATE_ALIASES = {"qwen3-hf": "qwen3"}
+REASONING_LOSS = ("nonempty", "all", "none")
+QWEN3_KWARGS = {"enable_thinking": bool}
+EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 ALPACA_PREAMBLE = ("Below is an instruction that describes a task. Write a response that "
                    "appropriately completes the request.\n\n")
@@ -40,17 +63,65 @@ class TemplateSpec:
     bos_token: str | None = None
     jinja: str | None = None  # hf only
     end_tokens: tuple[str, ...] = ()  # hf only: special tokens that may close a response
+    history_mask: bool = False  # loss on the last assistant turn only
+    reasoning_loss: str = "nonempty"  # qwen3: which think blocks get loss
+    kwargs: tuple[tuple[str, object], ...] = ()  # run-wide chat template kwargs, sorted items
 
 
-def make_spec(name: str, tokenizer) -> TemplateSpec:
+def parse_template_kwargs(text: str | dict | None, what: str = "--chat-template-kwargs") -> dict:
+    """``--chat-template-kwargs``: a JSON object, or the path of a file holding one."""
+    if text is None or text == "":
+        return {}
+    if isinstance(text, dict):
+        return dict(text)
+    raw = text
+    if not text.lstrip().startswith("{") and os.path.isfile(text):
+        with open(text, encoding="utf-8") as f:
+            raw = f.read()
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{what} {text!r}: not a JSON object ({e.msg}); expected e.g. "
+                        f"'{{\"enable_thinking\": false}}' or a file holding one") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{what} {text!r}: expected a JSON object, e.g. "
+                        f"'{{\"enable_thinking\": false}}'")
+    return value
+
+
+def _check_kwargs(name: str, kwargs: dict, what: str) -> None:
+    if not kwargs:
+        return
+    if name in ("alpaca", "qwen", "chatml"):
+        raise DataError(f"{what} {json.dumps(kwargs)}: the {name} template takes no kwargs; they "
+                        f"are for --chat-template qwen3 or hf", reason="bad chat_template_kwargs")
+    if name == "qwen3":
+        for key, value in kwargs.items():
+            if key not in QWEN3_KWARGS:
+                raise DataError(f"{what}: {key!r} is not a kwarg of the qwen3 template; expected "
+                                f"{sorted(QWEN3_KWARGS)}", reason="bad chat_template_kwargs")
+            if not isinstance(value, QWEN3_KWARGS[key]):
+                raise DataError(f"{what}: {key!r} is {json.dumps(value)}: expected true or false",
+                                reason="bad chat_template_kwargs")
+
+
+def make_spec(name: str, tokenizer, *, history_mask: bool = False,
+              reasoning_loss: str = "nonempty", kwargs: dict | None = None) -> TemplateSpec:
+    name = TEMPLATE_ALIASES.get(name, name)
     if name not in TEMPLATES:
         raise DataError(f"--chat-template {name!r}: unknown template; expected one of {TEMPLATES}")
+    if reasoning_loss not in REASONING_LOSS:
+        raise DataError(f"--reasoning-loss {reasoning_loss!r}: expected one of {REASONING_LOSS}")
+    kwargs = dict(kwargs or {})
+    _check_kwargs(name, kwargs, "--chat-template-kwargs")
+    options = dict(history_mask=history_mask, reasoning_loss=reasoning_loss,
+                   kwargs=tuple(sorted(kwargs.items())))
     eos = tokenizer.eos_token
     if not eos:
         raise DataError(f"tokenizer {tokenizer.name_or_path}: has no eos_token, which every "
                         f"template needs to end a response")
     vocab = tokenizer.get_vocab()
-    if name in ("qwen", "chatml") and not (IM_START in vocab and IM_END in vocab):
+    if name in ("qwen", "chatml", "qwen3") and not (IM_START in vocab and IM_END in vocab):
         raise DataError(f"--chat-template {name}: tokenizer {tokenizer.name_or_path} has no "
                         f"{IM_START}/{IM_END} tokens; expected a ChatML (Qwen) tokenizer")
     if name == "hf":
@@ -59,54 +130,108 @@ def make_spec(name: str, tokenizer) -> TemplateSpec:
             raise DataError(f"--chat-template hf: tokenizer {tokenizer.name_or_path} has no "
                             f"chat_template in its config; expected a jinja chat template")
         ends = tuple(t for t in (*END_OF_TURN_TOKENS, eos) if t in vocab)
-        return TemplateSpec(name, eos, tokenizer.bos_token, jinja, tuple(dict.fromkeys(ends)))
-    return TemplateSpec(name, eos, tokenizer.bos_token)
+        return TemplateSpec(name, eos, tokenizer.bos_token, jinja, tuple(dict.fromkeys(ends)),
+                            **options)
+    # Qwen3's template writes no bos token (Qwen tokenizers have none).
+    bos = None if name == "qwen3" else tokenizer.bos_token
+    return TemplateSpec(name, eos, bos, **options)
+
+
+@dataclasses.dataclass
+class Rendered:
+    """A rendering: the text, its loss spans and role spans (``[start, end)`` characters), and
+    what the masking did to it."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    roles: list[tuple[int, int, str]]  # every character of ``text`` in exactly one span
+    empty_think_skipped: int = 0  # empty think blocks rendered without loss
+    history_masked: int = 0  # assistant turns with no loss because of history_mask
+    reasoning_dropped: int = 0  # final answers whose reasoning enable_thinking=false dropped
 
 
 def render(sample: Sample, spec: TemplateSpec, where: str = ""
            ) -> tuple[str, list[tuple[int, int]]]:
     """Return (text, loss spans as [start, end) character ranges)."""
-    if spec.name == "alpaca":
-        return _render_alpaca(sample, spec)
-    if spec.name in ("qwen", "chatml"):
-        return _render_chatml(sample, spec)
-    return _render_hf(sample, spec, where)
+    out = render_full(sample, spec, where)
+    return out.text, out.spans
+
+
+def render_full(sample: Sample, spec: TemplateSpec, where: str = "") -> Rendered:
+    kwargs = dict(spec.kwargs)
+    if sample.template_kwargs:
+        record_kwargs = dict(sample.template_kwargs)
+        _check_kwargs(spec.name, record_kwargs, f"{where}: chat_template_kwargs")
+        kwargs.update(record_kwargs)
+    if spec.name == "qwen3":
+        out = _render_qwen3(sample, spec, kwargs)
+    elif spec.name == "hf":
+        out = _render_hf(sample, spec, where, kwargs)
+    else:
+        if sample.has_extras or not sample.turns:
+            raise DataError(f"{where}: the record has tool calls, tool responses, tools or "
+                            f"reasoning_content, which --chat-template {spec.name} cannot render; "
+                            f"use --chat-template qwen3", reason="needs the qwen3 template")
+        out = (_render_alpaca if spec.name == "alpaca" else _render_chatml)(sample, spec)
+    if spec.history_mask:
+        out.history_masked += out.mask_history()
+    return out.result()
 
 
 class _Builder:
     def __init__(self):
         self.parts: list[str] = []
         self.size = 0
-        self.spans: list[tuple[int, int]] = []
+        self.spans: list[tuple[int, int, int]] = []  # start, end, turn
+        self.roles: list[tuple[int, int, str]] = []
+        self.turn = 0  # the assistant turn a loss span belongs to
+        self.empty_think_skipped = self.history_masked = self.reasoning_dropped = 0
 
-    def add(self, text: str, loss: bool = False) -> None:
+    def add(self, text: str, role: str, loss: bool = False) -> None:
+        if not text:
+            return
         if loss:
-            self.spans.append((self.size, self.size + len(text)))
+            self.spans.append((self.size, self.size + len(text), self.turn))
+        if self.roles and self.roles[-1][2] == role and self.roles[-1][1] == self.size:
+            self.roles[-1] = (self.roles[-1][0], self.size + len(text), role)
+        else:
+            self.roles.append((self.size, self.size + len(text), role))
         self.parts.append(text)
         self.size += len(text)
 
-    def result(self) -> tuple[str, list[tuple[int, int]]]:
-        return "".join(self.parts), self.spans
+    def mask_history(self) -> int:
+        """Keep the loss of the last turn that has any; return how many turns lost theirs."""
+        if not self.spans:
+            return 0
+        last = self.spans[-1][2]
+        masked = len({turn for _, _, turn in self.spans if turn != last})
+        self.spans = [span for span in self.spans if span[2] == last]
+        return masked
+
+    def result(self) -> Rendered:
+        return Rendered("".join(self.parts), [(a, b) for a, b, _ in self.spans], self.roles,
+                        self.empty_think_skipped, self.history_masked, self.reasoning_dropped)
 
 
 def _render_alpaca(sample: Sample, spec: TemplateSpec):
     out = _Builder()
     if spec.bos_token:
-        out.add(spec.bos_token)
+        out.add(spec.bos_token, "system")
     if sample.system is not None:
-        out.add(sample.system + "\n\n")
+        out.add(sample.system + "\n\n", "system")
     else:
         has_input = any(turn.input for turn in sample.turns)
-        out.add(ALPACA_PREAMBLE_INPUT if has_input else ALPACA_PREAMBLE)
+        out.add(ALPACA_PREAMBLE_INPUT if has_input else ALPACA_PREAMBLE, "system")
     for i, turn in enumerate(sample.turns):
+        out.turn = i
         if i:
-            out.add("\n\n")
-        out.add(f"### Instruction:\n{turn.prompt}\n\n")
+            out.add("\n\n", "user")
+        out.add(f"### Instruction:\n{turn.prompt}\n\n", "user")
         if turn.input:
-            out.add(f"### Input:\n{turn.input}\n\n")
-        out.add("### Response:\n")
-        out.add(turn.response + spec.eos_token, loss=True)
-    return out.result()
+            out.add(f"### Input:\n{turn.input}\n\n", "user")
+        out.add("### Response:\n", "user")
+        out.add(turn.response + spec.eos_token, "assistant", loss=True)
+    return out
 
 
 def _user_content(turn) -> str:
@@ -116,21 +241,124 @@ def _user_content(turn) -> str:
 def _render_chatml(sample: Sample, spec: TemplateSpec):
     out = _Builder()
     if spec.bos_token:
-        out.add(spec.bos_token)
+        out.add(spec.bos_token, "system")
     if sample.system is not None:
-        out.add(f"{IM_START}system\n{sample.system}{IM_END}\n")
+        out.add(f"{IM_START}system\n{sample.system}{IM_END}\n", "system")
+    for i, turn in enumerate(sample.turns):
+        out.turn = i
+        out.add(f"{IM_START}user\n{_user_content(turn)}{IM_END}\n", "user")
+        out.add(f"{IM_START}assistant\n", "assistant")
+        out.add(turn.response + IM_END, "assistant", loss=True)
+        out.add("\n", "assistant")
+    return out
+
+
+def conversation(sample: Sample) -> list[Message]:
+    """The sample's messages (system aside): as given, or built from its turns (alpaca)."""
+    if sample.messages:
+        return list(sample.messages)
+    messages = []
     for turn in sample.turns:
-        out.add(f"{IM_START}user\n{_user_content(turn)}{IM_END}\n{IM_START}assistant\n")
-        out.add(turn.response + IM_END, loss=True)
-        out.add("\n")
-    return out.result()
+        messages += [Message("user", _user_content(turn)), Message("assistant", turn.response)]
+    return messages
 
 
-def messages_of(sample: Sample) -> list[dict[str, str]]:
+def split_think(content: str) -> tuple[str, str | None]:
+    """(answer, inline reasoning or None) as Qwen3's template splits content at ``</think>``."""
+    if "</think>" not in content:
+        return content, None
+    head, answer = content.split("</think>")[0], content.split("</think>")[-1]
+    return answer.lstrip("\n"), head.rstrip("\n").split("<think>")[-1].lstrip("\n")
+
+
+QWEN3_TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+QWEN3_TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>" + IM_END + "\n")
+
+
+def _to_json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)  # the template's tojson
+
+
+def _is_tool_response(text: str) -> bool:
+    return text.startswith("<tool_response>") and text.endswith("</tool_response>")
+
+
+def _render_qwen3(sample: Sample, spec: TemplateSpec, kwargs: dict) -> _Builder:
+    out = _Builder()
+    messages = conversation(sample)
+    if sample.tools:
+        out.add(f"{IM_START}system\n", "system")
+        if sample.system is not None:
+            out.add(sample.system + "\n\n", "system")
+        out.add(QWEN3_TOOLS_HEADER, "system")
+        for tool in sample.tools:
+            out.add("\n" + _to_json(tool), "system")
+        out.add(QWEN3_TOOLS_FOOTER, "system")
+    elif sample.system is not None:
+        out.add(f"{IM_START}system\n{sample.system}{IM_END}\n", "system")
+    # The last real user query: reasoning before it is history and is not rendered.
+    last_query = len(messages) - 1
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if message.role == "user" and not _is_tool_response(message.content):
+            last_query = index
+            break
+    thinking = kwargs.get("enable_thinking", True)
+    for index, message in enumerate(messages):
+        last = index == len(messages) - 1
+        if message.role == "user":
+            out.add(f"{IM_START}user\n{message.content}{IM_END}\n", "user")
+        elif message.role == "tool":
+            if index == 0 or messages[index - 1].role != "tool":
+                out.add(f"{IM_START}user", "tool")
+            out.add(f"\n<tool_response>\n{message.content}\n</tool_response>", "tool")
+            if last or messages[index + 1].role != "tool":
+                out.add(f"{IM_END}\n", "tool")
+        elif message.role == "assistant":
+            out.turn = index
+            content, reasoning = message.content, message.reasoning
+            if reasoning is None:
+                content, reasoning = split_think(content)
+                reasoning = reasoning or ""
+            if last and thinking is False and reasoning:
+                out.reasoning_dropped += 1  # non-thinking: the answer follows an empty block
+                reasoning = ""
+            out.add(f"{IM_START}assistant\n", "assistant")
+            body = content
+            if index > last_query and (last or reasoning):
+                think = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n"
+                empty = not reasoning.strip()
+                loss = spec.reasoning_loss == "all" or (spec.reasoning_loss == "nonempty"
+                                                        and not empty)
+                if empty and not loss:
+                    out.empty_think_skipped += 1
+                out.add(think, "reasoning", loss=loss)
+                body = content.lstrip("\n")
+            for i, call in enumerate(message.tool_calls):
+                if i or content:
+                    body += "\n"
+                arguments = (call.arguments if isinstance(call.arguments, str)
+                             else _to_json(call.arguments))
+                body += (f'<tool_call>\n{{"name": "{call.name}", "arguments": {arguments}}}'
+                         f'\n</tool_call>')
+            out.add(body + IM_END, "assistant", loss=True)
+            out.add("\n", "assistant")
+    return out
+
+
+def messages_of(sample: Sample) -> list[dict]:
+    """The sample as the ``messages`` a jinja chat template reads."""
     messages = [] if sample.system is None else [{"role": "system", "content": sample.system}]
-    for turn in sample.turns:
-        messages.append({"role": "user", "content": _user_content(turn)})
-        messages.append({"role": "assistant", "content": turn.response})
+    for message in conversation(sample):
+        item = {"role": message.role, "content": message.content}
+        if message.reasoning is not None:
+            item["reasoning_content"] = message.reasoning
+        messages.append(item)
     return messages
 
 
@@ -145,35 +373,52 @@ def _compiled(jinja: str):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False,
-                                                                   indent=indent)
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, **_: (
+        json.dumps(x, ensure_ascii=False, indent=indent, separators=separators,
+                   sort_keys=sort_keys))
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(jinja)
 
 
-def render_jinja(spec: TemplateSpec, messages, add_generation_prompt: bool = False) -> str:
-    return _compiled(spec.jinja).render(messages=messages,
+def render_jinja(spec: TemplateSpec, messages, add_generation_prompt: bool = False,
+                 tools=None, **kwargs) -> str:
+    return _compiled(spec.jinja).render(messages=messages, tools=tools,
                                         add_generation_prompt=add_generation_prompt,
-                                        bos_token=spec.bos_token or "", eos_token=spec.eos_token)
+                                        bos_token=spec.bos_token or "", eos_token=spec.eos_token,
+                                        **kwargs)
 
 
-def _render_hf(sample: Sample, spec: TemplateSpec, where: str):
+def _render_hf(sample: Sample, spec: TemplateSpec, where: str, kwargs: dict) -> _Builder:
+    if any(m.tool_calls for m in sample.messages):
+        raise DataError(f"{where}: the record has tool calls, whose rendering --chat-template hf "
+                        f"cannot locate in the text; use --chat-template qwen3",
+                        reason="needs the qwen3 template")
     messages = messages_of(sample)
-    text = render_jinja(spec, messages)
-    spans, cursor = [], 0
+    text = render_jinja(spec, messages, tools=list(sample.tools) or None, **kwargs)
+    out, cursor = _Builder(), 0
     for i, message in enumerate(messages):
-        content = message["content"].strip()
+        content = message["content"]
+        if message["role"] == "assistant" and "reasoning_content" not in message:
+            content = split_think(content)[0]  # templates may drop or move the reasoning
+        content = content.strip()
+        if not content:
+            continue
         start = text.find(content, cursor)
         if start < 0:
             raise DataError(f"{where}: the tokenizer's chat template does not render message {i} "
                             f"({message['role']}) verbatim, so its loss span cannot be found; "
-                            f"use --chat-template qwen or alpaca", reason="template failed")
+                            f"use --chat-template qwen3, qwen or alpaca", reason="template failed")
         end = start + len(content)
-        if message["role"] == "assistant":
+        role = message["role"]
+        out.add(text[cursor:start], role)
+        if role == "assistant":
+            out.turn = i
             for token in spec.end_tokens:
                 if text.startswith(token, end):
                     end += len(token)
                     break
-            spans.append((start, end))
+        out.add(text[start:end], role, loss=role == "assistant")
         cursor = end
-    return text, spans
+    out.add(text[cursor:], messages[-1]["role"])
+    return out

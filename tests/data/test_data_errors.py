@@ -88,9 +88,89 @@ def test_chat_records_must_alternate_and_end_with_a_response(tok, tmp_path):
         build(tok, tmp_path, path, chat_template="qwen")
     write_jsonl(path, [{"conversations": [{"from": "human", "value": "a"},
                                           {"from": "tool", "value": "b"}]}])
-    with pytest.raises(DataError, match=r"c\.jsonl:1: conversations\[1\]: unsupported 'from' "
-                                        r"'tool'"):
+    with pytest.raises(DataError, match=r"c\.jsonl:1: conversations\[1\]: unknown 'from' "
+                                        r"'tool': expected one of \['function_call', 'gpt'"):
         build(tok, tmp_path, path, chat_template="qwen")
+
+
+def _m(role, content="x", **extra):
+    return {"role": role, "content": content, **extra}
+
+
+_CALL = [{"type": "function", "function": {"name": "f", "arguments": {}}}]
+BAD_CONVERSATIONS = [  # (messages, message fragment, reason)
+    ([_m("user"), _m("critic")], "messages[1]: unknown 'role' 'critic': expected one of",
+     "unknown role"),
+    ([_m("user"), _m("tool"), _m("assistant")],
+     "messages[1]: tool response without a call", "tool response without a call"),
+    ([_m("user"), _m("assistant", tool_calls=_CALL), _m("tool"), _m("tool"), _m("assistant")],
+     "messages[3]: tool response without a call", "tool response without a call"),
+    ([_m("user"), _m("assistant", None, reasoning_content=" ")],
+     "messages[1]: assistant turn with neither content nor reasoning", "empty assistant turn"),
+    ([_m("assistant"), _m("user"), _m("assistant")],
+     "messages[0]: roles out of order: an assistant message first",
+     "roles out of order"),
+    ([_m("user"), _m("user"), _m("assistant")], "messages[1]: roles out of order: two user",
+     "roles out of order"),
+    ([_m("user"), _m("assistant"), _m("assistant")],
+     "messages[2]: roles out of order: an assistant message after an assistant message",
+     "roles out of order"),
+    ([_m("user"), _m("system"), _m("assistant")],
+     "messages[1]: roles out of order: a system message is only allowed first",
+     "roles out of order"),
+    ([_m("user"), _m("assistant", tool_calls=[{"function": {"arguments": {}}}])],
+     "messages[1]: tool call 0: expected an object with a string 'name'", "bad tool call"),
+]
+
+
+@pytest.mark.parametrize("messages,message,reason", BAD_CONVERSATIONS)
+def test_bad_conversation_names_the_record(tok, tmp_path, messages, message, reason):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [_m("user"), _m("assistant")]},
+                                              {"messages": messages}])
+    with pytest.raises(DataError) as e:
+        build(tok, tmp_path, path, chat_template="qwen3")
+    assert str(e.value).startswith(f"{path}:2: ") and message in str(e.value), str(e.value)
+    data = build(tok, tmp_path, path, chat_template="qwen3", skip_bad_records=True)
+    assert data.stats.records_kept == 1 and data.stats.dropped == {reason: 1}
+
+
+def test_sharegpt_function_call_and_observation_are_a_tool_call_and_its_response(tok, tmp_path):
+    from mlir_train.data.records import DatasetFormat, RawRecord, resolve_format, to_sample
+    from mlir_train.data.templates import make_spec, render
+
+    value = {"conversations": [
+        {"from": "human", "value": "weather?"},
+        {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Rome"}}'},
+        {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}],
+        "tools": '[{"name": "get_weather", "parameters": {}}]'}
+    sample = to_sample(RawRecord("r", value), resolve_format(DatasetFormat(), value, "r"))
+    assert [m.role for m in sample.messages] == ["user", "assistant", "tool", "assistant"]
+    assert sample.messages[1].tool_calls[0].arguments == {"city": "Rome"}
+    assert sample.tools == ({"name": "get_weather", "parameters": {}},)
+    path = write_jsonl(tmp_path / "s.jsonl", [value])
+    with pytest.raises(DataError, match=r"s\.jsonl:1: the record has tool calls.* use "
+                                        r"--chat-template qwen3"):
+        build(tok, tmp_path, path, chat_template="qwen")
+    text, _ = render(sample, make_spec("qwen3", tok))
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
+
+
+def test_bad_chat_template_kwargs(tok, tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [_m("user"), _m("assistant")]}])
+    with pytest.raises(DataError, match="--chat-template-kwargs 'enable_thinking': not a JSON "
+                                        "object"):
+        build(tok, tmp_path, path, chat_template="qwen3", chat_template_kwargs="enable_thinking")
+    with pytest.raises(DataError, match="'thinking_budget' is not a kwarg of the qwen3 template"):
+        build(tok, tmp_path, path, chat_template="qwen3",
+              chat_template_kwargs='{"thinking_budget": 3}')
+    with pytest.raises(DataError, match="the qwen template takes no kwargs"):
+        build(tok, tmp_path, path, chat_template="qwen",
+              chat_template_kwargs='{"enable_thinking": false}')
+    write_jsonl(path, [{"messages": [_m("user"), _m("assistant")],
+                        "chat_template_kwargs": {"enable_thinking": "no"}}])
+    with pytest.raises(DataError, match=r"c\.jsonl:1: chat_template_kwargs: 'enable_thinking' is "
+                                        r"\"no\": expected true or false"):
+        build(tok, tmp_path, path, chat_template="qwen3")
 
 
 def test_unknown_chat_template(tok, tmp_path):
