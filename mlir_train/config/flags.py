@@ -87,6 +87,9 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (as in Megatron)")
     m.load_balancing()  # the types and their coefficients pair up (names the flags otherwise)
     check_recompute(t)
+    if t.lora is not None and m.moe_router_enable_expert_bias:
+        raise ConfigError("--moe-router-enable-expert-bias with --lora-dim: the expert bias is state of the frozen "
+                          "base, which a LoRA run neither updates nor saves; drop one of the two")
     names = _flag_names()
     for flag_name, refusal in REFUSED.items():
         section, field = names[flag_name]
