@@ -450,7 +450,15 @@ class CheckpointFlags:
                                "kept; resuming one needs --no-load-rng")
     save_retain: int | None = flag("--save-retain", type=int, metavar="K",
                                    help="keep only the newest K checkpoints in --save (default: keep all)")
-    save_hf: str | None = flag("--save-hf", metavar="DIR", help="at the end, also write the weights as an HF model directory")
+    save_hf: str | None = flag("--save-hf", metavar="DIR", help="at the end, also write the weights as an HF model "
+                               "directory (under LoRA the merged model: base + adapters)")
+    pretrained_checkpoint: str | None = flag(
+        "--pretrained-checkpoint", metavar="DIR",
+        help="LoRA: the base the adapters apply to (HF directory, ours or Megatron), when --load holds adapters (a "
+             "LoRA checkpoint of ours, which records its base otherwise, or a PEFT adapter directory)")
+    save_peft: str | None = flag("--save-peft", metavar="DIR",
+                                 help="LoRA: at the end, write the adapters as an HF PEFT adapter directory "
+                                      "(adapter_config.json + adapter_model.safetensors)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,3 +86,42 @@ def expert_delta(w: jax.Array, adapter: LoRA | None) -> jax.Array:
     """The expert weights ``w [E, in, out]`` with the adapter folded in (a shared adapter,
     without an expert axis, adds the same update to every expert)."""
     return w if adapter is None else w + adapter.delta(w.dtype)
+
+
+# Where each adapter's update goes: (adapter, base weight(s)) under a layer's "attn" / "mlp".
+FOLDS = {"q_lora": ("q_proj",), "k_lora": ("k_proj",), "v_lora": ("v_proj",), "o_lora": ("o_proj",),
+         "gate_lora": ("gate_proj",), "up_lora": ("up_proj",), "down_lora": ("down_proj",),
+         "fc1_lora": ("gate_proj", "up_proj"), "fc2_lora": ("down_proj",)}
+
+
+def folded(weights: dict, scaling: float) -> dict:
+    """The model's weights (a pure dict with adapters) as a plain model's: every adapter's
+    update ``s A B`` added into the weight it adapts (in float32, stored back in that weight's
+    dtype) and the adapters dropped: the merged model ``--save-hf`` writes. Layer stacks keep
+    their leading ``"layers"`` axis; a shared expert adapter adds its update to every expert."""
+    out = dict(weights)
+    layers = {}
+    for i, stack in weights["layers"].items():
+        stack = dict(stack)
+        for part in ("attn", "mlp"):
+            if part not in stack:
+                continue
+            module = dict(stack[part])
+            for name in [k for k in module if k in FOLDS]:
+                adapter = module.pop(name)
+                a, b = (jnp.asarray(adapter[x], jnp.float32) for x in ("a", "b"))
+                experts = name in ("fc1_lora", "fc2_lora")
+                n_lead = 2 if experts and a.ndim == 4 else 1  # [L, E] per expert, [L] otherwise
+                lead, ins, r, outs = a.shape[:n_lead], a.shape[n_lead:-1], a.shape[-1], b.shape[n_lead + 1:]
+                d = jnp.matmul(a.reshape(*lead, math.prod(ins), r), b.reshape(*lead, r, math.prod(outs)))
+                d = d.reshape(*lead, *ins, *outs) * scaling
+                if experts and n_lead == 1:
+                    d = d[:, None]  # shared: the same update for every expert
+                parts = [d[..., j, :] for j in range(2)] if name == "fc1_lora" else [d]
+                for target, update in zip(FOLDS[name], parts):
+                    w = module[target]
+                    module[target] = (w.astype(jnp.float32) + update).astype(w.dtype)
+            stack[part] = module
+        layers[i] = stack
+    out["layers"] = layers
+    return out

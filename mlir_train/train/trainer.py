@@ -57,7 +57,7 @@ from mlir_train.train import pipeline
 from mlir_train.config.models import ModelConfig
 from mlir_train.data.dataset import BATCH_KEYS
 from mlir_train.model import Qwen3, logical_axes
-from mlir_train.model.lora import LoRAParam
+from mlir_train.model.lora import LoRAParam, folded
 from mlir_train.model.moe.router import updated_expert_bias
 from mlir_train.train.optim import LossScaler, global_norm, select_tree
 from mlir_train.runtime.platform_setup import compile_target
@@ -311,6 +311,12 @@ class Trainer:
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
         return self._wrap(jax.device_put(params, self.master_shardings))
 
+    def state_with_base(self, adapters: Any, base: Any) -> dict[str, Any]:
+        """Under LoRA: the state of these adapters (float32, optimizer fresh) on ``base`` (the
+        frozen base in the compute dtype, as :meth:`init_state` holds it)."""
+        adapters = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), adapters)
+        return self._wrap(jax.device_put(adapters, self.master_shardings), jax.device_put(base, self.base_shardings))
+
     def _fresh_adapters(self, seed: int) -> Any:
         """Freshly initialised adapters alone (the base is not built: XLA drops what the
         output does not need)."""
@@ -320,7 +326,19 @@ class Trainer:
             return jax.jit(build, out_shardings=self.master_shardings)()
 
     def model(self, params: Any) -> Qwen3:
+        """The model of a full weights tree (:meth:`weights`)."""
         return nnx.merge(self.graphdef, params)
+
+    def export_model(self, state: dict[str, Any]) -> Qwen3:
+        """The model a state's weights describe, as a plain model: under LoRA the base with every
+        adapter's update folded in (the merged model), else :meth:`model` of the params."""
+        if self.lora is None:
+            return self.model(state["params"])
+        kwargs = {k: v for k, v in self.model_kwargs.items() if k != "lora"}
+        graphdef = nnx.split(nnx.eval_shape(lambda: Qwen3(self.model_cfg, rngs=nnx.Rngs(0), **kwargs)))[0]
+        with jax.set_mesh(self.mesh):
+            merged = jax.jit(lambda w: folded(w, self.lora.scaling))(self.weights(state))
+        return nnx.merge(graphdef, merged)
 
     # ----- the step -------------------------------------------------------------------------
     def _to_compute(self, params: Any, base: Any = None) -> Any:
