@@ -382,3 +382,15 @@ def run_planner(argv):
     with contextlib.redirect_stdout(out):
         plans = plan.main(argv)
     return plans, out.getvalue()
+
+
+# ----- HF reference models -----------------------------------------------------------------------
+def perturb_torch(model, seed: int) -> None:
+    """Add 0.05 N(0, 1) to every tensor of a torch model: HF inits norms to 1 (and peft B to 0), so
+    a swapped or transposed weight would otherwise not show."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))

@@ -24,18 +24,12 @@ from mlir_train.config.policies import LoRAPolicy
 from mlir_train.model import Qwen3, losses
 from mlir_train.model.lora import LoRAParam
 from mlir_train.runtime.errors import ConfigError
+from tests.helpers import perturb_torch
 
 peft = pytest.importorskip("peft")  # the test extra installs it: LoRA's reference
 
 VOCAB = 128
 TOL = 1e-4
-
-
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +45,7 @@ def hf_models(tmp_path_factory):
         norm_topk_prob=True, rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=256)).eval()
     out = {}
     for name, model, seed in (("dense", dense, 1), ("moe", moe, 2)):
-        _randomise(model, seed)
+        perturb_torch(model, seed)
         path = str(tmp_path_factory.mktemp(name))
         model.save_pretrained(path)
         out[name] = (model, path)

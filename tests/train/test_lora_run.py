@@ -107,4 +107,4 @@ def test_lora_flags_are_refused_by_name(tmp_path, capsys, extra, flag):
     with pytest.raises(SystemExit) as e:
         sft.main(_argv(tmp_path, "x", *extra))
     assert e.value.code == 2
-    assert f"mlir-train: error: {flag}" in capsys.readouterr().err
+    assert f"error: {flag}" in capsys.readouterr().err
