@@ -118,11 +118,8 @@ class MoE(nnx.Module):
         # (HF's fused gate_up_proj, as peft adapts it) and a B each; per-expert adapters carry the
         # experts' "exp" axis (split with them under EP), a shared one has none.
         experts = (e, "exp") if lora is not None and lora.expert_adapters == "per-expert" else None
-        if maybe(lora, "mlp.experts.linear_fc1", lambda: True):
-            self.fc1_lora = LoRA(rngs, (d,), ("embed",), (2, f), (None, "moe_mlp"), lora.dim, lora.scaling,
-                                 experts=experts, dtype=dtype)
-        else:
-            self.fc1_lora = None
+        self.fc1_lora = maybe(lora, "mlp.experts.linear_fc1", lambda: LoRA(
+            rngs, (d,), ("embed",), (2, f), (None, "moe_mlp"), lora.dim, lora.scaling, experts=experts, dtype=dtype))
         self.fc2_lora = maybe(lora, "mlp.experts.linear_fc2", lambda: LoRA(
             rngs, (f,), ("moe_mlp",), (d,), ("embed",), lora.dim, lora.scaling, experts=experts, dtype=dtype))
         self.num_experts = e
