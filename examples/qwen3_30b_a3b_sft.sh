@@ -139,4 +139,5 @@ python -m mlir_train.sft \
     "${SFT_ARGS[@]}" \
     "${MOE_ARGS[@]}" \
     "${MODEL_PARALLEL_ARGS[@]}" \
-    "${LOGGING_ARGS[@]}"
+    "${LOGGING_ARGS[@]}" \
+    ${EXTRA_FLAGS:-}   # more flags, word-split (examples/qwen3_30b_a3b_lora.sh adds LoRA's); later ones win

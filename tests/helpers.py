@@ -142,8 +142,10 @@ def adam_mu(opt_state) -> Any:
 
 
 def train_one_step(cfg, layout: Layout | None, model_kwargs: dict | None = None,
-                   per_token: bool = False) -> StepResult:
-    """One train step of model ``cfg`` on ``layout`` (None: one device) on :func:`packed_batch`."""
+                   per_token: bool = False, step: dict | None = None, init=None) -> StepResult:
+    """One train step of model ``cfg`` on ``layout`` (None: one device) on :func:`packed_batch`;
+    ``step``: StepConfig fields on top; ``init(trainer, state)``: the state to start from
+    (default ``init_state(SEED)``)."""
     if layout is None:
         parallel = Layout(num_devices=1)
         mesh = make_mesh(parallel, devices=jax.devices()[:1])
@@ -153,9 +155,11 @@ def train_one_step(cfg, layout: Layout | None, model_kwargs: dict | None = None,
     schedule = megatron_lr_schedule(lr=LR, min_lr=LR / 10, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
     step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, micro_batch_size=MICRO_BATCH_SIZE,
-                          per_token_loss=per_token)
+                          per_token_loss=per_token, **(step or {}))
     trainer = build_trainer(cfg, step_cfg, optimizer, parallel, mesh, model_kwargs=model_kwargs)
     state = trainer.init_state(SEED)
+    if init is not None:
+        state = init(trainer, state)
     init_params = jax.device_get(state["params"])
     batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(cfg.vocab_size).items()}
     compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)
@@ -378,3 +382,15 @@ def run_planner(argv):
     with contextlib.redirect_stdout(out):
         plans = plan.main(argv)
     return plans, out.getvalue()
+
+
+# ----- HF reference models -----------------------------------------------------------------------
+def perturb_torch(model, seed: int) -> None:
+    """Add 0.05 N(0, 1) to every tensor of a torch model: HF inits norms to 1 (and peft B to 0), so
+    a swapped or transposed weight would otherwise not show."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))

@@ -159,7 +159,8 @@ class CheckpointManager:
         self.wait()  # Orbax waits for the previous write anyway; this names it if it failed
         if iteration in self._mgr.all_steps():
             return False
-        items = {k: v for k, v in state.items() if v is not None and k != "iteration"}
+        # ARRAY_ITEMS only: a LoRA run's frozen "base" is not saved (its meta records where it comes from).
+        items = {k: v for k, v in state.items() if v is not None and k in ARRAY_ITEMS}
         meta = {"format": FORMAT_VERSION, "iteration": int(iteration), "items": sorted(items), **extra_json}
         try:
             started = self._mgr.save(iteration, args=ocp.args.Composite(
@@ -342,7 +343,7 @@ def resume_check(meta: dict[str, Any], where: str, *, load_optim: bool, load_rng
 
 
 def load_state(directory: str, trainer, *, load_optim: bool = True, finetune: bool = False,
-               step: int | None = None, verify: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+               step: int | None = None, verify: bool = True, base: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restore a trainer state from ``directory`` into the trainer's own shardings.
 
     Megatron's semantics: ``finetune`` loads the weights only and restarts at iteration 0;
@@ -351,7 +352,9 @@ def load_state(directory: str, trainer, *, load_optim: bool = True, finetune: bo
     written without optimizer state (``--no-save-optim``, or ``mlir_train.convert`` from HF)
     loads the same way (:func:`resume_check` is the CLI's guard that the flags say so).
     The step's files are checked against its checksums first (``verify=False``: the caller
-    did, e.g. :func:`resolve_start`). Returns ``(state, meta)``.
+    did, e.g. :func:`resolve_start`). Under LoRA the checkpoint holds the adapters (and their
+    optimizer state) only; ``base`` is the frozen base they apply to (the trainer's compute-dtype
+    tree, already loaded). Returns ``(state, meta)``.
     """
     mgr = CheckpointManager(directory, read_only=True)
     step = mgr._step_or_latest(step)
@@ -363,7 +366,8 @@ def load_state(directory: str, trainer, *, load_optim: bool = True, finetune: bo
     if not with_optim:
         target["opt_state"] = target["loss_scale"] = None
     restored = mgr.restore(target, step, verify=False)
-    state = trainer.state_from_params(restored["params"])
+    state = trainer.state_from_params(restored["params"]) if base is None else trainer.state_with_base(
+        restored["params"], base)
     if with_optim:
         state["opt_state"] = restored["opt_state"]
         if restored.get("loss_scale") is not None:

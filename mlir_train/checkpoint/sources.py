@@ -219,6 +219,24 @@ class Megatron(Source):
 
 
 @dataclasses.dataclass(frozen=True)
+class PeftAdapters(Source):
+    """An HF PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``):
+    LoRA adapters to continue training on their base (``--pretrained-checkpoint``, or the
+    directory its ``base_model_name_or_path`` names)."""
+
+    kind: ClassVar[str] = "peft"
+
+    def describe(self) -> str:
+        return f"{self.path} (PEFT adapters)"
+
+    def recorded_base(self) -> str | None:
+        from mlir_train.checkpoint import peft
+
+        base = peft.read_adapter_config(self.path).get("base_model_name_or_path")
+        return base if base and os.path.isdir(base) else None
+
+
+@dataclasses.dataclass(frozen=True)
 class Scratch(Source):
     """Random initialisation: no ``--load``, or a missing / empty directory (Megatron starts from
     scratch there, with a warning)."""
@@ -244,6 +262,12 @@ def detect(load: str | None, *, step: int | None = None, exit_on_missing: bool =
         if step is not None:
             raise CheckpointError(f"--ckpt-step {step}: --load {load} is an HF model directory, which has no steps")
         return HFModel(load)
+    from mlir_train.checkpoint import peft
+
+    if peft.is_adapter_dir(load):
+        if step is not None:
+            raise CheckpointError(f"--ckpt-step {step}: --load {load} is a PEFT adapter directory, which has no steps")
+        return PeftAdapters(load)
     parent, base = os.path.split(os.path.normpath(load))
     if orbax.is_step_dir(load) and orbax.has_checkpoint(parent):  # --load DIR/<step>
         if step is not None and step != int(base):
@@ -302,3 +326,102 @@ def run_model_config(cfg: RunConfig, source: Source, tokenizer_size: int) -> Mod
         raise ConfigError(f"--moe-layer-freq {m.moe_layer_freq} differs from the checkpoint {source.describe()}'s "
                           f"MoE layers {[int(k) for k in model_cfg.layer_kinds()]}")
     return model_cfg
+
+
+# ----- LoRA: adapters on a base ------------------------------------------------------------------
+def lora_record(policy, base: Source, seed: int) -> dict[str, Any]:
+    """What a LoRA run's checkpoints record besides the adapters: the policy and the base they
+    apply to (its kind and path; a random base by the seed that draws it again)."""
+    record = {"kind": base.kind, "path": os.path.abspath(base.path) if base.path else None, "seed": int(seed)}
+    if isinstance(base, Ours):
+        record["step"] = base.step
+    return {"dim": policy.dim, "alpha": policy.alpha, "targets": list(policy.targets),
+            "expert_adapters": policy.expert_adapters, "base": record}
+
+
+def lora_sources(cfg: RunConfig, source: Source) -> tuple[Source, Source | None]:
+    """(the base, where the adapters come from or None for fresh ones) of a LoRA run whose
+    ``--load`` is ``source``: a LoRA checkpoint of ours or a PEFT directory holds adapters
+    (their base: ``--pretrained-checkpoint``, else the one they record); anything else is the
+    base itself, which starts LoRA at iteration 0 (``--finetune`` for a checkpoint that is past it)."""
+    ck = cfg.checkpoint
+    meta_lora = (source.meta or {}).get("lora")
+    holds_adapters = meta_lora is not None or isinstance(source, PeftAdapters)
+    if ck.pretrained_checkpoint:
+        if not holds_adapters and not isinstance(source, Scratch):
+            raise ConfigError(f"--pretrained-checkpoint {ck.pretrained_checkpoint} names the base, but --load "
+                              f"{ck.load} is a base too (no LoRA adapters); give one of them")
+        return detect(ck.pretrained_checkpoint, flag="--pretrained-checkpoint", exit_on_missing=True), \
+            source if holds_adapters else None
+    if meta_lora is not None:
+        base = meta_lora["base"]
+        if base["kind"] == "scratch":
+            return Scratch(), source
+        if not base["path"] or not os.path.exists(base["path"]):
+            raise CheckpointError(f"checkpoint {source.describe()} applies to the base {base['path']}, which is not "
+                                  "there; give it with --pretrained-checkpoint DIR")
+        return detect(base["path"], step=base.get("step"), flag="the recorded base", exit_on_missing=True), source
+    if isinstance(source, PeftAdapters):
+        recorded = source.recorded_base()
+        if recorded is None:
+            raise ConfigError(f"--load {ck.load} holds PEFT adapters: give the model they apply to with "
+                              "--pretrained-checkpoint DIR (an HF directory, ours or Megatron)")
+        return detect(recorded, flag="the adapters' base_model_name_or_path", exit_on_missing=True), source
+    if source.iteration and not ck.finetune and source.kind in ("ours", "megatron"):
+        raise ConfigError(f"--load {source.describe()} is a full checkpoint at iteration {source.iteration}: add "
+                          "--finetune to start LoRA on it at iteration 0")
+    return source, None
+
+
+def check_lora_resume(cfg: RunConfig, source: Source) -> None:
+    """A LoRA checkpoint resumes only as the LoRA run it was (same rank, alpha, targets, expert adapters)."""
+    saved = (source.meta or {}).get("lora")
+    policy = cfg.training.lora
+    if saved is None:
+        return
+    if policy is None:
+        raise ConfigError(f"--load {source.describe()} holds LoRA adapters (rank {saved['dim']}): add --lora-dim "
+                          f"{saved['dim']} and its other LoRA flags to continue it (its merged model comes out with "
+                          "--save-hf)")
+    mine = lora_record(policy, Scratch(), 0)
+    for key, flag in (("dim", "--lora-dim"), ("alpha", "--lora-alpha"), ("targets", "--lora-target-modules"),
+                      ("expert_adapters", "--lora-expert-adapters")):
+        if mine[key] != saved[key]:
+            raise ConfigError(f"{flag} {mine[key]} differs from the checkpoint {source.describe()}'s {saved[key]}")
+
+
+def lora_initial_state(trainer, base_trainer, cfg: RunConfig, loader, base: Source, adapters: Source | None):
+    """A LoRA run's state: the base's weights (read through ``base_trainer``, the same layout
+    without adapters or optimizer state) in the compute dtype, and the adapters fresh (seed's
+    A, B = 0), from a PEFT directory, or with their optimizer state and the data position
+    from a LoRA checkpoint of ours."""
+    import jax
+    import numpy as np
+
+    seed = cfg.training.seed
+    as_base = cfg.replace(checkpoint={"finetune": True})
+    if isinstance(base, Scratch):
+        saved = (adapters.meta or {}).get("lora") if adapters is not None else None
+        base_seed = saved["base"]["seed"] if saved else seed  # the seed that drew the base the adapters trained on
+        log.info(f"LoRA on a randomly initialised base (seed {base_seed})")
+        state = trainer.init_state(base_seed)
+    else:
+        log.info(f"LoRA base: {base.describe()}")
+        state = trainer.state_from_params(base.initial_state(base_trainer, as_base, None)["params"], seed)
+    if isinstance(adapters, PeftAdapters):
+        from mlir_train.checkpoint import peft
+
+        log.info(f"loading LoRA adapters from {adapters.describe()} (optimizer fresh, iteration 0)")
+        host = peft.load_adapters(adapters.path, trainer.param_shapes, trainer.stack_kinds, trainer.model_cfg.num_experts)
+        state = trainer.state_with_base(jax.tree.map(lambda x: np.asarray(x, np.float32), host), state["base"])
+    elif adapters is not None:
+        ck = cfg.checkpoint
+        log.info(f"loading LoRA adapters{'' if ck.finetune or ck.no_load_optim else ' and their optimizer state'} "
+                 f"from checkpoint {adapters.describe()}")
+        restored, meta = orbax.load_state(adapters.path, trainer, load_optim=not ck.no_load_optim,
+                                          finetune=ck.finetune, step=adapters.step, verify=False,
+                                          base=state["base"])
+        state = restored
+        if not ck.finetune:
+            orbax.restore_loader(loader, meta, exact=adapters.seed == cfg.training.seed)
+    return state

@@ -88,6 +88,12 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (as in Megatron)")
     m.load_balancing()  # the types and their coefficients pair up (names the flags otherwise)
     check_recompute(t)
+    if t.lora is None and (cfg.checkpoint.pretrained_checkpoint or cfg.checkpoint.save_peft):
+        flag = "--pretrained-checkpoint" if cfg.checkpoint.pretrained_checkpoint else "--save-peft"
+        raise ConfigError(f"{flag} is for LoRA runs: add --lora-dim R (or drop {flag})")
+    if t.lora is not None and m.moe_router_enable_expert_bias:
+        raise ConfigError("--moe-router-enable-expert-bias with --lora-dim: the expert bias is state of the frozen "
+                          "base, which a LoRA run neither updates nor saves; drop one of the two")
     names = _flag_names()
     for flag_name, refusal in REFUSED.items():
         section, field = names[flag_name]

@@ -13,7 +13,7 @@ import math
 from typing import ClassVar
 
 from mlir_train.config.fields import OneOrList, flag, switch
-from mlir_train.config.policies import LoadBalancing, RecomputePolicy, RouterConfig
+from mlir_train.config.policies import LoadBalancing, LoRAPolicy, RecomputePolicy, RouterConfig
 from mlir_train.runtime.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +242,21 @@ class TrainingFlags:
              "(added to the modules, core_attn by default)")
     recompute_activations: bool = switch("--recompute-activations",
                                          help="Megatron's alias of --recompute-granularity selective")
+    lora_dim: int | None = flag("--lora-dim", type=int, metavar="R",
+                                help="LoRA: train rank-R adapters on a frozen base (held in the compute dtype, no "
+                                     "optimizer state) instead of every weight (LoongForge's name; default: off)")
+    lora_alpha: float = flag("--lora-alpha", default=32.0, type=float,
+                             help="LoRA scaling numerator: the adapter adds (alpha / R) A B (Megatron-Bridge's default 32)")
+    lora_dropout: float = flag("--lora-dropout", default=0.0, type=float, help="only 0 is supported")
+    lora_target_modules: tuple[str, ...] | None = flag(
+        "--lora-target-modules", nargs="+", metavar="PATTERN",
+        help="the layers LoRA adapts, Megatron's names with wildcards: linear_qkv, linear_proj, linear_fc1, "
+             "linear_fc2 (default: all four: attention, dense MLPs and routed experts; never the router), full "
+             "names self_attention.linear_qkv, mlp.linear_fc1, mlp.experts.linear_fc1 ... ('*experts*' only the "
+             "experts), or all-linear")
+    lora_expert_adapters: str = flag(
+        "--lora-expert-adapters", default="per-expert", choices=["per-expert", "shared"],
+        help="per-expert: every routed expert its own adapter; shared: one adapter for all experts of a layer")
     eval_interval: int = flag("--eval-interval", default=1000, type=int)
     eval_iters: int = flag("--eval-iters", default=100, type=int)
     check_for_nan_in_loss_and_grad: bool = flag(
@@ -273,6 +288,12 @@ class TrainingFlags:
         if self.moe_layer_recompute and "moe" not in modules:
             modules += ("moe",)
         return RecomputePolicy("selective", modules=modules)
+
+    @property
+    def lora(self):
+        """The :class:`~mlir_train.config.policies.LoRAPolicy` of these flags (None: full fine-tuning)."""
+        return LoRAPolicy.from_flags(self.lora_dim, self.lora_alpha, self.lora_dropout, self.lora_target_modules,
+                                     self.lora_expert_adapters)
 
     @property
     def remat(self) -> str:
@@ -457,7 +478,15 @@ class CheckpointFlags:
                                "kept; resuming one needs --no-load-rng")
     save_retain: int | None = flag("--save-retain", type=int, metavar="K",
                                    help="keep only the newest K checkpoints in --save (default: keep all)")
-    save_hf: str | None = flag("--save-hf", metavar="DIR", help="at the end, also write the weights as an HF model directory")
+    save_hf: str | None = flag("--save-hf", metavar="DIR", help="at the end, also write the weights as an HF model "
+                               "directory (under LoRA the merged model: base + adapters)")
+    pretrained_checkpoint: str | None = flag(
+        "--pretrained-checkpoint", metavar="DIR",
+        help="LoRA: the base the adapters apply to (HF directory, ours or Megatron), when --load holds adapters (a "
+             "LoRA checkpoint of ours, which records its base otherwise, or a PEFT adapter directory)")
+    save_peft: str | None = flag("--save-peft", metavar="DIR",
+                                 help="LoRA: at the end, write the adapters as an HF PEFT adapter directory "
+                                      "(adapter_config.json + adapter_model.safetensors)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from flax import nnx
 from mlir_train.model.attention import (
     ATTENTION_IMPLS, context_parallel_attention, docs_flash_attention, flash_attention, kernel_attention, masked_attention,
 )
+from mlir_train.model.lora import LoRA, adapted, maybe
 from mlir_train.model.recompute import checkpointed
 from sharding import constrain, mesh_axes_of
 from sharding.context import sequence_order
@@ -77,7 +78,7 @@ class Attention(nnx.Module):
     builds the right one)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32, impl: str = "xla",
-                 recompute_core_attn: bool = False):
+                 recompute_core_attn: bool = False, lora=None):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention implementation {impl!r}; choose one of {ATTENTION_IMPLS}")
         self.impl = impl
@@ -93,6 +94,15 @@ class Attention(nnx.Module):
         self.o_proj = param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), out_std, dtype)
         self.q_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", dtype)
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", dtype)
+        # LoRA (``lora``, a LoRAPolicy): Megatron's linear_qkv is our q/k/v projections, each with
+        # its own adapter as peft's q_proj/k_proj/v_proj; linear_proj is o_proj.
+        qkv = lambda heads, axis: lambda: LoRA(rngs, (d,), ("embed",), (heads, h), (axis, "head_dim"), lora.dim,
+                                               lora.scaling, dtype=dtype)
+        self.q_lora = maybe(lora, "self_attention.linear_qkv", qkv(n, "q_heads"))
+        self.k_lora = maybe(lora, "self_attention.linear_qkv", qkv(k, "kv_heads"))
+        self.v_lora = maybe(lora, "self_attention.linear_qkv", qkv(k, "kv_heads"))
+        self.o_lora = maybe(lora, "self_attention.linear_proj", lambda: LoRA(
+            rngs, (n, h), ("q_heads", "head_dim"), (d,), ("embed",), lora.dim, lora.scaling, dtype=dtype))
         self.num_kv_heads = k
         self.head_dim = h
 
@@ -107,9 +117,9 @@ class Attention(nnx.Module):
         def project(x_BTD):
             if norm is not None:
                 x_BTD = norm(x_BTD)
-            q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...].astype(dt))
-            k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...].astype(dt))
-            v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...].astype(dt))
+            q_BTNH = adapted(x_BTD, jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...].astype(dt)), self.q_lora)
+            k_BTKH = adapted(x_BTD, jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...].astype(dt)), self.k_lora)
+            v_BTKH = adapted(x_BTD, jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...].astype(dt)), self.v_lora)
             return (constrain(q_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim")),
                     constrain(k_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")),
                     constrain(v_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")))
@@ -134,16 +144,24 @@ class Attention(nnx.Module):
                 q_BTNH.reshape(b, t, self.num_kv_heads, g, h), k_BTKH, v_BTKH, mask)
             o_BTNH = o_BTKGH.reshape(b, t, n, h)
         o_BTNH = constrain(o_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        return jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))
+        return adapted(o_BTNH, jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt)), self.o_lora)
 
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-, down row-parallel under TP."""
 
-    def __init__(self, hidden: int, width: int, std: float, out_std: float, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, hidden: int, width: int, std: float, out_std: float, rngs: nnx.Rngs, dtype=jnp.float32,
+                 lora=None):
         self.gate_proj = param(rngs, (hidden, width), ("embed", "mlp"), std, dtype)
         self.up_proj = param(rngs, (hidden, width), ("embed", "mlp"), std, dtype)
         self.down_proj = param(rngs, (width, hidden), ("mlp", "embed"), out_std, dtype)
+        # LoRA: Megatron's fused linear_fc1 is gate and up, each with its own adapter (peft's
+        # gate_proj / up_proj on the HF model); linear_fc2 is down.
+        fc1 = lambda: LoRA(rngs, (hidden,), ("embed",), (width,), ("mlp",), lora.dim, lora.scaling, dtype=dtype)
+        self.gate_lora = maybe(lora, "mlp.linear_fc1", fc1)
+        self.up_lora = maybe(lora, "mlp.linear_fc1", fc1)
+        self.down_lora = maybe(lora, "mlp.linear_fc2", lambda: LoRA(
+            rngs, (width,), ("mlp",), (hidden,), ("embed",), lora.dim, lora.scaling, dtype=dtype))
 
     def __call__(self, x_BTD: jax.Array, norm=None, recompute_norm: bool = False) -> jax.Array:
         """``norm``, ``recompute_norm``: the pre-MLP norm, as :meth:`Attention.__call__`'s."""
@@ -152,9 +170,9 @@ class MLP(nnx.Module):
         def fc1(x_BTD):
             if norm is not None:
                 x_BTD = norm(x_BTD)
-            return (jnp.einsum("btd,df->btf", x_BTD, self.gate_proj[...].astype(dt)),
-                    jnp.einsum("btd,df->btf", x_BTD, self.up_proj[...].astype(dt)))
+            return (adapted(x_BTD, jnp.einsum("btd,df->btf", x_BTD, self.gate_proj[...].astype(dt)), self.gate_lora),
+                    adapted(x_BTD, jnp.einsum("btd,df->btf", x_BTD, self.up_proj[...].astype(dt)), self.up_lora))
 
         g_BTF, u_BTF = checkpointed(fc1, recompute_norm)(x_BTD)
         h_BTF = constrain(jax.nn.silu(g_BTF) * u_BTF, ("act_batch", "act_seq", "act_mlp"))
-        return jnp.einsum("btf,fd->btd", h_BTF, self.down_proj[...].astype(dt))
+        return adapted(h_BTF, jnp.einsum("btf,fd->btd", h_BTF, self.down_proj[...].astype(dt)), self.down_lora)

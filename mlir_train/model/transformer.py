@@ -41,7 +41,7 @@ from mlir_train.model.attention import SEGMENT_ID_IMPLS, attention_mask
 from mlir_train.model.layers import MLP, Attention, RMSNorm, param, rope_tables
 from mlir_train.model.moe.block import MoE
 from mlir_train.model.recompute import checkpointed
-from mlir_train.config.policies import LEGACY, RecomputePolicy
+from mlir_train.config.policies import LEGACY, LoRAPolicy, RecomputePolicy
 from mlir_train.config.policies import RouterConfig
 from sharding import constrain
 from sharding.context import context_parallel_size, sequence_order
@@ -53,12 +53,12 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype,
                  moe_block_loop: bool | None = None, moe_platform: str | None = None, attention_impl: str = "xla",
                  router: RouterConfig | None = None, recompute: RecomputePolicy = RecomputePolicy(),
-                 moe_kernels: str | None = None):
+                 moe_kernels: str | None = None, lora=None):
         # Megatron scales the init of the two output projections by 1/sqrt(2 * num_layers).
         out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, rngs, out_std, dtype, impl=attention_impl,
-                              recompute_core_attn=recompute.recomputes("core_attn"))
+                              recompute_core_attn=recompute.recomputes("core_attn"), lora=lora)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.is_moe = moe
         # megatron-core's "moe" (the whole MoE layer) and "mlp" (a dense layer's MLP) modules.
@@ -67,9 +67,9 @@ class DecoderLayer(nnx.Module):
         if moe:
             self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy,
                            dtype=dtype, block_loop=moe_block_loop, platform=moe_platform, router=router,
-                           recompute_act=recompute.recomputes("moe_act"), block_kernels=moe_kernels)
+                           recompute_act=recompute.recomputes("moe_act"), block_kernels=moe_kernels, lora=lora)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype, lora=lora)
 
     def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_BTS, segment_ids_BT):
         # The norms run inside their consumers, which make them output-discarding checkpoints
@@ -133,8 +133,10 @@ class Qwen3(nnx.Module):
         attention_impl: str = "xla",
         router: RouterConfig | None = None,
         moe_kernels: str | None = None,
+        lora: LoRAPolicy | None = None,
     ):
         self.cfg = cfg
+        self.lora = lora  # LoRA adapters (mlir_train.model.lora) on the layers it targets; None: none
         # What the backward recomputes (mlir_train.model.recompute): the submodules' checkpoints
         # are built into the layers, the layer-level ones are run_stack's.
         self.remat = RecomputePolicy.of(remat)
@@ -150,7 +152,7 @@ class Qwen3(nnx.Module):
             make = lambda r, is_moe=is_moe: DecoderLayer(
                 cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype,
                 moe_block_loop=moe_block_loop, moe_platform=moe_platform, attention_impl=attention_impl,
-                router=router, recompute=self.remat, moe_kernels=moe_kernels,
+                router=router, recompute=self.remat, moe_kernels=moe_kernels, lora=lora,
             )
             layers.append(_stacked(make, n, rngs))
             kinds.append((start, n, is_moe))

@@ -218,6 +218,8 @@ def _estimate(plan: Plan, cfg: RunConfig, trainer, model_cfg, gbs: int, num_micr
     compute_specs = jax.tree.map(lambda s: s.sharding.spec, compute)
     needs_copy = dtype != jnp.float32 or jax.tree.leaves(master_specs) != jax.tree.leaves(compute_specs)
     plan.compute_weight_bytes = _device_bytes(compute) if needs_copy else 0
+    if "base" in state:  # LoRA: the frozen base, held in the compute dtype (no master, moments or gradient)
+        plan.frozen_base_bytes = _device_bytes(state["base"])
     plan.gradient_bytes = _device_bytes(compute) + plan.master_bytes
     plan.batch_bytes = _device_bytes(batch)
     plan.activation_bytes = activation_bytes(model_cfg, c, micro_batch=cfg.training.micro_batch_size,

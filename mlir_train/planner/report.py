@@ -21,6 +21,7 @@ class Plan:
     master_bytes: int = 0
     optimizer_bytes: int = 0
     compute_weight_bytes: int = 0
+    frozen_base_bytes: int = 0               # LoRA: the frozen base, held in the compute dtype
     gradient_bytes: int = 0
     activation_bytes: int = 0
     batch_bytes: int = 0
@@ -52,8 +53,8 @@ class Plan:
     @property
     def total_bytes(self) -> int:
         """The analytic estimate of what one device holds."""
-        return (self.master_bytes + self.optimizer_bytes + self.compute_weight_bytes + self.gradient_bytes
-                + self.activation_bytes + self.batch_bytes)
+        return (self.master_bytes + self.optimizer_bytes + self.compute_weight_bytes + self.frozen_base_bytes
+                + self.gradient_bytes + self.activation_bytes + self.batch_bytes)
 
     @property
     def needed_bytes(self) -> int:
@@ -133,6 +134,7 @@ def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
         ("master weights (fp32)", plan.master_bytes),
         ("optimizer state", plan.optimizer_bytes),
         ("compute weights (gathered)", plan.compute_weight_bytes),
+        *((("LoRA frozen base (compute dtype)", plan.frozen_base_bytes),) if plan.frozen_base_bytes else ()),
         ("gradients (micro + fp32 accumulator)", plan.gradient_bytes),
         (f"activations (estimate, recompute={plan.candidate.recompute.name})", plan.activation_bytes),
         ("batch", plan.batch_bytes),
@@ -141,7 +143,7 @@ def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
     lines.append("  analytic breakdown (exact state sizes from the shardings, activations estimated):")
     lines += [f"    {label:<46s} {_gib(value)}" for label, value in rows]
     if plan.compiled_argument_bytes is not None:
-        args_est = plan.master_bytes + plan.optimizer_bytes + plan.batch_bytes
+        args_est = plan.master_bytes + plan.optimizer_bytes + plan.frozen_base_bytes + plan.batch_bytes
         temp_est = plan.total_bytes - args_est
         lines.append(f"  compiled vs analytic: arguments {plan.compiled_argument_bytes / GIB:.2f} vs {args_est / GIB:.2f} "
                      f"GiB ({'equal' if abs(plan.compiled_argument_bytes - args_est) <= 1e-6 * args_est + 64 else 'DIFFER'}: "

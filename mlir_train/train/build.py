@@ -139,6 +139,8 @@ class Run:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         kwargs |= dict(remat=self.recompute)
+        if self.config.training.lora is not None:
+            kwargs |= dict(lora=self.config.training.lora)
         if self.model.is_moe:
             m = self.config.moe
             kwargs |= dict(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy,

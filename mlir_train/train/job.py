@@ -25,7 +25,7 @@ from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokeni
 from mlir_train.model import flops as flops_lib
 from mlir_train.runtime import distributed, log
 from mlir_train.train import exits, kernel_check
-from mlir_train.train.build import Run, resolve
+from mlir_train.train.build import Run, build_trainer, resolve
 from mlir_train.train.evaluation import Evaluator
 from mlir_train.train.metrics import MetricsWriter, StepLogger, Timers
 
@@ -54,6 +54,7 @@ class Job:
     state: dict[str, Any]
     start_iteration: int
     hooks: Hooks
+    lora_base: str | None = None  # LoRA: the HF directory of the base (a PEFT export's base_model_name_or_path)
 
 
 def build_job(cfg: RunConfig, launched: float) -> Job:
@@ -61,7 +62,10 @@ def build_job(cfg: RunConfig, launched: float) -> Job:
     ``--exit-duration-in-mins``). Raises the :mod:`mlir_train.runtime.errors` family."""
     tokenizer = load_tokenizer(cfg.data.tokenizer_path)
     cfg, source, save_lock = _starting_point(cfg)
-    model_cfg = sources.run_model_config(cfg, source, len(tokenizer))
+    sources.check_lora_resume(cfg, source)
+    # LoRA: the model is its base's; --load may hold only adapters (sources.lora_sources).
+    base, adapters = sources.lora_sources(cfg, source) if cfg.training.lora is not None else (source, None)
+    model_cfg = sources.run_model_config(cfg, base, len(tokenizer))
     # --num-devices: the first N devices; the kernels follow the platform of the mesh's devices.
     run = resolve(cfg, model_cfg, num_devices=cfg.extras.num_devices)
     trainer = run.trainer()
@@ -75,14 +79,22 @@ def build_job(cfg: RunConfig, launched: float) -> Job:
     print(data.summary())
     loader = BatchLoader(data.train, run.global_batch_size, seed=cfg.training.seed, process_index=jax.process_index(),
                          process_count=jax.process_count())
-    state = source.initial_state(trainer, cfg, loader)
+    if cfg.training.lora is None:
+        state = source.initial_state(trainer, cfg, loader)
+    else:  # the base read through the same layout without adapters or optimizer state
+        base_trainer = build_trainer(model_cfg, run.step_config(), None, run.parallel, trainer.mesh,
+                                     model_kwargs={k: v for k, v in trainer.model_kwargs.items() if k != "lora"})
+        state = sources.lora_initial_state(trainer, base_trainer, cfg, loader, base, adapters)
     if cfg.extras.print_sharding:
         from mlir_train.train.sharding_report import sharding_report
 
         print(sharding_report(trainer))  # compute layout, fp32 master weights and optimizer state
-    hooks = _hooks(cfg, run, trainer, data, loader, len(tokenizer), save_lock, launched)
-    start_iteration = 0 if cfg.checkpoint.finetune else source.iteration
-    return Job(cfg, run, source, trainer, tokenizer, loader, state, start_iteration, hooks)
+    lora = None if cfg.training.lora is None else sources.lora_record(cfg.training.lora, base, cfg.training.seed)
+    hooks = _hooks(cfg, run, trainer, data, loader, len(tokenizer), save_lock, launched, lora)
+    resumed = source if cfg.training.lora is None else adapters
+    start_iteration = 0 if cfg.checkpoint.finetune or resumed is None else resumed.iteration
+    lora_base = lora["base"]["path"] if lora and lora["base"]["kind"] == "hf" else None
+    return Job(cfg, run, source, trainer, tokenizer, loader, state, start_iteration, hooks, lora_base)
 
 
 def _starting_point(cfg: RunConfig):
@@ -111,7 +123,7 @@ def _datasets(cfg: RunConfig, tokenizer):
 
 
 def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokenizer_size: int, save_lock,
-           launched: float) -> Hooks:
+           launched: float, lora: dict | None = None) -> Hooks:
     t, lg, ck, model_cfg = cfg.training, cfg.logging, cfg.checkpoint, run.model
     pid, gbs = jax.process_index(), run.global_batch_size
     log_dir = lg.tensorboard_dir or os.path.join("runs", f"{model_cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -138,7 +150,7 @@ def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokeniz
         save_rng=not ck.no_save_rng, claimed=True, lock=save_lock,
         meta=lambda it: saver.run_json(iteration=it, global_batch_size=gbs, loader=loader, seed=cfg.training.seed,
                                        model_cfg=model_cfg, tokenizer_size=tokenizer_size, parallel=run.parallel,
-                                       flags=cfg.flat()))
+                                       flags=cfg.flat()) | ({"lora": lora} if lora else {}))
     stop = exits.ExitConditions(exit_interval=t.exit_interval, exit_duration_in_mins=t.exit_duration_in_mins,
                                 launched=launched)
     return Hooks(log_dir, writer, timers, logger, evaluate, checkpointer, stop)

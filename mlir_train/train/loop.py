@@ -12,6 +12,8 @@ import dataclasses
 import time
 from typing import Any
 
+import jax
+
 from mlir_train.runtime import log
 from mlir_train.train.job import Job
 
@@ -56,7 +58,7 @@ def train(job: Job) -> RunResult:
                 log.info(f"first step (compile + run) took {time.perf_counter() - t0:.1f}s")
             if t.eval_interval and iteration % t.eval_interval == 0:
                 h.logger.flush()
-                h.evaluate(iteration, state["params"])
+                h.evaluate(iteration, job.trainer.weights(state))
             stopped = h.stop.reason(iteration)
             if h.saver is not None and (h.saver.should_save(iteration) or stopped):
                 save(iteration)
@@ -76,12 +78,19 @@ def train(job: Job) -> RunResult:
 def _finish(job: Job, state, iteration: int, stopped: str | None) -> RunResult:
     t, ck, h = job.cfg.training, job.cfg.checkpoint, job.hooks
     if not stopped and not (t.eval_interval and t.train_iters % t.eval_interval == 0):
-        h.evaluate(t.train_iters, state["params"])
+        h.evaluate(t.train_iters, job.trainer.weights(state))
     if not stopped and ck.save_hf:
         from mlir_train.checkpoint.hf import save_pretrained
 
-        save_pretrained(job.trainer.model(state["params"]), ck.save_hf)
-        log.info(f"wrote the HF model to {ck.save_hf}")
+        save_pretrained(job.trainer.export_model(state), ck.save_hf)
+        log.info(f"wrote the HF model to {ck.save_hf}" + (" (base + LoRA adapters merged)" if job.trainer.lora else ""))
+    if not stopped and ck.save_peft:
+        from mlir_train.checkpoint.peft import save_adapters
+
+        tr = job.trainer
+        save_adapters(ck.save_peft, jax.device_get(state["params"]), policy=tr.lora, stack_kinds=tr.stack_kinds,
+                      num_experts=tr.model_cfg.num_experts, base=job.lora_base)
+        log.info(f"wrote the LoRA adapters to {ck.save_peft} (HF PEFT format)")
     h.writer.close()
     history = h.logger.history
     if stopped:

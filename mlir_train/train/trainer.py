@@ -6,6 +6,11 @@ state is a plain pytree::
     {"params": float32 master weights (nested dict, the model's nnx state as pure arrays),
      "opt_state": optax state, "iteration": int32, "loss_scale": LossScaleState | None}
 
+Under LoRA (the model built with ``lora=``, :mod:`mlir_train.model.lora`) ``params`` are the
+adapters alone and the state gains ``"base"``: the frozen rest of the model in the compute dtype
+(storage layout), never differentiated, with no master copy, moments or gradient buffers.
+:meth:`Trainer.weights` gives the full tree the model, evaluation and export take.
+
 Megatron semantics matched here (see the tests for each):
 
 * gradient accumulation over ``num_micro_batches`` micro-batches inside the step (a scan);
@@ -57,6 +62,7 @@ from mlir_train.train import pipeline
 from mlir_train.config.models import ModelConfig
 from mlir_train.data.dataset import BATCH_KEYS
 from mlir_train.model import Qwen3, logical_axes
+from mlir_train.model.lora import LoRAParam, folded
 from mlir_train.model.moe.router import updated_expert_bias
 from mlir_train.train.optim import LossScaler, global_norm, select_tree
 from mlir_train.runtime.platform_setup import compile_target
@@ -71,6 +77,42 @@ def _is_expert_bias(path) -> bool:
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+# ----- pure-dict trees split by a template (LoRA's adapters vs the frozen base) -------------------
+def _select(tree: Any, like: Any) -> Any:
+    """The part of nested dict ``tree`` whose keys are in ``like``."""
+    if not isinstance(like, dict):
+        return tree
+    return {k: _select(tree[k], v) for k, v in like.items() if k in tree}
+
+
+def _drop(tree: Any, like: Any) -> Any:
+    """``tree`` without the leaves ``like`` has (empty dicts removed)."""
+    out = {}
+    for k, v in tree.items():
+        if k not in like:
+            out[k] = v
+        elif isinstance(v, dict) and isinstance(like[k], dict):
+            rest = _drop(v, like[k])
+            if rest:
+                out[k] = rest
+    return out
+
+
+def _merge(a: Any, b: Any) -> Any:
+    """The union of two nested dicts with disjoint leaves."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if k in out and isinstance(v, dict) else v
+    return out
+
+
+def _has(tree: Any, like: Any) -> bool:
+    """Whether every leaf of ``like`` is in ``tree``."""
+    if not isinstance(like, dict):
+        return True
+    return isinstance(tree, dict) and all(k in tree and _has(tree[k], v) for k, v in like.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,12 +190,24 @@ class Trainer:
             eval_kwargs = self.model_kwargs | {"router": dataclasses.replace(router_cfg, training=False)}
             self.eval_graphdef = nnx.split(nnx.eval_shape(lambda: Qwen3(model_cfg, rngs=nnx.Rngs(0), **eval_kwargs)))[0]
         self.expert_bias = bool(model_cfg.is_moe and router_cfg is not None and router_cfg.enable_expert_bias)
-        self.param_shapes = nnx.to_pure_dict(abstract_state)
-        self.logical = nnx.to_pure_dict(logical_axes(abstract))
+        all_shapes = nnx.to_pure_dict(abstract_state)
+        all_logical = nnx.to_pure_dict(logical_axes(abstract))
         if parallel.pipeline > 1:
-            self.logical = pipeline.storage_axes(self.logical, abstract.stack_kinds, parallel.pipeline)
-        self.specs: StateSpecs = state_specs(parallel, self.param_shapes, self.logical, mesh, model_dims(model_cfg))
+            all_logical = pipeline.storage_axes(all_logical, abstract.stack_kinds, parallel.pipeline)
+        all_specs = state_specs(parallel, all_shapes, all_logical, mesh, model_dims(model_cfg))
         named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        # LoRA (the model built with ``lora=``): only the adapters (LoRAParam) are trained, so
+        # only they are "params" (float32 master, optimizer state, gradients); the rest is the
+        # frozen base, held in the compute dtype in its storage layout, with no optimizer state.
+        self.lora = self.model_kwargs.get("lora")
+        self.trainable = nnx.to_pure_dict(nnx.state(abstract, LoRAParam)) if self.lora is not None else all_shapes
+        self.param_shapes = _select(all_shapes, self.trainable)
+        self.logical = _select(all_logical, self.trainable)
+        self.specs: StateSpecs = StateSpecs(*(_select(getattr(all_specs, f.name), self.trainable)
+                                              for f in dataclasses.fields(StateSpecs)))
+        self.base_shapes = _drop(all_shapes, self.trainable) if self.lora is not None else None
+        self.base_shardings = named(_drop(all_specs.params, self.trainable)) if self.lora is not None else None
+        self.base_compute_shardings = named(_drop(all_specs.compute, self.trainable)) if self.lora is not None else None
         self.compute_shardings = named(self.specs.compute)
         # Float32 master weights are optimizer state in Megatron's accounting: ZeRO-1 shards them.
         self.master_shardings = named(self.specs.optimizer if parallel.distributed_optimizer else self.specs.params)
@@ -169,6 +223,8 @@ class Trainer:
             "iteration": NamedSharding(mesh, PartitionSpec()),
             "loss_scale": None if loss_scaler is None else jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), loss_scaler.init()),
         }
+        if self.lora is not None:
+            self.state_shardings["base"] = self.base_shardings
         with use_rules(self.rules):
             # Under context parallelism each row's tokens are split over the context ranks, in
             # the load-balanced order shard_batch lays them out in (sharding.context).
@@ -184,23 +240,52 @@ class Trainer:
         self._eval_step: dict[bool, Any] = {}  # jitted eval, by whether the batch has a micro axis
 
     # ----- state --------------------------------------------------------------------------
-    def _wrap(self, params: Any) -> dict[str, Any]:
+    def _wrap(self, params: Any, base: Any = None) -> dict[str, Any]:
         opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings["opt_state"])(params)
-        return {
+        state = {
             "params": params,
             "opt_state": opt_state,
             "iteration": jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings["iteration"]),
             "loss_scale": None if self.loss_scaler is None else jax.device_put(self.loss_scaler.init(), self.state_shardings["loss_scale"]),
         }
+        if self.lora is not None:
+            state["base"] = base
+        return state
+
+    @property
+    def base_dtype(self):
+        """The frozen base's dtype under LoRA: the compute dtype."""
+        return DTYPES[self.step_cfg.compute_dtype]
 
     def init_state(self, seed: int) -> dict[str, Any]:
         """Fresh weights (Megatron's normal init with ``init_std``), born sharded: one compiled
-        program creates every parameter directly in its master sharding."""
+        program creates every parameter directly in its master sharding (under LoRA the base in
+        the compute dtype)."""
         cfg, kwargs = self.model_cfg, self.model_kwargs
         build = lambda: nnx.to_pure_dict(nnx.state(Qwen3(cfg, rngs=nnx.Rngs(seed), **kwargs)))
         with jax.set_mesh(self.mesh):
-            params = jax.jit(build, out_shardings=self.master_shardings)()
-        return self._wrap(params)
+            if self.lora is None:
+                return self._wrap(jax.jit(build, out_shardings=self.master_shardings)())
+            # The base as a plain model draws it from the seed (drawing the adapters in between would
+            # give another base): the same weights a full run of this seed starts from.
+            plain = {k: v for k, v in kwargs.items() if k != "lora"}
+            build_base = lambda: nnx.to_pure_dict(nnx.state(Qwen3(cfg, rngs=nnx.Rngs(seed), **plain)))
+            params, base = jax.jit(lambda: (self._split(build())[0], self._split(build_base(), cast=True)[1]),
+                                   out_shardings=(self.master_shardings, self.base_shardings))()
+        return self._wrap(params, base)
+
+    def _split(self, full: Any, cast: bool = False) -> tuple[Any, Any]:
+        """A full weights tree -> (adapters, base), the base cast to the compute dtype with ``cast``."""
+        base = _drop(full, self.trainable)
+        if cast:
+            base = jax.tree_util.tree_map_with_path(
+                lambda path, p: p if _is_expert_bias(path) else p.astype(self.base_dtype), base)
+        return _select(full, self.trainable), base
+
+    def weights(self, state: dict[str, Any]) -> Any:
+        """The model's full weights tree of a state (what :meth:`model` and :meth:`eval_step`
+        take): the params, and under LoRA the frozen base with the adapters."""
+        return state["params"] if self.lora is None else _merge(state["base"], state["params"])
 
     def abstract_state(self) -> dict[str, Any]:
         """The state as ``ShapeDtypeStruct``s carrying their shardings: nothing allocated. For
@@ -211,30 +296,77 @@ class Trainer:
             "loss_scale": None if self.loss_scaler is None else jax.eval_shape(self.loss_scaler.init),
         }
         shapes["opt_state"] = jax.eval_shape(self.optimizer.init, shapes["params"])
+        if self.lora is not None:
+            shapes["base"] = jax.tree_util.tree_map_with_path(
+                lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype if _is_expert_bias(path) else self.base_dtype),
+                self.base_shapes)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
         )
 
-    def state_from_params(self, params: Any) -> dict[str, Any]:
-        """State around given weights (e.g. from ``load_pretrained``), optimizer fresh."""
+    def state_from_params(self, params: Any, seed: int = 0) -> dict[str, Any]:
+        """State around given weights (e.g. from ``load_pretrained``), optimizer fresh. Under
+        LoRA ``params`` is the base, with or without adapters: missing adapters start fresh
+        (``seed``'s A, B = 0, so the model starts equal to its base)."""
+        if self.lora is not None:
+            base = _drop(params, self.trainable)
+            base = jax.device_put(self._split(_merge(base, {}), cast=True)[1], self.base_shardings)
+            if _has(params, self.trainable):
+                adapters = _select(params, self.trainable)
+            else:
+                adapters = self._fresh_adapters(seed)
+            adapters = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), adapters)
+            return self._wrap(jax.device_put(adapters, self.master_shardings), base)
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
         return self._wrap(jax.device_put(params, self.master_shardings))
 
+    def state_with_base(self, adapters: Any, base: Any) -> dict[str, Any]:
+        """Under LoRA: the state of these adapters (float32, optimizer fresh) on ``base`` (the
+        frozen base in the compute dtype, as :meth:`init_state` holds it)."""
+        adapters = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), adapters)
+        return self._wrap(jax.device_put(adapters, self.master_shardings), jax.device_put(base, self.base_shardings))
+
+    def _fresh_adapters(self, seed: int) -> Any:
+        """Freshly initialised adapters alone (the base is not built: XLA drops what the
+        output does not need)."""
+        cfg, kwargs = self.model_cfg, self.model_kwargs
+        build = lambda: _select(nnx.to_pure_dict(nnx.state(Qwen3(cfg, rngs=nnx.Rngs(seed), **kwargs))), self.trainable)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(build, out_shardings=self.master_shardings)()
+
     def model(self, params: Any) -> Qwen3:
+        """The model of a full weights tree (:meth:`weights`)."""
         return nnx.merge(self.graphdef, params)
 
+    def export_model(self, state: dict[str, Any]) -> Qwen3:
+        """The model a state's weights describe, as a plain model: under LoRA the base with every
+        adapter's update folded in (the merged model), else :meth:`model` of the params."""
+        if self.lora is None:
+            return self.model(state["params"])
+        kwargs = {k: v for k, v in self.model_kwargs.items() if k != "lora"}
+        graphdef = nnx.split(nnx.eval_shape(lambda: Qwen3(self.model_cfg, rngs=nnx.Rngs(0), **kwargs)))[0]
+        with jax.set_mesh(self.mesh):
+            merged = jax.jit(lambda w: folded(w, self.lora.scaling))(self.weights(state))
+        return nnx.merge(graphdef, merged)
+
     # ----- the step -------------------------------------------------------------------------
-    def _to_compute(self, params: Any) -> Any:
+    def _to_compute(self, params: Any, base: Any = None) -> Any:
+        """The model's weights in the compute dtype and layout: ``params`` cast (and under LoRA
+        merged with the frozen ``base``, already in the compute dtype)."""
         dtype = DTYPES[self.step_cfg.compute_dtype]
         # The expert bias stays float32 (Megatron keeps it so too): it only compares scores.
-        return jax.tree_util.tree_map_with_path(
+        out = jax.tree_util.tree_map_with_path(
             lambda path, p, s: jax.lax.with_sharding_constraint(p if _is_expert_bias(path) else p.astype(dtype), s),
             params, self.compute_shardings,
         )
+        if self.lora is None:
+            return out
+        base = jax.tree.map(jax.lax.with_sharding_constraint, base, self.base_compute_shardings)
+        return _merge(base, out)
 
-    def _micro_loss(self, params, mb, scale, global_counts=None, micro_index=None):
+    def _micro_loss(self, params, mb, scale, global_counts=None, micro_index=None, base=None):
         cfg, sc = self.model_cfg, self.step_cfg
-        model = nnx.merge(self.graphdef, self._to_compute(params))
+        model = nnx.merge(self.graphdef, self._to_compute(params, base))
         h, stats = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
         objective, ce_sum, count = model.weighted_loss_sums(h, mb["labels"], mb["loss_mask"], mb["loss_weight"])
         aux = {"ce_sum": ce_sum, "loss_tokens": count, "lm_objective": objective}
@@ -263,28 +395,31 @@ class Trainer:
             first += n
         return {**params, "layers": layers}
 
-    def _pipeline_loss(self, params, batch, scale, graphdef=None):
+    def _pipeline_loss(self, params, batch, scale, graphdef=None, base=None):
         """All micro-batches through the pipeline stages at once (see ``mlir_train.train.pipeline``)."""
         sc = self.step_cfg
         return pipeline.pipeline_loss(
-            self.graphdef if graphdef is None else graphdef, self._to_compute(params), batch, schedule=self.schedule,
+            self.graphdef if graphdef is None else graphdef, self._to_compute(params, base), batch, schedule=self.schedule,
             scale=scale, top_k=self.model_cfg.top_k, remat=self.model_kwargs.get("remat", "none"),
             balancing=sc.load_balancing(),
         )
 
-    def _pipeline_value_and_grad(self, params, batch, scale):
+    def _pipeline_value_and_grad(self, params, batch, scale, base=None):
         sc = self.step_cfg
         (objective, aux), grads = pipeline.pipeline_value_and_grad(
-            self.graphdef, self._to_compute(params), batch, schedule=self.schedule,
+            self.graphdef, self._to_compute(params, base), batch, schedule=self.schedule,
             scale=scale, top_k=self.model_cfg.top_k, remat=self.model_kwargs.get("remat", "none"),
             balancing=sc.load_balancing(),
         )
+        # 1F1B forms the gradients of every weight it is given; under LoRA only the adapters'
+        # are kept (the frozen base's are unused, and XLA removes what nothing reads).
+        grads = _select(grads, self.trainable)
         # The transpose of _to_compute (cast, compute-layout constraint), kept in float32.
         grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, s), grads, self.compute_shardings)
         return (objective, aux), grads
 
     def _step(self, state, batch):
-        params = state["params"]
+        params, base = state["params"], state.get("base")
         scaler, ls = self.loss_scaler, state["loss_scale"]
         scale = ls.scale if scaler is not None else jnp.float32(1.0)
         n_loss_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
@@ -296,7 +431,7 @@ class Trainer:
         def micro(carry, xs):
             acc, counts = carry  # counts: global_aux_loss's running expert counts, or None
             mb, i = xs
-            (_, aux), g = grad_fn(params, mb, scale, counts, i)
+            (_, aux), g = grad_fn(params, mb, scale, counts, i, base)
             acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
             return (acc, aux.pop("global_counts", None)), aux
 
@@ -308,15 +443,17 @@ class Trainer:
             m = batch["input_ids"].shape[0]
             (grads, _), aux = jax.lax.scan(micro, (zeros, counts), (batch, jnp.arange(m)))
         elif self.schedule.kind == "1f1b":  # the schedule forms the gradients itself
-            (_, aux), grads = self._pipeline_value_and_grad(params, batch, scale)
+            (_, aux), grads = self._pipeline_value_and_grad(params, batch, scale, base)
         else:
-            (_, aux), grads = jax.value_and_grad(self._pipeline_loss, has_aux=True)(params, batch, scale)
+            (_, aux), grads = jax.value_and_grad(self._pipeline_loss, has_aux=True)(params, batch, scale, None, base)
         grads = jax.tree.map(lambda g: g / scale, grads)
         grad_norm = global_norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         new_state = {"params": new_params, "opt_state": opt_state, "iteration": state["iteration"] + 1, "loss_scale": ls}
+        if self.lora is not None:
+            new_state["base"] = base
         if scaler is not None:
             # An fp16 overflow skips the update (weights, moments and schedule count stay).
             new_state["params"] = select_tree(finite, new_params, params)
@@ -373,14 +510,16 @@ class Trainer:
         with jax.set_mesh(self.mesh), use_rules(self.rules), compile_target(self.mesh):
             return step.lower(state_shapes, batch_shapes)
 
-    def _eval(self, params, batch):
+    def _eval(self, weights, batch):
+        params, base = (weights, None) if self.lora is None else (_select(weights, self.trainable),
+                                                                  _drop(weights, self.trainable))
         if batch["input_ids"].ndim == 2:
             batch = {k: v[None] for k, v in batch.items()}
         if self.schedule is not None:  # the forward half of the training pipeline
             _, aux = self._pipeline_loss(params, dict(batch, loss_weight=batch["loss_mask"]), jnp.float32(1.0),
-                                         self.eval_graphdef)
+                                         self.eval_graphdef, base)
             return {"ce_sum": aux["ce_sum"], "loss_tokens": aux["loss_tokens"]}
-        model = nnx.merge(self.eval_graphdef, self._to_compute(params))
+        model = nnx.merge(self.eval_graphdef, self._to_compute(params, base))
 
         def micro(acc, mb):
             h, _ = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
@@ -391,15 +530,14 @@ class Trainer:
         return {"ce_sum": ce_sum, "loss_tokens": count}
 
     def eval_step(self, params, batch):
-        """Summed token loss and loss-token count, forward only, of a ``[micro, rows, seq]`` batch
+        """``params``: :meth:`weights` of a state. Summed token loss and loss-token count, forward only, of a ``[micro, rows, seq]`` batch
         (as :meth:`train_step` takes; Megatron's evaluation iteration is one global batch in
         micro-batches, pipelined under PP as here) or of one ``[rows, seq]`` micro-batch."""
         micro = batch["input_ids"].ndim == 3
         if self._eval_step.get(micro) is None:
             sharding = self.batch_sharding if micro else self.eval_batch_sharding
-            self._eval_step[micro] = jax.jit(
-                self._eval, in_shardings=(self.master_shardings, {k: sharding for k in BATCH_KEYS})
-            )
+            weights = self.master_shardings if self.lora is None else _merge(self.base_shardings, self.master_shardings)
+            self._eval_step[micro] = jax.jit(self._eval, in_shardings=(weights, {k: sharding for k in BATCH_KEYS}))
         with jax.set_mesh(self.mesh), use_rules(self.rules), compile_target(self.mesh):
             return self._eval_step[micro](params, batch)
 

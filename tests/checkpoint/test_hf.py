@@ -20,17 +20,10 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qw
 from mlir_train.model import losses
 from mlir_train.checkpoint.hf import CheckpointError, load_pretrained, save_pretrained
 from sharding.rules import DATA_PARALLEL
+from tests.helpers import perturb_torch
 
 VOCAB = 256
 TOL = 1e-4
-
-
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """HF inits norms to 1; perturb every tensor so a swapped or transposed weight shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
 def _moe_config(**kw) -> Qwen3MoeConfig:
@@ -50,7 +43,7 @@ def hf_moe(tmp_path_factory):
     torch.manual_seed(0)
     # Layer 0 is a dense MLP (mlp_only_layers): the importer must mix dense and MoE stacks.
     model = Qwen3MoeForCausalLM(_moe_config(mlp_only_layers=[0])).eval()
-    _randomise(model, 1)
+    perturb_torch(model, 1)
     path = str(tmp_path_factory.mktemp("hf_moe"))
     model.save_pretrained(path)
     return model, path
@@ -65,7 +58,7 @@ def hf_dense(tmp_path_factory):
         rope_theta=1e6, max_position_embeddings=512,
     )
     model = Qwen3ForCausalLM(cfg).eval()
-    _randomise(model, 2)
+    perturb_torch(model, 2)
     path = str(tmp_path_factory.mktemp("hf_dense"))
     model.save_pretrained(path)
     return model, path

@@ -1,5 +1,6 @@
 """The ported seed script runs, in its CPU-sized variant, end to end."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,14 +10,30 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.slow
-def test_seed_script_cpu_variant(tmp_path):
+def _run_example(script: str, tmp_path) -> subprocess.CompletedProcess:
+    """``examples/<script>`` in its CPU smoke variant, 2 iterations, its files under ``tmp_path``."""
     env = dict(os.environ, CPU_SMOKE="1", SMOKE_ITERS="2", PREPROCESS_WORKERS="1", SMOKE_DIR=str(tmp_path),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "qwen3_30b_a3b_sft.sh")], env=env,
+    proc = subprocess.run(["bash", os.path.join(ROOT, "examples", script)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "iteration        2/       2" in proc.stdout
+    return proc
+
+
+@pytest.mark.slow
+def test_seed_script_cpu_variant(tmp_path):
+    proc = _run_example("qwen3_30b_a3b_sft.sh", tmp_path)
     assert "ignoring flags that mean nothing under JAX/XLA: --distributed-backend" in proc.stdout
     assert os.path.exists(tmp_path / "tb" / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_lora_variant_cpu(tmp_path):
+    """The seed job as a LoRA fine-tune: adapter-only checkpoints recording their base, a PEFT export."""
+    proc = _run_example("qwen3_30b_a3b_lora.sh", tmp_path)
+    assert "LoRA on a randomly initialised base" in proc.stdout
+    meta = json.load(open(tmp_path / "save" / "2" / "meta" / "metadata"))
+    assert meta["lora"]["dim"] == 16 and meta["lora"]["base"]["kind"] == "scratch"
+    assert os.path.exists(tmp_path / "peft_adapter" / "adapter_model.safetensors")

@@ -149,3 +149,23 @@ def test_the_planner_imports_no_jax():
     devices) before jax starts: its modules must not import jax (the sharding package does)."""
     code = "import sys, mlir_train.planner.plan; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": ROOT})
+
+
+def test_lora_flags_plan_the_adapters_on_a_frozen_base(tmp_path):
+    """The planner takes LoRA's flags: fp32 masters and Adam moments are the adapters', the base is
+    counted once in bf16, and what XLA compiled takes exactly that state."""
+    [plan], text = _plan(
+        tmp_path, "--model-name", "qwen3-moe-tiny", "--num-devices", "8", "--seq-length", "128",
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16", "--expert-model-parallel-size", "2",
+        "--use-distributed-optimizer", "--lora-dim", "4", "--lora-target-modules", "linear_qkv", "*experts*",
+        "--xla-cpu")
+    assert plan["error"] is None and "LoRA frozen base (compute dtype)" in text
+    cfg = get_model_config("qwen3-moe-tiny")
+    # the adapters: rank 4 on q/k/v (one A and B each) and every expert's fc1 (A, B [4, 2F]) and fc2
+    per_layer = 3 * 4 * cfg.hidden_size + 4 * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_experts * 4 * (
+        cfg.hidden_size + 2 * cfg.moe_intermediate_size + cfg.moe_intermediate_size + cfg.hidden_size)
+    assert plan["master_bytes"] == pytest.approx(per_layer * cfg.num_layers * 4 / 8, rel=1e-2)  # ZeRO-1 over 8
+    assert plan["optimizer_bytes"] == pytest.approx(2 * plan["master_bytes"], rel=1e-3)
+    assert plan["frozen_base_bytes"] > 20 * plan["master_bytes"]
+    counted = plan["master_bytes"] + plan["optimizer_bytes"] + plan["frozen_base_bytes"] + plan["batch_bytes"]
+    assert plan["compiled_argument_bytes"] == counted + 4  # + the int32 iteration

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlir_train.model.layers import param
+from mlir_train.model.lora import LoRA, expert_delta, maybe
 from mlir_train.model.moe.dispatch import (
     DEFAULT_MOE_IMPL, MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for,
 )
@@ -92,6 +93,7 @@ class MoE(nnx.Module):
         block_kernels: BlockKernels | str | None = None,
         router: RouterConfig | None = None,
         recompute_act: bool = False,
+        lora=None,
     ):
         platform = platform or jax.default_backend()
         if ragged_all_to_all is None and impl in ("ragged", "grouped") and capacity_factor is None:
@@ -112,6 +114,14 @@ class MoE(nnx.Module):
         self.gate_proj = param(rngs, (e, d, f), ("exp", "embed", "moe_mlp"), cfg.init_std, dtype)
         self.up_proj = param(rngs, (e, d, f), ("exp", "embed", "moe_mlp"), cfg.init_std, dtype)
         self.down_proj = param(rngs, (e, f, d), ("exp", "moe_mlp", "embed"), out_std, dtype)
+        # LoRA on the routed experts (mlir_train.model.lora): linear_fc1 is gate and up with one A
+        # (HF's fused gate_up_proj, as peft adapts it) and a B each; per-expert adapters carry the
+        # experts' "exp" axis (split with them under EP), a shared one has none.
+        experts = (e, "exp") if lora is not None and lora.expert_adapters == "per-expert" else None
+        self.fc1_lora = maybe(lora, "mlp.experts.linear_fc1", lambda: LoRA(
+            rngs, (d,), ("embed",), (2, f), (None, "moe_mlp"), lora.dim, lora.scaling, experts=experts, dtype=dtype))
+        self.fc2_lora = maybe(lora, "mlp.experts.linear_fc2", lambda: LoRA(
+            rngs, (f,), ("moe_mlp",), (d,), ("embed",), lora.dim, lora.scaling, experts=experts, dtype=dtype))
         self.num_experts = e
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
@@ -175,7 +185,12 @@ class MoE(nnx.Module):
         return y_SD.reshape(b, t, d), stats
 
     def _weights(self, dt):
-        return self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt), self.down_proj[...].astype(dt)
+        """The experts' weights in ``dt``, with their LoRA updates folded in."""
+        wg, wu, wd = self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt), self.down_proj[...].astype(dt)
+        if self.fc1_lora is not None:
+            d_gu = self.fc1_lora.delta(dt)  # [(E,) D, 2, F]: gate and up
+            wg, wu = wg + d_gu[..., 0, :], wu + d_gu[..., 1, :]
+        return wg, wu, expert_delta(wd, self.fc2_lora)
 
     def _dense(self, x_SD, weights_SK, experts_SK):
         wg, wu, wd = self._weights(x_SD.dtype)

@@ -1,0 +1,110 @@
+"""LoRA through the CLI (``mlir_train.sft.main``): start on an HF base, save adapter-only
+checkpoints that record their base, resume exactly, export the adapters in PEFT format (loaded
+by peft on the HF base: logits equal to our merged ``--save-hf`` model's) and continue training
+from that PEFT directory."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from mlir_train import sft
+from mlir_train.checkpoint.hf import save_pretrained
+from mlir_train.config.models import get_model_config
+from mlir_train.model import init_model
+from tests.helpers import DEFAULT_DATA, DEFAULT_TOKENIZER
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+LORA = ["--lora-dim", "4", "--lora-alpha", "16"]
+
+
+def _argv(tmp_path, name, *extra):
+    return ["--hf-tokenizer-path", DEFAULT_TOKENIZER, "--data-path", DEFAULT_DATA, "--split", "100,0,0",
+            "--chat-template", "alpaca", "--packing-sft-data", "--seq-length", "64", "--global-batch-size", "8",
+            "--micro-batch-size", "1", "--train-iters", "4", "--eval-interval", "0", "--lr", "1e-2",
+            "--lr-warmup-iters", "1", "--log-interval", "1", "--data-cache-path", str(tmp_path / "cache"),
+            "--tensorboard-dir", str(tmp_path / "tb" / name), "--no-kernel-self-check", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora_run")
+    cfg = get_model_config("qwen3-moe-tiny", num_layers=2)
+    base = str(tmp / "base")
+    save_pretrained(init_model(cfg, seed=7), base)
+    first = sft.main(_argv(tmp, "first", "--load", base, *LORA, "--save", str(tmp / "ck"), "--save-interval", "2",
+                           "--save-peft", str(tmp / "peft"), "--save-hf", str(tmp / "merged")))
+    return tmp, base, first
+
+
+def test_adapter_only_checkpoints_record_their_base(runs):
+    tmp, base, first = runs
+    meta = json.load(open(tmp / "ck" / "4" / "meta" / "metadata"))
+    assert meta["lora"]["base"] == {"kind": "hf", "path": os.path.abspath(base), "seed": 1234}
+    assert meta["lora"]["dim"] == 4 and meta["lora"]["alpha"] == 16.0
+    params = first.state["params"]
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    assert names and all("lora" in n for n in names)
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(first.state["base"]))
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert adapter_bytes < base_bytes / 5
+    # the frozen base is not in the checkpoint: its files are a fraction of the base's size
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp / "ck" / "4") for f in fs)
+    assert size < base_bytes / 2
+
+
+def test_resume_is_exact(runs):
+    tmp, _, first = runs
+    again = sft.main(_argv(tmp, "again", "--load", str(tmp / "ck"), "--ckpt-step", "2", *LORA))
+    want = dict(first.history["lm loss"])
+    got = dict(again.history["lm loss"])
+    assert sorted(got) == [3, 4]
+    for it in (3, 4):
+        assert got[it] == pytest.approx(want[it], rel=1e-6, abs=0), it
+    for a, b in zip(jax.tree.leaves(jax.device_get(again.state["params"])),
+                    jax.tree.leaves(jax.device_get(first.state["params"]))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_peft_export_equals_merged_save_hf(runs):
+    tmp, base, _ = runs
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 1000, (2, 16))).long()
+    hf_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with_adapters = peft.PeftModel.from_pretrained(hf_base, str(tmp / "peft")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp / "merged"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        a, b = with_adapters(ids).logits.numpy(), merged(ids).logits.numpy()
+        with with_adapters.disable_adapter():
+            plain = with_adapters(ids).logits.numpy()
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    assert np.abs(a - plain).max() > 1e-2  # training moved the adapters
+    assert json.load(open(tmp / "peft" / "adapter_config.json"))["base_model_name_or_path"] == os.path.abspath(base)
+
+
+def test_continue_from_peft_directory(runs):
+    tmp, base, first = runs
+    more = sft.main(_argv(tmp, "more", "--load", str(tmp / "peft"), *LORA, "--train-iters", "1", "--lr", "0",
+                          "--lr-warmup-iters", "0"))
+    # lr 0: the adapters it read are the ones it holds after a step
+    for a, b in zip(jax.tree.leaves(jax.device_get(more.state["params"])),
+                    jax.tree.leaves(jax.device_get(first.state["params"]))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("extra,flag", [(["--save-peft", "p"], "--save-peft"),
+                                        ([*LORA, "--lora-dropout", "0.1"], "--lora-dropout 0.1"),
+                                        ([*LORA, "--lora-target-modules", "router"], "--lora-target-modules router"),
+                                        ([*LORA, "--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias")])
+def test_lora_flags_are_refused_by_name(tmp_path, capsys, extra, flag):
+    with pytest.raises(SystemExit) as e:
+        sft.main(_argv(tmp_path, "x", *extra))
+    assert e.value.code == 2
+    assert f"error: {flag}" in capsys.readouterr().err
