@@ -30,6 +30,16 @@ Counting rules (the one rule for loops and conditionals)
   the no-overflow path of a dropless dispatcher); ``Stats.conditionals`` says how many there were.
 * Bytes of a collective are the larger of what it reads and what it writes per device (the
   full buffer for all-gather and reduce-scatter, as nccl-tests report sizes).
+* Each collective is also tallied by its device groups (``Stats.collective_groups``: the first
+  replica group, or a collective-permute's source-target pairs; :func:`replica_groups` reads the
+  explicit, iota and mesh forms) and by whether the schedule overlaps it: an async
+  ``*-start``/``*-done`` pair (not ``is_sync``) with compute scheduled between the two in the
+  scheduled program's order (``is_scheduled=true``: instruction order is the schedule), and
+  whether that compute includes matmul work (a dot, a GEMM, a kernel).
+* HBM bytes (``Stats.hbm_bytes``, an estimate for the roofline): every top-level instruction
+  that launches work (fusions, custom calls, copies, dots, collectives) reads its operands and
+  writes its result once; what a fusion does inside stays on chip. Bookkeeping instructions
+  (parameters, tuples, bitcasts, get-tuple-element, constants) move nothing.
 * A dot's FLOPs: ``2 * prod(output dims) * prod(contracted dims)``. Custom calls whose FLOPs
   cannot be read from the HLO (cuDNN fused attention, other Mosaic/Triton kernels) are listed by
   target in ``Stats.uncounted_custom_calls``, never silently dropped.
@@ -102,6 +112,16 @@ class MatmulFlops:
         return sum(k.flops_for_rows(used_rows_by_buffer.get(k.rows, k.rows)) for k in self.kernels)
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectiveGroup:
+    """One kind of collective over one set of device groups, and how the schedule placed it."""
+    kind: str
+    group: tuple[int, ...]      # the first replica group (device ids); for a permute, the sources then targets
+    pairs: tuple[tuple[int, int], ...] = ()  # a collective-permute's source-target pairs
+    overlapped: bool = False    # compute scheduled between its start and done
+    matmul_overlapped: bool = False  # ... and that compute includes matmul work
+
+
 @dataclasses.dataclass
 class Stats:
     collectives: dict[str, Collective]
@@ -109,6 +129,36 @@ class Stats:
     conditionals: int = 0
     unknown_loops: int = 0
     uncounted_custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    collective_groups: dict[CollectiveGroup, Collective] = dataclasses.field(default_factory=dict)
+    hbm_bytes: float = 0.0      # operands + results of every launched instruction, per step
+    # What ragged all-to-alls carry at a balanced routing: per execution the smaller of the send
+    # and receive buffers (the home rank's rows: all its routed rows go out in the dispatch and
+    # come back in the combine), where ``collectives`` counts the larger, worst-case buffer.
+    ragged_traffic_bytes: int = 0
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """:attr:`collectives` with ragged all-to-alls at their traffic, not their buffers."""
+        out = {k: {"count": c.count, "bytes": c.bytes} for k, c in self.collectives.items()}
+        if "ragged-all-to-all" in out:
+            out["ragged-all-to-all"]["bytes"] = self.ragged_traffic_bytes
+        return out
+
+    def overlap(self) -> dict[str, dict[str, int]]:
+        """Per kind: executions and bytes in all, with compute between start and done, with matmul
+        work between."""
+        out: dict[str, dict[str, int]] = {}
+        for g, c in self.collective_groups.items():
+            row = out.setdefault(g.kind, dict(count=0, bytes=0, overlapped=0, overlapped_bytes=0,
+                                              matmul_overlapped=0, matmul_overlapped_bytes=0))
+            row["count"] += c.count
+            row["bytes"] += c.bytes
+            if g.overlapped:
+                row["overlapped"] += c.count
+                row["overlapped_bytes"] += c.bytes
+            if g.matmul_overlapped:
+                row["matmul_overlapped"] += c.count
+                row["matmul_overlapped_bytes"] += c.bytes
+        return dict(sorted(out.items()))
 
     @property
     def matmul_flops(self) -> float:
@@ -291,6 +341,91 @@ def _in_scope(attrs: str, scope: str | None) -> bool:
     return op_name is not None and scope in op_name.group(1)
 
 
+# Instructions that launch no work and move no bytes of their own.
+_NO_TRAFFIC = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+                         "add-dependency", "partition-id", "replica-id", "opt-barrier", "domain"})
+# ... and those that are not compute for the overlap count (copies are data movement the
+# scheduler may also hide, but not the compute a collective should overlap).
+_NOT_COMPUTE = _NO_TRAFFIC | {"copy", "copy-start", "copy-done", "send", "send-done", "recv", "recv-done"}
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                          r"\s*\{([^}]*)\}")
+# Custom calls that do matmul work: cuBLAS / cuDNN GEMMs and attention, Mosaic / Triton / Pallas kernels.
+_KERNEL_TARGETS = ("cublas", "cudnn", "gemm", "mosaic", "triton", "pallas")
+
+
+def _is_kernel_call(attrs: str) -> bool:
+    target = custom_call_target(attrs).lower()
+    return any(k in target for k in _KERNEL_TARGETS)
+
+
+def replica_groups(attrs: str) -> list[list[int]] | None:
+    """A collective's device groups from its attributes: explicit ``{{0,1},{2,3}}``, iota
+    ``[G,S]<=[dims]T(perm)`` (iota over dims, transposed by perm, reshaped to G groups of S) or
+    mesh ``mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}`` (one group per coordinate of the
+    axes not named; the device at each mesh position is the iota ``device_ids`` flattened,
+    row-major ids without it); None where it has none."""
+    m = _IOTA_GROUPS.search(attrs)
+    if m:
+        import numpy as np
+        g, size = int(m.group(1)), int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return ids.reshape(g, size).tolist()
+    m = _MESH_GROUPS.search(attrs)
+    if m:
+        import numpy as np
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, dims = [a for a, _ in axes], [int(d) for _, d in axes]
+        over = {a.strip().strip("'") for a in m.group(4).split(",") if a.strip()}
+        flat = np.arange(math.prod(dims))
+        if m.group(2):
+            order = np.arange(math.prod(dims)).reshape([int(d) for d in m.group(2).split(",")])
+            if m.group(3):
+                order = order.transpose([int(p) for p in m.group(3).split(",")])
+            flat = order.reshape(-1)
+        ids = flat.reshape(dims)
+        keep = [i for i, n in enumerate(names) if n not in over]
+        moved = np.moveaxis(ids, keep, list(range(len(keep)))) if keep else ids
+        size = math.prod(d for n, d in zip(names, dims) if n in over)
+        return moved.reshape(-1, size).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
+    if m:
+        return [[int(x) for x in grp.split(",") if x] for grp in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    return None
+
+
+def source_target_pairs(attrs: str) -> tuple[tuple[int, int], ...]:
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+    if not m:
+        return ()
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1)))
+
+
+def _overlapped_starts(instrs: list[Instruction], does_matmul) -> dict[str, tuple[bool, bool]]:
+    """For every async collective start of one scheduled computation: (compute is scheduled
+    between it and its done, that compute includes matmul work). A start marked ``is_sync``
+    runs synchronously: never overlapped."""
+    starts: dict[str, int] = {}
+    out: dict[str, tuple[bool, bool]] = {}
+    for i, ins in enumerate(instrs):
+        if ins.opcode.endswith("-start") and ins.opcode[:-6] in COLLECTIVE_KINDS:
+            starts[ins.name] = i
+        elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in starts:
+            s = starts.pop(ins.operands[0])
+            start = instrs[s]
+            if '"is_sync":true' in start.attrs:
+                out[start.name] = (False, False)
+                continue
+            between = [x for x in instrs[s + 1:i] if x.opcode not in _NOT_COMPUTE
+                       and not x.opcode.endswith(("-start", "-done", "-update"))]
+            out[start.name] = (bool(between), any(does_matmul(x) for x in between))
+    return out
+
+
+
 @dataclasses.dataclass
 class _Tally:
     """What one execution of a computation does."""
@@ -302,11 +437,20 @@ class _Tally:
     kernels: Counter = dataclasses.field(default_factory=Counter)          # KernelCall -> executions
     attention_calls: Counter = dataclasses.field(default_factory=Counter)  # AttentionCall | DocsFlashCall -> executions
     uncounted: Counter = dataclasses.field(default_factory=Counter)        # target -> executions
+    groups: dict = dataclasses.field(default_factory=lambda: defaultdict(lambda: [0, 0]))  # CollectiveGroup -> [n, bytes]
+    hbm: float = 0.0
+    ragged: float = 0.0  # ragged all-to-all traffic (Stats.ragged_traffic_bytes)
 
-    def add(self, other: _Tally, times: int) -> None:
+    def add(self, other: _Tally, times: int, hbm: bool = True) -> None:
+        self.ragged += other.ragged * times
         for k, (n, b) in other.coll.items():
             self.coll[k][0] += n * times
             self.coll[k][1] += b * times
+        for k, (n, b) in other.groups.items():
+            self.groups[k][0] += n * times
+            self.groups[k][1] += b * times
+        if hbm:
+            self.hbm += other.hbm * times
         self.dot += other.dot * times
         self.batched += other.batched * times
         self.excluded += other.excluded * times
@@ -334,27 +478,111 @@ class _Reader:
         self.comps, self.entry = comps, entry
         self.types = {name: {i.name: i.result_type for i in instrs} for name, instrs in comps.items()}
         self.memo: dict[str, _Tally] = {}
+        self._overlap: dict[str, tuple[bool, bool]] = {}  # the current computation's async starts
+        self._access: dict[str, tuple] = {}  # fused computation -> what it reads of its operands
         # Instructions met in the reachable computations, each once.
         self.loops, self.unknown_loops, self.conditionals, self.uncounted_names = 0, 0, 0, []
 
     def tally(self, comp: str) -> _Tally:
         if comp not in self.memo:
             t = _Tally()
+            self._overlap = _overlapped_starts(self.comps.get(comp, []), self._does_matmul)
             for ins in self.comps.get(comp, []):
                 self._instruction(ins, comp, t)
             self.memo[comp] = t
         return self.memo[comp]
 
+    def _launch_bytes(self, ins: Instruction, types: dict[str, str]) -> float:
+        """HBM bytes one launch of ``ins`` moves: its operands and result, except that an
+        operand a fusion only slices (dynamic-slice, slice, gather inside) counts the slices,
+        and an in-place dynamic-update-slice root writes (and reads) only its update."""
+        operands = [_nbytes(_arrays(types.get(o, ""))) for o in ins.operands]
+        results = _arrays(ins.result_type)
+        if ins.opcode.endswith("-start") and len(results) > len(ins.operands):  # (operands..., outputs...)
+            results = results[len(ins.operands):]
+        result = _nbytes(results)
+        called = _called(ins.attrs, "calls") if ins.opcode == "fusion" else []
+        if called and called[0] in self.comps:
+            sliced, update_root = self._fusion_access(called[0])
+            for i, b in sliced.items():
+                if i < len(operands):
+                    operands[i] = min(operands[i], b)
+            if update_root is not None:
+                param, update = update_root
+                if param < len(operands):
+                    operands[param] = 0
+                result = min(result, update)
+        return float(sum(operands) + result)
+
+    def _fusion_access(self, comp: str):
+        """(parameter index -> bytes read where the fusion only slices it, (parameter, update
+        bytes) when the root is a dynamic-update-slice into a parameter)."""
+        if comp in self._access:
+            return self._access[comp]
+        instrs = self.comps[comp]
+        types = self.types[comp]
+        params = {i.name: int(i.operands[0]) for i in instrs
+                  if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()}
+        users: dict[str, list[Instruction]] = defaultdict(list)
+        for i in instrs:
+            for o in i.operands:
+                users[o].append(i)
+        sliced = {}
+        for name, idx in params.items():
+            aliases, frontier = {name}, [name]
+            while frontier:  # the parameter seen through bitcasts
+                for u in users.get(frontier.pop(), []):
+                    if u.opcode == "bitcast":
+                        aliases.add(u.name)
+                        frontier.append(u.name)
+            us = [u for a in aliases for u in users.get(a, []) if u.opcode != "bitcast"]
+            if us and all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] in aliases for u in us):
+                sliced[idx] = sum(_nbytes(_arrays(u.result_type)) for u in us)
+        root, update_root = instrs[-1] if instrs else None, None
+        while root is not None and root.opcode == "bitcast" and root.operands:
+            root = {i.name: i for i in instrs}.get(root.operands[0])
+        if root is not None and root.opcode == "dynamic-update-slice" and root.operands and root.operands[0] in params:
+            update_root = (params[root.operands[0]], _nbytes(_arrays(types.get(root.operands[1], ""))))
+        self._access[comp] = (sliced, update_root)
+        return self._access[comp]
+
+    def _does_matmul(self, ins: Instruction) -> bool:
+        """Whether one execution of ``ins`` does matmul work (itself or what it calls)."""
+        if ins.opcode == "dot":
+            return True
+        if ins.opcode == "custom-call":
+            return _is_kernel_call(ins.attrs)
+        called = _called(ins.attrs, "calls") + _called(ins.attrs, "body") + _called(ins.attrs, "to_apply") \
+            + _called(ins.attrs, "branch_computations")
+        saved = self._overlap
+        try:
+            return any(self.tally(c).cost()[0] > 0 for c in called if c in self.comps)
+        finally:
+            self._overlap = saved
+
     def _instruction(self, ins: Instruction, comp: str, t: _Tally) -> None:
         op, types = ins.opcode, self.types[comp]
         base = op[:-6] if op.endswith("-start") else op
+        if op not in _NO_TRAFFIC and not op.endswith(("-done", "-update")) and op not in ("while", "conditional", "call"):
+            t.hbm += self._launch_bytes(ins, types)
         if base in COLLECTIVE_KINDS and not op.endswith(("-done", "-update")):
             ins_bytes = _nbytes([a for o in ins.operands for a in _arrays(types.get(o, ""))])
             outs = _arrays(ins.result_type)
             if op.endswith("-start"):  # (operands..., outputs..., context scalars)
                 outs = [a for a in outs[len(ins.operands):] if a[1]]
+            nbytes = max(ins_bytes, _nbytes(outs))
+            if base == "ragged-all-to-all":
+                first = _arrays(types.get(ins.operands[0], "")) if ins.operands else []
+                t.ragged += min(_nbytes(first), _nbytes(outs[:1]))
             t.coll[base][0] += 1
-            t.coll[base][1] += max(ins_bytes, _nbytes(outs))
+            t.coll[base][1] += nbytes
+            overlapped, matmul = self._overlap.get(ins.name, (False, False))
+            pairs = source_target_pairs(ins.attrs)
+            groups = replica_groups(ins.attrs)
+            first = tuple(sorted({d for p in pairs for d in p})) if pairs else (tuple(groups[0]) if groups else ())
+            key = CollectiveGroup(base, first, pairs, overlapped, matmul)
+            t.groups[key][0] += 1
+            t.groups[key][1] += nbytes
         elif op == "dot":
             self._matmul(t, *_dot_flops(ins, types), ins.attrs)
         elif op == "custom-call":
@@ -365,12 +593,17 @@ class _Reader:
             self.conditionals += 1
             branches = (_called(ins.attrs, "branch_computations")
                         or _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation"))
+            saved = self._overlap
             tallies = [self.tally(b) for b in branches]
+            self._overlap = saved
             if tallies:
                 t.add(self.pick(tallies, key=_Tally.cost), 1)
         if op not in ("while", "conditional") and not op.endswith(("-done", "-update")):
+            # A fusion's inside stays on chip: its HBM traffic is the fusion's operands and result.
             for called in _called(ins.attrs, "calls") + (_called(ins.attrs, "to_apply") if op == "call" else []):
-                t.add(self.tally(called), 1)
+                saved = self._overlap
+                t.add(self.tally(called), 1, hbm=op in ("call", "async-start"))
+                self._overlap = saved
 
     def _matmul(self, t: _Tally, flops: float, batched: bool, attrs: str) -> None:
         if _in_scope(attrs, self.exclude_scope):
@@ -402,7 +635,9 @@ class _Reader:
             n = _infer_trip_count(ins, comp, self.comps)
         self.unknown_loops += n is None
         for body in _called(ins.attrs, "body"):
+            saved = self._overlap
             t.add(self.tally(body), 1 if n is None else n)
+            self._overlap = saved
 
 
 def analyze(text: str, *, branch: str = "max", exclude_scope: str | None = None) -> Stats:
@@ -425,7 +660,8 @@ def _analyze(module: tuple[dict[str, list[Instruction]], str], branch: str = "ma
         other_custom_calls=reader.uncounted_names, while_loops=reader.loops,
         unknown_trip_count_loops=reader.unknown_loops)
     return Stats({k: Collective(int(n), int(b)) for k, (n, b) in sorted(t.coll.items())}, flops,
-                 reader.conditionals, reader.unknown_loops, {k: int(n) for k, n in t.uncounted.items()})
+                 reader.conditionals, reader.unknown_loops, {k: int(n) for k, n in t.uncounted.items()},
+                 {k: Collective(int(n), int(b)) for k, (n, b) in t.groups.items()}, float(t.hbm), int(t.ragged))
 
 
 def matmul_flops(text: str, exclude_scope: str | None = None) -> MatmulFlops:

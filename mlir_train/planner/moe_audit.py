@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import sharding
-from mlir_train.planner.hlo import matmul_flops
+from mlir_train.planner.hlo import analyze
 from mlir_train.model import logical_axes
 from mlir_train.model.moe.block import ROUTER_SCOPE, MoE
 from mlir_train.model.moe.gpu import BLOCK_ROWS
@@ -41,6 +41,7 @@ class MoELayerAudit:
     temp_bytes: int
     while_loops: int
     kernel_calls: int
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> bytes per device
 
     @property
     def ratio(self) -> float:
@@ -100,7 +101,8 @@ def audit_moe_layer(cfg, parallel: sharding.Layout, devices, *, impl: str, capac
             return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
         compiled = compile_without_cache(jax.jit(step).lower(params, x, x))
-    flops = matmul_flops(compiled.as_text(), exclude_scope=ROUTER_SCOPE)
+    stats = analyze(compiled.as_text(), exclude_scope=ROUTER_SCOPE)
+    flops = stats.flops
     routed = 6.0 * tokens_per_rank * cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size / tensor_ranks
     rows = {tile: used_block_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, token_ranks, expert_ranks, seed, tile)
             for tile in {max(k.row_tile, BLOCK_ROWS) for k in flops.kernels}}
@@ -110,7 +112,7 @@ def audit_moe_layer(cfg, parallel: sharding.Layout, devices, *, impl: str, capac
         expert_flops=flops.dot_flops + sum(k.flops_for_rows(rows[max(k.row_tile, BLOCK_ROWS)]) for k in flops.kernels),
         expert_flops_bound=flops.dot_flops + flops.kernel_flops_bound, router_flops=flops.excluded_flops,
         temp_bytes=compiled.memory_analysis().temp_size_in_bytes, while_loops=flops.while_loops,
-        kernel_calls=len(flops.kernels),
+        kernel_calls=len(flops.kernels), collectives={k: c.bytes for k, c in stats.collectives.items()},
     )
 
 

@@ -91,6 +91,7 @@ estimate counts the schedule's idle ticks and 1F1B's recomputed chunk forward
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -182,10 +183,11 @@ def plan_layout(cfg: RunConfig, c: Candidate, num_devices: int, *, memory_gb: fl
     if compile_step:
         plan.compiler = f"XLA:GPU {target} (deviceless)" if devices is not None else "XLA:CPU"
         plan.compiler_note = compiler_note
-        _compile_and_audit(plan, trainer, state, batch, hlo_dir)
+        step = _compile_and_audit(plan, trainer, state, batch, hlo_dir)
         if plan.error is not None:
             return plan
         plan.compiled_for_target = devices is not None
+        _audit_communication(plan, step, model_cfg, trainer, cfg, num_micro, target)
         if peak_tflops and plan.compiled_matmul_flops:
             plan.compiled_step_time_s = plan.compiled_matmul_flops / (peak_tflops * 1e12 * assumed_mfu)
             plan.compiled_tokens_per_s = gbs * cfg.data.seq_length / plan.compiled_step_time_s
@@ -226,6 +228,7 @@ def _estimate(plan: Plan, cfg: RunConfig, trainer, model_cfg, gbs: int, num_micr
                                              seq=cfg.data.seq_length, dtype_bytes=jnp.dtype(dtype).itemsize,
                                              num_micro=num_micro, schedule=trainer.schedule)
     plan.flops_per_step = flops_lib.num_floating_point_operations(model_cfg, cfg.data.seq_length, gbs)
+    plan.tokens_per_step = gbs * cfg.data.seq_length
     if peak_tflops:
         per_stage = model_cfg.num_layers // c.layout.pipeline
         hardware = plan.flops_per_step * (3 + c.recompute.recomputed_fraction(per_stage)) / 3
@@ -236,9 +239,9 @@ def _estimate(plan: Plan, cfg: RunConfig, trainer, model_cfg, gbs: int, num_micr
     return state, batch
 
 
-def _compile_and_audit(plan: Plan, trainer, state, batch, hlo_dir: str | None) -> None:
+def _compile_and_audit(plan: Plan, trainer, state, batch, hlo_dir: str | None):
     """Compile the step and fill in its memory analysis and HLO audit (:mod:`mlir_train.planner.hlo`),
-    or ``plan.error`` where it does not compile."""
+    or ``plan.error`` where it does not compile; returns the audit (``hlo.CompiledStep``)."""
     from mlir_train.planner import hlo
 
     t0 = time.perf_counter()
@@ -251,7 +254,7 @@ def _compile_and_audit(plan: Plan, trainer, state, batch, hlo_dir: str | None) -
                 f.write(compiled.as_text())
     except Exception as e:
         plan.error = f"does not compile ({plan.compiler}): {str(e).splitlines()[0]}"
-        return
+        return None
     plan.compile_s = time.perf_counter() - t0
     plan.compiled_argument_bytes = step.argument_bytes
     plan.compiled_temp_bytes = step.temp_bytes
@@ -265,6 +268,65 @@ def _compile_and_audit(plan: Plan, trainer, state, batch, hlo_dir: str | None) -
         plan.collectives_cheapest = {k: {"count": c.count, "bytes": c.bytes}
                                      for k, c in step.stats_cheapest.collectives.items()}
     plan.uncounted_custom_calls = step.stats.uncounted_custom_calls or None
+    return step
+
+
+def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, num_micro: int,
+                         target: str | None) -> None:
+    """The communication audit (:mod:`mlir_train.planner.comm`: compiled bytes per kind against
+    Megatron's analytic volumes for the same layout, bytes by mesh axes, what the schedule
+    overlaps), the matmul FLOPs at a balanced routing, and the roofline
+    (:mod:`mlir_train.planner.roofline`) where the step was compiled for a GPU target."""
+    from mlir_train.model.moe.gpu import BLOCK_ROWS
+    from mlir_train.planner import comm, roofline
+
+    c = plan.candidate
+    stats = step.stats
+    mesh_shape = dict(trainer.mesh.shape)
+    lay = comm.CommLayout.of(c.layout, plan.num_devices)
+    per_stage = model_cfg.num_layers // c.layout.pipeline
+    plan.megatron_stage, volumes = comm.megatron_volumes(
+        model_cfg, lay, seq=cfg.data.seq_length, micro_batch=cfg.training.micro_batch_size, num_micro=num_micro,
+        recompute_fraction=c.recompute.recomputed_fraction(per_stage),
+        act_bytes=2 if trainer.step_cfg.compute_dtype in ("bf16", "bfloat16", "fp16", "float16") else 4)
+    plan.megatron_volumes = [dataclasses.asdict(v) for v in volumes]
+    plan.collective_traffic = stats.traffic()
+    plan.comm_comparison = [dict(kind=k.kind, compiled_bytes=k.compiled_bytes, megatron_bytes=k.megatron_bytes,
+                                 ratio=k.ratio) for k in comm.compare(plan.collective_traffic, volumes)]
+    rows: dict[tuple[str, str], dict[str, int]] = {}
+    for g, col in stats.collective_groups.items():
+        axes = comm.group_axes(g.group, mesh_shape) if not g.pairs else \
+            "+".join(sorted({comm.group_axes((a, b), mesh_shape) for a, b in g.pairs if a != b}))
+        row = rows.setdefault((g.kind, axes), dict(count=0, bytes=0, overlapped=0, matmul_overlapped=0))
+        row["count"] += col.count
+        row["bytes"] += col.bytes
+        row["overlapped"] += col.count if g.overlapped else 0
+        row["matmul_overlapped"] += col.count if g.matmul_overlapped else 0
+    plan.collectives_by_axes = [dict(kind=k, axes=a, **v) for (k, a), v in sorted(rows.items(), key=lambda x: -x[1]["bytes"])]
+    plan.overlap = stats.overlap()
+    per_step = (3 + c.recompute.recomputed_fraction(per_stage)) / 3
+    plan.megatron_executed_flops = plan.flops_per_step * per_step
+    kernels = stats.flops.kernels
+    if kernels:
+        balanced = sum(k.flops_for_rows(comm.balanced_kernel_rows(
+            k.rows, expert_ranks=c.layout.expert, num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,
+            block=BLOCK_ROWS, row_tile=k.row_tile)) for k in kernels)
+        plan.compiled_matmul_flops_balanced = stats.matmul_flops - stats.flops.kernel_flops_bound + balanced
+    else:
+        plan.compiled_matmul_flops_balanced = stats.matmul_flops
+    plan.hbm_bytes = stats.hbm_bytes
+    kind = DEVICE_KINDS.get(target) if target else None
+    if kind is not None and kind.compiles_for_gpu:
+        consts = roofline.device_constants(kind)
+        r = roofline.roofline(plan.compiled_matmul_flops_balanced, stats.hbm_bytes,
+                              roofline.exposed_collectives(stats.collective_groups), consts,
+                              model_flops_per_device=plan.flops_per_step / plan.num_devices,
+                              tokens_per_step=plan.tokens_per_step)
+        plan.roofline = dataclasses.asdict(r) | dict(model_tflops_per_device=r.model_tflops_per_device,
+                                                     tokens_per_s=r.tokens_per_s, bound=r.bound,
+                                                     constants=dataclasses.asdict(consts))
+        ref = roofline.MEGATRON_BRIDGE_REFERENCE.get(model_cfg.name)
+        plan.published_reference = dict(zip(("tflops_per_device", "device", "precision", "source"), ref)) if ref else None
 
 
 def _planner_parser() -> argparse.ArgumentParser:

@@ -46,6 +46,19 @@ class Plan:
     tokens_per_s: float | None = None
     compiled_step_time_s: float | None = None  # from the compiled matmul FLOPs at the same fraction of peak
     compiled_tokens_per_s: float | None = None
+    # The communication audit, overlap and roofline (mlir_train.planner.comm / roofline).
+    tokens_per_step: int = 0
+    megatron_stage: int | None = None        # the pipeline stage whose device Megatron's volumes are for
+    megatron_volumes: list[dict] | None = None  # comm.Volume rows
+    collective_traffic: dict[str, dict[str, int]] | None = None  # ragged all-to-alls at their traffic
+    comm_comparison: list[dict] | None = None    # kind, compiled_bytes, megatron_bytes, ratio
+    collectives_by_axes: list[dict] | None = None  # kind, axes, count, bytes, overlapped, matmul_overlapped
+    overlap: dict[str, dict[str, int]] | None = None  # kind -> executions (and bytes) overlapped
+    megatron_executed_flops: float | None = None  # model FLOPs x (3 + recomputed share) / 3, all devices
+    compiled_matmul_flops_balanced: float | None = None  # per device, block kernels at a balanced routing
+    hbm_bytes: float | None = None
+    roofline: dict | None = None
+    published_reference: dict | None = None
     capacity_bytes: float = 0.0
     compile_s: float | None = None
     error: str | None = None
@@ -77,6 +90,13 @@ class Plan:
         if self.compiled_matmul_flops is None or not self.flops_per_step:
             return None
         return self.compiled_matmul_flops * self.num_devices / self.flops_per_step
+
+    @property
+    def executed_flop_ratio(self) -> float | None:
+        """Compiled matmul FLOPs at a balanced routing (all devices) / Megatron's executed FLOPs."""
+        if self.compiled_matmul_flops_balanced is None or not self.megatron_executed_flops:
+            return None
+        return self.compiled_matmul_flops_balanced * self.num_devices / self.megatron_executed_flops
 
     def ranking_key(self) -> tuple[float, int]:
         speed = self.compiled_tokens_per_s if self.compiled_for_target and self.compiled_tokens_per_s else self.tokens_per_s
@@ -120,6 +140,45 @@ def _compiled_lines(plan: Plan) -> list[str]:
     if plan.uncounted_custom_calls:
         lines.append("    custom calls whose FLOPs the HLO does not show (not counted): "
                      + ", ".join(f"{t} x{n}" for t, n in plan.uncounted_custom_calls.items()))
+    return lines + _audit_lines(plan)
+
+
+def _audit_lines(plan: Plan) -> list[str]:
+    """The communication audit, the overlap counts and the roofline of a compiled plan."""
+    from mlir_train.planner.comm import gib
+
+    lines = []
+    if plan.executed_flop_ratio is not None:
+        lines.append(f"    matmul FLOPs at a balanced routing {plan.compiled_matmul_flops_balanced:.3e} per device = "
+                     f"{plan.executed_flop_ratio:.2f}x Megatron's executed FLOPs ({plan.megatron_executed_flops:.3e}: "
+                     "model FLOPs with its recompute)")
+    if plan.comm_comparison:
+        lines.append(f"  communication per device per step: compiled vs Megatron's analytic volume "
+                     f"(mlir_train.planner.comm; Megatron's busiest stage, {plan.megatron_stage}; "
+                     "ragged all-to-all at its traffic, not its buffer):")
+        for row in plan.comm_comparison:
+            ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "(Megatron: none)"
+            lines.append(f"    {row['kind']:<15s} compiled {gib(row['compiled_bytes']):>11s}  Megatron "
+                         f"{gib(row['megatron_bytes']):>11s}  {ratio}")
+    if plan.collectives_by_axes:
+        lines.append("  compiled collectives by mesh axes (executions overlapped with compute / with matmuls):")
+        for row in plan.collectives_by_axes:
+            if row["bytes"] >= 2**20:
+                lines.append(f"    {row['kind']:<19s} {row['axes']:<24s} {row['count']:6d}x {gib(row['bytes']):>11s}  "
+                             f"overlapped {row['overlapped']}/{row['count']}, with matmuls {row['matmul_overlapped']}")
+    if plan.roofline:
+        r, k = plan.roofline, plan.roofline["constants"]
+        lines.append(f"  roofline (an ESTIMATE, per device): matmul {r['compute_s']:.2f}s at {k['peak_flops'] / 1e12:.0f} "
+                     f"TFLOP/s, HBM {r['memory_s']:.2f}s at {k['hbm_bytes_per_s'] / 1e12:.2f} TB/s "
+                     f"({plan.hbm_bytes / 1e12:.1f} TB), exposed collectives {r['comm_s']:.2f}s at "
+                     f"{k['link_bytes_per_s'] / 1e9:.0f} GB/s ({gib(r['exposed_bytes'])}): step {r['step_s']:.2f}s "
+                     f"({r['bound']}-bound), {r['tokens_per_s']:,.0f} tokens/s, "
+                     f"{r['model_tflops_per_device']:.0f} model TFLOP/s per device")
+        lines.append("    constants: " + "; ".join(f"{n}: {s}" for n, s in k["sources"].items()))
+        if plan.published_reference:
+            ref = plan.published_reference
+            lines.append(f"    published: {ref['tflops_per_device']:.0f} model TFLOP/s per {ref['device']} "
+                         f"({ref['precision']}; {ref['source']})")
     return lines
 
 
@@ -180,6 +239,7 @@ def write_json(path: str | None, plans: list[Plan]) -> None:
             del row["candidate"]
             rows.append({"layout": dataclasses.asdict(p.candidate.layout) | {"recompute": p.candidate.recompute.name}}
                         | row | {"total_bytes": p.total_bytes, "needed_bytes": p.needed_bytes,
-                               "verdict_from": p.verdict_from, "flop_ratio": p.flop_ratio, "fits": p.fits})
+                               "verdict_from": p.verdict_from, "flop_ratio": p.flop_ratio, "fits": p.fits,
+                               "executed_flop_ratio": p.executed_flop_ratio})
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)

@@ -31,7 +31,8 @@ is kept as the user wrote it, and reported as kept):
   configs): the latency-hiding scheduler (collectives overlap compute instead of running in
   program order), collective combining up to 128 MiB per op (fewer, larger NCCL calls), the
   pipelined all-gather / reduce-scatter / all-reduce of scanned layers (layer i+1's weights
-  gather during layer i), a high-priority stream for collectives, and the BFC pool at 95 % of
+  gather during layer i), up to 4 collectives in flight at once (the scheduler's default is
+  one), a high-priority stream for collectives, and the BFC pool at 95 % of
   device memory (JAX's default is 75 %; the planner's usable fraction is the same 95 %).
 * Compile-only (the planner): CPU, plus the GPU flags (so the deviceless XLA:GPU compile is the
   program ``sft`` would run) and no LLVM optimisation (nothing compiled there ever runs).
@@ -56,6 +57,11 @@ GPU_XLA_FLAGS: dict[str, str] = {
     "xla_gpu_enable_pipelined_all_gather": "true",
     "xla_gpu_enable_pipelined_reduce_scatter": "true",
     "xla_gpu_enable_pipelined_all_reduce": "true",
+    # Up to 4 async collectives in flight at once (XLA's default: 1): the latency-hiding
+    # scheduler then overlaps the per-tick gradient all-reduces with the next matmuls as well as
+    # the SP gathers (seed layout: 4619 of 4819 expert-axis all-reduces have matmul work between
+    # start and done instead of 198; +0.5 GiB of buffers; benchmarks/README.md, comm audit).
+    "xla_gpu_experimental_parallel_collective_overlap_limit": "4",
 }
 # Fraction of device memory JAX's allocator takes up front; the rest is for the CUDA context,
 # NCCL buffers and cuBLAS workspaces. The planner fits a step into the same fraction.

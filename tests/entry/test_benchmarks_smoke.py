@@ -126,3 +126,18 @@ def test_gpu_kernels_h200_cpu_smoke():
                         out, re.MULTILINE)
         assert row, (name, out)
         assert float(row.group(2)) < 3e-2 and float(row.group(4)) < 3e-2, (name, row.group(0))
+
+
+@pytest.mark.slow
+def test_comm_audit_benchmark_quick():  # ~15-25 s of CPU per layout; deviceless XLA:GPU
+    from mlir_train.planner.targets import gpu_compiler_missing
+
+    if gpu_compiler_missing():
+        pytest.skip(f"deviceless XLA:GPU: {gpu_compiler_missing()}")
+    out = _run("comm_audit.py", "--quick", "--layouts", "seed,tp4ep8", timeout=900)
+    for layout in ("seed", "tp4ep8"):
+        assert re.search(rf"^ratio {layout} flops: \d+\.\d+x Megatron's executed FLOPs", out, re.MULTILINE), out
+        assert re.search(rf"^ratio {layout} all-to-all: \d+\.\d+x Megatron's analytic volume", out, re.MULTILINE), out
+        assert re.search(rf"^ratio {layout} memory: \d+\.\d+ GiB per device", out, re.MULTILINE), out
+    assert re.search(r"overlapped with compute: EP all-to-all \d+/\d+", out), out
+    assert "roofline (estimate)" in out and "Megatron-Bridge published: 299 per H100" in out

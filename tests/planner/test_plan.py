@@ -64,6 +64,13 @@ def test_qwen3_30b_a3b_tp2_ep2_distopt_on_8_h200(tmp_path):
     assert plan["flops_per_step"] > 0 and plan["tokens_per_s"] > 0
     assert plan["compiled_temp_bytes"] > 0 and "not a GPU budget" in text
     assert plan["verdict_from"] == "estimate" and "--xla-cpu" in text
+    # The communication audit is in the text and the JSON: the EP all-to-all against Megatron's
+    # (TP2 SP-less here: Megatron's top-k rows of the whole sequence, forward twice with full recompute).
+    kinds = {r["kind"]: r for r in plan["comm_comparison"]}
+    assert kinds["all-to-all"]["megatron_bytes"] > 0 and kinds["all-to-all"]["compiled_bytes"] > 0
+    assert "compiled vs Megatron's analytic volume" in text
+    assert plan["megatron_executed_flops"] == pytest.approx(plan["flops_per_step"] * 4 / 3)
+    assert plan["roofline"] is None  # no GPU target compiled: no roofline
 
 
 def test_qwen3_235b_a22b_tp4_ep8_distopt_on_64_h100(tmp_path):

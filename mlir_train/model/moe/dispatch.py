@@ -9,6 +9,7 @@ Shape suffixes as in :mod:`mlir_train.model.moe.block`. Every function takes the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from mlir_train.model.moe.experts import (
     BlockKernels, blocked_experts, grouped_experts, ragged_experts, swiglu_down, swiglu_experts,
 )
-from sharding import constrain
+from sharding import constrain, varying_axes
 
 MOE_IMPLS = ("dense", "padded", "ragged", "grouped")
 # The implementation a run takes when the user names none, by the platform it compiles for:
@@ -245,18 +246,14 @@ def ep_ragged(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes,
     recv_offsets_E = (jnp.cumsum(by_expert) - by_expert).reshape(el, ep).T.reshape(-1)
     # The most a rank can receive: every token of every source, once per local expert.
     max_rows = ep * s * min(k, el)
-    recv_MD = ragged_a2a(
-        x_SD[token_A], jnp.zeros((max_rows, d), x_SD.dtype), send_offsets_E, send_sizes_E,
-        a2a(recv_offsets_E), recv_sizes_E, axis_name=ep_axes,
-    )
+    recv_MD = ragged_into_zeros(
+        ragged_a2a, x_SD[token_A], max_rows, send_offsets_E, send_sizes_E, a2a(recv_offsets_E), recv_sizes_E, ep_axes)
     group_sizes_L = jnp.sum(recv_RL, axis=0)
     g_MF = jax.lax.ragged_dot(recv_MD, wg, group_sizes_L)
     out_MD = swiglu_down(g_MF, jax.lax.ragged_dot(recv_MD, wu, group_sizes_L),
                          lambda h_MF: jax.lax.ragged_dot(h_MF, wd, group_sizes_L), plan.recompute_act)
-    y_AD = ragged_a2a(
-        out_MD, jnp.zeros((s * k, d), x_SD.dtype), recv_offsets_E, recv_sizes_E,
-        a2a(send_offsets_E), send_sizes_E, axis_name=ep_axes,
-    )
+    y_AD = ragged_into_zeros(
+        ragged_a2a, out_MD, s * k, recv_offsets_E, recv_sizes_E, a2a(send_offsets_E), send_sizes_E, ep_axes)
     return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
 
 
@@ -283,17 +280,66 @@ def ep_grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes
     layout = block_grouping(jnp.sum(recv_RL, axis=0), b, n_blocks)
     recv_offsets_E = (layout[2][None, :] * b + jnp.cumsum(recv_RL, axis=0) - recv_RL).reshape(-1).astype(jnp.int32)
     recv_sizes_E = recv_RL.reshape(-1)
-    recv_MD = ragged_a2a(
-        x_SD[token_A], jnp.zeros((n_blocks * b, d), x_SD.dtype), send_offsets_E, send_sizes_E,
-        a2a(recv_offsets_E), recv_sizes_E, axis_name=ep_axes,
-    )
+    recv_MD = ragged_into_zeros(
+        ragged_a2a, x_SD[token_A], n_blocks * b, send_offsets_E, send_sizes_E, a2a(recv_offsets_E), recv_sizes_E,
+        ep_axes)
     ones_M = jnp.ones_like(recv_MD[:, 0])  # the routing weights are applied at home
     out_MD = grouped_experts(plan.block_kernels, recv_MD, ones_M, *weights, *layout)
-    y_AD = ragged_a2a(
-        out_MD, jnp.zeros((s * k, d), x_SD.dtype), recv_offsets_E, recv_sizes_E,
-        a2a(send_offsets_E), send_sizes_E, axis_name=ep_axes,
-    )
+    y_AD = ragged_into_zeros(
+        ragged_a2a, out_MD, s * k, recv_offsets_E, recv_sizes_E, a2a(send_offsets_E), send_sizes_E, ep_axes)
     return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
+
+
+def ragged_into_zeros(ragged_a2a, operand, rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
+    """``ragged_a2a(operand, zeros((rows, ...)), offsets and sizes...)``: the slices land in a
+    fresh zero buffer of ``rows`` rows, typed varying over the manual axes the operand varies
+    over. ``jax.lax.ragged_all_to_all`` (jax 0.10.2) gives its result the output buffer's type:
+    with plain zeros the rows a rank received were typed the same on every rank, and the block
+    kernels' custom VJP (``experts._common_vma``) then all-reduced their input gradient over
+    every manual axis, the whole receive buffer per call (about 420 GiB per step on the seed
+    layout, benchmarks/README.md's communication audit), summing unrelated ranks' rows. The VJP
+    transposes the operand only (JAX's rule also instantiates a tangent for the zeros)."""
+    shapes = (rows, operand.shape, jnp.dtype(operand.dtype).name, tuple(sorted(varying_axes(operand))))
+    return _into_zeros(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _into_zeros(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes):
+    rows, shape, dtype, vma = shapes
+    # The result takes the output buffer's type (jax 0.10.2's rule): mark the fresh zeros varying
+    # as the rows that land in them are, or the region would treat what each rank receives as
+    # the same on every rank (and the experts' custom VJP would sum its gradient over the ranks).
+    output = jnp.zeros((rows,) + tuple(shape[1:]), dtype)
+    if vma:
+        output = jax.lax.pcast(output, vma, to="varying")
+    return ragged_a2a(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
+
+
+def _into_zeros_fwd(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes):
+    out = _into_zeros(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes)
+    return out, (input_offsets, send_sizes, output_offsets, recv_sizes)
+
+
+def _into_zeros_bwd(ragged_a2a, shapes, axis_name, res, ct):
+    # The slices go back: what arrived at (output offset, recv size) returns to (input offset,
+    # send size); each rank's offsets into the other's buffer come by all-to-all (JAX's rule).
+    input_offsets, send_sizes, output_offsets, recv_sizes = res
+    _, shape, dtype, vma = shapes
+
+    def a2a(v):
+        return jax.lax.all_to_all(v, axis_name, 0, 0, tiled=True)
+
+    zero = jnp.zeros(shape, dtype)
+    operand_ct = ragged_a2a(ct, zero, a2a(output_offsets), recv_sizes, a2a(input_offsets), send_sizes,
+                            axis_name=axis_name)
+    # The operand's cotangent has the operand's type: varying over the manual axes it varies over.
+    missing = tuple(a for a in vma if a not in varying_axes(operand_ct))
+    if missing:
+        operand_ct = jax.lax.pcast(operand_ct, missing, to="varying")
+    return operand_ct, None, None, None, None
+
+
+_into_zeros.defvjp(_into_zeros_fwd, _into_zeros_bwd)
 
 
 def ragged_all_to_all_dense(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):

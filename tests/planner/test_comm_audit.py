@@ -1,0 +1,258 @@
+"""The communication audit's pieces: Megatron's analytic volumes (mlir_train.planner.comm) against
+hand counts and megatron-core's own pipeline message shape, the HLO reader's replica groups,
+overlap counter, ragged traffic and HBM bytes on a handwritten scheduled module, and the
+roofline's arithmetic (mlir_train.planner.roofline)."""
+
+import types
+
+import pytest
+
+from mlir_train.config.models import get_model_config
+from mlir_train.planner import comm, hlo, roofline
+from mlir_train.planner.targets import DEVICE_KINDS
+
+TINY = get_model_config("qwen3-moe-tiny")
+
+
+def _kinds(volumes):
+    out = {}
+    for v in volumes:
+        c, b = out.get(v.kind, (0, 0))
+        out[v.kind] = (c + v.count, b + v.bytes)
+    return out
+
+
+def _params(cfg, tp, ep, etp):
+    """Per device of one stage holding every layer (hand count): TP-split, TP-replicated, expert."""
+    h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    attn = (h * d * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * d * h) // tp
+    dense = L * attn + 2 * cfg.vocab_size * h // tp
+    replicated = L * (2 * h + 2 * d + h * cfg.num_experts) + h
+    expert = L * cfg.num_experts // ep * 3 * h * cfg.moe_intermediate_size // etp
+    return dense, replicated, expert
+
+
+def test_megatron_volumes_tp2_sp_ep2_distopt_by_hand():
+    """8 devices, TP2 + SP, EP2 (ETP = TP), no pipeline, distributed optimizer: DP 4, expert DP 2."""
+    cfg, seq, m = TINY, 64, 3
+    lay = comm.CommLayout(8, tensor=2, expert=2, sequence_parallel=True, distributed_optimizer=True)
+    stage, vols = comm.megatron_volumes(cfg, lay, seq=seq, micro_batch=1, num_micro=m)
+    assert stage == 0
+    h, L, k = cfg.hidden_size, cfg.num_layers, cfg.top_k
+    act = seq * h * 2                          # one [T, h] bf16 buffer
+    rows = seq // 2 * k                        # each TP rank routes its T/TP tokens
+    dense, replicated, expert = _params(cfg, 2, 2, 2)
+    got = _kinds(vols)
+    # Attention: forward AG + RS; backward AG (output grad) + AG (input again) + RS (input grad).
+    # MoE: ETP all-gather after the dispatch, reduce-scatter before the combine, forward and backward.
+    # Embedding RS + its backward AG; LM head AG forward, AG + RS backward (and its output-grad AG).
+    assert got["all-gather"] == (3 * m * L + 2 * m * L + m + 3 * m + 2,
+                                 3 * m * L * act + 2 * m * L * rows * 2 * h * 2 + m * act + 3 * m * act
+                                 + (dense + replicated) * 2 + expert * 2)
+    assert got["reduce-scatter"] == (2 * m * L + 2 * m * L + m + m + 2,
+                                     2 * m * L * act + 2 * m * L * rows * 2 * h * 2 + 2 * m * act
+                                     + (dense + replicated) * 4 + expert * 4)
+    # Dispatch + combine of top-k rows, forward and backward, and the routing probabilities (float32).
+    assert got["all-to-all"] == (4 * m * L + 2 * m * L, 4 * m * L * rows * h * 2 + 2 * m * L * rows * 4)
+    # The norms' and router's gradients over TP once; the vocab-parallel loss's three [T] float32 reductions.
+    assert got["all-reduce"] == (1 + 3 * m, replicated * 4 + 3 * m * seq * 4)
+    assert "send/recv" not in got
+    groups = {(v.purpose.split()[0], v.group, v.group_size) for v in vols if "grads" in v.purpose}
+    assert ("dense", "dp", 4) in groups and ("expert", "edp", 2) in groups
+
+
+def test_megatron_volumes_without_sp_or_distopt_are_all_reduces():
+    cfg, seq, m = get_model_config("qwen3-tiny"), 32, 2
+    lay = comm.CommLayout(4, tensor=2)
+    _, vols = comm.megatron_volumes(cfg, lay, seq=seq, micro_batch=2, num_micro=m)
+    got = _kinds(vols)
+    assert set(got) == {"all-reduce"}
+    act = 2 * seq * cfg.hidden_size * 2
+    blocks = 2 * cfg.num_layers            # attention and MLP per layer: forward + backward all-reduce each
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer = (h * d * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size) // 2
+    embeddings = cfg.vocab_size * h // 2 * (1 if cfg.tie_word_embeddings else 2)
+    grads = (cfg.num_layers * (per_layer + 2 * h + 2 * d) + embeddings + h) * 4
+    count, nbytes = got["all-reduce"]
+    assert count == 2 * m * blocks + m + m + 3 * m + 1  # blocks, embedding, LM head input grad, loss, grads
+    assert nbytes == 2 * m * blocks * act + 2 * m * act + 3 * m * 2 * seq * 4 + grads
+
+
+def test_full_recompute_reruns_the_forward_collectives():
+    lay = comm.CommLayout(8, tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)
+    _, none = comm.megatron_volumes(TINY, lay, seq=64, micro_batch=1, num_micro=2)
+    _, full = comm.megatron_volumes(TINY, lay, seq=64, micro_batch=1, num_micro=2, recompute_fraction=1.0)
+    a2a = lambda vols: [v for v in vols if v.purpose.startswith("MoE dispatch")][0]  # noqa: E731
+    assert a2a(full).count == a2a(none).count * 3 // 2      # dispatch + combine: 1 -> 2 forwards, 1 backward
+    assert not [v for v in none if "ETP" in v.purpose]      # ETP1: no expert-tensor gather
+
+
+def test_pipeline_message_is_megatron_cores_tensor_shape():
+    """Megatron-core's own p2p shape (schedules.get_tensor_shapes): [s / CP / TP (SP), mb, h]."""
+    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    cfg, seq, mb, m = TINY, 128, 2, 4
+    for tp, sp in ((2, True), (2, False), (1, False)):
+        group = lambda n: types.SimpleNamespace(size=lambda: n)  # noqa: E731
+        (shape,) = schedules.get_tensor_shapes(
+            seq_length=seq, micro_batch_size=mb, decoder_seq_length=None,
+            config=types.SimpleNamespace(sequence_parallel=sp, hidden_size=cfg.hidden_size),
+            tp_group=group(tp), cp_group=group(1))
+        lay = comm.CommLayout(8, tensor=tp, pipeline=2, sequence_parallel=sp)
+        first = comm.megatron_stage_volumes(cfg, lay, seq=seq, micro_batch=mb, num_micro=m, stage=0)
+        (pp,) = [v for v in first if v.kind == "send/recv"]
+        assert pp.count == m and pp.bytes == m * shape[0] * shape[1] * shape[2] * 2
+
+
+def test_pipeline_stages_and_busiest_stage():
+    assert [len(r) for r in comm.stage_layers(10, 3, first=2)] == [2, 4, 4]
+    with pytest.raises(ValueError):
+        comm.stage_layers(10, 3)
+    lay = comm.CommLayout(8, tensor=2, pipeline=4, sequence_parallel=True)
+    middle = comm.megatron_stage_volumes(TINY, lay, seq=64, micro_batch=1, num_micro=4, stage=1)
+    (pp,) = [v for v in middle if v.kind == "send/recv"]
+    assert pp.count == 8                     # a middle stage sends activations forward and gradients back
+    assert not [v for v in middle if "embedding" in v.purpose or "LM head" in v.purpose]
+
+
+def test_compare_sums_the_compiled_kinds():
+    vols = [comm.Volume("all-to-all", "x", "ep", 2, 4, 400), comm.Volume("send/recv", "p", "pp", 2, 2, 100)]
+    rows = {r.kind: r for r in comm.compare({"all-to-all": {"count": 1, "bytes": 100},
+                                             "ragged-all-to-all": {"count": 2, "bytes": 500},
+                                             "all-reduce": {"count": 1, "bytes": 8}}, vols)}
+    assert rows["all-to-all"].compiled_bytes == 600 and rows["all-to-all"].ratio == 1.5
+    assert rows["all-reduce"].ratio is None and rows["send/recv"].compiled_bytes == 0
+
+
+def test_balanced_kernel_rows_and_group_axes():
+    # The seed's receive buffer: EP2, 2048 tokens x top-8 per rank, 64 local experts, blocks of 64.
+    assert comm.balanced_kernel_rows(36864, expert_ranks=2, num_experts=128, top_k=8, block=64) == 16384
+    # 100 rows per expert round up to two blocks of 64.
+    assert comm.balanced_kernel_rows(4 * 800 + 8 * 64, expert_ranks=4, num_experts=32, top_k=8, block=64) == 8 * 128
+    mesh = {"stage": 2, "data": 1, "expert": 2, "tensor": 2}
+    assert comm.group_axes((0, 1), mesh) == "tensor"
+    assert comm.group_axes((0, 2), mesh) == "expert"
+    assert comm.group_axes((0, 1, 2, 3), mesh) == "expert+tensor"
+    assert comm.group_axes((1, 5), mesh) == "stage"
+
+
+SCHEDULED = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_mm (p0: f32[64,64], p1: f32[64,64]) -> f32[64,64] {
+  %p0 = f32[64,64]{1,0} parameter(0)
+  %p1 = f32[64,64]{1,0} parameter(1)
+  ROOT %d = f32[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_neg (q0: f32[64,64]) -> f32[64,64] {
+  %q0 = f32[64,64]{1,0} parameter(0)
+  ROOT %n = f32[64,64]{1,0} negate(%q0)
+}
+
+%fused_slice (r0: s32[], r1: f32[8,64,64]) -> f32[1,64,64] {
+  %r1 = f32[8,64,64]{2,1,0} parameter(1)
+  %bc = f32[8,64,64]{2,1,0} bitcast(%r1)
+  %r0 = s32[] parameter(0)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,64,64]{2,1,0} dynamic-slice(%bc, %r0, %z, %z), dynamic_slice_sizes={1,64,64}
+}
+
+ENTRY %main (x: f32[64,64], y: f32[64,64], w: f32[8,64,64], i: s32[]) -> f32[64,64] {
+  %x = f32[64,64]{1,0} parameter(0)
+  %y = f32[64,64]{1,0} parameter(1)
+  %w = f32[8,64,64]{2,1,0} parameter(2)
+  %i = s32[] parameter(3)
+  %ar-start = f32[64,64]{1,0} all-reduce-start(%x), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %mm = f32[64,64]{1,0} fusion(%x, %y), kind=kOutput, calls=%fused_mm
+  %ar-done = f32[64,64]{1,0} all-reduce-done(%ar-start)
+  %ag-start = (f32[64,64]{1,0}, f32[128,64]{1,0}) all-gather-start(%mm), replica_groups=[2,2]<=[4], dimensions={0}
+  %neg = f32[64,64]{1,0} fusion(%ar-done), kind=kLoop, calls=%fused_neg
+  %ag-done = f32[128,64]{1,0} all-gather-done(%ag-start)
+  %rs-start = ((f32[128,64]{1,0}), f32[64,64]{1,0}) reduce-scatter-start(%ag-done), replica_groups=mesh['a'=2,'b'=2] {'a'}, dimensions={0}, to_apply=%add
+  %rs-done = f32[64,64]{1,0} reduce-scatter-done(%rs-start)
+  %cp-start = (f32[64,64]{1,0}, f32[64,64]{1,0}) collective-permute-start(%rs-done), source_target_pairs={{0,2},{1,3}}, backend_config={"collective_backend_config":{"is_sync":true}}
+  %sl = f32[1,64,64]{2,1,0} fusion(%i, %w), kind=kLoop, calls=%fused_slice
+  %cp-done = f32[64,64]{1,0} collective-permute-done(%cp-start)
+  ROOT %out = f32[64,64]{1,0} fusion(%cp-done), kind=kLoop, calls=%fused_neg
+}
+"""
+
+
+def test_overlap_groups_and_hbm_bytes_of_a_scheduled_module():
+    st = hlo.analyze(SCHEDULED)
+    ov = st.overlap()
+    # all-reduce: a matmul fusion between start and done; all-gather: an elementwise fusion only;
+    # reduce-scatter: nothing between; the permute has a fusion between but runs synchronously.
+    assert ov["all-reduce"]["overlapped"] == 1 and ov["all-reduce"]["matmul_overlapped"] == 1
+    assert ov["all-gather"]["overlapped"] == 1 and ov["all-gather"]["matmul_overlapped"] == 0
+    assert ov["reduce-scatter"]["overlapped"] == 0
+    assert ov["collective-permute"]["overlapped"] == 0
+    groups = {g.kind: g for g in st.collective_groups}
+    assert groups["all-reduce"].group == (0, 1)
+    assert groups["all-gather"].group == (0, 1)              # [2,2]<=[4]: {0,1},{2,3}
+    assert groups["reduce-scatter"].group == (0, 2)          # mesh a x b, groups over a
+    assert groups["collective-permute"].pairs == ((0, 2), (1, 3))
+    assert st.collectives["all-gather"].bytes == 128 * 64 * 4  # the gathered buffer
+    f = 64 * 64 * 4
+    # Launched work reads its operands and writes its result once; the dynamic-slice fusion reads
+    # one [64, 64] slice of the stacked [8, 64, 64] operand, not all of it.
+    hbm = (2 * f)            # all-reduce
+    hbm += 3 * f             # matmul fusion
+    hbm += f + 2 * f         # all-gather (in, out)
+    hbm += 2 * f             # negate
+    hbm += 2 * f + f         # reduce-scatter
+    hbm += 2 * f             # permute (operand, output)
+    hbm += 4 + f + f         # slice fusion: index, the slice read, the slice written
+    hbm += 2 * f             # root negate
+    assert st.hbm_bytes == hbm
+
+
+def test_ragged_all_to_all_traffic_is_the_smaller_buffer():
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[16,8], o: s64[2]) -> bf16[64,8] {
+  %x = bf16[16,8]{1,0} parameter(0)
+  %o = s64[2]{0} parameter(1)
+  %z = bf16[64,8]{1,0} constant({...})
+  %r-start = ((bf16[16,8]{1,0}, bf16[64,8]{1,0}, s64[2]{0}, s64[2]{0}, s64[2]{0}, s64[2]{0}), bf16[64,8]{1,0}) ragged-all-to-all-start(%x, %z, %o, %o, %o, %o), replica_groups={{0,1}}
+  ROOT %r-done = bf16[64,8]{1,0} ragged-all-to-all-done(%r-start)
+}
+"""
+    st = hlo.analyze(text)
+    assert st.collectives["ragged-all-to-all"].bytes == 64 * 8 * 2 + 16 * 8 * 2 + 4 * 16  # operands (worst case)
+    assert st.ragged_traffic_bytes == 16 * 8 * 2
+    assert st.traffic()["ragged-all-to-all"]["bytes"] == 16 * 8 * 2
+
+
+def test_replica_group_forms():
+    assert hlo.replica_groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1), x") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert hlo.replica_groups("replica_groups=mesh['a'=2,'b'=1,'c'=4] {'a'}, x") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert hlo.replica_groups("replica_groups=mesh['a'=2,'b'=2,'c'=2], device_ids=([2,2,2]T(0,2,1)) {'a'}, x") \
+        == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert hlo.replica_groups("replica_groups={{0,1,2,3}}, x") == [[0, 1, 2, 3]]
+    assert hlo.replica_groups("channel_id=1, x") is None
+
+
+def test_roofline_arithmetic_and_constants():
+    k = roofline.device_constants(DEVICE_KINDS["h200"])
+    assert k.hbm_bytes_per_s == 4.8e12 and k.active_links == 18 and k.link_bytes_per_s == 450e9
+    assert k.peak_flops == 989e12 and "h200.txtpb" in k.sources["hbm"] and "active_links" in k.sources["links"]
+    assert roofline.device_constants(DEVICE_KINDS["b200"]).link_bytes_per_s == 900e9
+    assert roofline.bus_factor("all-reduce", 4) == 1.5
+    assert roofline.bus_factor("all-gather", 4) == 0.75 and roofline.bus_factor("collective-permute", 2) == 1
+    assert roofline.bus_factor("all-reduce", 1) == 0
+    r = roofline.roofline(989e12 * 2, 4.8e12, [("all-reduce", 2, 450e9), ("all-gather", 4, 600e9)], k,
+                          model_flops_per_device=989e12, tokens_per_step=1000)
+    assert r.compute_s == pytest.approx(2.0) and r.memory_s == pytest.approx(1.0)
+    assert r.comm_s == pytest.approx(1.0 + 1.0)          # 450e9 x 1 and 600e9 x 3/4 over 450 GB/s
+    assert r.step_s == pytest.approx(4.0) and r.bound == "compute"
+    assert r.model_tflops_per_device == pytest.approx(989 / 4) and r.tokens_per_s == pytest.approx(250)
+    ex = roofline.exposed_collectives({
+        hlo.CollectiveGroup("all-reduce", (0, 1), (), False, False): hlo.Collective(3, 300),
+        hlo.CollectiveGroup("all-gather", (0, 1), (), True, True): hlo.Collective(3, 900)})
+    assert ex == [("all-reduce", 2, 300.0)]
