@@ -5,13 +5,20 @@ tick loop, R a number in it. Shape suffixes as in :mod:`mlir_train.train.pipelin
 At tick ``t`` stage ``s`` runs the forward of item ``t - s`` and the backward of item
 ``t - (R*P - 1) - (P - 1 - s)``, items taken in Megatron's order (groups of P micro-batches,
 chunk by chunk forward and in reverse backward, so a micro-batch coming round the ring is
-needed the very next tick: no ring buffer). The forward keeps only the item's input in a
-``2*R*P - 1``-slot buffer; the backward recomputes the chunk from it under ``jax.vjp`` (with
-the layers' own ``--recompute-granularity`` policy inside), starts from the cotangent the next
-stage sent the tick before (the head's, on the last chunk of the last stage), adds the weight
-gradients to float32 accumulators in the scan carry and sends the input cotangent back with a
-second ``ppermute``. The step takes these gradients directly
-(``Trainer._pipeline_value_and_grad``), not autodiff through the scan.
+needed the very next tick: no ring buffer). The forward runs the chunk under ``jax.vjp`` and
+keeps its residuals (what the layers' ``--recompute-granularity`` policy saves: every
+activation without recompute, each recomputed layer's input under ``full``) in a slot buffer
+in the scan carry, ``2*R*P - 2`` slots (stage 0's longest forward-to-backward lifetime; the
+backward reads its slot before the forward refills it). The weights and the micro-batch's
+layer context among the residuals are not stored: the backward takes them from its own item.
+On the last chunk of the last stage the head's loss and gradient are taken in the forward's
+tick, and that item's backward, in the same tick, starts from them with this tick's residuals.
+Elsewhere the backward starts from the cotangent the next stage sent the tick before, applies
+the saved pullback (so the step does Megatron's 3 passes, 4 with full recompute, where the
+only recompute is the checkpointed layers' own), adds the weight gradients to float32
+accumulators in the scan carry and sends the input cotangent back with a second
+``ppermute``. The step takes these gradients directly (``Trainer._pipeline_value_and_grad``),
+not autodiff through the scan.
 """
 
 from __future__ import annotations
@@ -44,18 +51,18 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     One ``lax.scan`` over ticks. At tick ``t`` stage ``s`` runs the forward of item
     ``w = t - s`` and the backward of item ``u = t - (R*P - 1) - (P - 1 - s)``: an item is one
     chunk of one micro-batch, taken in Megatron's order (groups of ``P`` micro-batches, chunk
-    by chunk forward and in reverse backward). The forward keeps only the chunk's input, in a
-    ``2*R*P - 1``-slot buffer; the backward recomputes the chunk from it under ``jax.vjp``
-    (with the layers' own ``remat`` policy inside), takes the cotangent its successor sent the
-    tick before (or, on the last chunk of the last stage, the head's), accumulates the weight
-    gradients in float32 and sends the input cotangent back with one ``ppermute``.
+    by chunk forward and in reverse backward). The forward runs the chunk under ``jax.vjp``
+    and keeps its residuals until the item's backward (``2*R*P - 2`` slots, whatever ``M``);
+    the backward applies that pullback to the cotangent its successor sent the tick before
+    (or, on the last chunk of the last stage, the head's, from the same tick), accumulates the
+    weight gradients in float32 and sends the input cotangent back with one ``ppermute``.
     """
     stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
     run = _OneFOneB(graphdef, setup, stage_axes, balancing, top_k, remat,
                     m=batch["input_ids"].shape[0], p=schedule.stages, r=schedule.virtual)
     g_segs, g_rest, acc = stage_shard_map(run.body, segs, active, rest, batch, scale, ("layers",))
     aux = aux_out(acc, setup.program, run.m, setup.num_moe)
-    # The objective is the sum of the terms the backward differentiated (weighted CE + router losses).
+    # The objective is the sum of the terms the forward ticks differentiated (weighted CE + router losses).
     objective = jnp.sum(acc["objective"])
     return (objective * scale, aux), _param_grads(params, stacks, g_segs, g_rest, setup, schedule)
 
