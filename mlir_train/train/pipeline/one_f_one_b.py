@@ -289,6 +289,9 @@ class _Residuals:
     @classmethod
     def of(cls, pullback, weights, context) -> "_Residuals":
         leaves, treedef = jax.tree.flatten(pullback)
+        if not all(isinstance(leaf, jax.Array) for leaf in leaves):  # jax 0.10-0.11: a pytree of its residuals
+            raise TypeError(f"jax {jax.__version__}: a jax.vjp pullback is not a pytree of arrays; 1F1B cannot "
+                            "keep its residuals between ticks")
         given = {}
         for name, tree in (("weight", weights), ("context", context)):
             for i, leaf in enumerate(jax.tree.leaves(tree)):
