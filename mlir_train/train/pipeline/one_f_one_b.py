@@ -283,21 +283,21 @@ class _Residuals:
     layer context, which the backward takes again from its own item (weights stay where they
     are; the context is rebuilt from the ids) instead of storing a copy per slot."""
     treedef: Any
-    sources: tuple  # per pullback leaf: ("kept", i) | ("weight", i) | ("context", i)
+    sources: tuple  # per pullback leaf: ("kept", i) | ("weight", i) | ("context", i) | ("const", value)
     kept: list
 
     @classmethod
     def of(cls, pullback, weights, context) -> "_Residuals":
         leaves, treedef = jax.tree.flatten(pullback)
-        if not all(isinstance(leaf, jax.Array) for leaf in leaves):  # jax 0.10-0.11: a pytree of its residuals
-            raise TypeError(f"jax {jax.__version__}: a jax.vjp pullback is not a pytree of arrays; 1F1B cannot "
-                            "keep its residuals between ticks")
         given = {}
         for name, tree in (("weight", weights), ("context", context)):
             for i, leaf in enumerate(jax.tree.leaves(tree)):
                 given.setdefault(id(leaf), (name, i))
         sources, kept, kept_index = [], [], {}
         for leaf in leaves:
+            if not isinstance(leaf, jax.Array):  # a constant of the trace (numpy, Python scalar): the same every tick
+                sources.append(("const", leaf))
+                continue
             if id(leaf) in given:
                 sources.append(given[id(leaf)])
                 continue
@@ -311,7 +311,7 @@ class _Residuals:
         """The pullback over ``kept`` (read back from a slot) and the backward item's own
         weights and context."""
         pools = {"kept": kept, "weight": jax.tree.leaves(weights), "context": jax.tree.leaves(context)}
-        return jax.tree.unflatten(self.treedef, [pools[name][i] for name, i in self.sources])
+        return jax.tree.unflatten(self.treedef, [i if name == "const" else pools[name][i] for name, i in self.sources])
 
 
 def _piece_weights(pieces_r):
