@@ -14,8 +14,8 @@ per stage), and reports:
   all the time;
 * ``bubble``: ``1 - ideal / step`` measured, next to the schedule's theoretical
   idle-tick fraction (``mlir_train.train.pipeline.schedule``): ``(P - 1) / (M * R + P - 1)`` for GPipe and
-  circular, ``(R * P + P - 2) / (M * R + R * P + P - 2)`` for (interleaved) 1F1B, whose ticks
-  also recompute the chunk's forward (so its measured figure also holds that ~1/3 extra work);
+  circular, ``(R * P + P - 2) / (M * R + R * P + P - 2)`` for (interleaved) 1F1B (whose
+  backward applies the residuals its forward kept: the same work per item as the other schedules);
 * ``temp MB``: XLA's temporary buffer size per device from the ahead-of-time compile
   (``trainer.lower_train_step(abstract_state, batch_shapes).compile().memory_analysis()``),
   i.e. the activations kept for the backward plus scratch, next to the non-pipelined step's.

@@ -245,9 +245,34 @@ def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: RecomputePolicy
     ``active_V`` (bool per stacked layer) turns layers into the identity where it is False:
     padding of an uneven pipeline stage, which then contributes nothing to ``x`` nor, through
     ``where``'s gradient, to its own weights' gradients (its stats are the caller's to mask)."""
-    policy = RecomputePolicy.of(remat)
     graphdef, state = nnx.split(stack)
+    return run_pieces(graphdef, stack_pieces(state, active_V, remat, offsets), x_BTD, context)
+
+
+def stack_pieces(state, active_V: jax.Array | None, remat: RecomputePolicy | str = "none",
+                 offsets: tuple[int, ...] = (0,)) -> list[tuple[Any, jax.Array | None, int]]:
+    """A stacked layer state cut into the pieces ``remat`` scans separately:
+    ``(state, active, group)`` each, the leaves ``[length, ...]``, or ``[length / group, group,
+    ...]`` where ``group`` layers are checkpointed together (0: none, 1: each layer). Kept apart
+    from :func:`run_pieces` so a caller that holds the pieces' residuals (the 1F1B pipeline)
+    can differentiate with respect to the pieces themselves: then the weights a piece's
+    backward needs are the pieces it was given, not slices made inside."""
     count = jax.tree.leaves(state)[0].shape[0]
+    pieces = []
+    for start, length, size in RecomputePolicy.of(remat).pieces(count, offsets):
+        piece_state, piece_active = state, active_V
+        if (start, length) != (0, count):
+            piece_state, piece_active = jax.tree.map(lambda a: a[start:start + length], (state, active_V))
+        if size > 1:
+            piece_state, piece_active = jax.tree.map(lambda a: a.reshape(length // size, size, *a.shape[1:]),
+                                                     (piece_state, piece_active))
+        pieces.append((piece_state, piece_active, size))
+    return pieces
+
+
+def run_pieces(graphdef, pieces, x_BTD, context: tuple) -> tuple[jax.Array, dict[str, Any]]:
+    """Scan ``x`` through the layer pieces of :func:`stack_pieces` (``graphdef`` one layer
+    stack's); stats with a leading layer axis."""
 
     def body(x, xs):
         layer_state, on = xs
@@ -259,18 +284,15 @@ def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: RecomputePolicy
         return jax.lax.scan(body, x, xs)
 
     parts = []
-    for start, length, size in policy.pieces(count, offsets):
-        xs = (state, active_V)
-        if (start, length) != (0, count):
-            xs = jax.tree.map(lambda a: a[start:start + length], xs)
+    for piece_state, piece_active, size in pieces:
+        xs = (piece_state, piece_active)
         if size == 0:
             x_BTD, stats = jax.lax.scan(body, x_BTD, xs)
         elif size == 1:
             x_BTD, stats = jax.lax.scan(checkpointed(body, True), x_BTD, xs)
         else:
-            xs = jax.tree.map(lambda a: a.reshape(length // size, size, *a.shape[1:]), xs)
             x_BTD, stats = jax.lax.scan(checkpointed(group, True), x_BTD, xs)
-            stats = jax.tree.map(lambda a: a.reshape(length, *a.shape[2:]), stats)
+            stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
         parts.append(stats)
     stats = parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
     return x_BTD, stats

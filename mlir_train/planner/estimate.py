@@ -107,8 +107,8 @@ def activation_bytes(cfg, candidate: Candidate, *, micro_batch: int, seq: int, d
     """Per-device activation memory of the forward/backward (see :mod:`mlir_train.planner.plan`):
     one micro-batch's, or under pipeline parallelism a stage's layers for every micro-batch in
     flight (GPipe / circular keep all of them until their backward), or under 1F1B
-    (``schedule``, a :class:`mlir_train.train.pipeline.schedule.Schedule`) its ``2 R P - 1`` saved chunk
-    inputs plus one chunk's activations while its backward recomputes it."""
+    (``schedule``, a :class:`mlir_train.train.pipeline.schedule.Schedule`) the saved activations
+    of its ``2 R P - 1`` chunk items in flight (``Schedule.items_in_flight``)."""
     lay = candidate.layout
     x = _layer_bytes(cfg, candidate, micro_batch=micro_batch, seq=seq, dtype_bytes=dtype_bytes)
     kinds = cfg.layer_kinds()
@@ -119,7 +119,7 @@ def activation_bytes(cfg, candidate: Candidate, *, micro_batch: int, seq: int, d
     saved, working = _saved_and_working(candidate.recompute, kinds, per_layer, x)
     rows = micro_batch * (seq // lay.context)
     logits = 2 * 4 * rows * (cfg.vocab_size // lay.tensor)
-    if lay.pipeline > 1 and schedule is not None and schedule.saved_inputs() is not None:
-        return int(schedule.saved_inputs() * x.input_rows // x.sp + saved + working + logits)
+    if lay.pipeline > 1 and schedule is not None and schedule.items_in_flight() is not None:
+        return int(schedule.items_in_flight() * saved + working + logits)
     in_flight = num_micro * chunks if lay.pipeline > 1 else 1
     return int(in_flight * saved + working + logits)

@@ -81,10 +81,9 @@ come on top. The CPU temp figure is printed alongside, labelled, as a cross-chec
 Pipeline parallelism: layouts with ``PP > 1`` are planned only where ``mlir_train.sft`` runs
 them (otherwise they are reported as not implemented); a device then holds ``L / PP`` layers
 (the largest stage's under ``--decoder-first/last-pipeline-num-layers``). Under 1F1B (the
-default ``--pipeline-schedule``) it keeps ``2 R PP - 1`` chunk inputs and one chunk's
-activations while that chunk's backward recomputes it, whatever the micro-batch count; under
-GPipe / circular ``M`` (x R) times a stage's (chunk's) saved activations. The step-time
-estimate counts the schedule's idle ticks and 1F1B's recomputed chunk forward
+default ``--pipeline-schedule``) it keeps the saved activations of ``2 R PP - 1`` chunk items,
+whatever the micro-batch count; under GPipe / circular ``M`` (x R) times a stage's (chunk's)
+saved activations. The step-time estimate counts the schedule's idle ticks
 (``Schedule.step_factor``).
 """
 
@@ -232,8 +231,8 @@ def _estimate(plan: Plan, cfg: RunConfig, trainer, model_cfg, gbs: int, num_micr
     if peak_tflops:
         per_stage = model_cfg.num_layers // c.layout.pipeline
         hardware = plan.flops_per_step * (3 + c.recompute.recomputed_fraction(per_stage)) / 3
-        if trainer.schedule is not None:  # the pipeline bubble (and 1F1B's recomputed chunk forward)
-            hardware *= trainer.schedule.step_factor(num_micro, c.recompute.kind)
+        if trainer.schedule is not None:  # the pipeline bubble
+            hardware *= trainer.schedule.step_factor(num_micro)
         plan.step_time_s = hardware / (plan.num_devices * peak_tflops * 1e12 * assumed_mfu)
         plan.tokens_per_s = gbs * cfg.data.seq_length / plan.step_time_s
     return state, batch

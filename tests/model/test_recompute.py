@@ -174,10 +174,16 @@ LAYOUT_CASES = {
     # the submodule checkpoints around the expert- and tensor-parallel regions
     "EP2xTP2-selective": (Layout(expert=2, tensor=2, num_devices=4),
                           selective("core_attn", "layernorm", "moe_act", "moe"), "1f1b"),
+    # 1F1B keeps each chunk's vjp residuals between its ticks: whole layers recomputed (only
+    # their inputs kept), and submodules recomputed inside the kept residuals
+    "PP2-full-1f1b": (Layout(pipeline=2, num_devices=2), FULL, "1f1b"),
+    "PP2-selective-1f1b": (Layout(pipeline=2, num_devices=2), selective("core_attn", "layernorm", "moe_act", "moe"),
+                           "1f1b"),
 }
+SLOW_LAYOUT_CASES = {"PP2-uniform2-gpipe", "PP2-selective-1f1b"}
 
 
-@pytest.mark.parametrize("case", [c if c != "PP2-uniform2-gpipe" else pytest.param(c, marks=pytest.mark.slow)
+@pytest.mark.parametrize("case", [c if c not in SLOW_LAYOUT_CASES else pytest.param(c, marks=pytest.mark.slow)
                                   for c in LAYOUT_CASES])
 def test_recompute_in_a_layout_equals_one_device(case, pp1_reference):
     """One training step (float32) against one device without recompute."""
@@ -191,12 +197,14 @@ def test_recompute_in_a_layout_equals_one_device(case, pp1_reference):
 
 
 @pytest.mark.slow  # ~17-35 s; the unpipelined memory order and PP2 equality stay in the default suite
-def test_pipelined_recompute_orders_the_compiled_memory():
-    """GPipe, PP2 of an 8-layer dense model (4 layers a stage), 4 micro-batches in flight: every
-    layer < block 2 of each stage's 4 < none."""
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_recompute_orders_the_compiled_memory(schedule):
+    """PP2 of an 8-layer dense model (4 layers a stage), 2 micro-batches: every layer < block 2
+    of each stage's 4 < none, for GPipe (every micro-batch's residuals) and 1F1B (the residuals
+    of the items in flight, whatever the policy keeps of them)."""
     cfg = DENSE.replace(num_layers=8)
     parallel = Layout(pipeline=2, num_devices=2)
-    t = {name: _pipeline_step(parallel, p, cfg, compile_only=True, pipeline_schedule="gpipe")
+    t = {name: _pipeline_step(parallel, p, cfg, compile_only=True, pipeline_schedule=schedule)
          .memory_analysis().temp_size_in_bytes for name, p in (("none", NONE), ("block2", block(2)), ("full", FULL))}
     assert t["full"] < t["block2"] < t["none"], t
 

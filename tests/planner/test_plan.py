@@ -101,7 +101,7 @@ def test_activation_estimate_follows_the_recompute_policy():
 
 
 def test_pipeline_activation_estimate_follows_the_schedule():
-    """1F1B keeps a bounded number of chunk inputs whatever the micro-batch count; GPipe every
+    """1F1B keeps a bounded number of chunk items' residuals whatever the micro-batch count; GPipe every
     micro-batch's saved activations (the compiled CPU figures behave the same way, see
     tests/train/test_pipeline.py::test_1f1b_memory_is_bounded_by_stages_not_micro_batches)."""
     from mlir_train.train.pipeline.schedule import make_schedule

@@ -153,15 +153,64 @@ def _compiled_temp_bytes(pp: int, micro: int, schedule: str) -> int:
 @pytest.mark.parametrize("pp", [2, 4])
 def test_1f1b_memory_is_bounded_by_stages_not_micro_batches(pp):
     """The compiled step's temporaries (XLA:CPU buffer assignment) at 64 micro-batches stay within
-    15% of those at 4: 1F1B keeps at most 2P - 1 stage inputs, where autodiff through GPipe's
-    scan keeps every micro-batch's residuals (measured 2026-12-01 on this dense model: 1F1B 1.51 /
-    1.52 MB at M = 4 / 64 for PP2, 0.77 / 0.78 MB for PP4; GPipe PP2 5.3 / 49.0 MB, the control
-    asserted below)."""
+    15% of those at 4: 1F1B keeps the residuals of at most 2P - 1 items (2P - 2 slots), where
+    autodiff through GPipe's scan keeps every micro-batch's (measured 2026-12-02 on this dense
+    model: 1F1B 3.05 / 3.06 MB at M = 4 / 64 for PP2 and for PP4, where recomputing the chunk
+    from its saved input measured 1.51 / 1.52 and 0.77 / 0.78 MB; GPipe PP2 5.3 / 49.0 MB, the
+    control asserted below)."""
     few, many = _compiled_temp_bytes(pp, 4, "1f1b"), _compiled_temp_bytes(pp, 64, "1f1b")
     assert many <= 1.15 * few, (few, many)
     if pp == 2:  # the control: the same measurement does grow with M under GPipe
         gpipe_few, gpipe_many = _compiled_temp_bytes(pp, 4, "gpipe"), _compiled_temp_bytes(pp, 64, "gpipe")
         assert gpipe_many > 2 * gpipe_few and gpipe_many > 2 * many, (gpipe_few, gpipe_many, many)
+
+
+# A dense model whose layers dominate its LM head (vocab 64), so the step's matmul FLOPs count
+# passes over the layers: the pipelined stages run the head every tick, which adds P*R of a
+# head's share where the one-device step adds 1.
+PASSES_CFG = get_model_config("qwen3-tiny", vocab_size=64, num_layers=4, hidden_size=128, num_heads=2, num_kv_heads=1,
+                              head_dim=64, intermediate_size=512)
+
+
+def _compiled_matmul_flops(pp: int, recompute: str, virtual: int | None = None, micro: int = 4) -> float:
+    """Per-device matmul FLOPs of the compiled train step (the planner's HLO reader), per
+    micro-batch-chunk of useful work: a pipelined step's tick loop also computes its idle ticks,
+    so its count is scaled by ``M*R / ticks`` and by the P stages."""
+    from mlir_train.config.policies import RecomputePolicy
+    from mlir_train.planner.hlo import analyze
+
+    parallel = Layout(pipeline=pp, num_devices=pp)
+    trainer = build_trainer(PASSES_CFG, StepConfig(num_micro_batches=micro, layers_per_virtual_stage=virtual),
+                            make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel,
+                            make_mesh(parallel, devices=jax.devices()[:pp]),
+                            model_kwargs=dict(remat=RecomputePolicy.of(recompute)))
+    batch = {k: jax.ShapeDtypeStruct((micro, 2, 64), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                     sharding=trainer.batch_sharding)
+             for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
+    compiled = trainer.lower_train_step(trainer.abstract_state(), batch).compile(COMPILER_OPTIONS)
+    flops = analyze(compiled.as_text()).matmul_flops
+    if pp == 1:
+        return flops
+    r = trainer.schedule.virtual
+    ticks = micro * r + r * pp + pp - 2  # the schedule table's tick count
+    return flops * pp * micro * r / ticks
+
+
+@pytest.mark.parametrize("virtual", [None, pytest.param(1, marks=pytest.mark.slow)], ids=["plain", "interleaved"])
+def test_1f1b_does_megatrons_passes(virtual):
+    """The 1F1B step does the work of the one-device step: forward, then backward from the
+    residuals the forward kept (3 passes), not a recomputed forward on top (4 passes, the design
+    before 2026-12-02: ratio 1.335 here); under full recompute the backward's recompute is the
+    only one (4 passes: ratio to one device with full recompute ~1, where recomputing again
+    measured 1.27). Measured 2026-12-02 (XLA:CPU HLO, PP2, 4 micro-batches): 1.008 plain, 1.023
+    interleaved (R = 2: the head on 4 chunk-ticks); full 1.006."""
+    one = {policy: _compiled_matmul_flops(1, policy) for policy in ("none", "full")}
+    none = _compiled_matmul_flops(2, "none", virtual)
+    assert abs(none / one["none"] - 1) < 0.03, none / one["none"]
+    if virtual is None:
+        full = _compiled_matmul_flops(2, "full")
+        assert abs(full / one["full"] - 1) < 0.03, full / one["full"]
+        assert one["full"] / one["none"] > 1.15  # the control: full recompute does add a forward here
 
 
 def _sft_args(tmp_path, *extra):

@@ -5,13 +5,20 @@ tick loop, R a number in it. Shape suffixes as in :mod:`mlir_train.train.pipelin
 At tick ``t`` stage ``s`` runs the forward of item ``t - s`` and the backward of item
 ``t - (R*P - 1) - (P - 1 - s)``, items taken in Megatron's order (groups of P micro-batches,
 chunk by chunk forward and in reverse backward, so a micro-batch coming round the ring is
-needed the very next tick: no ring buffer). The forward keeps only the item's input in a
-``2*R*P - 1``-slot buffer; the backward recomputes the chunk from it under ``jax.vjp`` (with
-the layers' own ``--recompute-granularity`` policy inside), starts from the cotangent the next
-stage sent the tick before (the head's, on the last chunk of the last stage), adds the weight
-gradients to float32 accumulators in the scan carry and sends the input cotangent back with a
-second ``ppermute``. The step takes these gradients directly
-(``Trainer._pipeline_value_and_grad``), not autodiff through the scan.
+needed the very next tick: no ring buffer). The forward runs the chunk under ``jax.vjp`` and
+keeps its residuals (what the layers' ``--recompute-granularity`` policy saves: every
+activation without recompute, each recomputed layer's input under ``full``) in a slot buffer
+in the scan carry, ``2*R*P - 2`` slots (stage 0's longest forward-to-backward lifetime; the
+backward reads its slot before the forward refills it). The weights and the micro-batch's
+layer context among the residuals are not stored: the backward takes them from its own item.
+On the last chunk of the last stage the head's loss and gradient are taken in the forward's
+tick, and that item's backward, in the same tick, starts from them with this tick's residuals.
+Elsewhere the backward starts from the cotangent the next stage sent the tick before, applies
+the saved pullback (so the step does Megatron's 3 passes, 4 with full recompute, where the
+only recompute is the checkpointed layers' own), adds the weight gradients to float32
+accumulators in the scan carry and sends the input cotangent back with a second
+``ppermute``. The step takes these gradients directly (``Trainer._pipeline_value_and_grad``),
+not autodiff through the scan.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mlir_train.config import policies
 from mlir_train.config.policies import RecomputePolicy
 from mlir_train.train.pipeline.program import to_segments
 from mlir_train.train.pipeline.schedule import Schedule
-from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_forward, merge, prepare, router_terms,
-                                             stage_shard_map, zero_acc)
+from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_pieces, merge, prepare, router_terms,
+                                             run_chunk, stage_shard_map, zero_acc)
 
 SCALARS = ("objective", "ce_sum", "loss_tokens", "lm_objective")
 
@@ -43,18 +51,18 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     One ``lax.scan`` over ticks. At tick ``t`` stage ``s`` runs the forward of item
     ``w = t - s`` and the backward of item ``u = t - (R*P - 1) - (P - 1 - s)``: an item is one
     chunk of one micro-batch, taken in Megatron's order (groups of ``P`` micro-batches, chunk
-    by chunk forward and in reverse backward). The forward keeps only the chunk's input, in a
-    ``2*R*P - 1``-slot buffer; the backward recomputes the chunk from it under ``jax.vjp``
-    (with the layers' own ``remat`` policy inside), takes the cotangent its successor sent the
-    tick before (or, on the last chunk of the last stage, the head's), accumulates the weight
-    gradients in float32 and sends the input cotangent back with one ``ppermute``.
+    by chunk forward and in reverse backward). The forward runs the chunk under ``jax.vjp``
+    and keeps its residuals until the item's backward (``2*R*P - 2`` slots, whatever ``M``);
+    the backward applies that pullback to the cotangent its successor sent the tick before
+    (or, on the last chunk of the last stage, the head's, from the same tick), accumulates the
+    weight gradients in float32 and sends the input cotangent back with one ``ppermute``.
     """
     stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
     run = _OneFOneB(graphdef, setup, stage_axes, balancing, top_k, remat,
                     m=batch["input_ids"].shape[0], p=schedule.stages, r=schedule.virtual)
     g_segs, g_rest, acc = stage_shard_map(run.body, segs, active, rest, batch, scale, ("layers",))
     aux = aux_out(acc, setup.program, run.m, setup.num_moe)
-    # The objective is the sum of the terms the backward differentiated (weighted CE + router losses).
+    # The objective is the sum of the terms the forward ticks differentiated (weighted CE + router losses).
     objective = jnp.sum(acc["objective"])
     return (objective * scale, aux), _param_grads(params, stacks, g_segs, g_rest, setup, schedule)
 
@@ -107,10 +115,24 @@ class _OneFOneB:
         """Ticks between an item's forward and its backward on the last stage."""
         return self.r * self.p - 1
 
+    @functools.cached_property
+    def lifetimes(self) -> np.ndarray:
+        """``[P, M*R]``: ticks from each item's forward to its backward on each stage (0 for the
+        last chunk on the last stage, whose backward starts from the head in the same tick)."""
+        out = np.zeros((self.p, self.m * self.r), np.int64)
+        for s in range(self.p):
+            for u in range(self.m * self.r):
+                chunk, _, w = self.item(u, backward=True, xp=np)
+                out[s, w] = (u + self.delay + self.p - 1 - s) - (w + s)
+                assert (out[s, w] == 0) == (s == self.p - 1 and chunk == self.r - 1), (s, u, out[s, w])
+        return out
+
     @property
     def slots(self) -> int:
-        """Inputs in flight on stage 0 (fewer further down)."""
-        return 2 * self.r * self.p - 1
+        """Items whose residuals a stage keeps between ticks: the longest forward-to-backward
+        lifetime (stage 0's; the backward reads its slot before the forward refills it, and
+        the zero-lifetime items never enter the buffer)."""
+        return max(1, int(self.lifetimes.max()))
 
     @property
     def num_ticks(self) -> int:
@@ -122,10 +144,10 @@ class _OneFOneB:
         pairs = [(i, (i + 1) % p) for i in range(p if self.r > 1 else p - 1)]
         return [(b, a) for a, b in pairs] if backward else pairs
 
-    def item(self, i, backward: bool):
+    def item(self, i, backward: bool, xp=jnp):
         """(chunk, micro-batch, forward index) of forward/backward item ``i``."""
         m, p, r = self.m, self.p, self.r
-        i = jnp.clip(i, 0, m * r - 1)
+        i = xp.clip(i, 0, m * r - 1)
         group, within = i // (p * r), i % (p * r)
         chunk = within // p
         if backward:
@@ -146,100 +168,179 @@ class _OneFOneB:
         zeros_x = jnp.zeros(shape.shape, shape.dtype)
         f32_zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
         acc = zero_acc(self.setup.program, self.r, self.setup, self.balancing, SCALARS)
-        carry = (zeros_x, zeros_x, jnp.zeros((self.slots,) + shape.shape, shape.dtype),
-                 (f32_zeros(segs_RS), f32_zeros(rest)), acc)
+        # The residuals one item keeps (their shapes: one abstract trace of a forward).
+        kept = jax.eval_shape(lambda x: self.forward_vjp(local, 0, x, acc)[1].kept, zeros_x)
+        saved = [jnp.zeros((self.slots,) + k.shape, k.dtype) for k in kept]
+        carry = (zeros_x, zeros_x, saved, (f32_zeros(segs_RS), f32_zeros(rest)), acc)
         tick = functools.partial(self.tick, local, scale)
         (_, _, _, (g_segs, g_rest), acc), _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
         return jax.tree.map(lambda x: x[None], (g_segs, g_rest, acc))
 
     def tick(self, local: _Local, scale, carry, t):
-        received, cotangent, inputs, grads, acc = carry
-        received, inputs = self.forward(local, received, inputs, t)
+        received, cotangent, saved, grads, acc = carry
+        stage = local.stage
+        # Forward of item w = t - s: its chunk under jax.vjp (the residuals stay for its backward),
+        # then the head's loss and its gradient at once (nonzero on the last chunk of the last stage).
+        w = t - stage
+        chunk_f, mb_f, _ = self.item(w, backward=False)
+        valid_f = (w >= 0) & (w < self.m * self.r)
+        batch_f = _at(local.batch, mb_f)
+        first_f = (stage == 0) & (chunk_f == 0)
+        x_in = jnp.where(first_f, local.model.embed_tokens(batch_f["input_ids"]).astype(local.dtype), received)
+        x_out, fresh, terms = self.forward_vjp(local, t, x_in, acc)
+        assert [k.shape for k in fresh.kept] == [b.shape[1:] for b in saved], "the residuals changed between traces"
+        last_f = valid_f & (stage == self.p - 1) & (chunk_f == self.r - 1)
+        (lm_objective, ce_sum, count), head_pullback = self.head_vjp(local.rest, x_out, batch_f, last_f)
+        g_rest_head, ct_head = head_pullback(scale)
+        grads = (grads[0], jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads[1], g_rest_head))
+        acc = _add_terms(acc, chunk_f, valid_f, terms, lm_objective, ce_sum, count)
+        received = jax.lax.ppermute(x_out, self.stage_axes, self.permutes(backward=False))
         # One order of collectives on every device: the forward's (its TP/EP ones, then the
         # permute) before the backward's. XLA:CPU otherwise runs independent collectives in
         # whatever order its thread pool picks per device, and on a loaded machine devices
         # waiting in different rendezvous time out.
-        received, inputs, cotangent, rest_b, segs_b = jax.lax.optimization_barrier(
-            (received, inputs, cotangent, local.rest, local.segs_RS))
-        (chunk, mb, valid, terms), (g_states, g_rest, g_x, g_embedded) = self.backward(
-            local, scale, t, cotangent, inputs, rest_b, segs_b, acc)
-        grads = _add_grads(grads, chunk, mb, g_states, g_rest, g_embedded)
-        acc = _add_terms(acc, chunk, valid, terms)
-        cotangent = jax.lax.ppermute(g_x, self.stage_axes, self.permutes(backward=True))
-        return (received, cotangent, inputs, grads, acc), None
+        received, saved, fresh_kept, cotangent, ct_head, rest_b, segs_b = jax.lax.optimization_barrier(
+            (received, saved, fresh.kept, cotangent, ct_head, local.rest, local.segs_RS))
+        # Backward of item u: its residuals from its slot (read before this tick's forward refills
+        # it), or this tick's own on the last chunk of the last stage (lifetime 0).
+        u = t - self.delay - (self.p - 1 - stage)
+        valid_b = (u >= 0) & (u < self.m * self.r)
+        chunk_b, mb_b, w_b = self.item(u, backward=True)
+        batch_b = _at(local.batch, mb_b)
+        first_b, last_b = (stage == 0) & (chunk_b == 0), (stage == self.p - 1) & (chunk_b == self.r - 1)
+        kept_b = [jnp.where(last_b, k, jax.lax.dynamic_index_in_dim(buf, w_b % self.slots, keepdims=False))
+                  for k, buf in zip(fresh_kept, saved)]
+        kept_b, saved = jax.lax.optimization_barrier((kept_b, saved))  # the reads before the write
+        saved = [jax.lax.dynamic_update_index_in_dim(buf, k, jnp.clip(w, 0, None) % self.slots, 0)
+                 for buf, k in zip(saved, fresh_kept)]
+        on_b = [_at(a, chunk_b) for a in local.active_RS]
+        weights_b, split_pullback = jax.vjp(
+            lambda states: _piece_weights(chunk_pieces(self.setup.program, states, on_b, self.remat)),
+            [_at(s, chunk_b) for s in segs_b])
+        context_b = merge(self.graphdef, self.setup, rest_b).layer_context(batch_b["segment_ids"], batch_b["positions"])
+        pullback = fresh.rebuild(kept_b, weights_b, context_b)
+        ct_x = jnp.where(last_b, ct_head.astype(cotangent.dtype), cotangent)
+        g_weights, g_x = pullback((ct_x, scale))
+        (g_states,) = split_pullback(g_weights)
+        # An idle tick's slot may hold no item yet (zeros, where e.g. a normalisation's
+        # reciprocal is infinite): its gradients are selected away, not multiplied by zero.
+        g_states, g_x = jax.tree.map(lambda g: jnp.where(valid_b, g, jnp.zeros_like(g)), (g_states, g_x))
+        g_embedded = jnp.where(first_b, g_x, jnp.zeros_like(g_x))
+        grads = _add_grads(grads, chunk_b, batch_b, g_states, g_embedded)
+        # The input cotangent goes back to the previous stage (round the ring when R > 1; the
+        # first chunk's belongs to the embedding, so stage 0 sends zeros then).
+        cotangent = jax.lax.ppermute(jnp.where(first_b, jnp.zeros_like(g_x), g_x), self.stage_axes,
+                                     self.permutes(backward=True))
+        return (received, cotangent, saved, grads, acc), None
 
-    def forward(self, local: _Local, received, inputs, t):
-        """Forward of item ``w = t - s``: keep its input for the backward, pass its output on."""
+    def forward_vjp(self, local: _Local, t, x_in, acc):
+        """The forward of this tick's item ``w = t - s`` under ``jax.vjp``: its output, its
+        :class:`_Residuals` and its terms (router objective and sums, running counts)."""
         w = t - local.stage
         chunk, mb_index, _ = self.item(w, backward=False)
         mb = _at(local.batch, mb_index)
-        first = (local.stage == 0) & (chunk == 0)
-        x_in = jnp.where(first, local.model.embed_tokens(mb["input_ids"]).astype(local.dtype), received)
+        on = [_at(a, chunk) for a in local.active_RS]
+        # The vjp is taken with respect to the recompute pieces of the chunk's weights
+        # (stack_pieces): the residuals that are weights are then these very arrays, which the
+        # backward takes again from its own item's weights instead of keeping a copy per slot.
+        pieces = chunk_pieces(self.setup.program, [_at(s, chunk) for s in local.segs_RS], on, self.remat)
+        weights = _piece_weights(pieces)
         context = local.model.layer_context(mb["segment_ids"], mb["positions"])
-        on = [_at(a, chunk) for a in local.active_RS]
-        x_out, _ = chunk_forward(self.setup.stack_graphs, self.setup.program, [_at(s, chunk) for s in local.segs_RS],
-                                 on, x_in, context, self.remat)
-        inputs = jax.lax.dynamic_update_index_in_dim(inputs, x_in, jnp.clip(w, 0, None) % self.slots, 0)
-        received = jax.lax.ppermute(x_out, self.stage_axes, self.permutes(backward=False))
-        return received, inputs
-
-    def backward(self, local: _Local, scale, t, cotangent, inputs, rest_b, segs_b, acc):
-        """Backward of item ``u``, recomputed from its saved input: ``(chunk, micro-batch, valid,
-        the item's terms)`` and the pullback's ``(d states, d rest, d input, d embedded)``."""
-        stage, p = local.stage, self.p
-        u = t - self.delay - (p - 1 - stage)
-        valid = (u >= 0) & (u < self.m * self.r)
-        chunk, mb_index, w_u = self.item(u, backward=True)
-        mb = _at(local.batch, mb_index)
-        first, last = (stage == 0) & (chunk == 0), (stage == p - 1) & (chunk == self.r - 1)
-        on = [_at(a, chunk) for a in local.active_RS]
-        x_saved = jax.lax.dynamic_index_in_dim(inputs, w_u % self.slots, keepdims=False)
-        x_embedded = merge(self.graphdef, self.setup, rest_b).embed_tokens(mb["input_ids"]).astype(local.dtype)
         # global_aux_loss: the chunk's running counts over the micro-batches before this one
-        # (a chunk's backward items come in micro-batch order).
+        # (a chunk's forward items come in micro-batch order).
         counts = [c[chunk] for c in acc["counts"]] if "counts" in acc else None
-        f = functools.partial(self.chunk_objective, mb=mb, on=on, first=first, last=last, counts=counts,
-                              micro_index=mb_index)
-        _, pullback, terms = jax.vjp(f, [_at(s, chunk) for s in segs_b], rest_b, x_saved, x_embedded, has_aux=True)
-        # Zero cotangents on idle ticks make every gradient of the tick exactly zero.
-        ct_x = jnp.where(last | ~valid, jnp.zeros_like(cotangent), cotangent)
-        return (chunk, mb, valid, terms), pullback((ct_x, scale * valid.astype(jnp.float32)))
 
-    def chunk_objective(self, states, rest, x_saved, x_embedded, mb, on, first, last, counts, micro_index):
-        """The chunk's output and its part of the objective: on the last chunk of the last
-        stage the micro-batch's weighted CE sum (its ``loss_weight`` already carries the
-        step's normalisation), plus the chunk's router losses (/M, as without the pipeline)."""
-        model = merge(self.graphdef, self.setup, rest)
-        x_in = jnp.where(first, x_embedded, x_saved)
-        context = model.layer_context(mb["segment_ids"], mb["positions"])
-        x_out, stats = chunk_forward(self.setup.stack_graphs, self.setup.program, states, on, x_in, context, self.remat)
-        lm_objective, ce_sum, count = model.weighted_loss_sums(
-            model.final_norm(x_out), mb["labels"], mb["loss_mask"] * last.astype(mb["loss_mask"].dtype),
-            mb["loss_weight"] * last.astype(mb["loss_weight"].dtype))
-        router_objective, sums, counts = router_terms(self.setup.program, stats, on, jnp.bool_(True), self.balancing,
-                                                      self.top_k, self.m, counts, micro_index)
-        objective = lm_objective + router_objective
-        return (x_out, objective), (objective, lm_objective, ce_sum, count, sums, counts)
+        def chunk_objective(weights, x_in):
+            """The chunk's output and router objective (/M, as without the pipeline)."""
+            x_out, stats = run_chunk(self.setup.stack_graphs, self.setup.program, _with_weights(pieces, weights),
+                                     x_in, context)
+            router_objective, sums, new_counts = router_terms(self.setup.program, stats, on, jnp.bool_(True),
+                                                              self.balancing, self.top_k, self.m, counts, mb_index)
+            return (x_out, router_objective), (router_objective, sums, new_counts)
+
+        (x_out, _), pullback, terms = jax.vjp(chunk_objective, weights, x_in, has_aux=True)
+        return x_out, _Residuals.of(pullback, weights, context), terms
+
+    def head_vjp(self, rest, x_out, mb, last):
+        """Final norm, LM head and weighted CE of the chunk's output, counted only where ``last``:
+        ``((objective, CE sum, loss tokens), pullback of the objective)``."""
+        def head(rest, x):
+            model = merge(self.graphdef, self.setup, rest)
+            objective, ce_sum, count = model.weighted_loss_sums(
+                model.final_norm(x), mb["labels"], mb["loss_mask"] * last.astype(mb["loss_mask"].dtype),
+                mb["loss_weight"] * last.astype(mb["loss_weight"].dtype))
+            return objective, (ce_sum, count)
+
+        objective, pullback, (ce_sum, count) = jax.vjp(head, rest, x_out, has_aux=True)
+        return (objective, ce_sum, count), pullback
 
 
-def _add_grads(grads, chunk, mb, g_states, g_rest, g_embedded):
-    """The tick's gradients added to the float32 accumulators ``(per segment [R, S, ...], rest)``."""
-    grads = ([jax.tree.map(lambda a, g: a.at[chunk].add(g.astype(jnp.float32)), acc_s, g_s)
-              for acc_s, g_s in zip(grads[0], g_states)],
-             jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads[1], g_rest))
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Residuals:
+    """A chunk forward's ``jax.vjp`` pullback split into what its backward must be given back:
+    ``kept``, the residuals that belong to the item (activations, its micro-batch's tensors),
+    which wait in the slot buffer, and those that are the chunk's weights or the micro-batch's
+    layer context, which the backward takes again from its own item (weights stay where they
+    are; the context is rebuilt from the ids) instead of storing a copy per slot."""
+    treedef: Any
+    sources: tuple  # per pullback leaf: ("kept", i) | ("weight", i) | ("context", i) | ("const", value)
+    kept: list
+
+    @classmethod
+    def of(cls, pullback, weights, context) -> "_Residuals":
+        leaves, treedef = jax.tree.flatten(pullback)
+        given = {}
+        for name, tree in (("weight", weights), ("context", context)):
+            for i, leaf in enumerate(jax.tree.leaves(tree)):
+                given.setdefault(id(leaf), (name, i))
+        sources, kept, kept_index = [], [], {}
+        for leaf in leaves:
+            if not isinstance(leaf, jax.Array):  # a constant of the trace (numpy, Python scalar): the same every tick
+                sources.append(("const", leaf))
+                continue
+            if id(leaf) in given:
+                sources.append(given[id(leaf)])
+                continue
+            if id(leaf) not in kept_index:
+                kept_index[id(leaf)] = len(kept)
+                kept.append(leaf)
+            sources.append(("kept", kept_index[id(leaf)]))
+        return cls(treedef, tuple(sources), kept)
+
+    def rebuild(self, kept, weights, context):
+        """The pullback over ``kept`` (read back from a slot) and the backward item's own
+        weights and context."""
+        pools = {"kept": kept, "weight": jax.tree.leaves(weights), "context": jax.tree.leaves(context)}
+        return jax.tree.unflatten(self.treedef, [i if name == "const" else pools[name][i] for name, i in self.sources])
+
+
+def _piece_weights(pieces_r):
+    """The weights of :func:`chunk_pieces` (what the chunk is differentiated by)."""
+    return [[state for state, _, _ in pieces] for pieces in pieces_r]
+
+
+def _with_weights(pieces_r, weights_r):
+    return [[(w, active, size) for w, (_, active, size) in zip(ws, pieces)] for ws, pieces in zip(weights_r, pieces_r)]
+
+
+def _add_grads(grads, chunk, mb, g_states, g_embedded):
+    """The backward's gradients added to the float32 accumulators ``(per segment [R, S, ...], rest)``."""
+    g_segs = [jax.tree.map(lambda a, g: a.at[chunk].add(g.astype(jnp.float32)), acc_s, g_s)
+              for acc_s, g_s in zip(grads[0], g_states)]
     # The lookup's gradient goes straight into the accumulator's rows (a scatter-add of
     # B*T rows), not through a zero [V, D] buffer per tick as the lookup's transpose would.
     g_embed = grads[1]["embed"].at[mb["input_ids"]].add(g_embedded.astype(jnp.float32))
-    return (grads[0], dict(grads[1], embed=g_embed))
+    return (g_segs, dict(grads[1], embed=g_embed))
 
 
-def _add_terms(acc, chunk, valid, terms):
-    """The item's objective terms and router sums added to the accumulators (nothing on idle ticks)."""
-    objective, lm_objective, ce_sum, count, sums, counts = terms
+def _add_terms(acc, chunk, valid, terms, lm_objective, ce_sum, count):
+    """The item's objective terms and router sums added to the accumulators (nothing on idle ticks;
+    the head's terms are zero but on the last chunk of the last stage)."""
+    router_objective, sums, counts = terms
     keep = valid.astype(jnp.float32)
     acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum * keep, loss_tokens=acc["loss_tokens"] + count * keep,
                lm_objective=acc["lm_objective"] + lm_objective * keep,
-               objective=acc["objective"] + objective * keep)
+               objective=acc["objective"] + (lm_objective + router_objective) * keep)
     if sums:
         sums = jax.tree.map(lambda x: x * keep, sums)
         acc["moe"] = add_sums(acc["moe"], sums, chunk)

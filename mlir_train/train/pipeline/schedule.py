@@ -11,7 +11,8 @@ ring when R > 1). Every stage builds the attention mask and RoPE tables of the m
 works on from that micro-batch's ids and positions.
 
 * **1F1B**, plain and interleaved (:mod:`~mlir_train.train.pipeline.one_f_one_b`): one
-  forward and one recomputed backward per tick, the gradients accumulated in the scan.
+  forward (under ``jax.vjp``, its residuals kept) and one backward (that pullback) per tick,
+  the gradients accumulated in the scan.
 * **GPipe** and **circular** (:mod:`~mlir_train.train.pipeline.gpipe`): forwards only, the
   backward by autodiff through the scan. Evaluation runs this forward for every schedule.
 
@@ -38,21 +39,25 @@ GPipe (R = 1)       M + P - 1 fwd, as many  (P - 1) / (M + P - 1)           M mi
                     bwd (F, then B)                                         (their saved residuals)
 circular (R)        M*R + P - 1 each way    (P - 1) / (M*R + P - 1)         the same, plus an M-slot ring
                                                                             buffer [B, T, D]
-1F1B (R = 1)        M + 2P - 2 (2F + B)     (2P - 2) / (M + 2P - 2)         2P - 1 stage inputs [B, T, D]
-                                                                            + one micro-batch's stage
-interleaved 1F1B    M*R + R*P + P - 2       (R*P + P - 2) /                 2RP - 1 chunk inputs + one
-(R, M % P = 0)      (2F + B of a chunk)     (M*R + R*P + P - 2)             micro-batch's chunk
+1F1B (R = 1)        M + 2P - 2 (F + B)      (2P - 2) / (M + 2P - 2)         2P - 1 micro-batches' stage
+                                                                            residuals (2P - 2 slots + the
+                                                                            one in its backward)
+interleaved 1F1B    M*R + R*P + P - 2       (R*P + P - 2) /                 2RP - 1 chunks' residuals
+(R, M % P = 0)      (F + B of a chunk)      (M*R + R*P + P - 2)             (2RP - 2 slots + one)
 ==================  ======================  ==============================  ===============================
 
 The 1F1B tick is lockstep: the forward and backward waves each advance one stage per tick, so
 a micro-batch's round trip takes about 2P ticks (Megatron's asynchronous ranks: P), hence the
-larger idle fraction and the ~2P saved inputs where Megatron holds P micro-batches' full
-activations. Its backward recomputes the chunk's forward from the saved input: one more
-forward per item (a step does 4 passes of work for Megatron's 3 without recompute, 5 for its 4
-with ``--recompute-granularity full``) bought for activation memory that no longer grows with
-M. Measured by the compiled program (``tests/train/test_pipeline.py``; ``python -m mlir_train.plan``
-on the seed's TP2 PP2 EP2 layout, XLA:CPU temp): flat in M for 1F1B, linear in M for GPipe.
-Bubble ticks compute on zeros and are masked out; ``benchmarks/pipeline.py`` measures them.
+larger idle fraction and the ~2P items whose residuals stage 0 keeps where Megatron holds P
+micro-batches' activations (the last stage keeps none: its last chunk's backward runs in the
+forward's tick). The backward applies the pullback its item's forward saved, so a step does
+Megatron's passes: 3 without recompute, 4 with ``--recompute-granularity full`` (whose
+checkpointed layers keep only their inputs, and are recomputed once, in the backward), and
+activation memory does not grow with M. Measured by the compiled program
+(``tests/train/test_pipeline.py``: matmul FLOPs of the step against one device, temporaries
+flat in M for 1F1B, linear in M for GPipe; ``python -m mlir_train.plan`` on the seed's TP2 PP2
+EP2 layout). Bubble ticks compute on zeros and are masked out; ``benchmarks/pipeline.py``
+measures them.
 """
 
 from __future__ import annotations
@@ -76,19 +81,19 @@ class Schedule:
     # layers per stage when they differ (--decoder-first/last-pipeline-num-layers), else None
     stage_layers: tuple[int, ...] | None = None
 
-    def saved_inputs(self) -> int | None:
-        """Chunk inputs a stage keeps for its backward under 1F1B (None: GPipe / circular keep
-        every micro-batch's activations)."""
+    def items_in_flight(self) -> int | None:
+        """Items (one chunk of one micro-batch) whose saved residuals a stage holds at once
+        under 1F1B: its ``2RP - 2`` slots and the one its backward is using (None: GPipe /
+        circular keep every micro-batch's)."""
         return 2 * self.virtual * self.stages - 1 if self.kind == "1f1b" else None
 
-    def step_factor(self, num_micro: int, recompute: str = "none") -> float:
-        """Step time over the no-bubble ideal of the same work: the idle ticks and, for 1F1B,
-        the chunk forward its backward recomputes (one more forward: 4/3 of forward+backward,
-        or 5/4 of a fully recomputed step's 4 passes)."""
+    def step_factor(self, num_micro: int) -> float:
+        """Step time over the no-bubble ideal of the same work: the idle ticks (the work per
+        item is Megatron's under every schedule: no extra forward)."""
         m, p, r = num_micro, self.stages, self.virtual
         if self.kind != "1f1b":
             return (m * r + p - 1) / (m * r)
-        return (m * r + r * p + p - 2) / (m * r) * (5 / 4 if recompute == "full" else 4 / 3)
+        return (m * r + r * p + p - 2) / (m * r)
 
     def chunk_layers(self, num_layers: int) -> list[list[list[int]]]:
         """``[stage][chunk]`` -> the decoder layers it runs, in order: Megatron's assignment

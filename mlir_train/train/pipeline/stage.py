@@ -15,21 +15,31 @@ from flax import nnx
 
 from mlir_train.config import policies
 from mlir_train.model import losses
-from mlir_train.model.transformer import run_stack
+from mlir_train.model.transformer import run_pieces, stack_pieces
 from mlir_train.train.pipeline.program import Segment, layer_order, stage_program, to_segments
 from sharding import logical_shard_map, mesh_axes_of
 
 
 def chunk_forward(stack_graphs, program, states_r, active_r, x, context, remat):
     """One chunk: its segments in order; the MoE segments' router stats, one dict each."""
+    return run_chunk(stack_graphs, program, chunk_pieces(program, states_r, active_r, remat), x, context)
+
+
+def chunk_pieces(program, states_r, active_r, remat):
+    """Every segment's layer state cut into the pieces its recompute policy scans
+    (:func:`~mlir_train.model.transformer.stack_pieces`), one list per segment."""
+    return [stack_pieces(state, None if seg.active.all() else on, remat, seg.offsets)
+            for seg, state, on in zip(program, states_r, active_r)]
+
+
+def run_chunk(stack_graphs, program, pieces_r, x, context):
+    """:func:`chunk_forward` from the pieces of :func:`chunk_pieces`."""
     stats = []
-    for seg, state, on in zip(program, states_r, active_r):
-        stack = nnx.merge(stack_graphs[seg.is_moe], state)
-        x, st = run_stack(stack, x, context, remat, None if seg.active.all() else on, offsets=seg.offsets)
+    for seg, pieces in zip(program, pieces_r):
+        x, st = run_pieces(stack_graphs[seg.is_moe], pieces, x, context)
         if seg.is_moe:
             stats.append(st)
     return x, stats
-
 
 
 def router_terms(program, stats, active_r, keep, balancing, top_k, m, counts=None, micro_index=None):
