@@ -39,7 +39,7 @@ from mlir_train.config.models import ModelConfig
 from mlir_train.model.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
 from mlir_train.model.attention import SEGMENT_ID_IMPLS, attention_mask
 from mlir_train.model.layers import MLP, Attention, RMSNorm, param, rope_tables
-from mlir_train.model.moe.block import MoE
+from mlir_train.model.moe.block import DEFAULT_EP_BUFFER_FACTOR, MoE
 from mlir_train.model.recompute import checkpointed
 from mlir_train.config.policies import LEGACY, RecomputePolicy
 from mlir_train.config.policies import RouterConfig
@@ -53,7 +53,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype,
                  moe_block_loop: bool | None = None, moe_platform: str | None = None, attention_impl: str = "xla",
                  router: RouterConfig | None = None, recompute: RecomputePolicy = RecomputePolicy(),
-                 moe_kernels: str | None = None):
+                 moe_kernels: str | None = None, moe_ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR):
         # Megatron scales the init of the two output projections by 1/sqrt(2 * num_layers).
         out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -67,7 +67,8 @@ class DecoderLayer(nnx.Module):
         if moe:
             self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy,
                            dtype=dtype, block_loop=moe_block_loop, platform=moe_platform, router=router,
-                           recompute_act=recompute.recomputes("moe_act"), block_kernels=moe_kernels)
+                           recompute_act=recompute.recomputes("moe_act"), block_kernels=moe_kernels,
+                           ep_buffer_factor=moe_ep_buffer_factor)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype)
 
@@ -133,6 +134,7 @@ class Qwen3(nnx.Module):
         attention_impl: str = "xla",
         router: RouterConfig | None = None,
         moe_kernels: str | None = None,
+        moe_ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR,
     ):
         self.cfg = cfg
         # What the backward recomputes (mlir_train.model.recompute): the submodules' checkpoints
@@ -150,7 +152,7 @@ class Qwen3(nnx.Module):
             make = lambda r, is_moe=is_moe: DecoderLayer(
                 cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype,
                 moe_block_loop=moe_block_loop, moe_platform=moe_platform, attention_impl=attention_impl,
-                router=router, recompute=self.remat, moe_kernels=moe_kernels,
+                router=router, recompute=self.remat, moe_kernels=moe_kernels, moe_ep_buffer_factor=moe_ep_buffer_factor,
             )
             layers.append(_stacked(make, n, rngs))
             kinds.append((start, n, is_moe))
