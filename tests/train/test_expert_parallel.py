@@ -258,3 +258,22 @@ def test_pipelined_step_with_overflow_rounds_equals_one_device():
     out = pipeline_step(seed, jax.devices(), model_kwargs={"moe_ep_buffer_factor": 0.25})
     assert_same_step(out, ref)
     assert float(ref[1]["ep_overflow_rows"]) == 0 and float(out[1]["ep_overflow_rows"]) > 0
+
+
+def test_planner_reads_traffic_next_to_buffer_size():
+    """``moe_audit.ep_exchange_report`` on the CPU padded dispatcher's program: four token
+    all-to-alls (dispatch and return, forward and backward), each through the [E, C, D] buffer,
+    against the S*K rows a rank routes."""
+    from mlir_train.planner.moe_audit import ep_exchange_report
+
+    cfg = MESHES["EP8"]
+    x, valid = moe_block_inputs()
+    block = moe_block(impl="padded")
+    (_, hlo) = run_moe_block(block, x, valid, cfg, grads=True)
+    s, k, e, d = B * T // 8, TINY_MOE.top_k, TINY_MOE.num_experts, TINY_MOE.hidden_size
+    c = -(-int(block.plan.ep_buffer_factor * s * k) // e)
+    c = -(-c // 8) * 8
+    ex = ep_exchange_report(hlo, s * k, d * 4)
+    assert ex.kind == "all-to-all" and ex.exchanges == 4, ex
+    assert ex.buffer_bytes == ex.exchanges * e * c * d * 4
+    assert ex.traffic_bytes == ex.exchanges * s * k * d * 4
