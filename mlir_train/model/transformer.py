@@ -20,7 +20,9 @@ is causal in the original order. ``stats`` maps
 names to arrays with a leading MoE-layer axis: ``tokens_per_expert [L, E]`` (routed),
 ``aux_tokens_per_expert [L, E]`` and ``probs_per_expert [L, E]`` (what the aux losses count
 and sum), ``num_tokens [L]``, ``z_loss_sum [L]``, ``dropped_tokens [L]`` (and per-document
-sums for ``seq_aux_loss``), all excluding padding tokens (segment id 0); see
+sums for ``seq_aux_loss``), all excluding padding tokens (segment id 0), and
+``ep_overflow_rows [L]`` (rows, padding included, that overflowed the expert-parallel exchange
+buffer into a further round; :mod:`mlir_train.model.moe.parallel`); see
 ``mlir_train.model.moe.router`` for their definitions and ``mlir_train.model.losses`` for the aux / z
 losses formed from them.
 """
