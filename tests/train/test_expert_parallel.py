@@ -153,6 +153,10 @@ OVERFLOW_LAYOUTS = {
     "EP2xDP4": Layout(expert=2, num_devices=8),
     "EP4xTP2": Layout(expert=4, tensor=2, num_devices=8),
     "EP8": Layout(expert=8, num_devices=8),
+    # MoE parallel folding: the all-to-all over tensor ranks (ETP1 < TP2), and data ranks in the
+    # expert-tensor group (ETP4 > TP2), whose ranks gather each other's tokens first.
+    "TP2xEP4xETP1": Layout(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True, num_devices=8),
+    "TP2xEP2xETP4": Layout(tensor=2, expert=2, expert_tensor=4, num_devices=8),
 }
 
 
@@ -162,30 +166,39 @@ def _expected_overflow(block, cfg, impl):
     receiving rank on the ragged ones)."""
     from mlir_train.model.moe import dispatch
 
+    from mlir_train.model.moe.parallel import width_token_axes
+
     mesh, rules = sharding.make_mesh(cfg), sharding.rules_for(cfg)
     with jax.set_mesh(mesh), sharding.use_rules(rules):
         token_ranks, ep = sharding.mesh_axes_of("act_tokens")[1], sharding.mesh_axes_of("exp")[1]
+        w = int(np.prod([mesh.shape[a] for a in width_token_axes()]))
     plan, e, k = block.plan, TINY_MOE.num_experts, TINY_MOE.top_k
     s = B * T // token_ranks
-    if impl == "padded":
+    if impl == "padded":  # per rank, from its own tokens (the expert-tensor ranks gather slots)
         c = min(s, -(-max(1, -(-int(plan.ep_buffer_factor * s * k * 1000) // (e * 1000))) // 8) * 8)
         return token_ranks * 2 * max(0, s - c)
+    # Ragged: the expert-tensor ranks that hold other tokens gather them first (w x the rows, the
+    # same on each of them: counted once), then each EP group of them exchanges.
+    s *= w
     align = plan.block_kernels.block_rows if impl == "grouped" else 8
     rows, _ = dispatch.exchange_capacity(plan, s, k, ep, align)
     el = e // ep
     owners = [min(2, el)] + ([1] if el == 1 else [])  # rows of experts 0 and 1 per receiving rank
-    return (token_ranks // ep) * sum(max(0, ep * s * n - rows) for n in owners)
+    return (token_ranks // (ep * w)) * sum(max(0, ep * s * n - rows) for n in owners)
 
 
-@pytest.mark.parametrize("impl", ["padded", "ragged", "grouped"])
-@pytest.mark.parametrize("name", list(OVERFLOW_LAYOUTS))
+# Every layout with the grouped dispatcher; the padded and ragged ones on two by default.
+OVERFLOW_CASES = [pytest.param(name, impl, marks=[] if impl == "grouped" or name in ("EP4xTP2", "TP2xEP2xETP4")
+                               else [pytest.mark.slow])
+                  for name in OVERFLOW_LAYOUTS for impl in ("padded", "ragged", "grouped")]
+
+
+@pytest.mark.parametrize("name, impl", OVERFLOW_CASES)
 def test_overflow_rounds_are_exact_and_counted(name, impl):
     """A tiny --moe-ep-buffer-factor and every token routed to experts 0 and 1: the exchange
     overflows its buffer and runs in further rounds; values and gradients still equal the dense
     one-device block, and the overflowing rows are counted exactly."""
     cfg = OVERFLOW_LAYOUTS[name]
-    if name != "EP4xTP2" and impl != "grouped":
-        pytest.skip("one layout per padded/ragged dispatcher keeps the default suite fast")
     x, valid = moe_block_inputs()
     kw = dict(platform="cpu", ragged_all_to_all=moe_lib.ragged_all_to_all_dense) if impl != "padded" else {}
     if impl == "grouped":  # blocks of 8 rows, so that these few tokens can fill several buffers
