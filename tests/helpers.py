@@ -334,7 +334,8 @@ def pipeline_batch(seed=0):
     return dict(input_ids=ids, labels=np.roll(ids, -1, 1), loss_mask=mask, segment_ids=seg, positions=pos)
 
 
-def pipeline_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f1b", cfg=PIPELINE_CFG, per_token=False, **step):
+def pipeline_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f1b", cfg=PIPELINE_CFG, per_token=False,
+                  model_kwargs=None, **step):
     mesh = make_mesh(parallel, devices=devices)
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=1e-3, train_iters=10), weight_decay=0.1, clip_grad=1.0)
     # Megatron's default loss normalisation per data-parallel micro-batch of 2 rows (two such
@@ -342,7 +343,7 @@ def pipeline_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f
     step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
                           layers_per_virtual_stage=layers_per_virtual_stage, micro_batch_size=2,
                           per_token_loss=per_token, pipeline_schedule=schedule, **step)
-    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh)
+    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh, model_kwargs=model_kwargs)
     state = trainer.init_state(seed=0)
     batch = trainer.shard_batch({k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in pipeline_batch().items()})
     compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)

@@ -510,6 +510,14 @@ class ExtraFlags:
                                       "(tokamax's ragged-dot kernels on the same layout; needs tokamax), padded "
                                       "(sorted, padded batched matmul; capacity einsum with a capacity factor); auto: "
                                       "the platform's default (GPU mosaic, CPU padded, TPU ragged_dot)")
+    moe_ep_buffer_factor: float = flag(
+        "--moe-ep-buffer-factor", type=float, default=2.0, metavar="F",
+        help="dropless MoE under expert parallelism: the all-to-all buffers hold F times the rows a balanced "
+             "routing sends (per rank; per expert on the padded CPU path); a step whose routing sends more "
+             "exchanges the rest in further rounds through the same buffer, exactly, and logs the rows as "
+             "'ep overflow rows'. Nothing is dropped (unlike Megatron's --moe-expert-capacity-factor, which "
+             "this does not touch); F >= EP never overflows on the GPU ragged/grouped exchange, F >= experts/topk "
+             "on the padded one")
     attention_kernel: str = flag("--attention-kernel", default="auto",
                                  choices=("auto", "tokamax", "pallas-mha", "mlir", "xla"),
                                  help="attention: mlir (our Pallas-Triton flash attention, mlir_train.model.docs_flash: "

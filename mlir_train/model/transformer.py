@@ -20,7 +20,9 @@ is causal in the original order. ``stats`` maps
 names to arrays with a leading MoE-layer axis: ``tokens_per_expert [L, E]`` (routed),
 ``aux_tokens_per_expert [L, E]`` and ``probs_per_expert [L, E]`` (what the aux losses count
 and sum), ``num_tokens [L]``, ``z_loss_sum [L]``, ``dropped_tokens [L]`` (and per-document
-sums for ``seq_aux_loss``), all excluding padding tokens (segment id 0); see
+sums for ``seq_aux_loss``), all excluding padding tokens (segment id 0), and
+``ep_overflow_rows [L]`` (rows, padding included, that overflowed the expert-parallel exchange
+buffer into a further round; :mod:`mlir_train.model.moe.parallel`); see
 ``mlir_train.model.moe.router`` for their definitions and ``mlir_train.model.losses`` for the aux / z
 losses formed from them.
 """
@@ -39,7 +41,7 @@ from mlir_train.config.models import ModelConfig
 from mlir_train.model.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
 from mlir_train.model.attention import SEGMENT_ID_IMPLS, attention_mask
 from mlir_train.model.layers import MLP, Attention, RMSNorm, param, rope_tables
-from mlir_train.model.moe.block import MoE
+from mlir_train.model.moe.block import DEFAULT_EP_BUFFER_FACTOR, MoE
 from mlir_train.model.recompute import checkpointed
 from mlir_train.config.policies import LEGACY, LoRAPolicy, RecomputePolicy
 from mlir_train.config.policies import RouterConfig
@@ -53,7 +55,8 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype,
                  moe_block_loop: bool | None = None, moe_platform: str | None = None, attention_impl: str = "xla",
                  router: RouterConfig | None = None, recompute: RecomputePolicy = RecomputePolicy(),
-                 moe_kernels: str | None = None, lora=None):
+                 moe_kernels: str | None = None, lora=None,
+                 moe_ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR):
         # Megatron scales the init of the two output projections by 1/sqrt(2 * num_layers).
         out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -67,7 +70,8 @@ class DecoderLayer(nnx.Module):
         if moe:
             self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy,
                            dtype=dtype, block_loop=moe_block_loop, platform=moe_platform, router=router,
-                           recompute_act=recompute.recomputes("moe_act"), block_kernels=moe_kernels, lora=lora)
+                           recompute_act=recompute.recomputes("moe_act"), block_kernels=moe_kernels, lora=lora,
+                           ep_buffer_factor=moe_ep_buffer_factor)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype, lora=lora)
 
@@ -134,6 +138,7 @@ class Qwen3(nnx.Module):
         router: RouterConfig | None = None,
         moe_kernels: str | None = None,
         lora: LoRAPolicy | None = None,
+        moe_ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR,
     ):
         self.cfg = cfg
         self.lora = lora  # LoRA adapters (mlir_train.model.lora) on the layers it targets; None: none
@@ -153,6 +158,7 @@ class Qwen3(nnx.Module):
                 cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype,
                 moe_block_loop=moe_block_loop, moe_platform=moe_platform, attention_impl=attention_impl,
                 router=router, recompute=self.remat, moe_kernels=moe_kernels, lora=lora,
+                moe_ep_buffer_factor=moe_ep_buffer_factor,
             )
             layers.append(_stacked(make, n, rngs))
             kinds.append((start, n, is_moe))

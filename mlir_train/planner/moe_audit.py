@@ -9,6 +9,12 @@ work depends on the routing; it is given for a sampled routing (``used_rows``: e
 picks ``top_k`` distinct experts uniformly at random, as an untrained router does, seeded)
 and as the static bound (every block of the buffer used, which no routing reaches).
 The router's matmuls are not expert matmuls and are reported apart (``router_flops``).
+
+The dropless expert-parallel dispatchers exchange rows through bounded buffers and run a
+further round only when a routing overflows them (a ``conditional`` in the HLO): the figures
+"at the sampled routing" read the no-overflow branch (the sampled routing never overflows the
+default buffers), the ``_bound`` ones the costliest. :func:`ep_exchange_report` puts the bytes
+the exchange's buffers take next to the bytes the routing sends.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import sharding
-from mlir_train.planner.hlo import analyze
+from mlir_train.planner.hlo import _arrays, _called, _nbytes, _Reader, analyze, matmul_flops, parse_module
 from mlir_train.model import logical_axes
 from mlir_train.model.moe.block import ROUTER_SCOPE, MoE
 from mlir_train.model.moe.gpu import BLOCK_ROWS
@@ -42,6 +48,8 @@ class MoELayerAudit:
     while_loops: int
     kernel_calls: int
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> bytes per device
+    residual_bytes: int | None = None  # what the compiled forward keeps for the backward (jax.vjp's residuals)
+    ep_exchange: "EPExchange | None" = None
 
     @property
     def ratio(self) -> float:
@@ -50,6 +58,107 @@ class MoELayerAudit:
     @property
     def ratio_bound(self) -> float:
         return self.expert_flops_bound / self.routed_flops
+
+
+@dataclasses.dataclass(frozen=True)
+class EPExchange:
+    """The expert-parallel all-to-alls of one MoE layer's forward and backward, per device, on
+    the no-overflow path: ``buffer_bytes`` the buffers the compiled program exchanges through
+    (per collective, the larger of what it reads and writes: a ragged exchange's receive buffer,
+    or a dense all-to-all's padded buffer), ``traffic_bytes`` the rows a routing actually sends
+    (``rows_sent`` per exchange, this rank's assignments), ``exchanges`` how many there are."""
+    kind: str  # "ragged-all-to-all" or "all-to-all"
+    exchanges: int
+    buffer_bytes: int
+    traffic_bytes: int
+    rows_sent: int
+
+    def __str__(self):
+        return (f"{self.exchanges} x {self.kind}: buffers {self.buffer_bytes / 2**20:.1f} MiB, traffic "
+                f"{self.traffic_bytes / 2**20:.1f} MiB ({self.buffer_bytes / max(self.traffic_bytes, 1):.2f}x)")
+
+
+def ep_exchange_report(hlo_text: str, rows_sent: int, row_bytes: int) -> EPExchange | None:
+    """Traffic next to buffer size for the expert-parallel exchange of a compiled MoE layer:
+    the token all-to-alls of its no-overflow path (``analyze(..., branch="min")``: the rounds an
+    overflow adds are a conditional) against ``rows_sent`` rows of ``row_bytes`` per exchange.
+    None where the program has no token all-to-all (no expert parallelism)."""
+    colls = analyze(hlo_text, branch="min").collectives
+    for kind in ("ragged-all-to-all", "all-to-all"):
+        c = colls.get(kind)
+        # The dense path's small all-to-alls (counts, offsets) are not token exchanges.
+        if c is not None and c.count and c.bytes / c.count >= row_bytes:
+            big = c.count if kind == "ragged-all-to-all" else _token_all_to_alls(hlo_text, row_bytes)
+            if not big:
+                continue
+            return EPExchange(kind, big, _token_bytes(hlo_text, kind, row_bytes), big * rows_sent * row_bytes, rows_sent)
+    return None
+
+
+def _token_all_to_alls(hlo_text: str, row_bytes: int) -> int:
+    return sum(1 for b in _exchange_sizes(hlo_text, "all-to-all") if b >= row_bytes)
+
+
+def _token_bytes(hlo_text: str, kind: str, row_bytes: int) -> int:
+    return int(sum(b for b in _exchange_sizes(hlo_text, kind) if b >= row_bytes))
+
+
+def _cheapest_path(hlo_text: str):
+    """The instructions (with their computation's types) on the path :func:`analyze` counts with
+    ``branch="min"``: each conditional's cheapest branch (the no-overflow one)."""
+    comps, entry = parse_module(hlo_text)
+    reader = _Reader(comps, entry, "min", None)
+    seen = set()
+
+    def visit(comp):
+        if comp in seen:
+            return
+        seen.add(comp)
+        types = {i.name: i.result_type for i in comps.get(comp, [])}
+        for ins in comps.get(comp, []):
+            yield ins, types
+            if ins.opcode == "conditional":
+                branches = _called(ins.attrs, "branch_computations") or (
+                    _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation"))
+                if branches:  # ties (a loop whose body is itself a branch) go to the shorter branch
+                    yield from visit(min(branches, key=lambda b: (reader.tally(b).cost(), _size(comps, b))))
+            else:
+                for key in ("calls", "to_apply", "body"):
+                    for called in _called(ins.attrs, key):
+                        yield from visit(called)
+
+    yield from visit(entry)
+
+
+def _size(comps, comp, depth: int = 0) -> int:
+    """Instructions in ``comp`` and everything it calls."""
+    if depth > 32:
+        return 0
+    return sum(1 + sum(_size(comps, c, depth + 1) for key in ("calls", "to_apply", "body", "branch_computations",
+                                                               "true_computation", "false_computation")
+                       for c in _called(i.attrs, key)) for i in comps.get(comp, []))
+
+
+def loops_on_cheapest_path(hlo_text: str) -> int:
+    """``while`` loops on the no-overflow path (the overflow rounds' loops sit in a branch)."""
+    return sum(1 for ins, _ in _cheapest_path(hlo_text) if ins.opcode == "while")
+
+
+def _exchange_sizes(hlo_text: str, kind: str) -> list[int]:
+    """Bytes of each ``kind`` collective on the no-overflow path: the larger of what it sends
+    (its first operand) and what it receives (its result; a ragged exchange also takes its
+    output buffer as an operand, not counted twice)."""
+    per = []
+    for ins, types in _cheapest_path(hlo_text):
+        op = ins.opcode
+        base = op[:-6] if op.endswith("-start") else op
+        if base == kind and not op.endswith(("-done", "-update")):
+            sent = _nbytes(_arrays(types.get(ins.operands[0], ""))) if ins.operands else 0
+            outs = _arrays(ins.result_type)
+            if op.endswith("-start"):
+                outs = [a for a in outs[len(ins.operands):] if a[1]]
+            per.append(max(sent, _nbytes(outs)))
+    return per
 
 
 def used_block_rows(num_experts: int, top_k: int, tokens_per_rank: int, token_ranks: int, expert_ranks: int,
@@ -73,15 +182,21 @@ def used_block_rows(num_experts: int, top_k: int, tokens_per_rank: int, token_ra
 
 def audit_moe_layer(cfg, parallel: sharding.Layout, devices, *, impl: str, capacity_factor: float | None = None,
                     tokens_per_rank: int = 2048, layout: str = "", seed: int = 0,
-                    block_kernels: str | None = None) -> MoELayerAudit:
+                    block_kernels: str | None = None, ep_buffer_factor: float | None = None,
+                    residuals: bool = False) -> MoELayerAudit:
     """Compile ``value_and_grad`` of one MoE block (float32 parameters, bfloat16 activations) on
     ``devices`` laid out by ``parallel`` and audit its expert matmuls per device. ``block_kernels``:
-    ``impl="grouped"``'s kernels ("mosaic", the default on GPU, or "tokamax")."""
+    ``impl="grouped"``'s kernels ("mosaic", the default on GPU, or "tokamax");
+    ``ep_buffer_factor``: ``--moe-ep-buffer-factor`` (None: its default). ``residuals``: also
+    compile the forward alone (``jax.vjp``) and read the bytes it keeps for the backward.
+    Expert FLOPs, loops and kernel calls are the no-overflow path's (what the sampled routing
+    runs: checked, else the costliest path's); ``expert_flops_bound`` the costliest path's."""
     mesh, rules = sharding.make_mesh(parallel, devices=devices), sharding.rules_for(parallel)
     platform = devices[0].platform
     with jax.set_mesh(mesh), sharding.use_rules(rules), compile_target(mesh):
+        extra = {} if ep_buffer_factor is None else {"ep_buffer_factor": ep_buffer_factor}
         abstract = nnx.eval_shape(lambda: MoE(cfg, nnx.Rngs(0), cfg.init_std, impl=impl, capacity_factor=capacity_factor,
-                                              platform=platform, block_kernels=block_kernels))
+                                              platform=platform, block_kernels=block_kernels, **extra))
         graphdef, state = nnx.split(abstract)
         shardings = sharding.tree_shardings(nnx.to_pure_dict(logical_axes(abstract)), rules, mesh)
         params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh),
@@ -101,8 +216,28 @@ def audit_moe_layer(cfg, parallel: sharding.Layout, devices, *, impl: str, capac
             return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
         compiled = compile_without_cache(jax.jit(step).lower(params, x, x))
-    stats = analyze(compiled.as_text(), exclude_scope=ROUTER_SCOPE)
-    flops = stats.flops
+        residual_bytes = None
+        if residuals:
+            def forward(params, x):
+                def f(params, x):
+                    return nnx.merge(graphdef, params)(x, jnp.ones(x.shape[:2], bool))[0]
+                y, vjp = jax.vjp(f, params, x)
+                return vjp  # its leaves: what the backward needs from the forward
+            fwd = compile_without_cache(jax.jit(forward).lower(params, x)).memory_analysis()
+            residual_bytes = fwd.output_size_in_bytes - fwd.alias_size_in_bytes
+        plan = abstract.plan
+    text = compiled.as_text()
+    stats = analyze(text, exclude_scope=ROUTER_SCOPE)  # its collectives
+    worst = matmul_flops(text, exclude_scope=ROUTER_SCOPE)
+    flops, loops = worst, worst.while_loops
+    s_sent = tokens_per_rank * cfg.top_k
+    if plan.dropless_dispatch and plan.ragged_all_to_all is not None and expert_ranks > 1:
+        from mlir_train.model.moe.dispatch import exchange_capacity
+
+        align = plan.block_kernels.block_rows if plan.dropless_dispatch == "grouped" else 8
+        capacity = exchange_capacity(plan, tokens_per_rank, cfg.top_k, expert_ranks, align)[0]
+        if max_received_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, token_ranks, expert_ranks, seed) <= capacity:
+            flops, loops = analyze(text, branch="min", exclude_scope=ROUTER_SCOPE).flops, loops_on_cheapest_path(text)
     routed = 6.0 * tokens_per_rank * cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size / tensor_ranks
     rows = {tile: used_block_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, token_ranks, expert_ranks, seed, tile)
             for tile in {max(k.row_tile, BLOCK_ROWS) for k in flops.kernels}}
@@ -110,10 +245,25 @@ def audit_moe_layer(cfg, parallel: sharding.Layout, devices, *, impl: str, capac
         layout=layout, impl=impl if block_kernels is None else f"{impl}:{block_kernels}",
         capacity_factor=capacity_factor, routed_flops=routed,
         expert_flops=flops.dot_flops + sum(k.flops_for_rows(rows[max(k.row_tile, BLOCK_ROWS)]) for k in flops.kernels),
-        expert_flops_bound=flops.dot_flops + flops.kernel_flops_bound, router_flops=flops.excluded_flops,
-        temp_bytes=compiled.memory_analysis().temp_size_in_bytes, while_loops=flops.while_loops,
+        expert_flops_bound=worst.dot_flops + worst.kernel_flops_bound, router_flops=flops.excluded_flops,
+        temp_bytes=compiled.memory_analysis().temp_size_in_bytes, while_loops=loops,
         kernel_calls=len(flops.kernels), collectives={k: c.bytes for k, c in stats.collectives.items()},
+        residual_bytes=residual_bytes,
+        ep_exchange=ep_exchange_report(text, s_sent, cfg.hidden_size * 2) if expert_ranks > 1 else None,
     )
+
+
+def max_received_rows(num_experts: int, top_k: int, tokens_per_rank: int, token_ranks: int, expert_ranks: int,
+                      seed: int = 0) -> int:
+    """The most rows any expert rank receives for the routing :func:`used_block_rows` samples."""
+    rng = np.random.default_rng(seed)
+    most = 0
+    for _ in range(token_ranks // expert_ranks):
+        s = tokens_per_rank * expert_ranks
+        experts_SK = np.argsort(rng.random((s, num_experts)), axis=1)[:, :top_k]
+        sizes_E = np.bincount(experts_SK.reshape(-1), minlength=num_experts)
+        most = max(most, int(sizes_E.reshape(expert_ranks, -1).sum(axis=1).max()))
+    return most
 
 
 def compile_without_cache(lowered, compiler_options: dict | None = None):

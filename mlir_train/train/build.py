@@ -143,8 +143,11 @@ class Run:
             kwargs |= dict(lora=self.config.training.lora)
         if self.model.is_moe:
             m = self.config.moe
+            if not extras.moe_ep_buffer_factor > 0:
+                raise ConfigError(f"--moe-ep-buffer-factor must be positive, got {extras.moe_ep_buffer_factor}")
             kwargs |= dict(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy,
-                           router=m.router(self.model, self.parallel.expert))
+                           router=m.router(self.model, self.parallel.expert),
+                           moe_ep_buffer_factor=extras.moe_ep_buffer_factor)
         return kwargs
 
     def step_config(self):

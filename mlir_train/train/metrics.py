@@ -101,12 +101,16 @@ ROUTER_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_
 
 def router_scalars(m: dict[str, Any], model_cfg, *, per_layer: bool = False) -> dict[str, float]:
     """A step's MoE router numbers under Megatron's tag names: each load-balancing loss in use
-    and the z-loss (times their coefficients, averaged over the MoE layers), dropped tokens, and
+    and the z-loss (times their coefficients, averaged over the MoE layers), dropped tokens, the
+    expert-parallel exchange's overflow rows, and
     with ``per_layer`` (``--moe-per-layer-logging``) Megatron's ``moe/<name>_layer_<i>`` for each
     MoE layer ``i`` (its decoder-layer index): the raw, coefficient-free value averaged over the
     step's micro-batches (the step's ``"<name> per layer"`` arrays), as Megatron's tracker logs it."""
     out = {name: float(m[name]) for name in ROUTER_LOSSES if name in m}
     out["dropped tokens"] = float(m["dropped_tokens"])
+    # Dropless rows that overflowed the expert-parallel exchange buffer (--moe-ep-buffer-factor)
+    # and went in a further round: computed exactly, counted so the factor can be sized.
+    out["ep overflow rows"] = float(m["ep_overflow_rows"])
     if per_layer:
         moe_layers = [i for i, is_moe in enumerate(model_cfg.layer_kinds()) if is_moe]
         for name in ROUTER_LOSSES:
@@ -132,6 +136,8 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
             parts.append(f"{name}: {m[name]:.6E}")
     if m.get("z_loss"):
         parts.append(f"z_loss: {m['z_loss']:.6E}")
+    if m.get("ep overflow rows"):  # the EP exchange's buffers were too small this step (computed exactly)
+        parts.append(f"ep overflow rows: {int(m['ep overflow rows'])}")
     parts += [
         f"loss scale: {m['loss-scale']:.1f}",
         f"grad norm: {m['grad-norm']:.3f}",

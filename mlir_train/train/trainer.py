@@ -375,7 +375,8 @@ class Trainer:
                 stats, sc.load_balancing(), cfg.top_k, global_counts, micro_index)
             objective = objective + router_objective / sc.num_micro_batches
             aux.update(router_layers=per_layer, tokens_per_expert=stats["tokens_per_expert"],
-                       dropped_tokens=jnp.sum(stats["dropped_tokens"]))
+                       dropped_tokens=jnp.sum(stats["dropped_tokens"]),
+                       ep_overflow_rows=jnp.sum(stats["ep_overflow_rows"]))
             if global_counts is not None:
                 aux["global_counts"] = counts
         return objective * scale, aux
@@ -486,6 +487,7 @@ class Trainer:
                     metrics[name] = lb.coeff(kind) * jnp.mean(layers[name])
             metrics["tokens_per_expert"] = jnp.sum(aux["tokens_per_expert"], axis=0)  # [L_moe, E]
             metrics["dropped_tokens"] = jnp.sum(aux["dropped_tokens"])
+            metrics["ep_overflow_rows"] = jnp.sum(aux["ep_overflow_rows"])
         return new_state, metrics
 
     def _jitted_train_step(self):

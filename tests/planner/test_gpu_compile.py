@@ -38,6 +38,27 @@ def test_grouped_moe_does_the_routed_work_on_h200(h200_devices, layout, parallel
     if parallel.expert > 1:  # (under DP8 the expert weights' gradients are all-reduced over the data ranks)
         rows_bytes = 1024 * SMALL.top_k * SMALL.hidden_size * 2
         assert a.collectives.get("all-reduce", 0) < rows_bytes, a.collectives
+    if parallel.expert > 1:
+        # The exchange's buffers: --moe-ep-buffer-factor (2) x the rows sent, plus a block per
+        # local expert, not EP x (the worst routing), on the no-overflow path.
+        ex = a.ep_exchange
+        assert ex.kind == "ragged-all-to-all" and ex.exchanges == 4, ex
+        el = SMALL.num_experts // parallel.expert
+        assert ex.buffer_bytes <= (2 + el * 64 / ex.rows_sent) * ex.traffic_bytes, ex
+
+
+@pytest.mark.slow
+def test_ep_buffer_factor_bounds_the_compiled_buffers_on_h200(h200_devices):
+    """EP8: the worst-case sizing (factor = EP, the program before the flag) against the default
+    factor: buffers, activations kept for the backward and temp memory shrink; the expert FLOPs
+    at a balanced routing stay the same."""
+    kw = dict(impl="grouped", tokens_per_rank=1024, residuals=True)
+    worst = audit_moe_layer(SMALL, Layout(expert=8, num_devices=8), h200_devices, ep_buffer_factor=8.0, **kw)
+    bounded = audit_moe_layer(SMALL, Layout(expert=8, num_devices=8), h200_devices, **kw)
+    # E 32 over EP8 is 4 local experts for top-8: the worst routing sends a rank 4 x the balanced rows.
+    assert bounded.ep_exchange.buffer_bytes < 0.55 * worst.ep_exchange.buffer_bytes
+    assert bounded.residual_bytes < worst.residual_bytes and bounded.temp_bytes < worst.temp_bytes
+    assert bounded.expert_flops == pytest.approx(worst.expert_flops, rel=1e-6)
 
 
 @pytest.mark.slow

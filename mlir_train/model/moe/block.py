@@ -50,7 +50,7 @@ from flax import nnx
 from mlir_train.model.layers import param
 from mlir_train.model.lora import LoRA, expert_delta, maybe
 from mlir_train.model.moe.dispatch import (
-    DEFAULT_MOE_IMPL, MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for,
+    DEFAULT_EP_BUFFER_FACTOR, DEFAULT_MOE_IMPL, MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for,
 )
 from mlir_train.model.moe.experts import BlockKernels, mosaic_block_kernels, swiglu_down, xla_block_kernels
 from mlir_train.model.moe.gpu import BLOCK_ROWS as GPU_BLOCK_ROWS
@@ -62,7 +62,7 @@ from sharding import constrain
 
 ROUTER_SCOPE = "moe_router"
 
-__all__ = ["DEFAULT_MOE_IMPL", "MOE_IMPLS", "MoE", "ExpertsPlan", "BlockKernels", "block_layout", "block_rows",
+__all__ = ["DEFAULT_EP_BUFFER_FACTOR", "DEFAULT_MOE_IMPL", "MOE_IMPLS", "MoE", "ExpertsPlan", "BlockKernels", "block_layout", "block_rows",
            "ragged_all_to_all_dense"]
 
 
@@ -94,6 +94,7 @@ class MoE(nnx.Module):
         router: RouterConfig | None = None,
         recompute_act: bool = False,
         lora=None,
+        ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR,
     ):
         platform = platform or jax.default_backend()
         if ragged_all_to_all is None and impl in ("ragged", "grouped") and capacity_factor is None:
@@ -107,7 +108,7 @@ class MoE(nnx.Module):
         self.plan = ExpertsPlan(
             impl=impl, num_experts=cfg.num_experts, capacity_factor=capacity_factor, drop_policy=drop_policy,
             block_loop=block_loop, ragged_all_to_all=ragged_all_to_all, block_kernels=block_kernels,
-            recompute_act=recompute_act,
+            recompute_act=recompute_act, ep_buffer_factor=ep_buffer_factor,
         )
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.router = param(rngs, (d, e), ("embed", "router_exp"), cfg.init_std, dtype)
@@ -178,10 +179,12 @@ class MoE(nnx.Module):
         weights_SK = weights_SK.astype(x_SD.dtype)
         if self.impl == "dense":
             # The reference stays plain under every layout; XLA partitions it as it likes.
-            y_SD, dropped = self._dense(x_SD, weights_SK, experts_SK), jnp.zeros((), jnp.float32)
+            y_SD, counts = self._dense(x_SD, weights_SK, experts_SK), jnp.zeros((2,), jnp.float32)
         else:
-            y_SD, dropped = run_experts(self.plan, x_SD, weights_SK, experts_SK, valid_S, self._weights(x_SD.dtype))
-        stats["dropped_tokens"] = dropped
+            y_SD, counts = run_experts(self.plan, x_SD, weights_SK, experts_SK, valid_S, self._weights(x_SD.dtype))
+        # Assignments dropped by a capacity, and dropless rows that overflowed the expert-parallel
+        # exchange buffer into a further round (computed exactly, but counted: --moe-ep-buffer-factor).
+        stats["dropped_tokens"], stats["ep_overflow_rows"] = counts[0], counts[1]
         return y_SD.reshape(b, t, d), stats
 
     def _weights(self, dt):

@@ -12,6 +12,8 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,13 @@ MOE_IMPLS = ("dense", "padded", "ragged", "grouped")
 # XLA:CPU runs the padded/blocked path fastest; on GPUs the block-grouped kernels do the routed
 # work (XLA:GPU's ragged_dot is a dense dot over every expert); on TPUs ragged_dot is grouped.
 DEFAULT_MOE_IMPL = {"cpu": "padded", "gpu": "grouped", "tpu": "ragged"}
+# --moe-ep-buffer-factor: the dropless expert-parallel dispatchers' buffers hold this many times
+# the rows a balanced routing sends (module docstring of :mod:`mlir_train.model.moe.parallel`).
+# 2: the padded path's long-standing capacity guess; on the ragged/grouped exchange it is the
+# worst case at EP2 (so no overflow branch there: at the seed's TP2 PP2 EP2 the branch's own
+# expert-weight gradients cost more memory, +1.2 GiB at factor 1.5, than the smaller buffers
+# save), and 1/2, 1/4 of it at EP4, EP8 (benchmarks/README.md, "EP buffers sized by routing").
+DEFAULT_EP_BUFFER_FACTOR = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +49,8 @@ class ExpertsPlan:
     ``block_kernels`` are the matmuls of ``impl="grouped"`` (Mosaic-GPU or the XLA reference).
     ``recompute_act``: the activation is megatron-core's "moe_act" recompute
     (:func:`mlir_train.model.moe.experts.swiglu_down`).
+    ``ep_buffer_factor`` (``--moe-ep-buffer-factor``): the dropless dispatchers' exchange buffers
+    hold this many times the balanced rows; rows beyond go in further rounds (:func:`in_rounds`).
     """
 
     @property
@@ -57,8 +68,11 @@ class ExpertsPlan:
     ragged_all_to_all: Callable | None = None
     block_kernels: BlockKernels | None = None
     recompute_act: bool = False
+    ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR
 
     def __post_init__(self):
+        if not self.ep_buffer_factor > 0:
+            raise ValueError(f"--moe-ep-buffer-factor must be positive, got {self.ep_buffer_factor!r}")
         if self.impl not in MOE_IMPLS:
             raise ValueError(f"unknown MoE implementation {self.impl!r}; choose one of {MOE_IMPLS}")
         if self.impl == "grouped" and self.block_kernels is None:
@@ -85,11 +99,11 @@ def sort_assignments(plan: ExpertsPlan, weights_SK, experts_SK):
     return order_A // k, experts_A[order_A], weights_A[order_A]
 
 
-def constrained_swiglu(weights, recompute_act: bool = False):
-    """The batched experts on an ``[E, C, D]`` buffer left to XLA's partitioner (one device):
-    the buffer's expert and capacity axes carry their logical names."""
+def constrained_swiglu(recompute_act: bool = False):
+    """The batched experts ``run(buf, *weights)`` on an ``[E, C, D]`` buffer left to XLA's
+    partitioner (one device): the buffer's expert and capacity axes carry their logical names."""
 
-    def run(buf_ECD):
+    def run(buf_ECD, *weights):
         buf_ECD = constrain(buf_ECD, ("act_exp", "act_capacity", "act_embed"))
         out_ECD = swiglu_experts(buf_ECD, *weights, recompute_act=recompute_act)
         return constrain(out_ECD, ("act_exp", "act_capacity", "act_embed"))
@@ -99,21 +113,22 @@ def constrained_swiglu(weights, recompute_act: bool = False):
 
 def local_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weights, experts_fn=None):
     """The experts on this rank's tokens, all experts here (one device, or each data rank
-    of a pure data-parallel layout). ``experts_fn`` runs the padded ``[E, C, D]`` buffer
-    (default: the plain batched SwiGLU with ``weights``)."""
+    of a pure data-parallel layout). ``experts_fn(buf, *weights)`` runs the padded ``[E, C, D]``
+    buffer (default: the plain batched SwiGLU). ``(y_SD, [dropped assignments, overflow rows])``."""
+    none = jnp.zeros((2,), jnp.float32)
     if plan.dropless_dispatch == "ragged":
-        return ragged(plan, x_SD, weights_SK, experts_SK, weights), jnp.zeros((), jnp.float32)
+        return ragged(plan, x_SD, weights_SK, experts_SK, weights), none
     if plan.dropless_dispatch == "grouped":
-        return grouped(plan, x_SD, weights_SK, experts_SK, weights), jnp.zeros((), jnp.float32)
+        return grouped(plan, x_SD, weights_SK, experts_SK, weights), none
     s, k = experts_SK.shape
     e = plan.num_experts
     b, n_blocks = block_layout(s * k, e)
     if plan.capacity_factor is None and n_blocks * b < e * s:
-        return blocked(plan, x_SD, weights_SK, experts_SK, weights), jnp.zeros((), jnp.float32)
+        return blocked(plan, x_SD, weights_SK, experts_SK, weights), none
     # Capacity runs, and so few tokens (decoding) that the [E, S, D] buffer, which can
     # never overflow, is smaller than the blocked layout's bound.
-    experts_fn = experts_fn or (lambda buf_ECD: swiglu_experts(buf_ECD, *weights, recompute_act=plan.recompute_act))
-    return dispatch_padded(plan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, lambda n: n)
+    experts_fn = experts_fn or (lambda buf_ECD, *w: swiglu_experts(buf_ECD, *w, recompute_act=plan.recompute_act))
+    return dispatch_padded(plan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, lambda n: n, weights)
 
 
 def ragged(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights):
@@ -186,108 +201,250 @@ def grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights):
     return jnp.zeros_like(x_SD).at[token_A].add(y_RD[row_A])
 
 
-def dispatch_padded(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, global_max):
-    """Scatter assignments into an ``[E, C, D]`` buffer, run ``experts_fn`` on it, combine.
+def dispatch_padded(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, global_max, weights):
+    """Scatter assignments into an ``[E, C, D]`` buffer, run ``experts_fn(buf, *weights)`` on it,
+    combine. ``(y_SD, [dropped assignments, overflow rows])``.
 
     ``experts_fn`` maps the buffer to the experts' outputs in the same layout: the local
     batched matmul, or all-to-all -> local experts -> all-to-all under expert parallelism.
-    ``global_max`` makes the dropless overflow test agree across every rank that takes
+    ``global_max`` makes the dropless round count agree across every rank that takes
     part in ``experts_fn``'s collectives (identity on one device).
+
+    With a capacity, C = ceil(capacity_factor * S*K/E) and the rest is dropped (Megatron). Dropless,
+    C = ``ep_buffer_factor`` x the balanced S*K/E (rounded up to 8): an expert's slots from C on
+    go through the same buffer in further rounds (:func:`in_rounds`), slots [r*C, (r+1)*C) in
+    round r, so nothing is dropped and the buffer never grows; those rows are counted.
     """
     s, k = experts_SK.shape
     e = plan.num_experts
     token_A, expert_A, weight_A = sort_assignments(plan, weights_SK, experts_SK)
     group_sizes_E = jnp.bincount(expert_A, length=e)
     starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-    slot_A = jnp.arange(s * k) - starts_E[expert_A]
+    slot_A = (jnp.arange(s * k) - starts_E[expert_A]).astype(jnp.int32)
+    d = x_SD.shape[1]
 
-    def run(capacity: int):
-        keep_A = slot_A < capacity
-        # Dropped assignments go to an out-of-range slot, which scatter mode="drop" ignores.
-        safe_slot_A = jnp.where(keep_A, slot_A, capacity)
-        buf_ECD = jnp.zeros((e, capacity, x_SD.shape[1]), x_SD.dtype)
-        buf_ECD = buf_ECD.at[expert_A, safe_slot_A].set(x_SD[token_A], mode="drop")
-        out_ECD = experts_fn(buf_ECD)
-        y_AD = out_ECD.at[expert_A, safe_slot_A].get(mode="fill", fill_value=0)
-        y_SD = jnp.zeros_like(x_SD).at[token_A].add(y_AD * (weight_A * keep_A)[:, None])
-        dropped = jnp.sum((~keep_A) & valid_S[token_A].astype(bool)).astype(jnp.float32)
-        return y_SD, dropped
+    def one_round(capacity: int):
+        def run(r, args, ints):
+            x_SD, *weights = args
+            token_A, expert_A, slot_A = ints
+            first = r * capacity
+            keep_A = (slot_A >= first) & (slot_A < first + capacity)
+            # Assignments of other rounds go to an out-of-range slot, which mode="drop" ignores.
+            safe_slot_A = jnp.where(keep_A, slot_A - first, capacity)
+            buf_ECD = jnp.zeros((e, capacity, d), x_SD.dtype).at[expert_A, safe_slot_A].set(x_SD[token_A], mode="drop")
+            out_ECD = experts_fn(buf_ECD, *weights)
+            return out_ECD.at[expert_A, safe_slot_A].get(mode="fill", fill_value=0)
+        return run
 
+    def combine(y_AD, keep_A):
+        return jnp.zeros_like(x_SD).at[token_A].add(y_AD * (weight_A * keep_A)[:, None])
+
+    ints = (token_A.astype(jnp.int32), expert_A, slot_A)
     if plan.capacity_factor is not None:
-        return run(max(1, math.ceil(plan.capacity_factor * s * k / e)))
-    # Dropless: an expert receives at most one assignment per token, so C = S never drops.
-    guess = min(s, _round_up(max(1, math.ceil(2 * s * k / e)), 8))
-    if guess >= s:
-        return run(s)
-    return jax.lax.cond(global_max(jnp.max(group_sizes_E)) <= guess, lambda: run(guess), lambda: run(s))
+        capacity = max(1, math.ceil(plan.capacity_factor * s * k / e))
+        keep_A = slot_A < capacity
+        dropped = jnp.sum((~keep_A) & valid_S[token_A].astype(bool)).astype(jnp.float32)
+        y_AD = one_round(capacity)(0, (x_SD, *weights), ints)
+        return combine(y_AD, keep_A), jnp.stack([dropped, jnp.zeros((), jnp.float32)])
+    # Dropless: an expert receives at most one assignment per token, so C = S never overflows.
+    capacity = min(s, _round_up(max(1, math.ceil(plan.ep_buffer_factor * s * k / e)), 8))
+    n_rounds = -(-global_max(jnp.max(group_sizes_E).astype(jnp.int32)) // capacity)
+    y_AD = in_rounds(one_round(capacity), (x_SD, *weights), ints, n_rounds, -(-s // capacity))
+    overflow = jnp.sum(slot_A >= capacity).astype(jnp.float32)
+    return combine(y_AD, 1), jnp.stack([jnp.zeros((), jnp.float32), overflow])
 
 
-def ep_ragged(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep):
+def in_rounds(round_fn, args, ints, n_rounds, max_rounds: int):
+    """``sum over r < n_rounds of round_fn(r, args, ints)``: the exchange of a dropless
+    dispatcher in rounds through one bounded buffer, ``n_rounds`` (a traced count, the same on
+    every rank that exchanges) of at most ``max_rounds`` (static: the worst routing's).
+
+    Round 0 always runs and is differentiated as usual (its activations kept for the backward).
+    The further rounds run only when some rank's rows overflow round 0's buffer (a
+    ``lax.cond``), after round 0 in both directions, keeping nothing: the backward reruns an
+    overflow round's forward (``jax.vjp``) before its backward and adds its gradients into round
+    0's. So an overflow round needs no more memory than round 0's buffers, which are free by
+    then, and a step without overflow pays nothing but the branch. ``args`` are the
+    differentiable arrays, ``ints`` the routing bookkeeping; ``round_fn`` closes over nothing
+    traced. The rounds' rows are disjoint, so the sum adds zeros: the result is exactly the
+    one-buffer result.
+    """
+    if max_rounds <= 1:
+        return round_fn(0, args, ints)
+    return _rounds(round_fn, max_rounds, args, ints, n_rounds)
+
+
+def _first_round(round_fn, ints, axes):
+    """Round 0 as a function of ``args``, typed varying over ``axes`` (every axis an input
+    varies over: the later rounds' sum has that type, and a ``lax.cond``'s branches agree)."""
+    def run(args):
+        y = round_fn(0, args, ints)
+        missing = tuple(sorted(set(axes) - set(varying_axes(y))))
+        return jax.lax.pcast(y, missing, to="varying") if missing else y
+    return run
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rounds(round_fn, max_rounds, args, ints, n_rounds):
+    return _rounds_fwd(round_fn, max_rounds, args, ints, n_rounds)[0]
+
+
+def _rounds_fwd(round_fn, max_rounds, args, ints, n_rounds):
+    axes = set().union(*(varying_axes(leaf) for leaf in jax.tree.leaves((args, ints))))
+    y0, first_vjp = jax.vjp(_first_round(round_fn, ints, axes), args)
+
+    def body(r, acc):
+        return jax.lax.cond(r < n_rounds, lambda: acc + round_fn(r, args, ints), lambda: acc)
+
+    y = jax.lax.cond(n_rounds > 1, lambda: jax.lax.fori_loop(1, max_rounds, body, y0), lambda: y0)
+    return y, (first_vjp, args, ints, n_rounds)
+
+
+def _rounds_bwd(round_fn, max_rounds, res, ct):
+    first_vjp, args, ints, n_rounds = res
+    (grads,) = first_vjp(ct)
+
+    def body(r, acc):
+        def add():
+            _, vjp = jax.vjp(lambda a: round_fn(r, a, ints), args)
+            return jax.tree.map(jnp.add, acc, vjp(ct)[0])
+        return jax.lax.cond(r < n_rounds, add, lambda: acc)
+
+    grads = jax.lax.cond(n_rounds > 1, lambda: jax.lax.fori_loop(1, max_rounds, body, grads), lambda: grads)
+    return grads, None, None
+
+
+_rounds.defvjp(_rounds_fwd, _rounds_bwd)
+
+
+def exchange_capacity(plan: ExpertsPlan, s: int, k: int, ep: int, align: int) -> tuple[int, int]:
+    """(rows per round, most rounds) of a rank's receive buffer under the dropless ragged
+    dispatchers: ``ep_buffer_factor`` x the S*K rows a balanced routing sends it (rounded up to
+    ``align``), never more than the worst routing's EP * S * min(K, L) rows (every token of
+    every source to this rank's experts), which then takes ``most rounds``."""
+    worst = ep * s * min(k, plan.num_experts // ep)
+    rows = min(_round_up(worst, align), _round_up(max(1, math.ceil(plan.ep_buffer_factor * s * k)), align))
+    return rows, -(-worst // rows)
+
+
+class _Exchange(NamedTuple):
+    """The bookkeeping of one rank's ragged exchange, from the exchanged counts. Slices are
+    (destination or source rank, local expert), flattened rank-major. A rank's receive *stream*
+    is every row sent to it, ordered by local expert, then by source; round r moves the rows at
+    stream positions [r*M, (r+1)*M)."""
+    send_sizes_E: jax.Array    # rows this rank sends per (destination, local expert)
+    send_offsets_E: jax.Array  # where they start in its sorted rows
+    send_pos_E: jax.Array      # where they start in the destination's stream
+    recv_sizes_E: jax.Array    # rows it receives per (source, local expert)
+    recv_pos_E: jax.Array      # where they start in its own stream
+
+
+def _exchange(expert_A, e: int, ep: int, ep_axes) -> tuple[_Exchange, jax.Array]:
+    """Megatron's alltoall dispatcher also exchanges the counts first. Also the rank's total
+    received rows."""
+    el = e // ep
+
+    def a2a(v):
+        return jax.lax.all_to_all(v, ep_axes, 0, 0, tiled=True)
+
+    send_sizes_E = jnp.bincount(expert_A, length=e).astype(jnp.int32)
+    send_offsets_E = jnp.cumsum(send_sizes_E) - send_sizes_E
+    recv_sizes_E = a2a(send_sizes_E)
+    by_expert = recv_sizes_E.reshape(ep, el).T.reshape(-1)
+    recv_pos_E = (jnp.cumsum(by_expert) - by_expert).reshape(el, ep).T.reshape(-1)
+    ex = _Exchange(send_sizes_E, send_offsets_E, a2a(recv_pos_E), recv_sizes_E, recv_pos_E)
+    return ex, jnp.sum(recv_sizes_E)
+
+
+def _window(pos, size, r, rows: int):
+    """(skipped, taken) rows of slices starting at stream position ``pos`` with ``size`` rows
+    in round ``r``'s window [r*rows, (r+1)*rows)."""
+    lo = jnp.clip(r * rows - pos, 0, size)
+    return lo, jnp.clip((r + 1) * rows - pos, 0, size) - lo
+
+
+def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, align, recv_layout, experts):
+    """The dropless ragged exchange in rounds (:func:`in_rounds`) through a receive buffer of
+    :func:`exchange_capacity` rows: ``recv_layout(r_sizes_RL) -> (buffer rows, out offsets
+    [src, local expert], extra)`` places a round's slices in it, ``experts(buf, extra, weights)``
+    runs the local experts there. ``(y_SD, [0, overflow rows])``."""
+    s, k = experts_SK.shape
+    e = plan.num_experts
+    el = e // ep
+    ragged_a2a = plan.ragged_all_to_all
+    token_A, expert_A, weight_A = sort_assignments(plan, weights_SK, experts_SK)
+    rows, max_rounds = exchange_capacity(plan, s, k, ep, align)
+    ex, received = _exchange(expert_A, e, ep, ep_axes)
+
+    def one_round(r, args, ex):
+        x_AD, *weights = args
+
+        def a2a(v):
+            return jax.lax.all_to_all(v, ep_axes, 0, 0, tiled=True)
+
+        skip_E, send_E = _window(ex.send_pos_E, ex.send_sizes_E, r, rows)
+        _, recv_E = _window(ex.recv_pos_E, ex.recv_sizes_E, r, rows)
+        buf_rows, recv_offsets_E, extra = recv_layout(recv_E.reshape(ep, el))
+        send_offsets_E = ex.send_offsets_E + skip_E
+        recv_MD = ragged_into_zeros(ragged_a2a, x_AD, buf_rows, send_offsets_E, send_E, a2a(recv_offsets_E), recv_E,
+                                    ep_axes)
+        out_MD = experts(recv_MD, extra, weights)
+        return ragged_into_zeros(ragged_a2a, out_MD, x_AD.shape[0], recv_offsets_E, recv_E, a2a(send_offsets_E), send_E,
+                                 ep_axes)
+
+    n_rounds = -(-agree(received) // rows)
+    y_AD = in_rounds(one_round, (x_SD[token_A], *weights), ex, n_rounds, max_rounds)
+    overflow = jnp.maximum(received - rows, 0).astype(jnp.float32)
+    y_SD = jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
+    return y_SD, jnp.stack([jnp.zeros((), jnp.float32), overflow])
+
+
+def ep_ragged(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree=lambda n: n):
     """Dropless dispatch with ``ragged_all_to_all``: one slice per (destination, expert).
 
     Slices arrive grouped by local expert, then by source rank, so ``ragged_dot`` runs on
-    the receive buffer as it is; the return trip swaps the offsets.
-    """
-    ragged_a2a = plan.ragged_all_to_all
-    wg, wu, wd = weights
-    s, k = experts_SK.shape
-    e, d = plan.num_experts, x_SD.shape[1]
-    el = e // ep
-    token_A, expert_A, weight_A = sort_assignments(plan, weights_SK, experts_SK)
+    the receive buffer as it is; the return trip swaps the offsets. The buffer holds
+    :func:`exchange_capacity` rows; a round moves that window of the rank's receive stream
+    (:func:`in_rounds`). ``agree``: the max over every rank of the exchange."""
+    el = plan.num_experts // ep
+    rows = exchange_capacity(plan, *experts_SK.shape, ep, 8)[0]
 
-    def a2a(v):
-        return jax.lax.all_to_all(v, ep_axes, 0, 0, tiled=True)
+    def layout(recv_RL):
+        by_expert = recv_RL.T.reshape(-1)
+        offsets = (jnp.cumsum(by_expert) - by_expert).reshape(el, ep).T.reshape(-1)
+        return rows, offsets, jnp.sum(recv_RL, axis=0)
 
-    send_sizes_E = jnp.bincount(expert_A, length=e).astype(jnp.int32)  # slice (dest, local expert)
-    send_offsets_E = jnp.cumsum(send_sizes_E) - send_sizes_E
-    recv_sizes_E = a2a(send_sizes_E)  # slice (source, local expert)
-    recv_RL = recv_sizes_E.reshape(ep, el)
-    by_expert = recv_RL.T.reshape(-1)
-    recv_offsets_E = (jnp.cumsum(by_expert) - by_expert).reshape(el, ep).T.reshape(-1)
-    # The most a rank can receive: every token of every source, once per local expert.
-    max_rows = ep * s * min(k, el)
-    recv_MD = ragged_into_zeros(
-        ragged_a2a, x_SD[token_A], max_rows, send_offsets_E, send_sizes_E, a2a(recv_offsets_E), recv_sizes_E, ep_axes)
-    group_sizes_L = jnp.sum(recv_RL, axis=0)
-    g_MF = jax.lax.ragged_dot(recv_MD, wg, group_sizes_L)
-    out_MD = swiglu_down(g_MF, jax.lax.ragged_dot(recv_MD, wu, group_sizes_L),
-                         lambda h_MF: jax.lax.ragged_dot(h_MF, wd, group_sizes_L), plan.recompute_act)
-    y_AD = ragged_into_zeros(
-        ragged_a2a, out_MD, s * k, recv_offsets_E, recv_sizes_E, a2a(send_offsets_E), send_sizes_E, ep_axes)
-    return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
+    def experts(recv_MD, group_sizes_L, weights):
+        wg, wu, wd = weights
+        g_MF = jax.lax.ragged_dot(recv_MD, wg, group_sizes_L)
+        return swiglu_down(g_MF, jax.lax.ragged_dot(recv_MD, wu, group_sizes_L),
+                           lambda h_MF: jax.lax.ragged_dot(h_MF, wd, group_sizes_L), plan.recompute_act)
+
+    return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 8, layout, experts)
 
 
-def ep_grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep):
+def ep_grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree=lambda n: n):
     """Dropless expert-parallel dispatch onto the block kernels: as :func:`ep_ragged`, one
     ``ragged_all_to_all`` slice per (destination, local expert), but each local expert's rows
     land from a block boundary of the receive buffer, so the buffer is in the block layout as
-    it arrives and the kernels work on its used blocks only. The buffer is sized for the worst
-    case (every token of every source to this rank's experts, plus a block per local expert)
-    in memory only: only real rows move and only used blocks are computed."""
-    s, k = experts_SK.shape
-    e, d = plan.num_experts, x_SD.shape[1]
-    el, b = e // ep, plan.block_kernels.block_rows
-    ragged_a2a = plan.ragged_all_to_all
-    token_A, expert_A, weight_A = sort_assignments(plan, weights_SK, experts_SK)
+    it arrives and the kernels work on its used blocks only. The buffer holds
+    :func:`exchange_capacity` rows plus a block per local expert (each expert's round-up);
+    rows beyond go in further rounds (:func:`in_rounds`). Only real rows move and only used
+    blocks are computed."""
+    el, b = plan.num_experts // ep, plan.block_kernels.block_rows
+    rows = exchange_capacity(plan, *experts_SK.shape, ep, b)[0]
+    n_blocks = rows // b + el
 
-    def a2a(v):
-        return jax.lax.all_to_all(v, ep_axes, 0, 0, tiled=True)
+    def layout(recv_RL):
+        grouping = block_grouping(jnp.sum(recv_RL, axis=0), b, n_blocks)
+        offsets = (grouping[2][None, :] * b + jnp.cumsum(recv_RL, axis=0) - recv_RL).reshape(-1).astype(jnp.int32)
+        return n_blocks * b, offsets, grouping
 
-    send_sizes_E = jnp.bincount(expert_A, length=e).astype(jnp.int32)  # slice (dest, local expert)
-    send_offsets_E = jnp.cumsum(send_sizes_E) - send_sizes_E
-    recv_RL = a2a(send_sizes_E).reshape(ep, el)  # slice (source, local expert)
-    n_blocks = -(-ep * s * min(k, el) // b) + el
-    layout = block_grouping(jnp.sum(recv_RL, axis=0), b, n_blocks)
-    recv_offsets_E = (layout[2][None, :] * b + jnp.cumsum(recv_RL, axis=0) - recv_RL).reshape(-1).astype(jnp.int32)
-    recv_sizes_E = recv_RL.reshape(-1)
-    recv_MD = ragged_into_zeros(
-        ragged_a2a, x_SD[token_A], n_blocks * b, send_offsets_E, send_sizes_E, a2a(recv_offsets_E), recv_sizes_E,
-        ep_axes)
-    ones_M = jnp.ones_like(recv_MD[:, 0])  # the routing weights are applied at home
-    out_MD = grouped_experts(plan.block_kernels, recv_MD, ones_M, *weights, *layout)
-    y_AD = ragged_into_zeros(
-        ragged_a2a, out_MD, s * k, recv_offsets_E, recv_sizes_E, a2a(send_offsets_E), send_sizes_E, ep_axes)
-    return jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
+    def experts(recv_MD, grouping, weights):
+        ones_M = jnp.ones_like(recv_MD[:, 0])  # the routing weights are applied at home
+        return grouped_experts(plan.block_kernels, recv_MD, ones_M, *weights, *grouping)
+
+    return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, b, layout, experts)
 
 
 def ragged_into_zeros(ragged_a2a, operand, rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):

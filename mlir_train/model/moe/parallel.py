@@ -29,32 +29,43 @@ experts, runs its L = E / EP local experts, and sends the results back; the comb
   send buffer: a tiled ``all_to_all`` over the expert axes sends expert block r to rank r,
   the receiver runs its experts on ``[L, EP*C, D]`` with the same batched matmul, and a second
   ``all_to_all`` returns the ``[E, C, D]`` outputs. Per (rank, expert) the buffer has C slots:
-  dropless guesses C = 2 * S_r*K/E (rounded up to 8) and, when any rank's expert overflows it
-  (a ``pmax`` over the ranks so all take the same branch of the ``lax.cond``), falls back to
-  C = S_r, the most one rank can send one expert. Memory and compute per rank: E*C*D for each
-  of the send and receive buffers and an expert matmul over E*C rows, i.e. 2x the routed
-  work (S_r*K rows) on the guess, E/K x in the rare fallback step (as the dense reference),
-  and the all-to-all moves the padding too. The fallback compiles a second copy of the
-  block; it costs nothing when not taken.
+  dropless takes C = ``--moe-ep-buffer-factor`` (default 2) x the balanced S_r*K/E, rounded
+  up to 8. An expert whose rows from one rank exceed C sends slots [C, 2C) in a second round
+  through the same buffer, and so on (:func:`~mlir_train.model.moe.dispatch.in_rounds`; the
+  round count is a ``pmax`` over the ranks so all take the same branch), so nothing is dropped
+  and no buffer is sized for the worst routing; the rows past the first round are counted
+  (``ep_overflow_rows``, logged as "ep overflow rows"). Memory and compute per rank: E*C*D for
+  each of the send and receive buffers and an expert matmul over E*C rows, i.e. the factor x
+  the routed work (S_r*K rows) per round, and the all-to-all moves the padding too.
 * Capacity (``capacity_factor`` set): C = ceil(capacity_factor * S_r*K/E) per rank, so each
   rank keeps at most C of *its own* tokens per expert and drops the rest by its own policy.
   This is Megatron's semantics (its router drops per rank, before the dispatch), not a global
   capacity over the whole batch; ``dropped_tokens`` is summed over all ranks.
 * Ragged dispatcher (``impl="ragged"``, dropless, on platforms with ``ragged_all_to_all``:
-  GPU, TPU; the plan's ``ragged_all_to_all``): the rank's assignments, sorted by expert, go as one slice per (destination,
-  local expert) with ``jax.lax.ragged_all_to_all``; slices land grouped by local expert, so
-  ``ragged_dot`` runs on the receive buffer directly and only real rows move. The receive
-  buffer is static and sized for the worst case, EP * S_r * min(K, L) rows (every token of
-  every source sends to this rank's experts), EP times the balanced S_r*K rows when L >= K,
-  in memory only: the traffic carries no padding. On CPU ``impl="ragged"`` uses the padded
-  dispatcher; :func:`ragged_all_to_all_dense` emulates the collective so tests can check the
-  ragged bookkeeping there.
+  GPU, TPU; the plan's ``ragged_all_to_all``): the ranks first exchange their per-expert counts
+  (as Megatron's alltoall dispatcher does), then the rank's assignments, sorted by expert, go as
+  one slice per (destination, local expert) with ``jax.lax.ragged_all_to_all``; slices land
+  grouped by local expert, so ``ragged_dot`` runs on the receive buffer directly and only real
+  rows move. The receive buffer holds M = ``--moe-ep-buffer-factor`` x S_r*K rows (what a
+  balanced routing sends a rank), never more than the worst routing's EP * S_r * min(K, L).
+  A rank's rows, ordered by local expert then source, are its *stream*; round r moves stream
+  rows [r*M, (r+1)*M), with the offsets and sizes of each slice cut to that window from the
+  exchanged counts. Round 0 always runs; the further rounds only when some rank receives more
+  than M rows (a ``lax.cond`` on the ``pmax`` of the counts), then in a loop that keeps nothing
+  for the backward (it recomputes those rounds there), so the no-overflow path's buffers and
+  FLOPs are round 0's; the overflow branch's temporaries are one round's buffers plus a second
+  set of the local experts' weight gradients (to add into round 0's), which the program's
+  temp memory includes. Rows past round 0 are counted
+  (``ep_overflow_rows``). On CPU ``impl="ragged"`` uses the padded dispatcher;
+  :func:`ragged_all_to_all_dense` emulates the collective so tests can check the ragged
+  bookkeeping there.
 * Grouped dispatcher (``impl="grouped"``, dropless, where ``ragged_all_to_all`` exists): as the
-  ragged one, but each local expert's rows land from a block boundary of the receive buffer,
-  so it arrives in the block layout of the block kernels (``moe_gpu``), which compute its used
-  blocks only. With "moe_mlp" split over tensor ranks the region is manual over those axes too
-  (a kernel's custom call cannot be split by XLA) and the down projection's partial sums are
-  added with a ``psum``; the same holds for the data-parallel region.
+  ragged one, but each local expert's rows land from a block boundary of the receive buffer
+  (M rows plus a block per local expert for the round-ups), so it arrives in the block layout of
+  the block kernels (``moe_gpu``), which compute its used blocks only. With "moe_mlp" split over
+  tensor ranks the region is manual over those axes too (a kernel's custom call cannot be split
+  by XLA) and the down projection's partial sums are added with a ``psum``; the same holds for
+  the data-parallel region.
 
 Expert-tensor parallelism different from TP (Megatron's MoE parallel folding)
 ----------------------------------------------------------------------------
@@ -89,7 +100,7 @@ def run_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weight
     if mesh_axes_of("act_tokens")[1] > 1 or _kernel_tp_axes(plan):
         return data_parallel(plan, x_SD, weights_SK, experts_SK, valid_S, weights)
     return moe_dispatch.local_experts(plan, x_SD, weights_SK, experts_SK, valid_S, weights,
-                                      constrained_swiglu(weights, plan.recompute_act))
+                                      constrained_swiglu(plan.recompute_act))
 
 
 def _kernel_tp_axes(plan: ExpertsPlan) -> tuple[str, ...]:
@@ -166,7 +177,7 @@ def data_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weig
         if plan.capacity_factor is not None:
             # Each rank drops from its own tokens (Megatron's per-rank capacity); the padded
             # buffers' slots are gathered over the expert-tensor ranks that hold other tokens.
-            swiglu = _gather_rows(lambda buf_ECD: swiglu_experts(buf_ECD, *weights), w_axes, axis=1)
+            swiglu = lambda buf_ECD, *w: _gather_rows(lambda b: swiglu_experts(b, *w), w_axes, axis=1)(buf_ECD)
             experts = lambda x_SD, *a: moe_dispatch.local_experts(plan, x_SD, *a, weights, swiglu)
         else:  # dropless: the same whichever rank sorts the rows, so gather the tokens first
             experts = _gather_rows(lambda x_SD, *a: moe_dispatch.local_experts(plan, x_SD, *a, weights), w_axes)
@@ -205,23 +216,27 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
     dispatcher = plan.dropless_dispatch if plan.ragged_all_to_all is not None else None
     tp_axes = _kernel_tp_axes(plan) if dispatcher == "grouped" else ()
     w_axes = width_token_axes()
+    # Every rank of the region takes the same branch of the dispatchers' overflow rounds.
+    agree = lambda n: jax.lax.pmax(n, manual_axes + tp_axes)
 
     def body(x_SD, weights_SK, experts_SK, valid_S, wg, wu, wd):
         if dispatcher == "ragged":
             # Dropless: the expert-tensor ranks holding other tokens gather them first, and
             # each dispatches them all to the ranks of its own F shard.
             experts = _gather_rows(lambda x_SD, w_SK, e_SK: moe_dispatch.ep_ragged(
-                plan, x_SD, w_SK, e_SK, (wg, wu, wd), ep_axes, ep), w_axes)
-            return experts(x_SD, weights_SK, experts_SK), jnp.zeros((), jnp.float32)
+                plan, x_SD, w_SK, e_SK, (wg, wu, wd), ep_axes, ep, agree), w_axes)
+            y_SD, counts = experts(x_SD, weights_SK, experts_SK)
+            return y_SD, _count_over(counts, manual_axes, w_axes)
         if dispatcher == "grouped":
             # The kernels' custom VJP needs a weight and its gradient (summed over the token
             # ranks by the region's transpose) to have one type.
             weights = _varying((wg, wu, wd), manual_axes)
-            experts = _gather_rows(lambda x_SD, w_SK, e_SK: (
-                moe_dispatch.ep_grouped(plan, x_SD, w_SK, e_SK, weights, ep_axes, ep), jnp.zeros((), jnp.float32)), w_axes)
-            return _tensor_manual(plan, tp_axes, experts)(x_SD, weights_SK, experts_SK)
+            experts = _gather_rows(lambda x_SD, w_SK, e_SK: moe_dispatch.ep_grouped(
+                plan, x_SD, w_SK, e_SK, weights, ep_axes, ep, agree), w_axes)
+            y_SD, counts = _tensor_manual(plan, tp_axes, experts)(x_SD, weights_SK, experts_SK)
+            return y_SD, _count_over(counts, manual_axes + tp_axes, w_axes + tp_axes)
 
-        def experts_fn(buf_ECD):
+        def experts_fn(buf_ECD, wg, wu, wd):
             _, c, d = buf_ECD.shape
             el = e // ep
             # Tiled all-to-all: block r of the expert axis (rank r's experts) goes to rank
@@ -235,7 +250,7 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
             return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
 
         y_SD, dropped = moe_dispatch.dispatch_padded(
-            plan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, lambda n: jax.lax.pmax(n, manual_axes)
+            plan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, lambda n: jax.lax.pmax(n, manual_axes), (wg, wu, wd)
         )
         return y_SD, jax.lax.psum(dropped, manual_axes)
 
@@ -248,6 +263,15 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
         manual=("act_tokens", "exp") + (("moe_mlp",) if tp_axes else ()),
     )
     return run(x_SD, weights_SK, experts_SK, valid_S, *weights)
+
+
+def _count_over(counts, axes, same_axes):
+    """A per-rank count summed over the ranks of ``axes``, counted once over ``same_axes``
+    (ranks that hold the same rows: tensor ranks, or expert-tensor ranks after the gather)."""
+    distinct = tuple(a for a in axes if a not in same_axes)
+    counts = jax.lax.psum(counts, distinct) if distinct else counts
+    same = tuple(a for a in same_axes if a in varying_axes(counts))
+    return jax.lax.pmax(counts, same) if same else counts
 
 
 def _varying(arrays, axes):

@@ -58,7 +58,8 @@ def router_terms(program, stats, active_r, keep, balancing, top_k, m, counts=Non
                                                  micro_index)
         objective = objective + obj / m
         sums.append(dict(layers=per_layer, tokens_per_expert=st["tokens_per_expert"],
-                         dropped_tokens=jnp.sum(st["dropped_tokens"])))
+                         dropped_tokens=jnp.sum(st["dropped_tokens"]),
+                         ep_overflow_rows=jnp.sum(st["ep_overflow_rows"])))
         new_counts.append(c)
     return objective, sums, (new_counts if counts is not None else None)
 
@@ -74,7 +75,7 @@ def zero_acc(program, r, setup, balancing, scalars):
         moe = [seg for seg in program if seg.is_moe]
         acc["moe"] = [dict(layers={k: jnp.zeros((r, seg.slots)) for k in _router_names(balancing)},
                            tokens_per_expert=jnp.zeros((r, seg.slots, setup.num_experts)),
-                           dropped_tokens=jnp.zeros(())) for seg in moe]
+                           dropped_tokens=jnp.zeros(()), ep_overflow_rows=jnp.zeros(())) for seg in moe]
         if balancing.uses_global:
             acc["counts"] = [jnp.zeros((r, seg.slots, setup.num_experts)) for seg in moe]
     return acc
@@ -83,7 +84,8 @@ def zero_acc(program, r, setup, balancing, scalars):
 def add_sums(acc, sums, chunk):
     return [dict(layers={k: a["layers"][k].at[chunk].add(s["layers"][k]) for k in a["layers"]},
                  tokens_per_expert=a["tokens_per_expert"].at[chunk].add(s["tokens_per_expert"]),
-                 dropped_tokens=a["dropped_tokens"] + s["dropped_tokens"]) for a, s in zip(acc, sums)]
+                 dropped_tokens=a["dropped_tokens"] + s["dropped_tokens"],
+                 ep_overflow_rows=a["ep_overflow_rows"] + s["ep_overflow_rows"]) for a, s in zip(acc, sums)]
 
 
 def aux_out(acc, program, m, num_moe):
@@ -96,7 +98,8 @@ def aux_out(acc, program, m, num_moe):
         # non-pipelined step logs, and a leading axis of 1 stands for its micro-batch axis.
         aux.update(router_layers={k: (order(lambda s: s["layers"][k]) / m)[None] for k in moe[0]["layers"]},
                    tokens_per_expert=order(lambda s: s["tokens_per_expert"])[None],
-                   dropped_tokens=sum(jnp.sum(s["dropped_tokens"]) for s in moe))
+                   dropped_tokens=sum(jnp.sum(s["dropped_tokens"]) for s in moe),
+                   ep_overflow_rows=sum(jnp.sum(s["ep_overflow_rows"]) for s in moe))
     return aux
 
 
