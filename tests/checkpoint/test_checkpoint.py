@@ -255,12 +255,19 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_state(tmp_path, monkeypatch
             raise OSError(errno.ENOSPC, "No space left on device", str(self))
         return write_text(self, *args, **kwargs)
 
+    step1_gb = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(os.path.join(ck, "1")) for n in ns) / 1e9
+
     def check(err, step):
         msg = str(err.value)
         for part in (f"writing checkpoint {step} to {ck} failed: the disk is full", "Free space there",
                      f"--load {ck}", "newest complete checkpoint there is still iteration 1",
-                     "training state in memory is intact"):
+                     "training state in memory is intact",
+                     f"The next save needs about {step1_gb:.2f} GB there (the size of checkpoint 1)", "GB are free",
+                     f"the partial write was moved aside to {ck}/{step}.partial-", "delete it to free that space"):
             assert part in msg, msg
+        assert "\n" not in msg
+        partial = [n for n in os.listdir(ck) if n.startswith(f"{step}.partial-")]
+        assert len(partial) == 1 and not [n for n in os.listdir(ck) if "orbax-checkpoint-tmp" in n], os.listdir(ck)
 
     with monkeypatch.context() as m:  # arrays: the commit fails in the background, wait() reports it
         m.setattr(tensorstore, "open", ts_full)
