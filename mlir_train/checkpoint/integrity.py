@@ -1,14 +1,23 @@
 """Checkpoints that cannot rot silently: per-step checksum manifests and the ``--save`` lock.
 
-**Checksums.** Once a step directory is committed (Orbax renamed it into place), its files are
-hashed and ``DIR/<step>/checksums.json`` records, for every file under the step directory (the
-OCDBT/zarr data files, Orbax's metadata, our JSON ``meta``), its size and BLAKE2b-256 digest.
-The manifest is written to a temporary name and renamed, so it is either absent or whole.
+**Checksums.** ``DIR/<step>/checksums.json`` records, for every file of the step (the OCDBT/zarr
+data files, Orbax's metadata, our JSON ``meta``), its size and BLAKE2b-256 digest. Since format
+3 it is part of the step's atomic commit: each process hashes the shard files it wrote
+(``ocdbt.process_<i>/``, :func:`writer_of`) as soon as its own writes are done, the entries
+(names, sizes, digests) go to the primary process as small metadata (:class:`Exchange`, the JAX
+coordination service's key-value store; no data moves), and the primary, after Orbax's finalize
+and before Orbax's rename, hashes the remaining (metadata) files and writes the manifest into
+the tmp directory (:func:`write_manifest`, ``in_commit``). A step directory under its final name
+therefore always has its manifest, and a kill anywhere before the rename leaves only Orbax's tmp
+directory, which nobody loads. Orbax's own commit marks (:data:`COMMIT_FILES`), written after the
+manifest, are not hashed.
+
 :func:`verify_step` re-hashes a step and reports the first file that is missing, truncated,
-changed or unexpected. A step without a manifest is ``unverified`` when its ``meta`` says it was
-written before manifests existed (``format`` < :data:`MANIFEST_SINCE_FORMAT`), else ``corrupt``:
-a job killed between Orbax's commit and the manifest, or a manifest deleted by hand, leaves a
-step nobody can vouch for.
+changed or unexpected; with an :class:`Exchange` every process of a job hashes its share of the
+files (:func:`_share`) and they exchange verdicts. A step without a manifest is ``unverified``
+when its ``meta`` says it was written before manifests existed (``format`` <
+:data:`MANIFEST_SINCE_FORMAT`), else ``corrupt`` (format 2 wrote the manifest after the commit, so
+a kill there left a step nobody can vouch for; since format 3 only a hand can remove it).
 
 **The save lock.** ``DIR/.lock`` names the job writing ``DIR`` (host, pid, job id, start time)
 and is held with ``fcntl.flock`` for the job's life: a second job saving into the same directory

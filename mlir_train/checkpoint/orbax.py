@@ -20,10 +20,14 @@ background thread (``async_save=True``), so training continues. A step directory
 its final name only once it is complete (Orbax writes ``<step>.orbax-checkpoint-tmp`` and
 renames it), so a job killed mid-write leaves the previous checkpoint as the newest; step
 directories that lack Orbax's commit marker anyway (copied or truncated by hand) are set aside
-as ``<step>.partial`` and ignored.
+as ``<step>.partial`` and ignored. A write that fails (a full disk) leaves the previous steps
+as they were; its tmp directory is renamed ``<step>.partial-<time>`` and the error says how much
+space the next save needs and how much is free.
 
-Every step also carries ``checksums.json`` (:mod:`mlir_train.checkpoint.integrity`), written
-in the background once Orbax has committed the step; a load verifies it first. ``--load DIR``
+Every step also carries ``checksums.json`` (:mod:`mlir_train.checkpoint.integrity`), part of
+the same commit (:class:`_SaveHashes`: each process hashes its own shards in its commit, the
+primary writes the manifest into the tmp directory before Orbax's rename); a load verifies it
+first, every process hashing its share. ``--load DIR``
 takes the newest step that verifies (a warning names any newer corrupt one and its file); an
 explicit step (``--ckpt-step N``, or ``--load DIR/N``) that fails is an error. The ``Checkpointer``
 holds ``DIR/.lock`` so a second job saving into the same directory is refused.
@@ -321,8 +325,9 @@ class CheckpointManager:
             self._mgr.wait_until_finished()
         except Exception as e:
             step, self._writing = self._writing, None
-            if step is not None:
-                self._saved.discard(step)
+            if step is None:  # Orbax raises a failed write again on every wait: reported already
+                return
+            self._saved.discard(step)
             raise self._write_error(step, e) from e
         if self._writing is not None:
             _fault("after_commit")
