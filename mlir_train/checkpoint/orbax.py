@@ -301,7 +301,7 @@ class CheckpointManager:
         items = {k: v for k, v in state.items() if v is not None and k != "iteration"}
         meta = {"format": FORMAT_VERSION, "iteration": int(iteration), "items": sorted(items), **extra_json}
         self._state_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(items))
-        self._hashes.begin(sorted(items))
+        self._hashes.begin(sorted(k for k in items if k in ARRAY_ITEMS))  # the items _HashingHandler writes
         self._writing = iteration
         try:
             started = self._mgr.save(iteration, args=ocp.args.Composite(
