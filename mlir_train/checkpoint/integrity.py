@@ -1,14 +1,23 @@
 """Checkpoints that cannot rot silently: per-step checksum manifests and the ``--save`` lock.
 
-**Checksums.** Once a step directory is committed (Orbax renamed it into place), its files are
-hashed and ``DIR/<step>/checksums.json`` records, for every file under the step directory (the
-OCDBT/zarr data files, Orbax's metadata, our JSON ``meta``), its size and BLAKE2b-256 digest.
-The manifest is written to a temporary name and renamed, so it is either absent or whole.
+**Checksums.** ``DIR/<step>/checksums.json`` records, for every file of the step (the OCDBT/zarr
+data files, Orbax's metadata, our JSON ``meta``), its size and BLAKE2b-256 digest. Since format
+3 it is part of the step's atomic commit: each process hashes the shard files it wrote
+(``ocdbt.process_<i>/``, :func:`writer_of`) as soon as its own writes are done, the entries
+(names, sizes, digests) go to the primary process as small metadata (:class:`Exchange`, the JAX
+coordination service's key-value store; no data moves), and the primary, after Orbax's finalize
+and before Orbax's rename, hashes the remaining (metadata) files and writes the manifest into
+the tmp directory (:func:`write_manifest`, ``in_commit``). A step directory under its final name
+therefore always has its manifest, and a kill anywhere before the rename leaves only Orbax's tmp
+directory, which nobody loads. Orbax's own commit marks (:data:`COMMIT_FILES`), written after the
+manifest, are not hashed.
+
 :func:`verify_step` re-hashes a step and reports the first file that is missing, truncated,
-changed or unexpected. A step without a manifest is ``unverified`` when its ``meta`` says it was
-written before manifests existed (``format`` < :data:`MANIFEST_SINCE_FORMAT`), else ``corrupt``:
-a job killed between Orbax's commit and the manifest, or a manifest deleted by hand, leaves a
-step nobody can vouch for.
+changed or unexpected; with an :class:`Exchange` every process of a job hashes its share of the
+files (:func:`_share`) and they exchange verdicts. A step without a manifest is ``unverified``
+when its ``meta`` says it was written before manifests existed (``format`` <
+:data:`MANIFEST_SINCE_FORMAT`), else ``corrupt`` (format 2 wrote the manifest after the commit, so
+a kill there left a step nobody can vouch for; since format 3 only a hand can remove it).
 
 **The save lock.** ``DIR/.lock`` names the job writing ``DIR`` (host, pid, job id, start time)
 and is held with ``fcntl.flock`` for the job's life: a second job saving into the same directory
@@ -24,8 +33,10 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -36,8 +47,17 @@ from mlir_train.runtime.errors import SaveLockError
 
 MANIFEST = "checksums.json"
 MANIFEST_SINCE_FORMAT = 2  # checkpoint.FORMAT_VERSION from which every step carries a manifest
+MANIFEST_IN_COMMIT_SINCE_FORMAT = 3  # ... written inside Orbax's tmp directory, before its rename
+# Orbax's commit writes (commit_success.txt) and rewrites (_CHECKPOINT_METADATA's commit time)
+# these after the manifest, just before its rename: not hashed in a format-3 manifest, and not
+# "unexpected" on disk. (Format-2 manifests, hashed after the rename, list them and check them.)
+COMMIT_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")
 LOCK_NAME = ".lock"
 _CHUNK = 8 << 20
+# Orbax writes each process's array shards under a directory of its own (``ocdbt.process_<i>``,
+# ``array_metadatas/process_<i>``): whichever path component names a process says who wrote it.
+_PROCESS_PART = re.compile(r"(?:^|\.)process_(\d+)$")
+_EXCHANGE_TIMEOUT_S = 3600  # hashing a host's share of a 30B state takes well under this
 
 
 def _hash_file(path: str) -> str:
@@ -64,14 +84,41 @@ def _hash_all(step_dir: str, rels: list[str]) -> dict[str, str]:
         return dict(zip(rels, pool.map(lambda r: _hash_file(os.path.join(step_dir, r)), rels)))
 
 
-def write_manifest(step_dir: str) -> dict:
-    """Hash every file under ``step_dir`` and write ``checksums.json`` atomically (tmp, fsync,
-    rename). Returns the manifest."""
-    rels = _files(step_dir)
+def writer_of(rel: str) -> int | None:
+    """The process whose own shard directory holds ``rel`` (None: a file of the whole step, which
+    the primary process writes)."""
+    for part in rel.split(os.sep):
+        if m := _PROCESS_PART.search(part):
+            return int(m.group(1))
+    return None
+
+
+def hash_files(step_dir: str, rels: list[str], *, process: int = 0) -> dict[str, dict]:
+    """Manifest entries (size, BLAKE2b-256, the ``process`` that hashed it) for ``rels``."""
     digests = _hash_all(step_dir, rels)
+    return {r: {"size": os.path.getsize(os.path.join(step_dir, r)), "blake2b": digests[r], "process": process}
+            for r in rels}
+
+
+def hash_own_files(directory: str, process: int) -> dict[str, dict]:
+    """Hash the files ``process`` wrote under ``directory`` (its own shard directories): each
+    process's share of a save, hashed where it was written, right after its write."""
+    return hash_files(directory, [r for r in _files(directory) if writer_of(r) == process], process=process)
+
+
+def write_manifest(step_dir: str, hashed: dict[str, dict] | None = None, *, in_commit: bool = False) -> dict:
+    """Write ``checksums.json`` atomically (tmp, fsync, rename): ``hashed`` (other processes'
+    entries, by file name) plus every other file under ``step_dir``, hashed here. ``in_commit``:
+    ``step_dir`` is Orbax's tmp directory, whose :data:`COMMIT_FILES` come after. Returns it."""
+    rels = [r for r in _files(step_dir) if not (in_commit and r in COMMIT_FILES)]
+    present = set(rels)
+    # What the processes hashed stands where the file is still there at that size (a writer's
+    # transient file, e.g. a lock, may be gone; a size that moved is hashed again here).
+    hashed = {r: e for r, e in (hashed or {}).items()
+              if r in present and os.path.getsize(os.path.join(step_dir, r)) == e["size"]}
+    hashed.update(hash_files(step_dir, [r for r in rels if r not in hashed]))
     manifest = {"algorithm": "blake2b-256", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "files": {r: {"size": os.path.getsize(os.path.join(step_dir, r)), "blake2b": digests[r]}
-                          for r in rels}}
+                "files": {r: hashed[r] for r in sorted(hashed)}}
     tmp = os.path.join(step_dir, f"{MANIFEST}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -79,6 +126,68 @@ def write_manifest(step_dir: str) -> dict:
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(step_dir, MANIFEST))
     return manifest
+
+
+# ----- small JSON values between the job's processes ---------------------------------------------
+_KEY_SEQ = itertools.count()
+
+
+class Exchange:
+    """Small JSON values passed between a job's processes through the JAX coordination service's
+    key-value store (never array data): one process's value goes to all (:meth:`all_gather`) or
+    to process 0 (:meth:`publish` / :meth:`collect`). With one process, a dict in memory.
+
+    Keys come from :meth:`new_key`, which every process must call in the same order (the main
+    thread of an SPMD program does), so that the n-th key is the same on every process."""
+
+    def __init__(self, index: int = 0, count: int = 1, client=None):
+        self.index, self.count, self._client, self._local = index, count, client, {}
+
+    @classmethod
+    def of_processes(cls) -> "Exchange":
+        import jax
+
+        if jax.process_count() == 1:
+            return cls()
+        from jax._src import distributed  # the client jax.distributed.initialize started
+
+        return cls(jax.process_index(), jax.process_count(), distributed.global_state.client)
+
+    def new_key(self, what: str) -> str:
+        return f"mlir_train/{what}/{next(_KEY_SEQ)}" if self.count > 1 else what
+
+    def publish(self, key: str, value) -> None:
+        if self._client is None:
+            self._local[f"{key}/{self.index}"] = value
+        else:
+            self._client.key_value_set(f"{key}/{self.index}", json.dumps(value))
+
+    def collect(self, key: str, *, delete: bool = False) -> list:
+        """Every process's published value under ``key``, in process order (blocks until all are there)."""
+        if self._client is None:
+            return [self._local.pop(f"{key}/0") if delete else self._local[f"{key}/0"]]
+        out = [json.loads(self._client.blocking_key_value_get(f"{key}/{i}", _EXCHANGE_TIMEOUT_S * 1000))
+               for i in range(self.count)]
+        if delete:
+            for i in range(self.count):
+                self._client.key_value_delete(f"{key}/{i}")
+        return out
+
+    def all_gather(self, key: str, value) -> list:
+        self.publish(key, value)
+        return self.collect(key)
+
+
+def _share(files: dict[str, dict], index: int, count: int) -> list[str]:
+    """This process's part of the hashing: largest files first, each to the least loaded
+    process (the same split on every process: it depends on the manifest alone)."""
+    load, mine = [0] * count, []
+    for rel in sorted(files, key=lambda r: (-int(files[r].get("size", 0)), r)):
+        p = min(range(count), key=lambda i: (load[i], i))
+        load[p] += int(files[rel].get("size", 0)) or 1
+        if p == index:
+            mine.append(rel)
+    return mine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,34 +213,47 @@ class StepCheck:
         return f"{self.step_dir}: CORRUPT: {where}: {self.problem}"
 
 
-def verify_step(step_dir: str) -> StepCheck:
+def verify_step(step_dir: str, exchange: Exchange | None = None) -> StepCheck:
     """Check ``step_dir`` against its manifest: sizes first (cheap: a truncated or missing file
-    needs no hashing), then every digest."""
+    needs no hashing), then every digest. With ``exchange`` (every process of the job calls
+    this together) each process hashes its :func:`_share` of the files and the verdicts are
+    exchanged, so all return the same one: the problem a single process would report first."""
+    exchange = exchange or Exchange()
+    rank, check = _check_share(step_dir, exchange.index, exchange.count)
+    if exchange.count == 1:
+        return check
+    verdicts = exchange.all_gather(exchange.new_key("verify"), [rank, dataclasses.asdict(check)])
+    return StepCheck(**min(verdicts, key=lambda v: (v[0], v[1]["file"] or ""))[1])
+
+
+def _check_share(step_dir: str, index: int, count: int) -> tuple[int, StepCheck]:
+    """(how early a single process would have found it, the verdict) for this process's share."""
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):
-        return _without_manifest(step_dir)
+        return 0, _without_manifest(step_dir)
     try:
         with open(path) as f:
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return StepCheck(step_dir, "corrupt", f"unreadable checksum manifest ({type(e).__name__}: {e})", MANIFEST)
+        return 0, StepCheck(step_dir, "corrupt", f"unreadable checksum manifest ({type(e).__name__}: {e})", MANIFEST)
     on_disk = set(_files(step_dir))
     for rel in sorted(files):
         if rel not in on_disk:
-            return StepCheck(step_dir, "corrupt", "missing (listed in checksums.json)", rel)
+            return 1, StepCheck(step_dir, "corrupt", "missing (listed in checksums.json)", rel)
         size = os.path.getsize(os.path.join(step_dir, rel))
         if size != files[rel]["size"]:
-            return StepCheck(step_dir, "corrupt", f"{size} bytes where {files[rel]['size']} were written "
-                             f"({'truncated' if size < files[rel]['size'] else 'grown'})", rel)
-    extra = sorted(on_disk - set(files))
+            return 1, StepCheck(step_dir, "corrupt", f"{size} bytes where {files[rel]['size']} were written "
+                                f"({'truncated' if size < files[rel]['size'] else 'grown'})", rel)
+    extra = sorted(on_disk - set(files) - set(COMMIT_FILES))
     if extra:
-        return StepCheck(step_dir, "corrupt", "not written by the save (absent from checksums.json)"
-                         + (f"; and {len(extra) - 1} more" if len(extra) > 1 else ""), extra[0])
-    digests = _hash_all(step_dir, sorted(files))
-    for rel in sorted(files):
+        return 2, StepCheck(step_dir, "corrupt", "not written by the save (absent from checksums.json)"
+                            + (f"; and {len(extra) - 1} more" if len(extra) > 1 else ""), extra[0])
+    mine = _share(files, index, count)
+    digests = _hash_all(step_dir, mine)
+    for rel in mine:
         if digests[rel] != files[rel]["blake2b"]:
-            return StepCheck(step_dir, "corrupt", "checksum mismatch (its bytes changed since the save)", rel)
-    return StepCheck(step_dir, "ok")
+            return 3, StepCheck(step_dir, "corrupt", "checksum mismatch (its bytes changed since the save)", rel)
+    return 4, StepCheck(step_dir, "ok")
 
 
 def _without_manifest(step_dir: str) -> StepCheck:
@@ -142,6 +264,9 @@ def _without_manifest(step_dir: str) -> StepCheck:
     except (OSError, ValueError, TypeError, AttributeError) as e:
         return StepCheck(step_dir, "corrupt", f"no {MANIFEST} and unreadable meta ({type(e).__name__})",
                          os.path.join("meta", "metadata"))
+    if fmt >= MANIFEST_IN_COMMIT_SINCE_FORMAT:  # the manifest is committed with the step: only a hand removed it
+        return StepCheck(step_dir, "corrupt", f"missing: this checkpoint format (version {fmt}) commits its checksums "
+                         "with the step, so the file was removed after the save", MANIFEST)
     if fmt >= MANIFEST_SINCE_FORMAT:
         return StepCheck(step_dir, "corrupt", f"missing: this checkpoint format (version {fmt}) records checksums, "
                          "so the save did not finish (killed while hashing?) or the file was removed", MANIFEST)
@@ -263,7 +388,7 @@ def _refusal(directory: str, holder: dict, why: str) -> str:
 
 
 # ----- step directories on disk, and python -m mlir_train.checkpoint verify DIR ... ---------------------
-COMMIT_MARKERS = ("commit_success.txt", "_CHECKPOINT_METADATA")  # Orbax's marks of a finished write
+COMMIT_MARKERS = COMMIT_FILES  # Orbax's marks of a finished write
 
 
 def is_step_name(name: str) -> bool:

@@ -20,10 +20,14 @@ background thread (``async_save=True``), so training continues. A step directory
 its final name only once it is complete (Orbax writes ``<step>.orbax-checkpoint-tmp`` and
 renames it), so a job killed mid-write leaves the previous checkpoint as the newest; step
 directories that lack Orbax's commit marker anyway (copied or truncated by hand) are set aside
-as ``<step>.partial`` and ignored.
+as ``<step>.partial`` and ignored. A write that fails (a full disk) leaves the previous steps
+as they were; its tmp directory is renamed ``<step>.partial-<time>`` and the error says how much
+space the next save needs and how much is free.
 
-Every step also carries ``checksums.json`` (:mod:`mlir_train.checkpoint.integrity`), written
-in the background once Orbax has committed the step; a load verifies it first. ``--load DIR``
+Every step also carries ``checksums.json`` (:mod:`mlir_train.checkpoint.integrity`), part of
+the same commit (:class:`_SaveHashes`: each process hashes its own shards in its commit, the
+primary writes the manifest into the tmp directory before Orbax's rename); a load verifies it
+first, every process hashing its share. ``--load DIR``
 takes the newest step that verifies (a warning names any newer corrupt one and its file); an
 explicit step (``--ckpt-step N``, or ``--load DIR/N``) that fails is an error. The ``Checkpointer``
 holds ``DIR/.lock`` so a second job saving into the same directory is refused.
@@ -34,9 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import glob
 import json
 import os
-import threading
+import shutil
 import time
 from typing import Any
 
@@ -49,8 +54,10 @@ from mlir_train.config.models import ModelConfig
 from mlir_train.runtime import log
 from mlir_train.runtime.errors import CheckpointError
 
-# 1: no checksums; 2: every step carries checksums.json (a format-2 step without one is corrupt).
-FORMAT_VERSION = integrity.MANIFEST_SINCE_FORMAT
+# 1: no checksums; 2: every step carries checksums.json (a format-2 step without one is corrupt);
+# 3: checksums.json is written inside Orbax's tmp directory, so it is committed with the step,
+# and each process hashes the shards it wrote.
+FORMAT_VERSION = integrity.MANIFEST_IN_COMMIT_SINCE_FORMAT
 # Fields that change parameter shapes: a mismatch is an error. Other architecture fields
 # (rope_theta, rms_norm_eps, ...) change numerics only and are reported but allowed.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -73,21 +80,29 @@ def _disk_full(e: BaseException | None) -> bool:
     return False
 
 
+def _size(path: str) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(path) for n in names
+               if os.path.isfile(os.path.join(r, n)))
+
+
 def _io_error(e: BaseException) -> bool:
     """A failed write: OSError, or an OS error that TensorStore reports as another exception."""
     return isinstance(e, OSError) or "os_error_code=" in str(e) or _disk_full(e)
 
 
-def _newest_verified(directory: str, below: int | None = None) -> int | None:
+def _newest_verified(directory: str, below: int | None = None,
+                     exchange: integrity.Exchange | None = None) -> int | None:
     """The newest step (older than ``below``, if given) that verifies or predates checksums."""
     for s in reversed(integrity.complete_steps(directory)):
-        if (below is None or s < below) and integrity.verify_step(os.path.join(directory, str(s))).usable:
+        if (below is None or s < below) and integrity.verify_step(os.path.join(directory, str(s)), exchange).usable:
             return s
     return None
 
 
-def _corrupt_error(directory: str, check: integrity.StepCheck) -> CheckpointError:
-    good = _newest_verified(directory)
+def _corrupt_error(directory: str, check: integrity.StepCheck,
+                   exchange: integrity.Exchange | None = None) -> CheckpointError:
+    good = _newest_verified(directory, exchange=exchange)
     where = os.path.join(check.step_dir, check.file) if check.file else check.step_dir
     hint = (f"the newest checkpoint in {directory} that verifies is iteration {good} "
             f"({os.path.join(directory, str(good))}): resume from it with --load {directory} "
@@ -96,13 +111,97 @@ def _corrupt_error(directory: str, check: integrity.StepCheck) -> CheckpointErro
     return CheckpointError(f"checkpoint {check.step_dir} is corrupt: {where}: {check.problem}; {hint}")
 
 
-def _check_step(directory: str, step: int) -> None:
-    """Raise a :func:`_corrupt_error` unless ``step`` verifies; one warning if it cannot be verified."""
-    check = integrity.verify_step(os.path.join(directory, str(step)))
+def _check_step(directory: str, step: int, exchange: integrity.Exchange | None = None) -> None:
+    """Raise a :func:`_corrupt_error` unless ``step`` verifies; one warning if it cannot be verified.
+    With ``exchange``, every process of the job checks its share of the files (see verify_step)."""
+    check = integrity.verify_step(os.path.join(directory, str(step)), exchange)
     if not check.usable:
-        raise _corrupt_error(directory, check)
+        raise _corrupt_error(directory, check, exchange)
     if check.status == "unverified":
         log.warning(f"checkpoint {check.step_dir} {check.problem}")
+
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax 0.12.8 writes step N into DIR/N.orbax-checkpoint-tmp, then renames it
+# A test's fault injection: MLIR_TRAIN_CKPT_KILL=<point> SIGKILLs the process there (see _fault).
+KILL_POINTS = ("before_manifest", "after_manifest", "after_commit")
+
+
+def _fault(point: str) -> None:
+    """SIGKILL this process at ``point`` when ``MLIR_TRAIN_CKPT_KILL`` names it (the
+    fault-injection test's deterministic kills at the commit / manifest boundary)."""
+    if os.environ.get("MLIR_TRAIN_CKPT_KILL") == point:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _SaveHashes:
+    """The checksums of one save, made where the data is: every process, as soon as its own
+    writes of an array item are done (in Orbax's commit future, before Orbax's cross-process
+    barrier), hashes the files it wrote (its ``ocdbt.process_<i>`` shards) and publishes their
+    entries (names, sizes, digests: metadata, never data); the primary process, in Orbax's
+    post-finalization callback (after every process's writes and Orbax's finalize, before the
+    rename that commits the step), collects them, hashes what is left (the step's own metadata,
+    written by the primary) and writes ``checksums.json`` into the tmp directory. The rename then
+    commits the arrays and their manifest at once: a step is complete exactly when its manifest
+    is, and a kill anywhere before the rename leaves only a tmp directory, which is ignored."""
+
+    def __init__(self):
+        self.exchange = integrity.Exchange.of_processes()
+        self.key: str | None = None
+        self.items: list[str] = []
+        self.tmp_dir: str | None = None
+        self.seconds: float | None = None  # the primary's hashing + merging time, for reports
+        self.own_bytes = 0  # bytes this process hashed in its commit, for reports
+
+    def begin(self, items: list[str]) -> None:
+        self.key, self.items, self.tmp_dir, self.own_bytes = self.exchange.new_key("ckpt"), items, None, 0
+
+    def hash_own(self, item_dir: str, item: str) -> None:
+        # Orbax writes the item into <tmp step dir>/<item>.orbax-checkpoint-tmp and renames it to
+        # <item> in its finalize: the entries take the names the committed step will have.
+        self.tmp_dir = os.path.dirname(item_dir)
+        entries = {f"{item}/{rel}": e for rel, e in
+                   integrity.hash_own_files(item_dir, self.exchange.index).items()}
+        self.own_bytes += sum(e["size"] for e in entries.values())
+        self.exchange.publish(f"{self.key}/{item}", entries)
+
+    def commit_manifest(self, step_dir: str) -> None:
+        t0 = time.perf_counter()
+        hashed = {}
+        for item in self.items:
+            for entries in self.exchange.collect(f"{self.key}/{item}", delete=True):
+                hashed.update(entries)
+        _fault("before_manifest")
+        integrity.write_manifest(step_dir, hashed, in_commit=True)
+        self.seconds = time.perf_counter() - t0
+        _fault("after_manifest")
+
+
+class _HashingHandler(ocp.StandardCheckpointHandler):
+    """Orbax's array handler, whose commit ends, on every process, by hashing the files that
+    process wrote for the item (see :class:`_SaveHashes`)."""
+
+    def __init__(self, item: str, hashes: _SaveHashes):
+        super().__init__()
+        self._item, self._hashes = item, hashes
+
+    async def async_save(self, directory, *args, **kwargs):
+        from orbax.checkpoint import future
+
+        futures = await super().async_save(directory, *args, **kwargs) or []
+        path = str(getattr(directory, "path", directory))
+        return [future.ChainedFuture(futures, cb=lambda: self._hashes.hash_own(path, self._item))]
+
+
+@ocp.args.register_with_handler(_HashingHandler, for_save=True)
+class _HashedSave(ocp.args.StandardSave):
+    """``StandardSave`` for :class:`_HashingHandler` (Orbax finds an item's handler by its args' type)."""
+
+
+@ocp.args.register_with_handler(_HashingHandler, for_restore=True)
+class _HashedRestore(ocp.args.StandardRestore):
+    """Registered for completeness: restores go through a read-only manager's plain handler."""
 
 
 class CheckpointManager:
@@ -117,18 +216,47 @@ class CheckpointManager:
                  async_save: bool = True, read_only: bool = False):
         self.directory = os.path.abspath(directory)
         self.save_interval = save_interval
+        self.async_save = async_save
         self._writing: int | None = None  # the step whose background write may still be running
-        self._finisher: threading.Thread | None = None  # waits for Orbax's commit, then writes checksums
-        self._finish_error: BaseException | None = None
-        self.last_manifest_seconds: float | None = None  # hashing time of the newest save (for reports)
+        self._saved: set[int] = set()  # the steps this manager wrote
+        self._state_bytes = 0  # the array bytes of the newest save (what the next one needs on disk)
         if read_only and not os.path.isdir(self.directory):
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         if not read_only and jax.process_index() == 0 and os.path.isdir(self.directory):
             self._set_aside_partial()
-        handlers = {k: ocp.StandardCheckpointHandler() for k in ARRAY_ITEMS} | {"meta": ocp.JsonCheckpointHandler()}
+        self._hashes = None if read_only else _SaveHashes()
+        arrays = (ocp.StandardCheckpointHandler if read_only else lambda k: _HashingHandler(k, self._hashes))
+        handlers = ({k: arrays() if read_only else arrays(k) for k in ARRAY_ITEMS}
+                    | {"meta": ocp.JsonCheckpointHandler()})
+        # Always Orbax's asynchronous checkpointer (its post-finalization callback writes the
+        # manifest inside the commit); ``async_save=False`` waits for each save in save().
+        async_options = None if read_only else ocp.AsyncOptions(post_finalization_callback=self._commit_manifest)
         self._mgr = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=not read_only,
-            read_only=read_only, cleanup_tmp_directories=not read_only))
+            max_to_keep=max_to_keep, enable_async_checkpointing=not read_only, create=not read_only,
+            read_only=read_only, cleanup_tmp_directories=not read_only, async_options=async_options))
+
+    @property
+    def last_manifest_seconds(self) -> float | None:
+        """The primary process's time to collect and write the newest save's manifest (hashing its share)."""
+        return None if self._hashes is None else self._hashes.seconds
+
+    @property
+    def last_hashed_bytes(self) -> int:
+        """The bytes this process hashed of the newest save (its own shards; the primary also the rest)."""
+        return 0 if self._hashes is None else self._hashes.own_bytes
+
+    def _commit_manifest(self) -> None:
+        """Orbax's post-finalization callback (primary process, Orbax's background thread): the
+        manifest goes into the tmp directory Orbax is about to rename."""
+        step_dir = self._hashes.tmp_dir or self._tmp_dir(self._writing)
+        self._hashes.commit_manifest(step_dir)
+
+    def _tmp_dir(self, step: int | None) -> str:
+        found = sorted(glob.glob(os.path.join(glob.escape(self.directory), f"{step}{TMP_SUFFIX}*")))
+        if not found:
+            raise CheckpointError(f"{self.directory}: Orbax's tmp directory for step {step} is not there "
+                                  f"({step}{TMP_SUFFIX}*): has orbax-checkpoint changed how it commits?")
+        return found[-1]
 
     def _set_aside_partial(self) -> None:
         for name in os.listdir(self.directory):
@@ -143,6 +271,10 @@ class CheckpointManager:
         """Complete checkpoints, oldest first (in-progress and partial writes excluded)."""
         return sorted(s for s in self._mgr.all_steps() if integrity.is_complete(os.path.join(self.directory, str(s))))
 
+    def reload(self) -> None:
+        """Re-read which steps exist (after steps were moved aside outside Orbax)."""
+        self._mgr.reload()
+
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
@@ -153,57 +285,53 @@ class CheckpointManager:
 
     def save(self, iteration: int, state: dict[str, Any], extra_json: dict[str, Any], *, force: bool = False) -> bool:
         """Start writing ``state`` as step ``iteration``; returns False if not due (and not
-        ``force``) or already saved. Returns once the arrays are off the devices."""
+        ``force``) or already written by this manager. A step of that number written by someone
+        else is never overwritten: a warning says so (the :class:`~mlir_train.checkpoint.saver.Checkpointer`
+        moves such steps aside first). Returns once the arrays are off the devices (with
+        ``async_save=False``: once the step is committed)."""
         if not (force or self.should_save(iteration)):
             return False
         self.wait()  # Orbax waits for the previous write anyway; this names it if it failed
+        if iteration in self._saved:
+            return False
         if iteration in self._mgr.all_steps():
+            log.warning(f"checkpoint {self.directory}/{iteration} already exists and was not written by this run: "
+                        f"iteration {iteration} is not saved over it")
             return False
         # ARRAY_ITEMS only: a LoRA run's frozen "base" is not saved (its meta records where it comes from).
         items = {k: v for k, v in state.items() if v is not None and k in ARRAY_ITEMS}
         meta = {"format": FORMAT_VERSION, "iteration": int(iteration), "items": sorted(items), **extra_json}
+        self._state_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(items))
+        self._hashes.begin(sorted(k for k in items if k in ARRAY_ITEMS))  # the items _HashingHandler writes
+        self._writing = iteration
         try:
             started = self._mgr.save(iteration, args=ocp.args.Composite(
-                **{k: ocp.args.StandardSave(v) for k, v in items.items()}, meta=ocp.args.JsonSave(meta)), force=True)
+                **{k: _HashedSave(v) for k, v in items.items()}, meta=ocp.args.JsonSave(meta)), force=True)
         except Exception as e:
             if not _io_error(e):
                 raise
             raise self._write_error(iteration, e) from e
-        self._writing = iteration if started else None
-        if started:  # checksums once Orbax has committed the step, off the training thread
-            self._finisher = threading.Thread(target=self._finish, args=(iteration,), daemon=True,
-                                              name=f"checksums-{iteration}")
-            self._finisher.start()
-        return started
-
-    def _finish(self, step: int) -> None:
-        try:
-            self._mgr.wait_until_finished()
-            if jax.process_index() == 0:  # every process's shards are committed once the primary's wait returns
-                t0 = time.perf_counter()
-                integrity.write_manifest(os.path.join(self.directory, str(step)))
-                self.last_manifest_seconds = time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001 - re-raised by wait() on the caller's thread
-            self._finish_error = e
+        if not started:
+            self._writing = None
+            return False
+        self._saved.add(iteration)
+        if not self.async_save:
+            self.wait()
+        return True
 
     def wait(self) -> None:
-        """Block until every started save is on disk with its checksums; a failed background
+        """Block until every started save is committed with its checksums; a failed background
         write raises here (or from the next ``save``) as a ``CheckpointError``."""
-        if self._finisher is not None:
-            self._finisher.join()
-            self._finisher = None
-        error, self._finish_error = self._finish_error, None
         try:
-            if error is not None:
-                try:  # Orbax raises a failed write again on the next wait (seen with 0.12.8): consume it here
-                    self._mgr.wait_until_finished()
-                except Exception:  # noqa: BLE001 - the same failure, reported below
-                    pass
-                raise error
             self._mgr.wait_until_finished()
         except Exception as e:
             step, self._writing = self._writing, None
+            if step is None:  # Orbax raises a failed write again on every wait: reported already
+                return
+            self._saved.discard(step)
             raise self._write_error(step, e) from e
+        if self._writing is not None:
+            _fault("after_commit")
         self._writing = None
 
     def close(self) -> None:
@@ -221,14 +349,48 @@ class CheckpointManager:
             newest = None
         kept = (f"the newest complete checkpoint there is still iteration {newest}" if newest is not None
                 else "no complete checkpoint is there yet")
+        aside = self._set_aside_failed(step)
         if _disk_full(e):
             return CheckpointError(
                 f"writing {what} to {self.directory} failed: the disk is full (no space left on device). "
-                f"Free space there (or --save to a disk with room) and resume with --load {self.directory}; "
-                f"{kept}, and the training state in memory is intact")
+                f"{self._space_needed(newest)}{aside}. Free space there (or --save to a disk with room) and resume "
+                f"with --load {self.directory}; {kept}, and the training state in memory is intact")
         reason = str(e).split(" [tensorstore_spec=")[0][:500]
-        return CheckpointError(f"writing {what} to {self.directory} failed: {type(e).__name__}: {reason}; "
+        return CheckpointError(f"writing {what} to {self.directory} failed: {type(e).__name__}: {reason}{aside}; "
                                f"{kept}, and the training state in memory is intact")
+
+    def _set_aside_failed(self, step: int | None) -> str:
+        """Rename the failed save's tmp directory to ``<step>.partial-<time>`` (never deleted:
+        the user decides; Orbax would otherwise remove it at the next start); the message part."""
+        if jax.process_index() != 0:
+            return ""
+        moved = []
+        pattern = f"{step}{TMP_SUFFIX}*" if step is not None else f"*{TMP_SUFFIX}*"
+        for tmp in sorted(glob.glob(os.path.join(glob.escape(self.directory), pattern))):
+            name = os.path.basename(tmp)
+            aside = os.path.join(self.directory, f"{name[:name.index(TMP_SUFFIX)]}.partial-{int(time.time())}")
+            try:
+                os.rename(tmp, aside)
+            except OSError:
+                continue
+            moved.append(f"{aside} ({_size(aside) / 1e9:.2f} GB)")
+        if not moved:
+            return ""
+        return f"; the partial write was moved aside to {', '.join(moved)}: delete it to free that space"
+
+    def _space_needed(self, newest: int | None) -> str:
+        """How much the next save needs: the newest complete step's size on disk (the same state
+        saved again), else the arrays' bytes; and what is free now."""
+        need, source = self._state_bytes, "the training state's arrays"
+        if newest is not None:
+            on_disk = _size(os.path.join(self.directory, str(newest)))
+            if on_disk:
+                need, source = on_disk, f"the size of checkpoint {newest}"
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            return f"The next save needs about {need / 1e9:.2f} GB there ({source})"
+        return f"The next save needs about {need / 1e9:.2f} GB there ({source}); {free / 1e9:.2f} GB are free"
 
     # ----- restore ----------------------------------------------------------------------------
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
@@ -256,8 +418,9 @@ class CheckpointManager:
 
     def check_step(self, step: int) -> None:
         """Raise a CheckpointError naming the file unless ``step`` verifies (and the newest
-        step that does); one warning if it cannot be verified (written before checksums)."""
-        _check_step(self.directory, step)
+        step that does); one warning if it cannot be verified (written before checksums). Every
+        process of the job calls it (as :meth:`restore`): each hashes its share."""
+        _check_step(self.directory, step, integrity.Exchange.of_processes())
 
     def restore(self, target: dict[str, Any], step: int | None = None, *, verify: bool = True) -> dict[str, Any]:
         """Restore the items of ``target`` (trees of ``jax.ShapeDtypeStruct`` with shardings;
@@ -412,35 +575,23 @@ def has_checkpoint(path: str) -> bool:
 def verified_step(load: str, step: int | None) -> int:
     """The step of ours to load: ``step`` if given (it must verify: no fallback from an explicit
     choice), else the newest that verifies, with a warning naming each newer corrupt step, its
-    file and the step used instead. No step verifies: an error, never a fresh start. Process 0
-    alone reads and hashes the files (one read of the checkpoint, not one per host); the
-    others take its choice, or stop too."""
-    from mlir_train.runtime import distributed
-
-    chosen, error = -1, None
-    if jax.process_index() == 0:
-        try:
-            chosen = _choose_step(load, step)
-        except CheckpointError as e:
-            error = e
-    chosen = distributed.from_process_0(chosen)
-    if error is not None:
-        raise error
-    if chosen < 0:
-        raise CheckpointError(f"--load {load}: process 0 found no checkpoint there to load (its log says why)")
-    return chosen
+    file and the step used instead. No step verifies: an error, never a fresh start. Every
+    process of a multi-host job hashes its share of each step's files (one read of the
+    checkpoint in all, spread over the hosts) and the verdicts are exchanged (file names and
+    problems, no data), so all processes choose the same step or stop with the same error."""
+    return _choose_step(load, step, integrity.Exchange.of_processes())
 
 
-def _choose_step(load: str, step: int | None) -> int:
+def _choose_step(load: str, step: int | None, exchange: integrity.Exchange) -> int:
     directory, steps = os.path.abspath(load), integrity.complete_steps(load)
     if step is not None:
         if step not in steps:
             raise CheckpointError(f"{directory}: no complete checkpoint for iteration {step} (have {steps})")
-        _check_step(directory, step)
+        _check_step(directory, step, exchange)
         return step
     corrupt = []
     for s in reversed(steps):
-        check = integrity.verify_step(os.path.join(directory, str(s)))
+        check = integrity.verify_step(os.path.join(directory, str(s)), exchange)
         if not check.usable:
             corrupt.append(check)
             continue

@@ -57,6 +57,11 @@ class Checkpointer:
         # on processes other than 0); else the directory is claimed here.
         self.lock = lock if claimed else claim_save_dir(directory, resume_step=resume_step)
         self.manager = CheckpointManager(directory, max_to_keep=retain, save_interval=save_interval)
+        # Steps already in DIR (process 0's listing, for all): a save of this run at iteration k
+        # replaces those >= k, as Megatron's save overwrites iter_k (see _replace_earlier).
+        exchange = integrity.Exchange.of_processes()
+        listed = integrity.complete_steps(self.manager.directory) if exchange.index == 0 else None
+        self._earlier = set(exchange.all_gather(exchange.new_key("earlier-steps"), listed)[0])
 
     def should_save(self, iteration: int) -> bool:
         return self.manager.should_save(iteration)
@@ -68,7 +73,33 @@ class Checkpointer:
         if not self.save_rng:
             meta = {k: v for k, v in meta.items() if k != "rng"}
             meta["data_loader"] = {k: v for k, v in meta.get("data_loader", {}).items() if k != "seed"}
+        self._replace_earlier(iteration)
         self.manager.save(iteration, state, meta, force=True)
+
+    def _replace_earlier(self, iteration: int) -> None:
+        """Move aside the steps >= ``iteration`` that an earlier run left in DIR (e.g.
+        ``--finetune`` restarting at iteration 0 with ``--save`` equal to ``--load``): Megatron
+        overwrites ``iter_<k>`` and points its tracker at the newest save, so a later ``--load
+        DIR`` resumes this run; here the old steps are renamed ``<step>.replaced-<time>``, never
+        deleted, never silently kept in place of this run's save."""
+        doomed = sorted(s for s in self._earlier if s >= iteration)
+        if not doomed:
+            return
+        self.manager.wait()
+        exchange = integrity.Exchange.of_processes()
+        if exchange.index == 0:
+            stamp = int(time.time())
+            for step in doomed:
+                path = os.path.join(self.manager.directory, str(step))
+                aside = f"{path}.replaced-{stamp}"
+                log.warning(f"--save {self.directory} holds iteration {step}, written before this run (with --finetune "
+                            f"and --save equal to --load: the run it fine-tunes); this run saves iteration {iteration}, "
+                            f"which replaces it as Megatron's save overwrites iter_{step}: moved it aside to {aside} "
+                            f"(not deleted), so --load {self.directory} resumes this run")
+                os.rename(path, aside)
+        exchange.all_gather(exchange.new_key("replaced"), 0)  # every process sees the renames from here
+        self._earlier -= set(doomed)
+        self.manager.reload()
 
     def close(self) -> None:
         try:

@@ -104,6 +104,31 @@ def test_finetune_no_load_optim_and_retain(shared, tmp_path, monkeypatch):
     assert no_optim.history["lm loss"][0][1] < base.history["lm loss"][0][1]
 
 
+def test_finetune_saving_into_the_directory_it_loaded_replaces_its_steps(shared, tmp_path, capsys):
+    """--finetune with --save equal to --load (issue 27, item 3): the fine-tune restarts at
+    iteration 0 and saves iterations 1..4 over a directory holding 2 and 3 of the run it
+    started from. No save is skipped: as Megatron's save overwrites iter_k, this run's saves
+    replace the earlier steps (moved aside, each named in a warning, not deleted), and a later
+    --load DIR resumes the fine-tune, not the run before it."""
+    ckpt = str(tmp_path / "d")
+    sft.main(tiny_argv(shared, tmp_path, "base", "--save", ckpt, "--save-interval", "1", "--save-retain", "2"))
+    assert checkpoint.CheckpointManager(ckpt, read_only=True).steps() == [3, 4]
+    capsys.readouterr()
+    ft = sft.main(tiny_argv(shared, tmp_path, "ft", "--load", ckpt, "--finetune", "--save", ckpt,
+                            "--save-interval", "1", "--train-iters", "3"))
+    out = capsys.readouterr().out
+    assert [i for i, _ in ft.history["lm loss"]] == [1, 2, 3]
+    for old in (3, 4):
+        assert (f"WARNING: --save {ckpt} holds iteration {old}, written before this run (with --finetune and --save "
+                f"equal to --load") in out and f"this run saves iteration 1, which replaces it" in out, out
+    assert checkpoint.CheckpointManager(ckpt, read_only=True).steps() == [1, 2, 3]
+    assert sorted(n.split(".")[0] for n in os.listdir(ckpt) if ".replaced-" in n) == ["3", "4"]
+    meta = checkpoint.CheckpointManager(ckpt, read_only=True).read_meta(3)
+    assert meta["consumed_samples"] == 24 and meta["args"]["finetune"] is True  # the fine-tune's step 3
+    resumed = sft.main(tiny_argv(shared, tmp_path, "resumed", "--load", ckpt))
+    assert [i for i, _ in resumed.history["lm loss"]] == [4]
+
+
 def test_exit_duration_and_missing_checkpoint_start_and_resume_one_script(shared, tmp_path, capsys):
     """Megatron's restartable-job pattern: the same flags, --load and --save on one directory, run
     twice. The first run finds no checkpoint (a warning, a fresh start) and stops on
@@ -255,12 +280,20 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_state(tmp_path, monkeypatch
             raise OSError(errno.ENOSPC, "No space left on device", str(self))
         return write_text(self, *args, **kwargs)
 
+    step1_gb = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(os.path.join(ck, "1")) for n in ns) / 1e9
+
     def check(err, step):
         msg = str(err.value)
         for part in (f"writing checkpoint {step} to {ck} failed: the disk is full", "Free space there",
                      f"--load {ck}", "newest complete checkpoint there is still iteration 1",
-                     "training state in memory is intact"):
+                     "training state in memory is intact",
+                     f"The next save needs about {step1_gb:.2f} GB there (the size of checkpoint 1)", "GB are free",
+                     f"the partial write was moved aside to {ck}/{step}.partial-", "delete it to free that space"):
             assert part in msg, msg
+        assert "\n" not in msg
+        # (Array writes of the failed step still in flight when Orbax reports the failure may
+        # recreate a tmp directory; Orbax removes those at the next start.)
+        assert len([n for n in os.listdir(ck) if n.startswith(f"{step}.partial-")]) == 1, os.listdir(ck)
 
     with monkeypatch.context() as m:  # arrays: the commit fails in the background, wait() reports it
         m.setattr(tensorstore, "open", ts_full)

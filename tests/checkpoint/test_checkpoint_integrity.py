@@ -66,12 +66,16 @@ def test_every_file_is_recorded_and_verifies(two_steps):
         with open(os.path.join(step_dir, integrity.MANIFEST)) as f:
             files = json.load(f)["files"]
         on_disk = {os.path.relpath(os.path.join(r, n), step_dir) for r, _, ns in os.walk(step_dir) for n in ns}
-        assert set(files) == on_disk - {integrity.MANIFEST}
-        assert any("ocdbt" in f for f in files) and "meta/metadata" in files and "_CHECKPOINT_METADATA" in files
+        # Every file but Orbax's own commit marks, written after the manifest, inside the commit.
+        assert set(files) == on_disk - {integrity.MANIFEST, *integrity.COMMIT_FILES}
+        assert set(integrity.COMMIT_FILES) <= on_disk
+        assert any("ocdbt" in f for f in files) and "meta/metadata" in files
         assert all(v["size"] == os.path.getsize(os.path.join(step_dir, k)) for k, v in files.items())
+        # the array shards were hashed by the process that wrote them, in its commit
+        assert {v["process"] for k, v in files.items() if integrity.writer_of(k) is not None} == {0}
         assert integrity.verify_step(step_dir).status == "ok"
         with open(os.path.join(step_dir, "meta", "metadata")) as f:
-            assert json.load(f)["format"] == checkpoint.FORMAT_VERSION == integrity.MANIFEST_SINCE_FORMAT
+            assert json.load(f)["format"] == checkpoint.FORMAT_VERSION == integrity.MANIFEST_IN_COMMIT_SINCE_FORMAT
 
 
 def test_bit_flip_stops_naming_the_file_and_the_good_step(two_steps, capsys):
@@ -137,7 +141,7 @@ def test_truncated_missing_extra_and_manifest_problems(two_steps):
     # A new-format step whose manifest is gone (killed while hashing, or removed): failing.
     os.remove(os.path.join(step_dir, integrity.MANIFEST))
     check = integrity.verify_step(step_dir)
-    assert (check.status, check.file) == ("corrupt", integrity.MANIFEST) and "records checksums" in check.problem
+    assert (check.status, check.file) == ("corrupt", integrity.MANIFEST) and "commits its checksums" in check.problem
     with pytest.raises(checkpoint.CheckpointError, match=f"{step_dir}/checksums.json: missing.*no checkpoint in"):
         checkpoint.CheckpointManager(two_steps, read_only=True).check_step(1)
 
@@ -339,7 +343,7 @@ def test_a_second_sft_job_is_refused_at_start_up(shared, tmp_path, capsys):
     assert not os.path.exists(os.path.join(ck, ".lock")) and stale.info["pid"] == os.getpid()
 
 
-# ----- two JAX processes agree (process 0 verifies and locks; the others follow) -----------------
+# ----- two JAX processes agree (each verifies its share, process 0 locks; the others follow) ------
 AGREE = textwrap.dedent("""
     import sys
     from mlir_train.runtime import distributed
@@ -362,7 +366,8 @@ AGREE = textwrap.dedent("""
 def test_two_processes_follow_process_0_on_verification_and_the_lock(two_steps, tmp_path):
     import socket
 
-    flip_bit(data_file(os.path.join(two_steps, "2")))
+    bad = data_file(os.path.join(two_steps, "2"))
+    flip_bit(bad)
     held = str(tmp_path / "held")
     proc = holder(held)
     with socket.socket() as s:
@@ -383,9 +388,9 @@ def test_two_processes_follow_process_0_on_verification_and_the_lock(two_steps, 
         assert "fallback 1" in lines, out
         assert any(line.startswith("explicit refused:") for line in lines), out
         assert any(line.startswith("lock refused:") for line in lines), out
-    # only process 0 hashed the files and warned about step 2
-    assert "CORRUPT" in outs[0][0] and "CORRUPT" not in outs[1][0]
-    assert f"explicit refused: --load {two_steps}: checkpoint {two_steps}/2 is corrupt" in outs[0][0]
-    assert f"explicit refused: --load {two_steps}: process 0 found no checkpoint there to load" in outs[1][0]
+        # Each process hashed its share; the verdicts were exchanged, so both name the same file.
+        assert f"explicit refused: --load {two_steps}: checkpoint {two_steps}/2 is corrupt: {bad}: checksum " \
+               "mismatch" in out, out
+    assert "CORRUPT" in outs[0][0] and "CORRUPT" not in outs[1][0]  # the warning: process 0 prints
     assert "lock refused: --save" in outs[0][0] and "is in use by job job-A" in outs[0][0]
     assert "could not take the directory (see its log)" in outs[1][0]
