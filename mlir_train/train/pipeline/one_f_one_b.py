@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from mlir_train.config import policies
 from mlir_train.config.policies import RecomputePolicy
+from mlir_train.model import losses
 from mlir_train.train.pipeline.program import to_segments
 from mlir_train.train.pipeline.schedule import Schedule
 from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_forward, merge, prepare, router_terms,
@@ -217,7 +218,8 @@ class _OneFOneB:
             model.final_norm(x_out), mb["labels"], mb["loss_mask"] * last.astype(mb["loss_mask"].dtype),
             mb["loss_weight"] * last.astype(mb["loss_weight"].dtype))
         router_objective, sums, counts = router_terms(self.setup.program, stats, on, jnp.bool_(True), self.balancing,
-                                                      self.top_k, self.m, counts, micro_index)
+                                                      self.top_k, self.m, counts, micro_index,
+                                                      mb.get(losses.ROUTER_LOSS_TOKENS))
         objective = lm_objective + router_objective
         return (x_out, objective), (objective, lm_objective, ce_sum, count, sums, counts)
 
