@@ -27,44 +27,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 
 def run(job: dict, out_dir: str, world: int, *, timeout: float = 600.0) -> None:
     """Run ``job`` (``inputs``: an npz path; ``cases``: a list of router settings) in ``world``
     gloo processes; raise with a failing rank's output."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "job-router-dp.json")
-    with open(path, "w") as f:
-        json.dump(dict(job, out=out_dir), f)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    env.pop("XLA_FLAGS", None)
-    logs = [open(os.path.join(out_dir, f"router-dp-rank{r}.log"), "w+") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), path], env=dict(env, RANK=str(r)),
-                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
-    deadline = time.time() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.time()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        logs[bad[0]].seek(0)
-        raise RuntimeError(f"megatron-core router job, rank {bad[0]} failed:\n{logs[bad[0]].read()[-6000:]}")
-    for f in logs:
-        f.close()
+    from tests.mcore_cpu import run_workers
+
+    run_workers(os.path.abspath(__file__), dict(job, kind="router-dp"), out_dir, world, timeout=timeout)
 
 
 def _case(case: dict, inputs, rank: int, world: int, out: str) -> None:

@@ -145,15 +145,20 @@ def corpus_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("bad_inputs"))
 
 
-def test_every_bad_input_is_one_line_exit_2(corpus_dir, capsys):
+def _check_all(tmp, cases, capsys):
+    """Every case run in-process and checked; the failures reported together."""
     failures = []
-    for case, extra, names in _corpus(corpus_dir):
-        code, err = _run_in_process(_argv(corpus_dir, *extra), capsys)
+    for case, extra, names in cases:
+        code, err = _run_in_process(_argv(tmp, *extra), capsys)
         try:
             _check(case, code, err, names)
         except AssertionError as e:
             failures.append(str(e))
     assert not failures, "\n\n".join(failures)
+
+
+def test_every_bad_input_is_one_line_exit_2(corpus_dir, capsys):
+    _check_all(corpus_dir, _corpus(corpus_dir), capsys)
 
 
 @pytest.fixture(scope="module")
@@ -183,14 +188,7 @@ def test_bad_checkpoints_of_ours_are_one_line_exit_2(our_checkpoint, capsys, tmp
         f.seek(32)
         f.write(b"\xff" * 16)
     cases.append(("corrupt", ["--load", damaged, "--ckpt-step", step], "damaged"))
-    failures = []
-    for case, extra, names in cases:
-        code, err = _run_in_process(_argv(tmp, *extra), capsys)
-        try:
-            _check(case, code, err, names)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, "\n\n".join(failures)
+    _check_all(tmp, cases, capsys)
 
 
 @pytest.mark.parametrize("case", ["fp8", "hf-llama", "data-missing"])
