@@ -77,20 +77,28 @@ class Layout:
 
 def run_job(job: dict, out_dir: str, *, timeout: float = 900.0) -> None:
     """Run ``job`` in ``Layout(**job['layout']).world`` gloo processes; raise with their stderr."""
+    run_workers(os.path.abspath(__file__), job, out_dir, Layout(**job["layout"]).world, timeout=timeout)
+
+
+def run_workers(script: str, job: dict, out_dir: str, world: int, *, timeout: float = 900.0) -> None:
+    """Write ``job`` (with ``out=out_dir``) and run ``python SCRIPT JOB.json`` in ``world`` gloo
+    processes (``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` set, the repository importable); raise
+    with a failing rank's output."""
     os.makedirs(out_dir, exist_ok=True)
     job = dict(job, out=out_dir)
     path = os.path.join(out_dir, f"job-{job['kind']}.json")
     with open(path, "w") as f:
         json.dump(job, f)
-    world = Layout(**job["layout"]).world
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     env.pop("XLA_FLAGS", None)
     logs = [open(os.path.join(out_dir, f"{job['kind']}-rank{r}.log"), "w+") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), path], env=dict(env, RANK=str(r)),
+    procs = [subprocess.Popen([sys.executable, script, path], env=dict(env, RANK=str(r)),
                               stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
     deadline = time.time() + timeout
     try:

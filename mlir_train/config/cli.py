@@ -21,13 +21,13 @@ This module imports no jax, so entry points may use it first.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import sys
 from typing import Any, Iterable, Sequence
 
 from mlir_train.config.fields import GROUP_TITLES, SEED_GROUPS
-from mlir_train.config.flag_table import ARCH_IMPLIED_FLAGS, NOOP_FLAG_GROUPS, NOOP_FLAGS, NOT_IMPLEMENTED_FLAGS
+from mlir_train.config.flag_table import (ARCH_IMPLIED_FLAGS, FP8_WHY, NOOP_FLAG_GROUPS, NOOP_FLAGS, NOT_IMPLEMENTED_FLAGS,
+                                          is_low_precision_flag)
 from mlir_train.config.flags import RunConfig, build
 from mlir_train.config.sections import section_fields
 from mlir_train.runtime.errors import ConfigError
@@ -82,6 +82,7 @@ class _Parser(argparse.ArgumentParser):
     error_context = ""
 
     def error(self, message):
+        message = " ".join(str(message).split())  # one line, whatever the message (YAML errors span several)
         self.exit(2, f"{self.prog}: error: {self.error_context}{message}\n")
 
 
@@ -164,16 +165,52 @@ FLAG_GROUPS: dict[str, list[str]] = flag_groups()
 ALL_FLAGS: frozenset[str] = frozenset(f for flags in FLAG_GROUPS.values() for f in flags)
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of two
+    neighbouring characters, each one slip of the keyboard."""
+    before, prev = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], before[j - 2] + 1)
+        before, prev = prev, cur
+    return prev[-1]
+
+
+def _slips(n: int) -> int:
+    """Typing slips allowed in a name of ``n`` characters."""
+    return 1 if n < 12 else 2 if n < 24 else 3
+
+
+def _misspelt(flag: str, known: str) -> bool:
+    """Whether ``flag`` is a misspelling of ``known`` (both without the leading dashes), not
+    another flag: a few slips in all, and every word that differs a misspelling of the word in
+    its place (``--fp8-format`` is not ``--ckpt-format``, ``--lora-dim`` not ``--load``, and a
+    short word such as ``fp8`` / ``dim`` is never a slip of another)."""
+    distance = _edit_distance(flag, known)
+    if distance == 0 or (distance == 1 and len(flag) >= 4):  # one slip, a dash dropped or added included
+        return True
+    words, known_words = flag.split("-"), known.split("-")
+    if len(flag) < 4 or distance > _slips(len(flag)) or len(words) != len(known_words):
+        return False
+    return all(w == k or (len(w) >= 4 and w[0] == k[0] and _edit_distance(w, k) <= _slips(len(w)))
+               for w, k in zip(words, known_words))
+
+
 def _closest(flag: str, known: Iterable[str]) -> str | None:
-    known = list(known)
-    norm = {k.replace("_", "-"): k for k in known}
-    if flag.replace("_", "-") in norm:
-        return norm[flag.replace("_", "-")]
-    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-    return close[0] if close else None
+    """The known flag ``flag`` most likely misspells, or None when none is really close (a peer's
+    flag we do not have gets no suggestion rather than an unrelated one)."""
+    name = flag.lstrip("-").lower().replace("_", "-")
+    candidates = [(_edit_distance(name, k.lstrip("-")), k) for k in known
+                  if _misspelt(name, k.lstrip("-").lower().replace("_", "-"))]
+    return min(candidates)[1] if candidates else None
 
 
 def _unknown_flag_message(flag: str, known: Iterable[str], where: str = "") -> str:
+    if is_low_precision_flag(flag):
+        return f"{flag}{where}: {FP8_WHY}"
     best = _closest(flag, known)
     hint = f"; did you mean {best}?" if best else "; see --help for the accepted flags"
     return f"unknown flag {flag}{where}{hint}"
@@ -184,7 +221,7 @@ def _load_config_file(path: str) -> dict[str, Any]:
         with open(path) as f:
             text = f.read()
     except OSError as e:
-        raise SystemExit(f"{PROG}: error: --config {path}: {e.strerror}") from None
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
     try:
         if path.endswith(".json"):
             data = json.loads(text)
@@ -193,11 +230,11 @@ def _load_config_file(path: str) -> dict[str, Any]:
 
             data = yaml.safe_load(text)
     except Exception as e:  # yaml.YAMLError / json.JSONDecodeError, both carry line info
-        raise SystemExit(f"{PROG}: error: --config {path}: cannot parse: {e}") from None
+        raise ConfigError(f"--config {path}: cannot parse: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise SystemExit(f"{PROG}: error: --config {path}: expected a mapping of flag: value")
+        raise ConfigError(f"--config {path}: expected a mapping of flag: value")
     flat: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, dict) and str(key).replace("_", "-") in GROUP_TITLES:
@@ -276,7 +313,11 @@ def parse(argv: Sequence[str] | None = None) -> RunConfig:
     file_argv: list[str] = []
     config_path = flag_value(argv, "--config")
     if config_path is not None:
-        file_argv = _config_to_argv(parser, _load_config_file(config_path), config_path)
+        try:
+            loaded = _load_config_file(config_path)
+        except ConfigError as e:
+            parser.error(str(e))
+        file_argv = _config_to_argv(parser, loaded, config_path)
         # Parse the file's flags alone first so a bad value is reported against the file.
         parser.error_context = f"--config {config_path}: "
         _, extras = parser.parse_known_args(file_argv)

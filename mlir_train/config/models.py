@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any
 
+from mlir_train.runtime.errors import CheckpointError, ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -76,12 +78,13 @@ class ModelConfig:
     def from_hf_dict(cls, hf: dict[str, Any], name: str | None = None) -> "ModelConfig":
         model_type = hf.get("model_type", "")
         if model_type not in ("qwen3", "qwen3_moe"):
-            raise ValueError(f"unsupported HF model_type {model_type!r}: expected 'qwen3' or 'qwen3_moe'")
+            raise CheckpointError(f"HF model_type {model_type!r} is not a Qwen3 model: mlir-train trains model_type "
+                                  "'qwen3' or 'qwen3_moe'; give a Qwen3 / Qwen3-MoE model directory")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear"):
-            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear)")
+            raise CheckpointError(f"rope_type {rope_type!r} is not supported (supported: default, linear)")
         factor = float(rope.get("factor", 1.0)) if rope_type == "linear" else 1.0
         moe = model_type == "qwen3_moe"
         heads = hf["num_attention_heads"]
@@ -111,15 +114,28 @@ class ModelConfig:
 
     @classmethod
     def from_hf_json(cls, path: str) -> "ModelConfig":
+        """The config of an HF directory (or its ``config.json``); anything that is not a Qwen3 /
+        Qwen3-MoE config there is a :class:`CheckpointError` naming the file."""
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         try:
             with open(file) as f:
                 hf = json.load(f)
         except FileNotFoundError:
-            raise FileNotFoundError(f"{file}: no HF config.json there") from None
+            raise CheckpointError(f"{file}: no HF config.json there") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"{file}:{e.lineno}: not valid JSON ({e.msg})") from None
-        return cls.from_hf_dict(hf, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
+            raise CheckpointError(f"{file}:{e.lineno}: not valid JSON ({e.msg})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: cannot read it ({e})") from None
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"{file}: not an HF config (expected a JSON object)")
+        try:
+            return cls.from_hf_dict(hf, name=os.path.basename(os.path.dirname(os.path.abspath(file))))
+        except CheckpointError as e:
+            raise CheckpointError(f"{file}: {e}") from None
+        except KeyError as e:
+            raise CheckpointError(f"{file}: HF config without {e.args[0]!r}; is it a Qwen3 config.json?") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{file}: not a usable Qwen3 config ({e})") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
@@ -245,13 +261,16 @@ def get_model_config(name_or_path: "str | ModelConfig", **overrides: Any) -> Mod
     elif name_or_path in MODELS:
         cfg = MODELS[name_or_path]
     elif os.path.exists(name_or_path):
-        cfg = ModelConfig.from_hf_json(name_or_path)
+        try:
+            cfg = ModelConfig.from_hf_json(name_or_path)
+        except CheckpointError as e:
+            raise ConfigError(f"--model-name {name_or_path}: {e}") from None
     else:
         import difflib
 
         close = difflib.get_close_matches(name_or_path, MODELS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(
+        raise ConfigError(
             f"--model-name {name_or_path!r} is neither a known model ({', '.join(MODELS)}) "
             f"nor a path to an HF config.json.{hint}"
         )

@@ -160,6 +160,16 @@ class RouterConfig:
     per_sequence_stats: bool = False       # seq_aux_loss needs per-document statistics
     sinkhorn: bool = False                 # --moe-router-load-balancing-type sinkhorn
     training: bool = True                  # sinkhorn balances only in training (the eval step's model: False)
+    # Rows of a micro-batch one data-parallel rank holds (--micro-batch-size; the Trainer sets it):
+    # the load-balancing statistics, and Sinkhorn's balancing, are formed per group of these rows,
+    # as Megatron forms them on each data-parallel rank. None: the whole batch is one group.
+    balancing_rows: int | None = None
+
+    def balancing_groups(self, rows: int) -> int:
+        """How many balancing groups a batch of ``rows`` rows holds: one per data-parallel rank's
+        micro-batch; one for a batch that does not split into them (generation, a lone row)."""
+        per = self.balancing_rows
+        return rows // per if per and rows >= per and rows % per == 0 else 1
 
     def renormalises(self, norm_topk_prob: bool) -> bool:
         """Whether softmax top-k weights are renormalised over the k chosen."""
@@ -221,18 +231,21 @@ class LoadBalancing:
 
     ``coeffs`` pairs each of ``aux_loss`` / ``seq_aux_loss`` / ``global_aux_loss`` the run uses
     with its ``--moe-aux-loss-coeff`` (Megatron's ``get_aux_loss_coeff``: a type that is not
-    listed weighs 0). Every loss is formed per micro-batch as Megatron forms it on one rank whose
-    micro-batch is the step's whole micro-batch (all data-parallel rows), so the objective does
-    not depend on the layout:
+    listed weighs 0). Every loss is formed as megatron-core 0.16.1 forms it on each data-parallel
+    rank, from that rank's micro-batch (the router's balancing group: ``--micro-batch-size``
+    rows), so the objective does not depend on the layout:
 
-    * ``aux_loss``: the switch loss of the micro-batch;
+    * ``aux_loss``: the switch loss of the rank's micro-batch;
     * ``seq_aux_loss``: the mean over its packed documents of each document's switch loss;
-    * ``global_aux_loss``: the switch loss with the expert counts averaged over this and the
-      step's earlier micro-batches (Megatron's ``global_tokens_per_expert / ga_steps``);
-    * z-loss: ``mean logsumexp(logits)^2`` over the micro-batch's tokens.
+    * ``global_aux_loss``: the rank's router scores against the expert counts of all ranks,
+      averaged over this and the step's earlier micro-batches (Megatron's
+      ``global_tokens_per_expert / ga_steps``);
+    * z-loss: ``mean logsumexp(logits)^2`` over the rank's tokens.
 
-    Each is summed over the MoE layers, times its coefficient, divided by the number of
-    micro-batches (Megatron scales the aux-loss gradient by 1/num_microbatches).
+    Each is summed over the MoE layers, times its coefficient, and weighted as Megatron's
+    gradient scaling weighs it (``mlir_train.model.losses.router_losses``): ``1 / (ranks x
+    micro-batches)``, or under ``--calculate-per-token-loss`` the rank's router tokens over the
+    global batch's loss tokens.
     """
 
     coeffs: tuple[tuple[str, float], ...] = ()

@@ -135,26 +135,34 @@ def loss_token_weights(loss_mask_MBT: jax.Array, *, micro_batch_size: int, per_t
     return (grouped / jnp.maximum(tokens, 1.0) / (m * groups)).reshape(mask.shape)
 
 
-def switch_aux_loss_per_layer(stats: dict[str, jax.Array], top_k: int, counts_LE: jax.Array | None = None) -> jax.Array:
-    """Megatron's ``switch_load_balancing_loss_func`` per MoE layer, without the coefficient.
+# The batch key that carries, under ``--calculate-per-token-loss``, the global batch's number of
+# loss tokens (one value per micro-batch, ``[M]``), which the router losses are weighted by.
+ROUTER_LOSS_TOKENS = "router_loss_tokens"
+
+
+def switch_aux_loss(stats: dict[str, jax.Array], top_k: int, counts: jax.Array | None = None,
+                    num_tokens: jax.Array | None = None) -> jax.Array:
+    """Megatron's ``switch_load_balancing_loss_func`` per MoE layer and balancing group (leaves
+    ``[..., G, E]`` / ``[..., G]``), without the coefficient.
 
     ``E / (k * N^2) * sum_e P_e * c_e`` with ``P_e`` the summed router scores (softmax
     probabilities, or normalised sigmoid scores) and ``c_e`` the top-k assignments of expert
     ``e`` over the N non-padding tokens, i.e. ``E * sum_e f_e * P̄_e`` with ``f_e = c_e / (k N)``
-    and ``P̄_e = P_e / N``. A perfectly balanced router gives 1.0. ``counts_LE`` replaces the
-    micro-batch's own counts (``global_aux_loss`` passes its running average).
+    and ``P̄_e = P_e / N``. A perfectly balanced router gives 1.0. ``counts`` and ``num_tokens``
+    replace the group's own (``global_aux_loss`` passes the counts of all groups, averaged over
+    the micro-batches so far, and the token count of all groups).
     """
-    if counts_LE is None:
-        counts_LE = stats.get("aux_tokens_per_expert", stats["tokens_per_expert"])
-    probs_LE = stats["probs_per_expert"]
-    n_L = jnp.maximum(stats["num_tokens"], 1.0)
-    num_experts = counts_LE.shape[-1]
-    return num_experts * jnp.sum(counts_LE * probs_LE, axis=-1) / (top_k * n_L * n_L)
+    if counts is None:
+        counts = stats.get("aux_tokens_per_expert", stats["tokens_per_expert"])
+    n = jnp.maximum(stats["num_tokens"] if num_tokens is None else num_tokens, 1.0)
+    probs = stats["probs_per_expert"]
+    return probs.shape[-1] * jnp.sum(counts * probs, axis=-1) / (top_k * n * n)
 
 
-def seq_aux_loss_per_layer(stats: dict[str, jax.Array]) -> jax.Array:
-    """Megatron's ``seq_aux_loss`` per MoE layer, no coefficient: the mean over the packed
-    documents of each document's own switch loss (see :mod:`mlir_train.model.moe.router`)."""
+def seq_aux_loss(stats: dict[str, jax.Array]) -> jax.Array:
+    """Megatron's ``seq_aux_loss`` per MoE layer and balancing group, no coefficient: the mean
+    over the group's packed documents of each document's own switch loss (see
+    :mod:`mlir_train.model.moe.router`)."""
     if "seq_aux_sum" not in stats:
         raise ValueError("seq_aux_loss needs per-document router statistics: build the model with "
                          "RouterConfig(per_sequence_stats=True)")
@@ -162,42 +170,79 @@ def seq_aux_loss_per_layer(stats: dict[str, jax.Array]) -> jax.Array:
 
 
 def router_losses(stats: dict[str, jax.Array], balancing: LoadBalancing, top_k: int,
-                  global_counts_LE: jax.Array | None = None, micro_index=None):
-    """One micro-batch's router losses, from the stats of its MoE layers (leaves ``[L, ...]``).
+                  global_counts_LE: jax.Array | None = None, micro_index=None, *, num_micro_batches: int = 1,
+                  loss_tokens: jax.Array | None = None):
+    """One micro-batch's router losses, from the stats of its MoE layers (leaves ``[L, G, ...]``:
+    ``G`` balancing groups, one per data-parallel rank's micro-batch), as megatron-core 0.16.1
+    forms them on each data-parallel rank and its gradient scaling combines them:
 
-    Returns ``(objective, per_layer, global_counts_LE)``: the weighted sum to add to the
-    micro-batch's objective before the division by the number of micro-batches; the raw
-    (coefficient-free) per-layer values by Megatron tracker name, for logging (the aux loss is
-    always there, as is the z-loss); and, under ``global_aux_loss``, the running sum of the
-    expert counts including this micro-batch (``global_counts_LE`` is the sum over the
-    ``micro_index`` micro-batches before it; both are ignored otherwise).
+    * by default each rank's loss is scaled by ``1 / num_micro_batches`` and the data-parallel
+      ranks average their gradients: each group weighs ``1 / (G * M)``;
+    * under ``--calculate-per-token-loss`` (``loss_tokens``: the global batch's loss tokens)
+      Megatron scales each rank's aux loss by that rank's router tokens (``valid_token_count``,
+      padding excluded) and every gradient by ``1 / loss_tokens``: each group weighs
+      ``n_g / loss_tokens`` (``seq_aux_loss``: ``n_g / documents_g / loss_tokens``, Megatron's
+      tokens per sequence; ``global_aux_loss``: all groups' tokens over ``loss_tokens``, as
+      megatron-core 0.16.1 counts them there);
+    * ``aux_loss``, ``seq_aux_loss`` and z-loss are each group's own; ``global_aux_loss`` scores
+      each group's router probabilities against the expert counts of all groups (summed over
+      this and the earlier micro-batches of the step, divided by their number: Megatron's
+      ``global_tokens_per_expert / ga_steps``) over all groups' tokens, so its groups sum to the
+      pooled switch loss.
+
+    Returns ``(objective, per_layer, global_counts_LE)``: the weighted sum to add to the step's
+    objective as it is (no further division); the raw (coefficient-free) per-layer values by
+    Megatron tracker name for logging (the mean over groups, as Megatron averages its tracker
+    over data-parallel ranks; ``global_load_balancing_loss`` their sum, the pooled value
+    Megatron's tracker sums over its data-parallel group), the aux loss and z-loss always; and,
+    under ``global_aux_loss``, the running sum of the expert counts ``[L, E]`` including this
+    micro-batch (``global_counts_LE`` is the sum over the ``micro_index`` micro-batches before
+    it; both are ignored otherwise).
     """
-    aux_l = switch_aux_loss_per_layer(stats, top_k)
-    z_l = z_loss_per_layer(stats)
-    per_layer = {"load_balancing_loss": aux_l, "z_loss": z_l}
-    objective = balancing.coeff("aux_loss") * jnp.sum(aux_l) + balancing.z_loss_coeff * jnp.sum(z_l)
+    n_LG = stats["num_tokens"]
+    groups = n_LG.shape[-1]
+    if loss_tokens is None:
+        weight_LG = jnp.full(n_LG.shape, 1.0 / (groups * num_micro_batches), jnp.float32)
+    else:
+        weight_LG = n_LG / jnp.maximum(loss_tokens, 1.0)
+    aux_LG = switch_aux_loss(stats, top_k)
+    z_LG = z_loss(stats)
+    per_layer = {"load_balancing_loss": jnp.mean(aux_LG, axis=-1), "z_loss": jnp.mean(z_LG, axis=-1)}
+    objective = jnp.sum(weight_LG * (balancing.coeff("aux_loss") * aux_LG + balancing.z_loss_coeff * z_LG))
     if balancing.per_sequence:
-        seq_l = seq_aux_loss_per_layer(stats)
-        per_layer["seq_load_balancing_loss"] = seq_l
-        objective = objective + balancing.coeff("seq_aux_loss") * jnp.sum(seq_l)
+        seq_LG = seq_aux_loss(stats)
+        per_layer["seq_load_balancing_loss"] = jnp.mean(seq_LG, axis=-1)
+        seq_weight_LG = weight_LG if loss_tokens is None else weight_LG / jnp.maximum(stats["num_sequences"], 1.0)
+        objective = objective + balancing.coeff("seq_aux_loss") * jnp.sum(seq_weight_LG * seq_LG)
     if balancing.uses_global:
-        counts = jax.lax.stop_gradient(stats.get("aux_tokens_per_expert", stats["tokens_per_expert"]))
-        global_counts_LE = counts if global_counts_LE is None else global_counts_LE + counts
+        counts_LE = jax.lax.stop_gradient(jnp.sum(stats.get("aux_tokens_per_expert", stats["tokens_per_expert"]),
+                                                  axis=-2))
+        global_counts_LE = counts_LE if global_counts_LE is None else global_counts_LE + counts_LE
         seen = 1.0 if micro_index is None else jnp.asarray(micro_index, jnp.float32) + 1.0
-        glob_l = switch_aux_loss_per_layer(stats, top_k, counts_LE=global_counts_LE / seen)
-        per_layer["global_load_balancing_loss"] = glob_l
-        objective = objective + balancing.coeff("global_aux_loss") * jnp.sum(glob_l)
+        glob_LG = switch_aux_loss(stats, top_k, counts=(global_counts_LE / seen)[..., None, :],
+                                  num_tokens=jnp.sum(n_LG, axis=-1, keepdims=True))
+        per_layer["global_load_balancing_loss"] = jnp.sum(glob_LG, axis=-1)
+        glob_weight_LG = weight_LG
+        if loss_tokens is not None:
+            # megatron-core 0.16.1 scales each rank's global aux loss by the token count of *all*
+            # ranks: its all-reduce of the rank's expert counts runs in place, on the tensor it
+            # then counts the rank's tokens from (get_tokens_per_expert_and_token_count).
+            glob_weight_LG = jnp.broadcast_to(jnp.sum(n_LG, axis=-1, keepdims=True), n_LG.shape) / jnp.maximum(
+                loss_tokens, 1.0)
+        objective = objective + balancing.coeff("global_aux_loss") * jnp.sum(glob_weight_LG * glob_LG)
     return objective, per_layer, global_counts_LE
 
 
 def hf_aux_loss(stats: dict[str, jax.Array]) -> jax.Array:
-    """transformers' ``load_balancing_loss_func`` (all layers' tokens pooled, no 1/k)."""
+    """transformers' ``load_balancing_loss_func`` (all layers' and groups' tokens pooled, no 1/k)."""
     total = jnp.maximum(jnp.sum(stats["num_tokens"]), 1.0)
-    f_E = jnp.sum(stats["tokens_per_expert"], axis=0) / total
-    p_E = jnp.sum(stats["probs_per_expert"], axis=0) / total
-    return f_E.shape[-1] * jnp.sum(f_E * p_E)
+    e = stats["probs_per_expert"].shape[-1]
+    f_E = jnp.sum(stats["tokens_per_expert"].reshape(-1, e), axis=0) / total
+    p_E = jnp.sum(stats["probs_per_expert"].reshape(-1, e), axis=0) / total
+    return e * jnp.sum(f_E * p_E)
 
 
-def z_loss_per_layer(stats: dict[str, jax.Array]) -> jax.Array:
-    """Megatron's router z-loss ``mean_tokens(logsumexp(logits)^2)`` per layer, no coefficient."""
+def z_loss(stats: dict[str, jax.Array]) -> jax.Array:
+    """Megatron's router z-loss ``mean_tokens(logsumexp(logits)^2)`` per layer and balancing
+    group, no coefficient."""
     return stats["z_loss_sum"] / jnp.maximum(stats["num_tokens"], 1.0)

@@ -25,9 +25,11 @@ Megatron semantics matched here (see the tests for each):
   modes. Evaluation reports the global token mean (Megatron-LM's ``evaluate``, which AIAK
   calls);
 * MoE load balancing (``losses.router_losses``, one ``policies.LoadBalancing``): each of
-  ``aux_loss`` / ``seq_aux_loss`` / ``global_aux_loss`` in use, ``coeff * sum over layers`` per
-  micro-batch, averaged over micro-batches (Megatron scales its aux-loss gradient by
-  1/num_microbatches); z-loss likewise. Logged ``load_balancing_loss`` (and
+  ``aux_loss`` / ``seq_aux_loss`` / ``global_aux_loss`` in use, ``coeff * sum over layers``,
+  formed per data-parallel rank's micro-batch (``--micro-batch-size`` rows, the router's
+  balancing group) and averaged over ranks and micro-batches as Megatron's gradient scaling
+  does, or under ``--calculate-per-token-loss`` each rank's weighted by its router tokens over
+  the global batch's loss tokens, as Megatron's; z-loss likewise. Logged ``load_balancing_loss`` (and
   ``seq_/global_load_balancing_loss``) is ``coeff * mean over layers``; ``"<name> per layer"``
   holds the raw per-layer values (``--moe-per-layer-logging``);
 * aux-loss-free balancing (``--moe-router-enable-expert-bias``): after the optimizer update each
@@ -172,6 +174,11 @@ class Trainer:
         self.model_cfg, self.step_cfg, self.optimizer = model_cfg, step_cfg, optimizer
         self.parallel, self.mesh, self.loss_scaler = parallel, mesh, loss_scaler
         self.model_kwargs = dict(model_kwargs or {})
+        if model_cfg.is_moe:
+            # The router's balancing groups are the data-parallel ranks' micro-batches, the same
+            # rows loss_token_weights groups the LM loss by (Megatron forms both per rank).
+            router = self.model_kwargs.get("router") or policies.RouterConfig()
+            self.model_kwargs["router"] = dataclasses.replace(router, balancing_rows=step_cfg.micro_batch_size)
         self.rules = rules_for(parallel, model_dims(model_cfg))
         abstract = nnx.eval_shape(lambda: Qwen3(model_cfg, rngs=nnx.Rngs(0), **self.model_kwargs))
         self.schedule = None if parallel.pipeline == 1 else pipeline.make_schedule(
@@ -372,8 +379,9 @@ class Trainer:
         aux = {"ce_sum": ce_sum, "loss_tokens": count, "lm_objective": objective}
         if stats:
             router_objective, per_layer, counts = losses.router_losses(
-                stats, sc.load_balancing(), cfg.top_k, global_counts, micro_index)
-            objective = objective + router_objective / sc.num_micro_batches
+                stats, sc.load_balancing(), cfg.top_k, global_counts, micro_index,
+                num_micro_batches=sc.num_micro_batches, loss_tokens=mb.get(losses.ROUTER_LOSS_TOKENS))
+            objective = objective + router_objective
             aux.update(router_layers=per_layer, tokens_per_expert=stats["tokens_per_expert"],
                        dropped_tokens=jnp.sum(stats["dropped_tokens"]),
                        ep_overflow_rows=jnp.sum(stats["ep_overflow_rows"]))
@@ -427,6 +435,8 @@ class Trainer:
         sc = self.step_cfg
         batch = dict(batch, loss_weight=losses.loss_token_weights(
             batch["loss_mask"], micro_batch_size=sc.micro_batch_size, per_token=sc.per_token_loss))
+        if sc.per_token_loss and self.model_cfg.is_moe:  # the router losses weigh by it (losses.router_losses)
+            batch[losses.ROUTER_LOSS_TOKENS] = jnp.broadcast_to(n_loss_tokens, batch["loss_mask"].shape[:1])
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
         def micro(carry, xs):

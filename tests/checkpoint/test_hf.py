@@ -109,7 +109,7 @@ def test_megatron_aux_loss_is_one_when_balanced():
         "probs_per_expert": jnp.full((1, 4), 8 / 4.0),
         "num_tokens": jnp.array([8.0]),
     }
-    np.testing.assert_allclose(np.asarray(losses.switch_aux_loss_per_layer(stats, top_k=2)), [1.0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(losses.switch_aux_loss(stats, top_k=2)), [1.0], rtol=1e-6)
 
 
 def test_packed_row_equals_documents_alone(hf_moe):

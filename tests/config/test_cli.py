@@ -150,6 +150,56 @@ def test_unknown_flag_suggests_closest(capsys):
     assert "unknown flag --global-batch-sise" in err and "did you mean --global-batch-size?" in err
 
 
+# Real flags of peers' scripts that we do not have (Megatron-LM core_v0.16.1 arguments.py and
+# TransformerConfig, LoongForge, ms-swift, LoRA): none is a misspelling of one of ours, so none
+# may get a "did you mean" (before: --fp8-format -> --ckpt-format, --lora-dim -> --load,
+# --fp8-interval -> --log-interval, --batch-size -> --micro-batch-size, ...).
+PEER_FLAGS = """
+--lora-dim --lora_dim --lora-alpha --lora-rank --lora-dropout --lora-target-modules --load_lora_ckpt_path
+--sft-dataset --sft-sort-batch --sft-data-streaming --sft-tokenizer-prompt-format --pretrain-as-fp8
+--batch-size --dataset --dataset-path --tokenizer-path --cache-path --format --port --ckpt --output-dir
+--virtual-pipeline-model-parallel-size --num-layers-in-first-pipeline-stage --layernorm-epsilon
+--overlap-p2p-comm --tp-comm-overlap-ag --apply-rope-fusion --persist-layer-norm --bias-dropout-fusion
+--checkpoint-activations --decoder-seq-length --encoder-num-layers --padded-vocab-size --vocab-file
+--num-moe-experts --moe-token-dropping --exp-avg-dtype --main-grads-dtype --grad-reduce-in-bf16
+--kv-lora-rank --q-lora-rank --multi-latent-attention --rope-scaling-factor --rotary-interleaved
+--cpu-offloading --optimizer-cpu-offload --init-method-xavier-uniform --use-kitchen --spec --sft
+--eod-mask-loss --reset-position-ids --reset-attention-mask --mock-data --rtol --atol --tp --pp
+""".split()
+
+
+def test_peer_flags_get_no_far_fetched_suggestion():
+    known = cli._option_actions(cli.build_parser())
+    unknown = [f for f in PEER_FLAGS if f not in known and f.replace("_", "-") not in known]
+    assert len(unknown) > 40
+    suggested = {f: cli._closest(f, known) for f in unknown}
+    assert {f: s for f, s in suggested.items() if s} == {}
+
+
+@pytest.mark.parametrize("typo,meant", [
+    ("--global-batch-sise", "--global-batch-size"), ("--tensor-model-paralel-size", "--tensor-model-parallel-size"),
+    ("--moe-router-top-k", "--moe-router-topk"), ("--seq-lenght", "--seq-length"), ("--lr-warmup-iter", "--lr-warmup-iters"),
+    ("--moe-aux-loss-coef", "--moe-aux-loss-coeff"), ("--use-distributed-optimiser", "--use-distributed-optimizer"),
+    ("--pipline-model-parallel-size", "--pipeline-model-parallel-size"), ("--trian-iters", "--train-iters"),
+    ("--svae", "--save"), ("--micro_batch_size", "--micro-batch-size"), ("--Lr", "--lr"),
+])
+def test_typos_get_the_flag_they_misspell(typo, meant):
+    assert cli._closest(typo, cli._option_actions(cli.build_parser())) == meant
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--fp8-format", "hybrid"], "--fp8-format"), (["--fp8-amax-history-len", "1024"], "--fp8-amax-history-len"),
+    (["--no-fp8-wgrad"], "--no-fp8-wgrad"), (["--fp4-format", "e2m1"], "--fp4-format"),
+    (["--fp8_recipe", "delayed"], "--fp8_recipe"), (["--fp8-force-no-requant"], "--fp8-force-no-requant"),
+])
+def test_fp8_flags_are_refused_naming_fp8(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err and "FP8" in err and "did you mean" not in err
+
+
 def test_underscore_spelling_suggests_dash_flag(capsys):
     with pytest.raises(SystemExit) as e:
         parse(["--micro_batch_size=2"])

@@ -221,20 +221,21 @@ def test_sinkhorn_routing_matches_megatron(k, training):
         assert np.any(np.asarray(plain[1]) != np.asarray(ex))
 
 
-def test_sinkhorn_balancing_matches_megatron_and_skips_padding():
+def test_sinkhorn_balancing_matches_megatron_per_data_parallel_rank():
+    """Megatron balances the tokens one data-parallel rank holds, padding included: each balancing
+    group (a run of rows) alone, as Megatron's ``sinkhorn`` fed that rank's tokens."""
     from mlir_train.model.moe.router import sinkhorn
 
     _, moe_utils, _ = megatron()
     torch = megatron()[0]
     logits = _logits(12).reshape(B * T, E)
-    np.testing.assert_allclose(np.asarray(sinkhorn(jnp.asarray(logits), jnp.ones(B * T, bool))),
+    np.testing.assert_allclose(np.asarray(sinkhorn(jnp.asarray(logits))),
                                moe_utils.sinkhorn(torch.from_numpy(logits)).numpy(), rtol=1e-5, atol=1e-9)
-    # Padding counts in neither marginal: the same as Megatron fed only the real tokens.
-    valid = (_segments() != 0).reshape(-1)
-    got = np.asarray(sinkhorn(jnp.asarray(logits), jnp.asarray(valid)))
-    np.testing.assert_allclose(got[valid], moe_utils.sinkhorn(torch.from_numpy(logits[valid])).numpy(),
-                               rtol=1e-5, atol=1e-9)
-    assert not got[~valid].any()
+    got = np.asarray(sinkhorn(jnp.asarray(logits), B)).reshape(B, T, E)  # one row per rank
+    for row in range(B):
+        np.testing.assert_allclose(got[row], moe_utils.sinkhorn(torch.from_numpy(logits.reshape(B, T, E)[row])).numpy(),
+                                   rtol=1e-5, atol=1e-9, err_msg=f"rank {row}")
+    assert not np.allclose(got.reshape(B * T, E), np.asarray(sinkhorn(jnp.asarray(logits))), rtol=1e-3)
 
 
 def test_sinkhorn_flag_checks():
@@ -299,7 +300,7 @@ def test_fp64_router_gradients_match_fp32():
             weights, _, stats = route_in(RouterConfig(dtype=dtype, per_sequence_stats=True), x, w, valid, top_k=2,
                                          norm_topk_prob=True, segment_ids_BT=jnp.asarray(_segments()))
             return (jnp.sum(weights * jnp.arange(2.0)) + jnp.sum(stats["probs_per_expert"] * jnp.arange(E))
-                    + 1e-2 * stats["z_loss_sum"] + stats["seq_aux_sum"])
+                    + 1e-2 * jnp.sum(stats["z_loss_sum"]) + jnp.sum(stats["seq_aux_sum"]))
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
 
     (v32, (gx32, gw32)), (v64, (gx64, gw64)) = objective("fp32"), objective("fp64")

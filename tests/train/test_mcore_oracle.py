@@ -175,7 +175,7 @@ def _our_router_losses(x_BTD, w_DE, valid_BT, aux_coeff, z_coeff):
     def total(w):
         block = nnx.merge(graphdef, {**state, "router": w})
         _, _, stats = block.route(jnp.asarray(x_BTD).reshape(-1, H), jnp.asarray(valid_BT).reshape(-1))
-        aux, z = losses.switch_aux_loss_per_layer(stats, K), losses.z_loss_per_layer(stats)
+        aux, z = losses.switch_aux_loss(stats, K)[0], losses.z_loss(stats)[0]  # the one balancing group
         return aux_coeff * aux + z_coeff * z, (aux, z)
 
     (_, (aux, z)), grad = jax.value_and_grad(total, has_aux=True)(jnp.asarray(w_DE))
@@ -423,16 +423,16 @@ def _our_run(initial, per_token: bool, aux_coeff: float, batches) -> list[dict]:
     return records
 
 
-@pytest.mark.parametrize("per_token,aux_coeff", [(False, 1e-2), (True, 0.0)], ids=["default-loss", "per-token-loss"])
+@pytest.mark.parametrize("per_token,aux_coeff", [(False, 1e-2), (True, 1e-2)], ids=["default-loss", "per-token-loss"])
 def test_optimizer_steps_equal_megatron_gptmodel(per_token, aux_coeff):
     """Our trainer from Megatron's initial weights follows megatron-core's own training
     iterations: lm loss and grad norm within 1e-4 relative at every iteration.
 
     Megatron's default normalises each micro-batch by its own loss tokens (the aux loss of
-    each layer and micro-batch scaled by 1/num_microbatches: ours). Under
-    --calculate-per-token-loss megatron-core scales the aux loss by the micro-batch's router
-    tokens over the global batch's loss tokens, which ours does not (see losses.py), so that
-    case runs without it."""
+    each layer and micro-batch scaled by 1/num_microbatches). Under --calculate-per-token-loss
+    megatron-core scales the aux loss by the micro-batch's router tokens over the global batch's
+    loss tokens (ours too: ``losses.router_losses``); at more than one data-parallel rank see
+    ``test_mcore_router_dp.py``."""
     batches = _gpt_batches()
     initial, want = _megatron_run(per_token, aux_coeff, batches)
     got = _our_run(initial, per_token, aux_coeff, batches)

@@ -138,18 +138,21 @@ class MoE(nnx.Module):
 
     # ----- routing (mlir_train.model.moe.router) ------------------------------------------------
     def route(self, x_SD: jax.Array, valid_S: jax.Array, segment_ids_BT: jax.Array | None = None,
-              logits_SE: jax.Array | None = None):
+              logits_SE: jax.Array | None = None, rows: int = 1):
         """Router in float32 (Megatron and HF both softmax in fp32; we also matmul in fp32), or
         float64 with ``--moe-router-dtype fp64`` (its own gating matmul, in float64);
-        ``logits_SE``: the float32 router logits of ``x_SD``, already computed."""
+        ``logits_SE``: the float32 router logits of ``x_SD``, already computed; ``rows``: how
+        many rows the tokens are (the balancing groups are runs of rows)."""
         bias = self.expert_bias[...] if self.router_cfg.enable_expert_bias else None
+        groups = self.router_cfg.balancing_groups(rows)
         if self.router_cfg.dtype != "fp32":
             return route_in(self.router_cfg, x_SD, self.router[...], valid_S, top_k=self.top_k,
-                            norm_topk_prob=self.norm_topk_prob, expert_bias_E=bias, segment_ids_BT=segment_ids_BT)
+                            norm_topk_prob=self.norm_topk_prob, expert_bias_E=bias, segment_ids_BT=segment_ids_BT,
+                            balancing_groups=groups)
         if logits_SE is None:
             logits_SE = router_logits(x_SD, self.router[...])
         return route(logits_SE, valid_S, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, cfg=self.router_cfg,
-                     expert_bias_E=bias, segment_ids_BT=segment_ids_BT)
+                     expert_bias_E=bias, segment_ids_BT=segment_ids_BT, balancing_groups=groups)
 
     # ----- experts -------------------------------------------------------------------------
     def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
@@ -171,11 +174,10 @@ class MoE(nnx.Module):
                 return x_SD, router_logits(x_SD, self.router[...])
 
         x_SD, logits_SE = checkpointed(pre, recompute_norm)(x_BTD)
-        # Routing stays outside any manual region: XLA reduces the stats over the whole batch,
-        # so they are the single-device arrays under every layout (Megatron's aux loss is
-        # computed over the global batch too).
+        # Routing stays outside any manual region: XLA reduces the stats over each balancing
+        # group's rows, so they are the single-device arrays under every layout.
         with jax.named_scope(ROUTER_SCOPE):
-            weights_SK, experts_SK, stats = self.route(x_SD, valid_S, segment_ids_BT, logits_SE)
+            weights_SK, experts_SK, stats = self.route(x_SD, valid_S, segment_ids_BT, logits_SE, rows=b)
         weights_SK = weights_SK.astype(x_SD.dtype)
         if self.impl == "dense":
             # The reference stays plain under every layout; XLA partitions it as it likes.

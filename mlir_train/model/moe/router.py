@@ -26,19 +26,23 @@ its top ``k / group_topk`` scores, each token keeps its ``group_topk`` best grou
 its k experts among them (Megatron's ``group_limited_topk``; device-limited routing with G = EP).
 
 Load-balancing statistics, all over non-padding tokens only (segment id 0 is padding: it is
-counted nowhere, Megatron's ``padding_mask``). As Megatron's
-``compute_routing_scores_for_aux_loss``, the aux losses see the *unbiased, ungrouped* top-k
-of the normalised scores (softmax, or sigmoid divided by its sum), which is the routing itself
-in Qwen3's default configuration; ``tokens_per_expert`` is what the tokens were actually routed
-to (the load that is logged and that drives the expert bias):
+counted nowhere, Megatron's ``padding_mask``), and each formed per *balancing group*: the rows
+one data-parallel rank holds in a micro-batch (``RouterConfig.balancing_rows``, i.e.
+``--micro-batch-size``), because Megatron forms its load-balancing losses on each data-parallel
+rank from that rank's tokens. The grouping is by rows, never by mesh axis, so every layout (and
+one device) forms the same groups. As Megatron's ``compute_routing_scores_for_aux_loss``, the
+aux losses see the *unbiased, ungrouped* top-k of the normalised scores (softmax, or sigmoid
+divided by its sum), which is the routing itself in Qwen3's default configuration;
+``tokens_per_expert`` is what the tokens were actually routed to (the load that is logged and
+that drives the expert bias):
 
-* ``tokens_per_expert [E]``: routed assignments per expert;
-* ``aux_tokens_per_expert [E]``, ``probs_per_expert [E]``: the aux losses' assignments and
-  summed scores per expert;
-* ``num_tokens``, ``z_loss_sum``: token count and ``sum logsumexp(logits)^2``;
-* with ``per_sequence_stats`` (``seq_aux_loss``): ``seq_aux_sum``, the sum over the packed
+* ``tokens_per_expert [E]``: routed assignments per expert, over all groups;
+* ``aux_tokens_per_expert [G, E]``, ``probs_per_expert [G, E]``: the aux losses' assignments
+  and summed scores per expert, per group;
+* ``num_tokens [G]``, ``z_loss_sum [G]``: token count and ``sum logsumexp(logits)^2``;
+* with ``per_sequence_stats`` (``seq_aux_loss``): ``seq_aux_sum [G]``, the sum over the packed
   documents of each document's own switch loss (its counts, scores and token count), and
-  ``num_sequences``, how many documents there were. A document is a run of one segment id in
+  ``num_sequences [G]``, how many documents there were. A document is a run of one segment id in
   a row, so several packed documents in a row are several sequences, as when Megatron is fed
   them unpacked.
 
@@ -47,9 +51,10 @@ Sinkhorn balancing (``--moe-router-load-balancing-type sinkhorn``, S-BASE), as M
 ``exp(logits)`` (no gradient through the balancing), weighted by the plain scores of the chosen
 experts (sigmoid for k = 1, softmax over all experts otherwise; not renormalised, not scaled);
 in evaluation (``RouterConfig.training=False``) the top-k of those scores. The balancing runs
-over the micro-batch's non-padding tokens on all data ranks together (Megatron balances each
-rank's tokens, padding included; the same at one data rank without padding), so it does not
-depend on the layout.
+over each balancing group's tokens, padding included, as Megatron balances the tokens one
+data-parallel rank's router holds. (Under sequence or context parallelism Megatron's router on
+a rank holds only a chunk of each sequence and balances that chunk; we balance the rank's whole
+micro-batch, which keeps the result independent of the layout.)
 
 ``--moe-router-dtype fp64`` (:func:`route_in`): the gating matmul, scores, top-k, Sinkhorn and
 the statistics' sums run in float64 inside a ``jax.enable_x64`` region of the otherwise 32-bit
@@ -77,39 +82,43 @@ def router_logits(x_SD: jax.Array, w_DE: jax.Array, dtype=jnp.float32) -> jax.Ar
 
 
 def route_in(cfg: "RouterConfig", x_SD: jax.Array, w_DE: jax.Array, valid_S: jax.Array, *, top_k: int,
-             norm_topk_prob: bool, expert_bias_E: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
+             norm_topk_prob: bool, expert_bias_E: jax.Array | None = None, segment_ids_BT: jax.Array | None = None,
+             balancing_groups: int = 1):
     """Gating linear + :func:`route` in ``cfg.dtype``; returns float32 weights and statistics."""
     extras = {k: v for k, v in (("expert_bias_E", expert_bias_E), ("segment_ids_BT", segment_ids_BT)) if v is not None}
     if cfg.dtype == "fp32":
-        return route(router_logits(x_SD, w_DE), valid_S, cfg=cfg, top_k=top_k, norm_topk_prob=norm_topk_prob, **extras)
-    return _route_x64(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras)
+        return route(router_logits(x_SD, w_DE), valid_S, cfg=cfg, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                     balancing_groups=balancing_groups, **extras)
+    return _route_x64((cfg, top_k, norm_topk_prob, balancing_groups), x_SD, w_DE, valid_S, extras)
 
 
-def _x64_forward(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras):
+def _x64_forward(static, x_SD, w_DE, valid_S, extras):
+    cfg, top_k, norm_topk_prob, balancing_groups = static
     with jax.enable_x64(True):
         weights_SK, experts_SK, stats = route(router_logits(x_SD, w_DE, ROUTER_DTYPES[cfg.dtype]), valid_S, cfg=cfg,
-                                              top_k=top_k, norm_topk_prob=norm_topk_prob, **extras)
+                                              top_k=top_k, norm_topk_prob=norm_topk_prob,
+                                              balancing_groups=balancing_groups, **extras)
         return (weights_SK.astype(jnp.float32), experts_SK.astype(jnp.int32),
                 {k: v.astype(jnp.float32) for k, v in stats.items()})
 
 
 # The x64 region must hold the backward too: left to autodiff, the transpose of the float64 ops
 # is traced after the region has closed, where its constants come out 32-bit.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _route_x64(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras):
-    return _x64_forward(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _route_x64(static, x_SD, w_DE, valid_S, extras):
+    return _x64_forward(static, x_SD, w_DE, valid_S, extras)
 
 
-def _route_x64_fwd(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras):
-    return _x64_forward(cfg, top_k, norm_topk_prob, x_SD, w_DE, valid_S, extras), (x_SD, w_DE, valid_S, extras)
+def _route_x64_fwd(static, x_SD, w_DE, valid_S, extras):
+    return _x64_forward(static, x_SD, w_DE, valid_S, extras), (x_SD, w_DE, valid_S, extras)
 
 
-def _route_x64_bwd(cfg, top_k, norm_topk_prob, res, cotangents):
+def _route_x64_bwd(static, res, cotangents):
     x_SD, w_DE, valid_S, extras = res
     ct_weights, _, ct_stats = cotangents
     with jax.enable_x64(True):
         def differentiable(x, w):
-            weights_SK, _, stats = _x64_forward(cfg, top_k, norm_topk_prob, x, w, valid_S, extras)
+            weights_SK, _, stats = _x64_forward(static, x, w, valid_S, extras)
             return weights_SK, stats
 
         _, vjp = jax.vjp(differentiable, x_SD, w_DE)
@@ -121,9 +130,13 @@ _route_x64.defvjp(_route_x64_fwd, _route_x64_bwd)
 
 
 def route(logits_SE: jax.Array, valid_S: jax.Array, *, top_k: int, norm_topk_prob: bool, cfg: RouterConfig,
-          expert_bias_E: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
+          expert_bias_E: jax.Array | None = None, segment_ids_BT: jax.Array | None = None, balancing_groups: int = 1):
     """``(weights [S, K], experts [S, K] int32, stats)`` for router logits, all in the logits'
-    floating dtype (float32; float64 in :func:`route_in`'s x64 region)."""
+    floating dtype (float32; float64 in :func:`route_in`'s x64 region). The tokens are
+    ``balancing_groups`` equal consecutive runs (the data-parallel ranks' micro-batches): the balancing
+    statistics have a leading group axis and Sinkhorn balances each run on its own."""
+    if logits_SE.shape[0] % balancing_groups:
+        raise ValueError(f"{logits_SE.shape[0]} tokens do not split into {balancing_groups} balancing groups")
     e = logits_SE.shape[-1]
     dt = logits_SE.dtype
     valid = valid_S.astype(dt)
@@ -133,7 +146,7 @@ def route(logits_SE: jax.Array, valid_S: jax.Array, *, top_k: int, norm_topk_pro
         # Megatron's _sinkhorn_activation: sigmoid for top-1, softmax over all experts otherwise.
         scores_SE = jax.nn.sigmoid(logits_SE) if top_k == 1 else jax.nn.softmax(logits_SE, axis=-1)
         if cfg.training:
-            balanced_SE = jax.lax.stop_gradient(sinkhorn(logits_SE, valid_S))
+            balanced_SE = jax.lax.stop_gradient(sinkhorn(logits_SE, balancing_groups))
             _, experts_SK = select(balanced_SE)
             weights_SK = jnp.take_along_axis(scores_SE, experts_SK, axis=-1)
         else:
@@ -171,54 +184,62 @@ def route(logits_SE: jax.Array, valid_S: jax.Array, *, top_k: int, norm_topk_pro
     if cfg.topk_scaling_factor and not cfg.sinkhorn:  # Megatron's sinkhorn path does not scale
         weights_SK = weights_SK * cfg.topk_scaling_factor
 
-    counts_E = _counts(experts_SK, e, valid)
-    aux_counts_E = counts_E if aux_experts_SK is experts_SK else _counts(aux_experts_SK, e, valid)
+    in_groups = lambda x: x.reshape((balancing_groups, x.shape[0] // balancing_groups) + x.shape[1:])
+    aux_counts_GE = jnp.sum(in_groups(_assignments(aux_experts_SK, e, valid)), axis=1)
+    counts_E = (jnp.sum(aux_counts_GE, axis=0) if aux_experts_SK is experts_SK
+                else jnp.sum(_assignments(experts_SK, e, valid), axis=0))
     lse_S = jax.nn.logsumexp(logits_SE, axis=-1)
     stats = {
         "tokens_per_expert": counts_E,
-        "aux_tokens_per_expert": aux_counts_E,
-        "probs_per_expert": jnp.sum(aux_scores_SE * valid[:, None], axis=0),
-        "num_tokens": jnp.sum(valid),
-        "z_loss_sum": jnp.sum(jnp.square(lse_S) * valid),
+        "aux_tokens_per_expert": aux_counts_GE,
+        "probs_per_expert": jnp.sum(in_groups(aux_scores_SE * valid[:, None]), axis=1),
+        "num_tokens": jnp.sum(in_groups(valid), axis=1),
+        "z_loss_sum": jnp.sum(in_groups(jnp.square(lse_S) * valid), axis=1),
     }
     if cfg.per_sequence_stats:
         if segment_ids_BT is None:
             raise ValueError("seq_aux_loss needs the segment ids of the tokens")
-        stats.update(_per_sequence(aux_experts_SK, aux_scores_SE, valid, segment_ids_BT, top_k))
+        per_row = _per_sequence(aux_experts_SK, aux_scores_SE, valid, segment_ids_BT, top_k)
+        stats.update({k: jnp.sum(in_groups(v), axis=1) for k, v in per_row.items()})
     return weights_SK, experts_SK, stats
 
 
-def sinkhorn(logits_SE: jax.Array, valid_S: jax.Array, tol: float = 1e-4) -> jax.Array:
-    """Megatron's ``moe_utils.sinkhorn`` over the valid tokens: alternately rescale the rows
-    (tokens) and columns (experts) of ``exp(logits)`` towards uniform marginals until the
-    column scales move by less than ``tol`` on average; returns the balanced matrix. Padding
-    rows are zero and count in neither marginal."""
-    dt = logits_SE.dtype
-    valid = valid_S.astype(dt)
-    cost_SE = jnp.exp(logits_SE) * valid[:, None]
-    n = jnp.maximum(jnp.sum(valid), 1.0)
-    e = logits_SE.shape[-1]
+def sinkhorn(logits_SE: jax.Array, groups: int = 1, tol: float = 1e-4) -> jax.Array:
+    """Megatron's ``moe_utils.sinkhorn``, on each of ``groups`` equal consecutive runs of tokens
+    (one data-parallel rank's micro-batch each, padding included, as Megatron balances the tokens
+    a rank holds): alternately rescale the rows (tokens) and columns (experts) of
+    ``exp(logits)`` towards uniform marginals until the column scales move by less than ``tol``
+    on average; returns the balanced matrix."""
+    s, e = logits_SE.shape
+    return jax.vmap(functools.partial(_sinkhorn, tol=tol))(logits_SE.reshape(groups, s // groups, e)).reshape(s, e)
+
+
+def _sinkhorn(logits_NE: jax.Array, tol: float) -> jax.Array:
+    dt = logits_NE.dtype
+    cost_NE = jnp.exp(logits_NE)
+    n, e = cost_NE.shape
     eps = 1e-8
 
     def step(carry):
         _, d1_E, _ = carry
-        d0_S = (1.0 / n) / (jnp.sum(d1_E * cost_SE, axis=1) + eps)
-        new_d1_E = (1.0 / e) / (jnp.sum(d0_S[:, None] * cost_SE, axis=0) + eps)
-        return d0_S, new_d1_E, jnp.mean(jnp.abs(d1_E - new_d1_E))
+        d0_N = (1.0 / n) / (jnp.sum(d1_E * cost_NE, axis=1) + eps)
+        new_d1_E = (1.0 / e) / (jnp.sum(d0_N[:, None] * cost_NE, axis=0) + eps)
+        return d0_N, new_d1_E, jnp.mean(jnp.abs(d1_E - new_d1_E))
 
-    init = (jnp.ones(cost_SE.shape[:1], dt), jnp.ones((e,), dt), jnp.asarray(1e9, dt))
-    d0_S, d1_E, _ = jax.lax.while_loop(lambda c: c[2] > tol, step, init)
-    return d1_E * cost_SE * d0_S[:, None]
+    init = (jnp.ones((n,), dt), jnp.ones((e,), dt), jnp.asarray(1e9, dt))
+    d0_N, d1_E, _ = jax.lax.while_loop(lambda c: c[2] > tol, step, init)
+    return d1_E * cost_NE * d0_N[:, None]
 
 
-def _counts(experts_SK, e, valid_S):
-    return jnp.sum(jax.nn.one_hot(experts_SK, e, dtype=valid_S.dtype) * valid_S[:, None, None], axis=(0, 1))
+def _assignments(experts_SK, e, valid_S):
+    """``[S, E]``: whether each valid token's top-k sent it to each expert (0 or 1)."""
+    return jnp.sum(jax.nn.one_hot(experts_SK, e, dtype=valid_S.dtype), axis=1) * valid_S[:, None]
 
 
 def _per_sequence(experts_SK, scores_SE, valid_S, segment_ids_BT, top_k):
-    """Sum over the packed documents of each one's switch loss ``E / (k n^2) sum_e P_e c_e``,
-    and the number of documents. Segment sums per row, so the rows (split over data ranks)
-    stay independent."""
+    """Per row ``[B]``: the sum over its packed documents of each one's switch loss
+    ``E / (k n^2) sum_e P_e c_e``, and its number of documents. Segment sums per row, so the
+    rows (split over data ranks) stay independent."""
     b, t = segment_ids_BT.shape
     e = scores_SE.shape[-1]
     map_BTE = (jnp.sum(jax.nn.one_hot(experts_SK, e, dtype=valid_S.dtype), axis=1) * valid_S[:, None]).reshape(b, t, e)
@@ -234,8 +255,8 @@ def _per_sequence(experts_SK, scores_SE, valid_S, segment_ids_BT, top_k):
     is_doc_BD = (n_BD > 0) & (jnp.arange(t + 1) > 0)
     n_BD = jnp.maximum(n_BD, 1.0)
     aux_BD = e * jnp.sum(c_BDE * p_BDE, axis=-1) / (top_k * n_BD * n_BD)
-    return {"seq_aux_sum": jnp.sum(jnp.where(is_doc_BD, aux_BD, 0.0)),
-            "num_sequences": jnp.sum(is_doc_BD.astype(valid_S.dtype))}
+    return {"seq_aux_sum": jnp.sum(jnp.where(is_doc_BD, aux_BD, 0.0), axis=1),
+            "num_sequences": jnp.sum(is_doc_BD.astype(valid_S.dtype), axis=1)}
 
 
 def _select(scores_SE, k, groups):

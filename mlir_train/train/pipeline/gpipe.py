@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from mlir_train.config import policies
 from mlir_train.config.policies import RecomputePolicy
+from mlir_train.model import losses
 from mlir_train.train.pipeline.schedule import Schedule
 from mlir_train.train.pipeline.stage import (add_sums, aux_out, chunk_forward, merge, prepare, router_terms,
                                              stage_shard_map, zero_acc)
@@ -52,6 +53,8 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
             return {"x": model.embed_tokens(mb.pop("input_ids")).astype(dtype), **mb}
 
         empty = jax.tree.map(jnp.zeros_like, jax.eval_shape(inject, 0))
+        # --calculate-per-token-loss: the global batch's loss tokens, which weigh the router losses
+        loss_tokens = batch[losses.ROUTER_LOSS_TOKENS][0] if losses.ROUTER_LOSS_TOKENS in batch else None
 
         @jax.checkpoint
         def head_loss(x_BTD, labels_BT, mask_BT, weight_BT):
@@ -80,7 +83,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
             # global_aux_loss: this chunk's running counts over the micro-batches before item w.
             counts = [c[chunk] for c in acc["counts"]] if "counts" in acc else None
             router_objective, sums, counts = router_terms(program, stats, on, valid, balancing, top_k, m,
-                                                          counts, jnp.clip(w - chunk * m, 0, m - 1))
+                                                          counts, jnp.clip(w - chunk * m, 0, m - 1), loss_tokens)
             acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum, loss_tokens=acc["loss_tokens"] + count,
                        lm_objective=acc["lm_objective"] + objective,
                        objective=acc["objective"] + objective + router_objective)

@@ -33,6 +33,7 @@ import numpy as np
 
 from mlir_train.config import policies
 from mlir_train.config.policies import RecomputePolicy
+from mlir_train.model import losses
 from mlir_train.train.pipeline.program import to_segments
 from mlir_train.train.pipeline.schedule import Schedule
 from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_pieces, merge, prepare, router_terms,
@@ -255,7 +256,8 @@ class _OneFOneB:
             x_out, stats = run_chunk(self.setup.stack_graphs, self.setup.program, _with_weights(pieces, weights),
                                      x_in, context)
             router_objective, sums, new_counts = router_terms(self.setup.program, stats, on, jnp.bool_(True),
-                                                              self.balancing, self.top_k, self.m, counts, mb_index)
+                                                              self.balancing, self.top_k, self.m, counts, mb_index,
+                                                              mb.get(losses.ROUTER_LOSS_TOKENS))
             return (x_out, router_objective), (router_objective, sums, new_counts)
 
         (x_out, _), pullback, terms = jax.vjp(chunk_objective, weights, x_in, has_aux=True)

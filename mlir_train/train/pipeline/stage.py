@@ -42,9 +42,10 @@ def run_chunk(stack_graphs, program, pieces_r, x, context):
     return x, stats
 
 
-def router_terms(program, stats, active_r, keep, balancing, top_k, m, counts=None, micro_index=None):
+def router_terms(program, stats, active_r, keep, balancing, top_k, m, counts=None, micro_index=None,
+                 loss_tokens=None):
     """This chunk's router-loss objective (:func:`losses.router_losses`, over ``m``
-    micro-batches), its per-slot sums for the logs and, under ``global_aux_loss``, the running
+    micro-batches; ``loss_tokens`` under ``--calculate-per-token-loss``), its per-slot sums for the logs and, under ``global_aux_loss``, the running
     expert counts (``counts``: one ``[S, E]`` per MoE segment, the sum over the micro-batches
     before ``micro_index``). MoE segments only, in program order. The stats of padding slots
     and of items not ``keep`` are zeroed first, which makes every router term (and its
@@ -55,8 +56,8 @@ def router_terms(program, stats, active_r, keep, balancing, top_k, m, counts=Non
         k_S = keep & on
         st = jax.tree.map(lambda x: jnp.where(k_S.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x)), st)
         obj, per_layer, c = losses.router_losses(st, balancing, top_k, None if counts is None else counts[i],
-                                                 micro_index)
-        objective = objective + obj / m
+                                                 micro_index, num_micro_batches=m, loss_tokens=loss_tokens)
+        objective = objective + obj
         sums.append(dict(layers=per_layer, tokens_per_expert=st["tokens_per_expert"],
                          dropped_tokens=jnp.sum(st["dropped_tokens"]),
                          ep_overflow_rows=jnp.sum(st["ep_overflow_rows"])))
