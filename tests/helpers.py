@@ -161,7 +161,8 @@ def train_one_step(cfg, layout: Layout | None, model_kwargs: dict | None = None,
     if init is not None:
         state = init(trainer, state)
     init_params = jax.device_get(state["params"])
-    batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in packed_batch(cfg.vocab_size).items()}
+    # As the loader does: under context parallelism the rows go in Megatron's load-balanced order.
+    batch = trainer.shard_batch(packed_batch(cfg.vocab_size))
     compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)
     state, metrics = compiled(state, batch)
     return StepResult(
