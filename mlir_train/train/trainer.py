@@ -418,11 +418,10 @@ class Trainer:
         (objective, aux), grads = pipeline.pipeline_value_and_grad(
             self.graphdef, self._to_compute(params, base), batch, schedule=self.schedule,
             scale=scale, top_k=self.model_cfg.top_k, remat=self.model_kwargs.get("remat", "none"),
-            balancing=sc.load_balancing(),
+            balancing=sc.load_balancing(), trainable=None if self.lora is None else self.trainable,
         )
-        # 1F1B forms the gradients of every weight it is given; under LoRA only the adapters'
-        # are kept (the frozen base's are unused, and XLA removes what nothing reads).
-        grads = _select(grads, self.trainable)
+        # Under LoRA 1F1B differentiates the adapters alone (the frozen base is closed over: no
+        # weight-gradient matmuls, no accumulators for it); the gradients are the adapters'.
         # The transpose of _to_compute (cast, compute-layout constraint), kept in float32.
         grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, s), grads, self.compute_shardings)
         return (objective, aux), grads

@@ -172,28 +172,74 @@ PASSES_CFG = get_model_config("qwen3-tiny", vocab_size=64, num_layers=4, hidden_
                               head_dim=64, intermediate_size=512)
 
 
-def _compiled_matmul_flops(pp: int, recompute: str, virtual: int | None = None, micro: int = 4) -> float:
-    """Per-device matmul FLOPs of the compiled train step (the planner's HLO reader), per
-    micro-batch-chunk of useful work: a pipelined step's tick loop also computes its idle ticks,
-    so its count is scaled by ``M*R / ticks`` and by the P stages."""
+def _passes_step(pp: int, recompute: str, virtual: int | None = None, micro: int = 4, *, lora=None,
+                 schedule: str = "1f1b"):
+    """The trainer of :data:`PASSES_CFG` on PP ``pp`` (``lora``: a LoRAPolicy) and the abstract
+    arguments of its train step."""
     from mlir_train.config.policies import RecomputePolicy
-    from mlir_train.planner.hlo import analyze
 
     parallel = Layout(pipeline=pp, num_devices=pp)
-    trainer = build_trainer(PASSES_CFG, StepConfig(num_micro_batches=micro, layers_per_virtual_stage=virtual),
+    kwargs = dict(remat=RecomputePolicy.of(recompute), **({"lora": lora} if lora is not None else {}))
+    trainer = build_trainer(PASSES_CFG, StepConfig(num_micro_batches=micro, layers_per_virtual_stage=virtual,
+                                                   pipeline_schedule=schedule),
                             make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel,
-                            make_mesh(parallel, devices=jax.devices()[:pp]),
-                            model_kwargs=dict(remat=RecomputePolicy.of(recompute)))
+                            make_mesh(parallel, devices=jax.devices()[:pp]), model_kwargs=kwargs)
     batch = {k: jax.ShapeDtypeStruct((micro, 2, 64), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding)
              for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
-    compiled = trainer.lower_train_step(trainer.abstract_state(), batch).compile(COMPILER_OPTIONS)
-    flops = analyze(compiled.as_text()).matmul_flops
+    return trainer, (trainer.abstract_state(), batch)
+
+
+def _per_useful_tick(flops: float, trainer, pp: int, micro: int) -> float:
+    """A pipelined step's tick loop also computes its idle ticks: its per-device count is
+    scaled by ``M*R / ticks`` and by the P stages."""
     if pp == 1:
         return flops
     r = trainer.schedule.virtual
     ticks = micro * r + r * pp + pp - 2  # the schedule table's tick count
     return flops * pp * micro * r / ticks
+
+
+def _compiled_matmul_flops(pp: int, recompute: str, virtual: int | None = None, micro: int = 4, *,
+                           lora=None, schedule: str = "1f1b", temp: bool = False):
+    """Per-device matmul FLOPs of the compiled train step (the planner's HLO reader), per
+    micro-batch-chunk of useful work (:func:`_per_useful_tick`); with ``temp``, also its
+    per-device temp bytes."""
+    from mlir_train.planner.hlo import analyze
+
+    trainer, args = _passes_step(pp, recompute, virtual, micro, lora=lora, schedule=schedule)
+    compiled = trainer.lower_train_step(*args).compile(COMPILER_OPTIONS)
+    flops = _per_useful_tick(analyze(compiled.as_text()).matmul_flops, trainer, pp, micro)
+    return (flops, compiled.memory_analysis().temp_size_in_bytes) if temp else flops
+
+
+def _jaxpr_matmul_flops(jaxpr) -> float:
+    """Matmul FLOPs of a jaxpr as traced, before XLA removes anything: every ``dot_general``,
+    nested jaxprs counted (a scan's body ``length`` times; a shard_map's body per device)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2.0 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contracting])
+        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                if hasattr(sub, "eqns"):
+                    total += times * _jaxpr_matmul_flops(sub)
+    return total
+
+
+def _traced_matmul_flops(pp: int, micro: int = 4, *, lora=None) -> float:
+    """:func:`_compiled_matmul_flops` of the traced train step (what the step asks XLA to
+    compute, before its dead-code elimination)."""
+    from mlir_train.runtime.platform_setup import compile_target
+
+    trainer, args = _passes_step(pp, "none", None, micro, lora=lora)
+    with jax.set_mesh(trainer.mesh), use_rules(trainer.rules), compile_target(trainer.mesh):
+        traced = trainer._jitted_train_step().trace(*args)
+    return _per_useful_tick(_jaxpr_matmul_flops(traced.jaxpr.jaxpr), trainer, pp, micro)
 
 
 @pytest.mark.parametrize("virtual", [None, pytest.param(1, marks=pytest.mark.slow)], ids=["plain", "interleaved"])
@@ -211,6 +257,29 @@ def test_1f1b_does_megatrons_passes(virtual):
         full = _compiled_matmul_flops(2, "full")
         assert abs(full / one["full"] - 1) < 0.03, full / one["full"]
         assert one["full"] / one["none"] > 1.15  # the control: full recompute does add a forward here
+
+
+def test_1f1b_lora_differentiates_the_adapters_alone():
+    """Under LoRA the 1F1B step differentiates the adapters only (the frozen base closed over):
+    its matmul FLOPs are the one-device LoRA step's (forward, input gradient, the adapters' small
+    weight gradients), not the full fine-tune's (the base's weight gradients too), and its temp
+    memory holds no float32 accumulators of the base. Measured 2026-12-02 (XLA:CPU, PP2, M=4),
+    against the one-device LoRA step: compiled 1.007 (full fine-tune PP2: 1.375), temp 25.2 MB
+    (26.5 before, full fine-tune 30.6); traced 1.010 (1.428 before: XLA:CPU had removed the
+    unused base gradients, so only the traced count tells the two apart)."""
+    from mlir_train.config.policies import LoRAPolicy
+
+    lora = LoRAPolicy(dim=4, alpha=8)
+    one = _compiled_matmul_flops(1, "none", lora=lora)
+    full, full_temp = _compiled_matmul_flops(2, "none", temp=True)
+    pp, pp_temp = _compiled_matmul_flops(2, "none", lora=lora, temp=True)
+    assert abs(pp / one - 1) < 0.03, (pp, one, full)
+    assert full / one > 1.2, (full, one)  # the control: the base's weight gradients are a third more
+    assert pp_temp < full_temp, (pp_temp, full_temp)
+    # What the step asks for, before XLA's dead-code elimination (XLA:CPU removed the base's
+    # unused weight gradients before 2026-12-02 too; the GPU planner's count did not).
+    traced_one, traced_pp = _traced_matmul_flops(1, lora=lora), _traced_matmul_flops(2, lora=lora)
+    assert abs(traced_pp / traced_one - 1) < 0.03, (traced_pp, traced_one)
 
 
 def _sft_args(tmp_path, *extra):

@@ -18,7 +18,9 @@ the saved pullback (so the step does Megatron's 3 passes, 4 with full recompute,
 only recompute is the checkpointed layers' own), adds the weight gradients to float32
 accumulators in the scan carry and sends the input cotangent back with a second
 ``ppermute``. The step takes these gradients directly (``Trainer._pipeline_value_and_grad``),
-not autodiff through the scan.
+not autodiff through the scan. Under LoRA (``trainable``) every ``jax.vjp`` is taken with respect
+to the adapters alone, the frozen base closed over: no base weight gradients, no accumulators for
+them, and the base, like the adapters, never copied into the residual slots.
 """
 
 from __future__ import annotations
@@ -36,18 +38,22 @@ from mlir_train.config.policies import RecomputePolicy
 from mlir_train.model import losses
 from mlir_train.train.pipeline.program import to_segments
 from mlir_train.train.pipeline.schedule import Schedule
-from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_pieces, merge, prepare, router_terms,
-                                             run_chunk, stage_shard_map, zero_acc)
+from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_pieces, join, merge, prepare, prune,
+                                             router_terms, run_chunk, split, stage_shard_map, trainable_mask, zero_acc)
 
 SCALARS = ("objective", "ce_sum", "loss_tokens", "lm_objective")
 
 
 def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
-                            scale, top_k: int, remat: RecomputePolicy | str, balancing: policies.LoadBalancing):
+                            scale, top_k: int, remat: RecomputePolicy | str, balancing: policies.LoadBalancing,
+                            trainable: Any = None):
     """``((objective * scale, aux), d(objective * scale)/d params)`` by the 1F1B schedule
     (interleaved when ``schedule.virtual > 1``): the arguments and the first two results are
     :func:`mlir_train.train.pipeline.gpipe.pipeline_loss`'s; the gradients are float32, shaped
-    like ``params``.
+    like ``params``, or under ``trainable`` (a nested dict whose keys are the trainable part of
+    ``params``, e.g. LoRA's adapters; None: all of it) like that part alone. The frozen weights
+    are closed over, not differentiated: no weight-gradient matmuls, no accumulators for them,
+    and (like the trainable ones) no copies of them among the residuals.
 
     One ``lax.scan`` over ticks. At tick ``t`` stage ``s`` runs the forward of item
     ``w = t - s`` and the backward of item ``u = t - (R*P - 1) - (P - 1 - s)``: an item is one
@@ -59,13 +65,19 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     weight gradients in float32 and sends the input cotangent back with one ``ppermute``.
     """
     stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
+    mask = trainable_mask(params, trainable)
+    stack_masks = [mask["layers"][k] for k in range(len(setup.stack_kinds))]
+    seg_masks = [next(m for m, (_, _, moe) in zip(stack_masks, setup.stack_kinds) if moe == seg.is_moe)
+                 for seg in setup.program]
     run = _OneFOneB(graphdef, setup, stage_axes, balancing, top_k, remat,
-                    m=batch["input_ids"].shape[0], p=schedule.stages, r=schedule.virtual)
+                    m=batch["input_ids"].shape[0], p=schedule.stages, r=schedule.virtual,
+                    seg_masks=seg_masks, rest_mask={k: v for k, v in mask.items() if k != "layers"})
     g_segs, g_rest, acc = stage_shard_map(run.body, segs, active, rest, batch, scale, ("layers",))
     aux = aux_out(acc, setup.program, run.m, setup.num_moe)
     # The objective is the sum of the terms the forward ticks differentiated (weighted CE + router losses).
     objective = jnp.sum(acc["objective"])
-    return (objective * scale, aux), _param_grads(params, stacks, g_segs, g_rest, setup, schedule)
+    stacks = [split(s, m)[0] for s, m in zip(stacks, stack_masks)]
+    return (objective * scale, aux), prune(_param_grads(params, stacks, g_segs, g_rest, setup, schedule))
 
 
 def _param_grads(params, stacks, g_segs, g_rest, setup: StageSetup, schedule: Schedule):
@@ -110,6 +122,13 @@ class _OneFOneB:
     m: int  # micro-batches
     p: int  # stages
     r: int  # chunks per stage
+    seg_masks: list  # per segment: its layer tree, True where trainable
+    rest_mask: dict  # the non-layer weights, True where trainable
+
+    def split_pieces(self, weights_r):
+        """Piece weights (:func:`_piece_weights`) -> (trainable, frozen), None in each other's place."""
+        parts = [[split(w, m) for w in ws] for ws, m in zip(weights_r, self.seg_masks)]
+        return [[t for t, _ in ps] for ps in parts], [[f for _, f in ps] for ps in parts]
 
     @property
     def delay(self) -> int:
@@ -172,7 +191,9 @@ class _OneFOneB:
         # The residuals one item keeps (their shapes: one abstract trace of a forward).
         kept = jax.eval_shape(lambda x: self.forward_vjp(local, 0, x, acc)[1].kept, zeros_x)
         saved = [jnp.zeros((self.slots,) + k.shape, k.dtype) for k in kept]
-        carry = (zeros_x, zeros_x, saved, (f32_zeros(segs_RS), f32_zeros(rest)), acc)
+        trained = lambda trees, masks: [split(t, m)[0] for t, m in zip(trees, masks)]
+        carry = (zeros_x, zeros_x, saved, (f32_zeros(trained(segs_RS, self.seg_masks)),
+                                           f32_zeros(split(rest, self.rest_mask)[0])), acc)
         tick = functools.partial(self.tick, local, scale)
         (_, _, _, (g_segs, g_rest), acc), _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
         return jax.tree.map(lambda x: x[None], (g_segs, g_rest, acc))
@@ -215,9 +236,13 @@ class _OneFOneB:
         saved = [jax.lax.dynamic_update_index_in_dim(buf, k, jnp.clip(w, 0, None) % self.slots, 0)
                  for buf, k in zip(saved, fresh_kept)]
         on_b = [_at(a, chunk_b) for a in local.active_RS]
-        weights_b, split_pullback = jax.vjp(
-            lambda states: _piece_weights(chunk_pieces(self.setup.program, states, on_b, self.remat)),
-            [_at(s, chunk_b) for s in segs_b])
+        states_b = [split(_at(s, chunk_b), m) for s, m in zip(segs_b, self.seg_masks)]
+        pieces_of = lambda states: _piece_weights(chunk_pieces(self.setup.program, states, on_b, self.remat))
+        frozen_b = self.split_pieces(pieces_of([join(t, f) for t, f in states_b]))[1]
+        trained_b, split_pullback = jax.vjp(
+            lambda trained: self.split_pieces(pieces_of([join(t, f) for t, (_, f) in zip(trained, states_b)]))[0],
+            [t for t, _ in states_b])
+        weights_b = [[join(t, f) for t, f in zip(ts, fs)] for ts, fs in zip(trained_b, frozen_b)]
         context_b = merge(self.graphdef, self.setup, rest_b).layer_context(batch_b["segment_ids"], batch_b["positions"])
         pullback = fresh.rebuild(kept_b, weights_b, context_b)
         ct_x = jnp.where(last_b, ct_head.astype(cotangent.dtype), cotangent)
@@ -246,13 +271,17 @@ class _OneFOneB:
         # backward takes again from its own item's weights instead of keeping a copy per slot.
         pieces = chunk_pieces(self.setup.program, [_at(s, chunk) for s in local.segs_RS], on, self.remat)
         weights = _piece_weights(pieces)
+        # Differentiated by the trainable weights only; the frozen ones are closed over (their
+        # weight gradients are never formed) and recognised among the residuals all the same.
+        trained, frozen = self.split_pieces(weights)
         context = local.model.layer_context(mb["segment_ids"], mb["positions"])
         # global_aux_loss: the chunk's running counts over the micro-batches before this one
         # (a chunk's forward items come in micro-batch order).
         counts = [c[chunk] for c in acc["counts"]] if "counts" in acc else None
 
-        def chunk_objective(weights, x_in):
+        def chunk_objective(trained, x_in):
             """The chunk's output and router objective (/M, as without the pipeline)."""
+            weights = [[join(t, f) for t, f in zip(ts, fs)] for ts, fs in zip(trained, frozen)]
             x_out, stats = run_chunk(self.setup.stack_graphs, self.setup.program, _with_weights(pieces, weights),
                                      x_in, context)
             router_objective, sums, new_counts = router_terms(self.setup.program, stats, on, jnp.bool_(True),
@@ -260,20 +289,22 @@ class _OneFOneB:
                                                               mb.get(losses.ROUTER_LOSS_TOKENS))
             return (x_out, router_objective), (router_objective, sums, new_counts)
 
-        (x_out, _), pullback, terms = jax.vjp(chunk_objective, weights, x_in, has_aux=True)
+        (x_out, _), pullback, terms = jax.vjp(chunk_objective, trained, x_in, has_aux=True)
         return x_out, _Residuals.of(pullback, weights, context), terms
 
     def head_vjp(self, rest, x_out, mb, last):
         """Final norm, LM head and weighted CE of the chunk's output, counted only where ``last``:
         ``((objective, CE sum, loss tokens), pullback of the objective)``."""
-        def head(rest, x):
-            model = merge(self.graphdef, self.setup, rest)
+        trained, frozen = split(rest, self.rest_mask)
+
+        def head(trained, x):
+            model = merge(self.graphdef, self.setup, join(trained, frozen))
             objective, ce_sum, count = model.weighted_loss_sums(
                 model.final_norm(x), mb["labels"], mb["loss_mask"] * last.astype(mb["loss_mask"].dtype),
                 mb["loss_weight"] * last.astype(mb["loss_weight"].dtype))
             return objective, (ce_sum, count)
 
-        objective, pullback, (ce_sum, count) = jax.vjp(head, rest, x_out, has_aux=True)
+        objective, pullback, (ce_sum, count) = jax.vjp(head, trained, x_out, has_aux=True)
         return (objective, ce_sum, count), pullback
 
 
@@ -331,6 +362,8 @@ def _add_grads(grads, chunk, mb, g_states, g_embedded):
               for acc_s, g_s in zip(grads[0], g_states)]
     # The lookup's gradient goes straight into the accumulator's rows (a scatter-add of
     # B*T rows), not through a zero [V, D] buffer per tick as the lookup's transpose would.
+    if grads[1].get("embed") is None:  # a frozen embedding
+        return (g_segs, grads[1])
     g_embed = grads[1]["embed"].at[mb["input_ids"]].add(g_embedded.astype(jnp.float32))
     return (g_segs, dict(grads[1], embed=g_embed))
 
