@@ -360,20 +360,30 @@ class Trainer:
     def _to_compute(self, params: Any, base: Any = None) -> Any:
         """The model's weights in the compute dtype and layout: ``params`` cast (and under LoRA
         merged with the frozen ``base``, already in the compute dtype)."""
+        return self._with_base(self._cast(params), base)
+
+    def _cast(self, params: Any) -> Any:
+        """The trained ``params`` in the compute dtype and layout (gathered over the data ranks
+        when the master copy is ZeRO-1 or FSDP-sharded)."""
         dtype = DTYPES[self.step_cfg.compute_dtype]
         # The expert bias stays float32 (Megatron keeps it so too): it only compares scores.
-        out = jax.tree_util.tree_map_with_path(
+        return jax.tree_util.tree_map_with_path(
             lambda path, p, s: jax.lax.with_sharding_constraint(p if _is_expert_bias(path) else p.astype(dtype), s),
             params, self.compute_shardings,
         )
-        if self.lora is None:
-            return out
-        base = jax.tree.map(jax.lax.with_sharding_constraint, base, self.base_compute_shardings)
-        return _merge(base, out)
 
-    def _micro_loss(self, params, mb, scale, global_counts=None, micro_index=None, base=None):
+    def _with_base(self, cast: Any, base: Any) -> Any:
+        """The model's weights: the ``cast`` trained ones, under LoRA merged with the frozen ``base``."""
+        if self.lora is None:
+            return cast
+        base = jax.tree.map(jax.lax.with_sharding_constraint, base, self.base_compute_shardings)
+        return _merge(base, cast)
+
+    def _micro_loss(self, params, mb, scale, global_counts=None, micro_index=None, base=None, cast=True):
+        """One micro-batch's scaled objective and its aux; ``params`` are the float32 master
+        weights, or with ``cast=False`` the trained weights already in the compute dtype and layout."""
         cfg, sc = self.model_cfg, self.step_cfg
-        model = nnx.merge(self.graphdef, self._to_compute(params, base))
+        model = nnx.merge(self.graphdef, self._to_compute(params, base) if cast else self._with_base(params, base))
         h, stats = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
         objective, ce_sum, count = model.weighted_loss_sums(h, mb["labels"], mb["loss_mask"], mb["loss_weight"])
         aux = {"ce_sum": ce_sum, "loss_tokens": count, "lm_objective": objective}
@@ -437,11 +447,20 @@ class Trainer:
         if sc.per_token_loss and self.model_cfg.is_moe:  # the router losses weigh by it (losses.router_losses)
             batch[losses.ROUTER_LOSS_TOKENS] = jnp.broadcast_to(n_loss_tokens, batch["loss_mask"].shape[:1])
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+        # The compute-dtype weights are formed once per step, before the accumulation loop, as
+        # Megatron's distributed optimizer keeps its bf16 weights whole over the data ranks during
+        # the step: under ZeRO-1 one all-gather per step, not one per micro-batch (the gradient
+        # w.r.t. the cast weights is the master's: the cast's transpose is a cast back to float32).
+        # Under FSDP the gather stays per use (inside the loop): not holding whole weights is its point.
+        hoist = not self.parallel.fsdp
+        weights = self._cast(params) if hoist else params
 
         def micro(carry, xs):
             acc, counts = carry  # counts: global_aux_loss's running expert counts, or None
             mb, i = xs
-            (_, aux), g = grad_fn(params, mb, scale, counts, i, base)
+            (_, aux), g = grad_fn(weights, mb, scale, counts, i, base, not hoist)
+            if hoist:  # reduced over the data ranks into the accumulator's (master) layout
+                g = jax.tree.map(jax.lax.with_sharding_constraint, g, self.master_shardings)
             acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
             return (acc, aux.pop("global_counts", None)), aux
 
