@@ -30,8 +30,8 @@ is kept as the user wrote it, and reported as kept):
   (JAX's "GPU performance tips", NVIDIA JAX-Toolbox's "GPU performance" page, MaxText's GPU
   configs): the latency-hiding scheduler (collectives overlap compute instead of running in
   program order), collective combining up to 128 MiB per op (fewer, larger NCCL calls), the
-  pipelined all-gather / reduce-scatter / all-reduce of scanned layers (layer i+1's weights
-  gather during layer i), up to 4 collectives in flight at once (the scheduler's default is
+  pipelined reduce-scatter / all-reduce of scanned layers, but not the pipelined all-gather (it
+  duplicated the forward of the gradient-accumulation loop's micro-batch), up to 4 collectives in flight at once (the scheduler's default is
   one), a high-priority stream for collectives, and the BFC pool at 95 % of
   device memory (JAX's default is 75 %; the planner's usable fraction is the same 95 %).
 * Compile-only (the planner): CPU, plus the GPU flags (so the deviceless XLA:GPU compile is the
@@ -54,7 +54,13 @@ GPU_XLA_FLAGS: dict[str, str] = {
     "xla_gpu_all_reduce_combine_threshold_bytes": str(128 * 2**20),
     "xla_gpu_all_gather_combine_threshold_bytes": str(128 * 2**20),
     "xla_gpu_reduce_scatter_combine_threshold_bytes": str(128 * 2**20),
-    "xla_gpu_enable_pipelined_all_gather": "true",
+    # Off: XLA's collective pipeliner, moving the distributed optimizer's per-micro-batch
+    # parameter all-gathers into the previous iteration of the accumulation loop, cloned the
+    # micro-batch's whole forward layer scan (optimized HLO: two forward while loops per backward
+    # one), so the step ran 4 passes where Megatron runs 3: TP4 EP8 compiled 1.53x Megatron's
+    # executed FLOPs and 6.77x its EP all-to-all bytes, 1.15x and 4.75x without it, and 108.7 ->
+    # 93.1 GiB (benchmarks/README.md, communication audit; tests/planner/test_gpu_plan.py).
+    "xla_gpu_enable_pipelined_all_gather": "false",
     "xla_gpu_enable_pipelined_reduce_scatter": "true",
     "xla_gpu_enable_pipelined_all_reduce": "true",
     # Up to 4 async collectives in flight at once (XLA's default: 1): the latency-hiding
