@@ -97,6 +97,10 @@ def main(argv=None) -> int:
         if r.error:
             continue
         plans.append((name, r))
+        if r.collective_traffic_bound:
+            bound = sum(r.collective_traffic_bound.get(k, {}).get("bytes", 0) for k in ("all-to-all", "ragged-all-to-all"))
+            print(f"  (collectives at a balanced routing: the EP overflow rounds' no-overflow branch; with every "
+                  f"overflow round taken the all-to-all traffic is {gib(bound)})")
         for row in r.comm_comparison:
             ratio = row["ratio"]
             mark = "" if ratio is None or ratio <= COMM_TARGET else "  (over 1.1x: see benchmarks/README.md)"
@@ -113,8 +117,9 @@ def main(argv=None) -> int:
     print()
     for name, r in plans:
         need = r.compiled_needed_bytes / plan.GIB
-        print(f"ratio {name} flops: {r.executed_flop_ratio:.2f}x Megatron's executed FLOPs (target <= {FLOP_TARGET:.2f}: "
-              f"{'met' if r.executed_flop_ratio <= FLOP_TARGET else 'NOT met'})")
+        print(f"ratio {name} flops: {r.executed_flop_ratio:.2f}x what a device of Megatron's busiest stage executes "
+              f"(target <= {FLOP_TARGET:.2f}: {'met' if r.executed_flop_ratio <= FLOP_TARGET else 'NOT met'}; "
+              f"{r.executed_flop_ratio_average:.2f}x its average device)")
         for row in r.comm_comparison:
             if row["ratio"] is not None:
                 print(f"ratio {name} {row['kind']}: {row['ratio']:.2f}x Megatron's analytic volume "

@@ -91,6 +91,36 @@ def num_floating_point_operations(
     return float(passes * 2 * batch_size * s * (mlp + attn + logits))
 
 
+def stage_floating_point_operations(
+    cfg: ModelConfig,
+    seq_length: int,
+    batch_size: int,
+    layers: range,
+    *,
+    head: bool,
+    causal: bool = True,
+    recompute_fraction: float = 0.0,
+    shared_expert_ffn: int = 0,
+) -> float:
+    """What Megatron *executes* on one pipeline stage for one step over ``batch_size`` sequences:
+    :func:`num_floating_point_operations`'s terms for the decoder layers ``layers`` (indices into
+    the model's layers), with ``3 + recompute_fraction`` passes (full recompute reruns that share
+    of the stage's layer forwards), plus, where ``head``, the LM head's 3 passes (recompute never
+    reruns the output layer). Summed over the stages without recompute it is
+    :func:`num_floating_point_operations`."""
+    h, s = cfg.hidden_size, seq_length
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    core_attn = q * s / 2 * 2 if causal else q * s * 2
+    per_layer = 0.0
+    for i in layers:
+        ffn = 3 * cfg.moe_intermediate_size * cfg.top_k + 3 * shared_expert_ffn if cfg.layer_is_moe(i) \
+            else 3 * cfg.intermediate_size
+        per_layer += h * ffn + h * (q + 2 * kv) + core_attn + q * h
+    tokens = 2 * batch_size * s
+    return float((3 + recompute_fraction) * tokens * per_layer + (3 * tokens * h * cfg.vocab_size if head else 0.0))
+
+
 def flops_per_token(cfg: ModelConfig, seq_length: int, **kwargs) -> float:
     return num_floating_point_operations(cfg, seq_length, 1, **kwargs) / seq_length
 

@@ -304,13 +304,18 @@ def group_axes(group: tuple[int, ...], mesh_shape: dict[str, int]) -> str:
 
 
 def balanced_kernel_rows(rows: int, *, expert_ranks: int, num_experts: int, top_k: int, block: int,
-                         row_tile: int | None = None) -> float:
+                         row_tile: int | None = None, buffer_factor: float | None = None) -> float:
     """Rows a block kernel over a receive buffer of ``rows`` rows computes at an exactly balanced
-    routing. The buffer is sized for the worst case: ``ceil(EP S min(K, L) / b) b + L b`` rows for
-    ``L = E / EP`` local experts and ``S`` tokens per rank; a balanced routing brings ``S K`` rows,
-    ``S K / L`` per local expert, each rounded up to whole blocks (of ``max(b, row_tile)``)."""
+    routing. The buffer holds one round of the exchange plus a block per local expert for the
+    round-ups: ``C + L b`` rows for ``L = E / EP`` local experts, ``C`` the smaller of the worst
+    routing's ``EP S min(K, L)`` rows and ``--moe-ep-buffer-factor`` F times the ``S K`` a balanced
+    routing sends (``dispatch.exchange_capacity``; None: F >= the worst case, the buffer before
+    the factor existed), ``S`` tokens per rank. A balanced routing brings ``S K`` rows, ``S K / L``
+    per local expert, each rounded up to whole blocks (of ``max(b, row_tile)``)."""
     local = num_experts // expert_ranks
-    tokens_x_k = (rows - local * block) / (expert_ranks * min(top_k, local)) * top_k
+    worst_per_sk = expert_ranks * min(top_k, local) / top_k  # the worst routing's rows per S K
+    per_sk = worst_per_sk if buffer_factor is None else min(buffer_factor, worst_per_sk)
+    tokens_x_k = (rows - local * block) / per_sk
     tile = max(block, row_tile or block)
     per_expert = math.ceil(tokens_x_k / local / tile) * tile
     return float(min(rows, local * per_expert))

@@ -470,10 +470,13 @@ class _Reader:
     """One traversal of a parsed module (see the module's counting rules); each computation is
     tallied once (memoised) and scaled by its callers."""
 
-    def __init__(self, comps: dict[str, list[Instruction]], entry: str, branch: str, exclude_scope: str | None):
-        if branch not in ("max", "min"):
-            raise ValueError(f"branch={branch!r}: expected 'max' or 'min'")
-        self.pick = max if branch == "max" else min
+    def __init__(self, comps: dict[str, list[Instruction]], entry: str, branch: str, exclude_scope: str | None,
+                 min_scopes: tuple[str, ...] = ()):
+        if branch not in ("max", "min", "balanced"):
+            raise ValueError(f"branch={branch!r}: expected 'max', 'min' or 'balanced'")
+        if branch == "balanced" and not min_scopes:
+            raise ValueError("branch='balanced' needs min_scopes: the scopes whose conditionals count their cheapest branch")
+        self.branch, self.min_scopes = branch, tuple(min_scopes)
         self.exclude_scope = exclude_scope
         self.comps, self.entry = comps, entry
         self.types = {name: {i.name: i.result_type for i in instrs} for name, instrs in comps.items()}
@@ -482,6 +485,15 @@ class _Reader:
         self._access: dict[str, tuple] = {}  # fused computation -> what it reads of its operands
         # Instructions met in the reachable computations, each once.
         self.loops, self.unknown_loops, self.conditionals, self.uncounted_names = 0, 0, 0, []
+
+    def _pick(self, ins: Instruction):
+        """How a conditional's branch is chosen: ``max``/``min`` everywhere, or under ``balanced``
+        the cheapest branch of the conditionals traced under one of ``min_scopes`` (a dropless
+        dispatcher's overflow rounds, which a balanced routing never enters) and the costliest of
+        every other (e.g. work only one pipeline stage does: the busiest device's count)."""
+        if self.branch == "balanced":
+            return min if any(_in_scope(ins.attrs, s) for s in self.min_scopes) else max
+        return max if self.branch == "max" else min
 
     def tally(self, comp: str) -> _Tally:
         if comp not in self.memo:
@@ -597,7 +609,7 @@ class _Reader:
             tallies = [self.tally(b) for b in branches]
             self._overlap = saved
             if tallies:
-                t.add(self.pick(tallies, key=_Tally.cost), 1)
+                t.add(self._pick(ins)(tallies, key=_Tally.cost), 1)
         if op not in ("while", "conditional") and not op.endswith(("-done", "-update")):
             # A fusion's inside stays on chip: its HBM traffic is the fusion's operands and result.
             for called in _called(ins.attrs, "calls") + (_called(ins.attrs, "to_apply") if op == "call" else []):
@@ -640,18 +652,21 @@ class _Reader:
             self._overlap = saved
 
 
-def analyze(text: str, *, branch: str = "max", exclude_scope: str | None = None) -> Stats:
+def analyze(text: str, *, branch: str = "max", exclude_scope: str | None = None,
+            min_scopes: tuple[str, ...] = ()) -> Stats:
     """Collectives and matmul FLOPs per device per step of an optimized HLO module's text.
     ``branch``: which branch of each ``conditional`` counts, the costliest ("max", an upper
-    bound) or the cheapest ("min", e.g. the no-overflow path of a dropless dispatcher). Dots and
+    bound) or the cheapest ("min"), or ("balanced") the cheapest of those traced under one of
+    ``min_scopes`` (e.g. the overflow rounds of a dropless dispatcher) and the costliest of the
+    others. Dots and
     GEMMs traced under ``jax.named_scope(exclude_scope)`` (their ``op_name`` names it, forward
     and transposed) go to ``flops.excluded_flops`` instead of ``flops.dot_flops``."""
-    return _analyze(parse_module(text), branch, exclude_scope)
+    return _analyze(parse_module(text), branch, exclude_scope, min_scopes)
 
 
 def _analyze(module: tuple[dict[str, list[Instruction]], str], branch: str = "max",
-             exclude_scope: str | None = None) -> Stats:
-    reader = _Reader(*module, branch, exclude_scope)
+             exclude_scope: str | None = None, min_scopes: tuple[str, ...] = ()) -> Stats:
+    reader = _Reader(*module, branch, exclude_scope, min_scopes)
     t = reader.tally(reader.entry)
     flops = MatmulFlops(
         dot_flops=t.dot, excluded_flops=t.excluded, batched_dot_flops=t.batched,
@@ -690,6 +705,9 @@ class CompiledStep:
     peak_bytes: int | None         # the compiler's own peak, where its memory analysis has one
     stats: Stats                   # costliest branch of each conditional (an upper bound)
     stats_cheapest: Stats          # cheapest branch of each (the same as ``stats`` without conditionals)
+    # A balanced routing on the busiest device: the overflow rounds' no-overflow branch, the
+    # costliest branch of every other conditional (``branch="balanced"``).
+    stats_balanced: Stats | None = None
 
     @property
     def needed_bytes(self) -> int:
@@ -708,6 +726,11 @@ def audit_compiled(compiled) -> CompiledStep:
     peak = getattr(mem, "peak_memory_in_bytes", None)
     module = parse_module(compiled.as_text())
     stats = _analyze(module)
+    if not stats.conditionals:
+        cheapest = balanced = stats
+    else:
+        from mlir_train.model.moe.dispatch import OVERFLOW_SCOPE  # the scope of the overflow rounds' conditionals
+
+        cheapest, balanced = _analyze(module, "min"), _analyze(module, "balanced", min_scopes=(OVERFLOW_SCOPE,))
     return CompiledStep(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes),
-                        int(mem.temp_size_in_bytes), int(peak) if peak else None, stats,
-                        _analyze(module, "min") if stats.conditionals else stats)
+                        int(mem.temp_size_in_bytes), int(peak) if peak else None, stats, cheapest, balanced)

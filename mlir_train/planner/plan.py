@@ -276,6 +276,7 @@ def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, n
     Megatron's analytic volumes for the same layout, bytes by mesh axes, what the schedule
     overlaps), the matmul FLOPs at a balanced routing, and the roofline
     (:mod:`mlir_train.planner.roofline`) where the step was compiled for a GPU target."""
+    from mlir_train.model import flops as flops_lib
     from mlir_train.model.moe.gpu import BLOCK_ROWS
     from mlir_train.planner import comm, roofline
 
@@ -289,7 +290,11 @@ def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, n
         recompute_fraction=c.recompute.recomputed_fraction(per_stage),
         act_bytes=2 if trainer.step_cfg.compute_dtype in ("bf16", "bfloat16", "fp16", "float16") else 4)
     plan.megatron_volumes = [dataclasses.asdict(v) for v in volumes]
-    plan.collective_traffic = stats.traffic()
+    # What a balanced routing moves: the overflow rounds' no-overflow branch (the costliest
+    # branches, every overflow round, stay in ``collectives`` and ``collective_traffic_bound``).
+    balanced_stats = step.stats_balanced or stats
+    plan.collective_traffic = balanced_stats.traffic()
+    plan.collective_traffic_bound = stats.traffic() if stats.conditionals else None
     plan.comm_comparison = [dict(kind=k.kind, compiled_bytes=k.compiled_bytes, megatron_bytes=k.megatron_bytes,
                                  ratio=k.ratio) for k in comm.compare(plan.collective_traffic, volumes)]
     rows: dict[tuple[str, str], dict[str, int]] = {}
@@ -305,14 +310,23 @@ def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, n
     plan.overlap = stats.overlap()
     per_step = (3 + c.recompute.recomputed_fraction(per_stage)) / 3
     plan.megatron_executed_flops = plan.flops_per_step * per_step
-    kernels = stats.flops.kernels
+    # Per device, Megatron's busiest stage (its last: the LM head) executes more than the average;
+    # every device of our SPMD program runs one program, so its count is set beside that stage's.
+    stages = comm.stage_layers(model_cfg.num_layers, c.layout.pipeline)
+    by_stage = [flops_lib.stage_floating_point_operations(
+        model_cfg, cfg.data.seq_length, cfg.training.global_batch_size, layers, head=i == len(stages) - 1,
+        recompute_fraction=c.recompute.recomputed_fraction(len(layers))) for i, layers in enumerate(stages)]
+    plan.megatron_busiest_flops_stage = max(range(len(by_stage)), key=by_stage.__getitem__)
+    plan.megatron_busiest_device_flops = by_stage[plan.megatron_busiest_flops_stage] * len(stages) / plan.num_devices
+    kernels = balanced_stats.flops.kernels
     if kernels:
         balanced = sum(k.flops_for_rows(comm.balanced_kernel_rows(
             k.rows, expert_ranks=c.layout.expert, num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,
-            block=BLOCK_ROWS, row_tile=k.row_tile)) for k in kernels)
-        plan.compiled_matmul_flops_balanced = stats.matmul_flops - stats.flops.kernel_flops_bound + balanced
+            block=BLOCK_ROWS, row_tile=k.row_tile, buffer_factor=cfg.extras.moe_ep_buffer_factor)) for k in kernels)
+        plan.compiled_matmul_flops_balanced = balanced_stats.matmul_flops - balanced_stats.flops.kernel_flops_bound \
+            + balanced
     else:
-        plan.compiled_matmul_flops_balanced = stats.matmul_flops
+        plan.compiled_matmul_flops_balanced = balanced_stats.matmul_flops
     plan.hbm_bytes = stats.hbm_bytes
     kind = DEVICE_KINDS.get(target) if target else None
     if kind is not None and kind.compiles_for_gpu:

@@ -55,6 +55,9 @@ class Plan:
     collectives_by_axes: list[dict] | None = None  # kind, axes, count, bytes, overlapped, matmul_overlapped
     overlap: dict[str, dict[str, int]] | None = None  # kind -> executions (and bytes) overlapped
     megatron_executed_flops: float | None = None  # model FLOPs x (3 + recomputed share) / 3, all devices
+    megatron_busiest_device_flops: float | None = None  # what one device of Megatron's busiest stage executes
+    megatron_busiest_flops_stage: int | None = None
+    collective_traffic_bound: dict[str, dict[str, int]] | None = None  # costliest branches (every overflow round)
     compiled_matmul_flops_balanced: float | None = None  # per device, block kernels at a balanced routing
     hbm_bytes: float | None = None
     roofline: dict | None = None
@@ -93,7 +96,17 @@ class Plan:
 
     @property
     def executed_flop_ratio(self) -> float | None:
-        """Compiled matmul FLOPs at a balanced routing (all devices) / Megatron's executed FLOPs."""
+        """Compiled matmul FLOPs per device at a balanced routing / what one device of Megatron's
+        busiest pipeline stage executes (the stage that sets its step time; without a pipeline,
+        every device). Our devices all run one SPMD program, so its per-device count is the
+        busiest device's."""
+        if self.compiled_matmul_flops_balanced is None or not self.megatron_busiest_device_flops:
+            return None
+        return self.compiled_matmul_flops_balanced / self.megatron_busiest_device_flops
+
+    @property
+    def executed_flop_ratio_average(self) -> float | None:
+        """The same over Megatron's average device (all its executed FLOPs / devices)."""
         if self.compiled_matmul_flops_balanced is None or not self.megatron_executed_flops:
             return None
         return self.compiled_matmul_flops_balanced * self.num_devices / self.megatron_executed_flops
@@ -150,8 +163,10 @@ def _audit_lines(plan: Plan) -> list[str]:
     lines = []
     if plan.executed_flop_ratio is not None:
         lines.append(f"    matmul FLOPs at a balanced routing {plan.compiled_matmul_flops_balanced:.3e} per device = "
-                     f"{plan.executed_flop_ratio:.2f}x Megatron's executed FLOPs ({plan.megatron_executed_flops:.3e}: "
-                     "model FLOPs with its recompute)")
+                     f"{plan.executed_flop_ratio:.2f}x what a device of Megatron's busiest stage "
+                     f"({plan.megatron_busiest_flops_stage}) executes ({plan.megatron_busiest_device_flops:.3e}: "
+                     f"model FLOPs with its recompute), {plan.executed_flop_ratio_average:.2f}x its average device "
+                     f"({plan.megatron_executed_flops / plan.num_devices:.3e})")
     if plan.comm_comparison:
         lines.append(f"  communication per device per step: compiled vs Megatron's analytic volume "
                      f"(mlir_train.planner.comm; Megatron's busiest stage, {plan.megatron_stage}; "
@@ -160,6 +175,9 @@ def _audit_lines(plan: Plan) -> list[str]:
             ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "(Megatron: none)"
             lines.append(f"    {row['kind']:<15s} compiled {gib(row['compiled_bytes']):>11s}  Megatron "
                          f"{gib(row['megatron_bytes']):>11s}  {ratio}")
+        if plan.collective_traffic_bound:
+            lines.append("    (compiled: a balanced routing, the overflow rounds' no-overflow branch; every overflow "
+                         "round taken: " + format_collectives(plan.collective_traffic_bound) + ")")
     if plan.collectives_by_axes:
         lines.append("  compiled collectives by mesh axes (executions overlapped with compute / with matmuls):")
         for row in plan.collectives_by_axes:
@@ -240,6 +258,7 @@ def write_json(path: str | None, plans: list[Plan]) -> None:
             rows.append({"layout": dataclasses.asdict(p.candidate.layout) | {"recompute": p.candidate.recompute.name}}
                         | row | {"total_bytes": p.total_bytes, "needed_bytes": p.needed_bytes,
                                "verdict_from": p.verdict_from, "flop_ratio": p.flop_ratio, "fits": p.fits,
-                               "executed_flop_ratio": p.executed_flop_ratio})
+                               "executed_flop_ratio": p.executed_flop_ratio,
+                               "executed_flop_ratio_average": p.executed_flop_ratio_average})
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)

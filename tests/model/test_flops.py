@@ -95,3 +95,18 @@ def test_throughput_helpers():
     assert tflops_per_device(8 * 989e12 * 2.0, 2.0, 8) == pytest.approx(989.0)
     assert mfu(8 * 989e12 * 2.0 * 0.4, 2.0, 8, 989.0) == pytest.approx(0.4)
     assert mfu(1e12, 1.0, 1, None) is None
+
+
+def test_stage_flops_sum_to_the_model_and_put_the_head_on_the_last_stage():
+    from mlir_train.model.flops import stage_floating_point_operations
+    from mlir_train.planner.comm import stage_layers
+
+    for name in ("qwen3-moe-tiny", "qwen3-30b-a3b"):
+        cfg = MODELS[name]
+        stages = stage_layers(cfg.num_layers, 2)
+        parts = [stage_floating_point_operations(cfg, 64, 3, r, head=i == 1) for i, r in enumerate(stages)]
+        assert sum(parts) == pytest.approx(num_floating_point_operations(cfg, 64, 3))
+        assert parts[1] - parts[0] == pytest.approx(3 * 2 * 3 * 64 * cfg.hidden_size * cfg.vocab_size)
+        # Full recompute reruns the layers' forward, not the output layer's.
+        full = stage_floating_point_operations(cfg, 64, 3, stages[1], head=True, recompute_fraction=1.0)
+        assert full - parts[1] == pytest.approx((parts[0]) / 3)

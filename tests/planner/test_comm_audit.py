@@ -126,6 +126,15 @@ def test_compare_sums_the_compiled_kinds():
 def test_balanced_kernel_rows_and_group_axes():
     # The seed's receive buffer: EP2, 2048 tokens x top-8 per rank, 64 local experts, blocks of 64.
     assert comm.balanced_kernel_rows(36864, expert_ranks=2, num_experts=128, top_k=8, block=64) == 16384
+    # --moe-ep-buffer-factor F: the round holds F x S K rows (here F 2 = the worst case at EP2),
+    # or the worst case where that is smaller; folding (EP4, 32 local experts) and EP8 at F 2.
+    assert comm.balanced_kernel_rows(36864, expert_ranks=2, num_experts=128, top_k=8, block=64, buffer_factor=2) == 16384
+    assert comm.balanced_kernel_rows(2 * 8192 + 32 * 64, expert_ranks=4, num_experts=128, top_k=8, block=64,
+                                     buffer_factor=2) == 8192
+    assert comm.balanced_kernel_rows(2 * 4096 + 16 * 64, expert_ranks=8, num_experts=128, top_k=8, block=64,
+                                     buffer_factor=2) == 4096
+    assert comm.balanced_kernel_rows(2 * 4096 + 16 * 64, expert_ranks=8, num_experts=128, top_k=8, block=64,
+                                     buffer_factor=100) == 1024  # read as the worst-case buffer, EP x S K
     # 100 rows per expert round up to two blocks of 64.
     assert comm.balanced_kernel_rows(4 * 800 + 8 * 64, expert_ranks=4, num_experts=32, top_k=8, block=64) == 8 * 128
     mesh = {"stage": 2, "data": 1, "expert": 2, "tensor": 2}

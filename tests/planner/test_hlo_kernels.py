@@ -124,3 +124,44 @@ def test_both_views_agree_on_an_xla_cpu_compile():
     stats, flops = analyze(text), matmul_flops(text)
     assert stats.matmul_flops == flops.total_flops == flops.dot_flops == 3 * 3 * 2 * 8 * 16 * 16
     assert stats.unknown_loops == flops.unknown_trip_count_loops == 0
+
+
+def test_balanced_branch_rule_picks_by_scope_on_an_xla_cpu_compile():
+    """``branch="balanced"``: the cheapest branch of a conditional traced under one of
+    ``min_scopes`` (the EP overflow rounds a balanced routing never enters), the costliest of any
+    other (e.g. the LM head only the last pipeline stage runs)."""
+    small, big = jnp.ones((8, 8)), jnp.ones((8, 32))
+
+    def f(x, p, q):
+        with jax.named_scope("ep_overflow_rounds"):
+            y = jax.lax.cond(p, lambda: x @ small @ small, lambda: x)
+        with jax.named_scope("pipeline_head_last_stage"):
+            z = jax.lax.cond(q, lambda: (y @ big).sum(axis=1, keepdims=True) * y, lambda: y)
+        return z
+
+    text = jax.jit(f).lower(jnp.ones((4, 8)), True, False).compile().as_text()
+    two, head = 2 * (2 * 4 * 8 * 8), 2 * 4 * 8 * 32
+    assert analyze(text).flops.dot_flops == two + head
+    assert analyze(text, branch="min").flops.dot_flops == 0
+    balanced = analyze(text, branch="balanced", min_scopes=("ep_overflow_rounds",))
+    assert balanced.flops.dot_flops == head and balanced.conditionals == 2
+
+
+def test_the_overflow_rounds_conditionals_carry_the_scope_the_planner_reads():
+    """The dispatcher's overflow rounds (forward and backward) are traced under
+    ``dispatch.OVERFLOW_SCOPE``, the scope the planner passes as ``min_scopes``."""
+    import re
+
+    from mlir_train.model.moe import dispatch
+
+    def round_fn(r, args, ints):
+        (w,) = args
+        return jnp.where(jnp.arange(4)[:, None] // 2 == r, ints @ w, 0.0)
+
+    def loss(w, ints, n):
+        return dispatch.in_rounds(round_fn, (w,), ints, n, max_rounds=2).sum()
+
+    text = jax.jit(jax.grad(loss)).lower(jnp.ones((8, 8)), jnp.ones((4, 8)), jnp.int32(2)).compile().as_text()
+    names = re.findall(r"conditional\(.*op_name=\"([^\"]*)\"", text)
+    assert names and all(dispatch.OVERFLOW_SCOPE in n for n in names), names
+    assert analyze(text).conditionals >= 2

@@ -254,6 +254,12 @@ def dispatch_padded(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, ex
     return combine(y_AD, 1), jnp.stack([jnp.zeros((), jnp.float32), overflow])
 
 
+# The overflow rounds' conditionals are traced under this name: the planner's HLO reader
+# (``mlir_train.planner.hlo``, ``branch="balanced"``) counts their no-overflow branch for a
+# balanced routing, where no rank overflows its buffer.
+OVERFLOW_SCOPE = "ep_overflow_rounds"
+
+
 def in_rounds(round_fn, args, ints, n_rounds, max_rounds: int):
     """``sum over r < n_rounds of round_fn(r, args, ints)``: the exchange of a dropless
     dispatcher in rounds through one bounded buffer, ``n_rounds`` (a traced count, the same on
@@ -296,7 +302,8 @@ def _rounds_fwd(round_fn, max_rounds, args, ints, n_rounds):
     def body(r, acc):
         return jax.lax.cond(r < n_rounds, lambda: acc + round_fn(r, args, ints), lambda: acc)
 
-    y = jax.lax.cond(n_rounds > 1, lambda: jax.lax.fori_loop(1, max_rounds, body, y0), lambda: y0)
+    with jax.named_scope(OVERFLOW_SCOPE):
+        y = jax.lax.cond(n_rounds > 1, lambda: jax.lax.fori_loop(1, max_rounds, body, y0), lambda: y0)
     return y, (first_vjp, args, ints, n_rounds)
 
 
@@ -310,7 +317,8 @@ def _rounds_bwd(round_fn, max_rounds, res, ct):
             return jax.tree.map(jnp.add, acc, vjp(ct)[0])
         return jax.lax.cond(r < n_rounds, add, lambda: acc)
 
-    grads = jax.lax.cond(n_rounds > 1, lambda: jax.lax.fori_loop(1, max_rounds, body, grads), lambda: grads)
+    with jax.named_scope(OVERFLOW_SCOPE):
+        grads = jax.lax.cond(n_rounds > 1, lambda: jax.lax.fori_loop(1, max_rounds, body, grads), lambda: grads)
     return grads, None, None
 
 
