@@ -21,6 +21,20 @@ accumulators in the scan carry and sends the input cotangent back with a second
 not autodiff through the scan. Under LoRA (``trainable``) every ``jax.vjp`` is taken with respect
 to the adapters alone, the frozen base closed over: no base weight gradients, no accumulators for
 them, and the base, like the adapters, never copied into the residual slots.
+
+The ticks are three ``lax.scan`` phases over one carry (named scopes ``pipeline_warmup``,
+``pipeline_steady``, ``pipeline_cooldown``): forward items exist in ticks ``[0, M*R + P - 1)``
+and backward items in ``[R*P - 1, M*R + R*P + P - 2)``, so warm-up ``[0, R*P - 1)`` runs the
+forward half alone, the steady phase both (the forward's collectives and permute first, as in
+one tick before), cool-down ``[M*R + P - 1, ...)`` the backward half alone. Each stage then
+computes ``M*R + P - 1`` forwards and as many backwards, not ``M*R + R*P + P - 2`` of each
+(the seed, P = 2, R = 1, M = 64: 65 where it was 66); its idle halves still compute on zeros,
+masked. The zero-lifetime items (the head's) have their forward and backward in one tick, a
+steady one, so neither single-half phase needs the head or this tick's residuals. The head
+(final norm, LM head, CE, and its gradient) runs under ``lax.cond`` on the last chunk of the
+last stage (scope ``pipeline_head_last_stage``): the other stages and ticks do no head matmuls.
+Its predicate is a function of stage and tick alone, so all devices of a stage (its TP, EP and
+data groups) take the same branch and the vocabulary-parallel CE's collectives inside it match.
 """
 
 from __future__ import annotations
@@ -55,14 +69,17 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     are closed over, not differentiated: no weight-gradient matmuls, no accumulators for them,
     and (like the trainable ones) no copies of them among the residuals.
 
-    One ``lax.scan`` over ticks. At tick ``t`` stage ``s`` runs the forward of item
-    ``w = t - s`` and the backward of item ``u = t - (R*P - 1) - (P - 1 - s)``: an item is one
-    chunk of one micro-batch, taken in Megatron's order (groups of ``P`` micro-batches, chunk
-    by chunk forward and in reverse backward). The forward runs the chunk under ``jax.vjp``
-    and keeps its residuals until the item's backward (``2*R*P - 2`` slots, whatever ``M``);
-    the backward applies that pullback to the cotangent its successor sent the tick before
-    (or, on the last chunk of the last stage, the head's, from the same tick), accumulates the
-    weight gradients in float32 and sends the input cotangent back with one ``ppermute``.
+    Three ``lax.scan`` phases over ticks (warm-up: forwards only; steady: both; cool-down:
+    backwards only). At tick ``t`` stage ``s`` runs the forward of item ``w = t - s`` and the
+    backward of item ``u = t - (R*P - 1) - (P - 1 - s)``: an item is one chunk of one
+    micro-batch, taken in Megatron's order (groups of ``P`` micro-batches, chunk by chunk
+    forward and in reverse backward). The forward runs the chunk under ``jax.vjp`` and keeps
+    its residuals until the item's backward (``2*R*P - 2`` slots, whatever ``M``); the backward
+    applies that pullback to the cotangent its successor sent the tick before (or, on the last
+    chunk of the last stage, the head's, from the same tick: the head runs in a ``lax.cond``
+    there alone), accumulates the weight gradients in float32 and sends the input cotangent back
+    with one ``ppermute``. Each stage runs ``M*R + P - 1`` forward and as many backward halves
+    (seed, M = 64, P = 2: 65 each, where one loop of ``M*R + R*P + P - 2`` ticks ran 66 of both).
     """
     stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
     mask = trainable_mask(params, trainable)
