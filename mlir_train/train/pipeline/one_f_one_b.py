@@ -310,7 +310,10 @@ class _OneFOneB:
             # A function of stage and tick only: every device of a stage's TP/EP/data groups
             # takes the same branch, so the vocabulary-parallel CE's collectives inside it match.
             last_f = valid_f & (stage == self.p - 1) & (chunk_f == self.r - 1)
-            head_terms, g_rest_head, ct_head = self.head_grad(local.rest, x_out, batch_f, last_f, scale)
+            head_out = self.head_grad(local.rest, x_out, batch_f, last_f, scale)
+            # The head's collectives before the permute on every device (XLA:CPU would otherwise
+            # pick either order per device, and two devices in different rendezvous wait forever).
+            x_out, (head_terms, g_rest_head, ct_head) = jax.lax.optimization_barrier((x_out, head_out))
             grads = (grads[0], jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads[1], g_rest_head))
         acc = _add_terms(acc, chunk_f, valid_f, terms, head_terms)
         received = jax.lax.ppermute(x_out, self.stage_axes, self.permutes(backward=False))
