@@ -137,6 +137,27 @@ def test_schedule_refusals_name_the_flag():
         make_schedule(48, 2, first_stage_layers=20, layers_per_virtual_stage=2)
 
 
+@pytest.mark.parametrize("m,p,r", [(64, 2, 1), (1, 4, 1), (2, 2, 2), (4, 4, 3), (6, 3, 2), (3, 1, 1), (2, 1, 2)])
+def test_1f1b_phases_hold_every_item_and_no_idle_half(m, p, r):
+    """The 1F1B tick phases (warm-up forwards only, steady both, cool-down backwards only) hold
+    every stage's forward and backward items, so each stage computes M*R + P - 1 of each half
+    (not the M*R + R*P + P - 2 ticks of both); phases of no tick are left out (P = 1, or R = 1
+    and M < P). The seed (M = 64, P = 2): 65 forwards and backwards where one loop ran 66."""
+    from mlir_train.train.pipeline.one_f_one_b import _OneFOneB
+
+    run = _OneFOneB(None, None, None, None, 0, "none", m=m, p=p, r=r, seg_masks=[], rest_mask={})
+    phases = run.phases
+    assert [a for a, *_ in phases] == [0] + [b for _, b, *_ in phases[:-1]] and phases[-1][1] == run.num_ticks
+    forward = {t for a, b, f, _ in phases if f for t in range(a, b)}
+    backward = {t for a, b, _, bw in phases if bw for t in range(a, b)}
+    assert len(forward) == len(backward) == m * r + p - 1
+    for s in range(p):
+        assert set(range(s, m * r + s)) <= forward
+        assert set(range(r * p - 1 + p - 1 - s, r * p - 1 + p - 1 - s + m * r)) <= backward
+    if (m, p, r) == (64, 2, 1):
+        assert phases == [(0, 1, True, False), (1, 65, True, True), (65, 66, False, True)]
+
+
 def _compiled_temp_bytes(pp: int, micro: int, schedule: str) -> int:
     """Per-device temp bytes of the compiled train step (nothing runs) of a small dense model."""
     cfg = get_model_config("qwen3-tiny", vocab_size=256, num_layers=4, hidden_size=64, num_heads=2,
