@@ -13,9 +13,10 @@ per stage), and reports:
   (DP8, ``M / P`` micro-batches of one row per rank): the same useful work, every device busy
   all the time;
 * ``bubble``: ``1 - ideal / step`` measured, next to the schedule's theoretical
-  idle-tick fraction (``mlir_train.train.pipeline.schedule``): ``(P - 1) / (M * R + P - 1)`` for GPipe and
-  circular, ``(R * P + P - 2) / (M * R + R * P + P - 2)`` for (interleaved) 1F1B (whose
-  backward applies the residuals its forward kept: the same work per item as the other schedules);
+  idle fraction (``mlir_train.train.pipeline.schedule``): ``(P - 1) / (M * R + P - 1)`` for every
+  schedule (1F1B's warm-up ticks run forwards only and its cool-down ticks backwards only, so a
+  stage computes ``M * R + P - 1`` of each half, as GPipe's; its backward applies the residuals
+  its forward kept: the same work per item as the other schedules);
 * ``temp MB``: XLA's temporary buffer size per device from the ahead-of-time compile
   (``trainer.lower_train_step(abstract_state, batch_shapes).compile().memory_analysis()``),
   i.e. the activations kept for the backward plus scratch, next to the non-pipelined step's.
@@ -122,8 +123,7 @@ def main() -> None:
     time_round_robin(list(ideal.values()) + list(piped.values()), iters)
     for name, (kind, virtual) in schedules.items():
         r = r_max if virtual else 1
-        theory = {m: (r * p + p - 2) / (m * r + r * p + p - 2) if kind == "1f1b" else (p - 1) / (m * r + p - 1)
-                  for m in ms}
+        theory = {m: (p - 1) / (m * r + p - 1) for m in ms}
         bubble = {m: 1 - ideal[m]["step_s"] / piped[name, m]["step_s"] for m in ms}
         for m in ms:
             run, flat = piped[name, m], ideal[m]

@@ -8,6 +8,7 @@ every program is compiled without LLVM's optimisation passes.
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,27 @@ def test_schedule_refusals_name_the_flag():
         make_schedule(48, 2, first_stage_layers=20, layers_per_virtual_stage=2)
 
 
+@pytest.mark.parametrize("m,p,r", [(64, 2, 1), (1, 4, 1), (2, 2, 2), (4, 4, 3), (6, 3, 2), (3, 1, 1), (2, 1, 2)])
+def test_1f1b_phases_hold_every_item_and_no_idle_half(m, p, r):
+    """The 1F1B tick phases (warm-up forwards only, steady both, cool-down backwards only) hold
+    every stage's forward and backward items, so each stage computes M*R + P - 1 of each half
+    (not the M*R + R*P + P - 2 ticks of both); phases of no tick are left out (P = 1, or R = 1
+    and M < P). The seed (M = 64, P = 2): 65 forwards and backwards where one loop ran 66."""
+    from mlir_train.train.pipeline.one_f_one_b import _OneFOneB
+
+    run = _OneFOneB(None, None, None, None, 0, "none", m=m, p=p, r=r, seg_masks=[], rest_mask={})
+    phases = run.phases
+    assert [a for a, *_ in phases] == [0] + [b for _, b, *_ in phases[:-1]] and phases[-1][1] == run.num_ticks
+    forward = {t for a, b, f, _ in phases if f for t in range(a, b)}
+    backward = {t for a, b, _, bw in phases if bw for t in range(a, b)}
+    assert len(forward) == len(backward) == m * r + p - 1
+    for s in range(p):
+        assert set(range(s, m * r + s)) <= forward
+        assert set(range(r * p - 1 + p - 1 - s, r * p - 1 + p - 1 - s + m * r)) <= backward
+    if (m, p, r) == (64, 2, 1):
+        assert phases == [(0, 1, True, False), (1, 65, True, True), (65, 66, False, True)]
+
+
 def _compiled_temp_bytes(pp: int, micro: int, schedule: str) -> int:
     """Per-device temp bytes of the compiled train step (nothing runs) of a small dense model."""
     cfg = get_model_config("qwen3-tiny", vocab_size=256, num_layers=4, hidden_size=64, num_heads=2,
@@ -166,10 +188,13 @@ def test_1f1b_memory_is_bounded_by_stages_not_micro_batches(pp):
 
 
 # A dense model whose layers dominate its LM head (vocab 64), so the step's matmul FLOPs count
-# passes over the layers: the pipelined stages run the head every tick, which adds P*R of a
-# head's share where the one-device step adds 1.
+# passes over the layers. The 1F1B stages run the head in a conditional (scope
+# HEAD_SCOPE) taken on the last chunk of the last stage; the HLO reader counts its costliest
+# branch, so the head on every tick with both halves, where the one-device step runs it M times.
 PASSES_CFG = get_model_config("qwen3-tiny", vocab_size=64, num_layers=4, hidden_size=128, num_heads=2, num_kv_heads=1,
                               head_dim=64, intermediate_size=512)
+PASSES_ROWS, PASSES_SEQ = 2, 64  # per micro-batch
+HEAD_SCOPE = "pipeline_head_last_stage"
 
 
 def _passes_step(pp: int, recompute: str, virtual: int | None = None, micro: int = 4, *, lora=None,
@@ -184,20 +209,27 @@ def _passes_step(pp: int, recompute: str, virtual: int | None = None, micro: int
                                                    pipeline_schedule=schedule),
                             make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel,
                             make_mesh(parallel, devices=jax.devices()[:pp]), model_kwargs=kwargs)
-    batch = {k: jax.ShapeDtypeStruct((micro, 2, 64), jnp.float32 if k == "loss_mask" else jnp.int32,
+    batch = {k: jax.ShapeDtypeStruct((micro, PASSES_ROWS, PASSES_SEQ), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding)
              for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
     return trainer, (trainer.abstract_state(), batch)
 
 
 def _per_useful_tick(flops: float, trainer, pp: int, micro: int) -> float:
-    """A pipelined step's tick loop also computes its idle ticks: its per-device count is
-    scaled by ``M*R / ticks`` and by the P stages."""
+    """A pipelined stage also computes its idle items: ``M*R + P - 1`` forward and as many
+    backward halves under 1F1B (its warm-up, steady and cool-down phases), ``M*R + P - 1``
+    ticks each way under GPipe; its per-device count is scaled by ``M*R / (M*R + P - 1)`` and
+    by the P stages."""
     if pp == 1:
         return flops
     r = trainer.schedule.virtual
-    ticks = micro * r + r * pp + pp - 2  # the schedule table's tick count
-    return flops * pp * micro * r / ticks
+    return flops * pp * micro * r / (micro * r + pp - 1)
+
+
+def _head_flops(micro: int) -> float:
+    """The LM head's matmul FLOPs over ``micro`` micro-batches of :data:`PASSES_CFG`: its
+    forward and its two gradients."""
+    return 3 * 2 * micro * PASSES_ROWS * PASSES_SEQ * PASSES_CFG.hidden_size * PASSES_CFG.vocab_size
 
 
 def _compiled_matmul_flops(pp: int, recompute: str, virtual: int | None = None, micro: int = 4, *,
@@ -248,11 +280,35 @@ def test_1f1b_does_megatrons_passes(virtual):
     residuals the forward kept (3 passes), not a recomputed forward on top (4 passes, the design
     before 2026-12-02: ratio 1.335 here); under full recompute the backward's recompute is the
     only one (4 passes: ratio to one device with full recompute ~1, where recomputing again
-    measured 1.27). Measured 2026-12-02 (XLA:CPU HLO, PP2, 4 micro-batches): 1.008 plain, 1.023
-    interleaved (R = 2: the head on 4 chunk-ticks); full 1.006."""
+    measured 1.27). Each stage runs ``M*R + P - 1`` forward and as many backward halves (warm-up
+    forwards only, cool-down backwards only), not ``M*R + R*P + P - 2`` of each (every tick
+    both, the design before 2026-12-03), and the head only in its conditional. Measured
+    2026-12-03 (XLA:CPU HLO, PP2, 4 micro-batches, the planner's reader: costliest branches):
+    per device 2.059e9 plain (2.479e9 before), 1.869e9 interleaved (2.517e9), 2.542e9 full
+    (3.058e9); per useful item against one device 1.005 plain, 1.013 interleaved (R = 2: the
+    conditional head counted on 6 ticks for 4 micro-batches), 1.006 full; the layers alone
+    (head aside) equal one device's to the FLOP."""
+    from mlir_train.planner.hlo import analyze
+
     one = {policy: _compiled_matmul_flops(1, policy) for policy in ("none", "full")}
-    none = _compiled_matmul_flops(2, "none", virtual)
+    trainer, args = _passes_step(2, "none", virtual)
+    text = trainer.lower_train_step(*args).compile(COMPILER_OPTIONS).as_text()
+    stats = analyze(text, exclude_scope=HEAD_SCOPE)
+    none = _per_useful_tick(stats.matmul_flops, trainer, 2, 4)
+    # (the step before 2026-12-03, every tick both halves and the head: 1.21 plain, 1.36 interleaved)
     assert abs(none / one["none"] - 1) < 0.03, none / one["none"]
+    # The layers' work is exactly one device's: nothing beyond the M*R + P - 1 halves a stage runs.
+    layers = _per_useful_tick(stats.flops.total_flops, trainer, 2, 4)
+    assert abs(layers / (one["none"] - _head_flops(4)) - 1) < 1e-3, (layers, one["none"])
+    # The head is in the conditional alone: its costliest branch on each tick with both halves
+    # (the steady phase), nothing in the cheapest.
+    r = trainer.schedule.virtual
+    steady = (4 * r + 2 - 1) - (r * 2 - 1)
+    assert stats.flops.excluded_flops == pytest.approx(steady * _head_flops(1), rel=1e-6)
+    assert analyze(text, branch="min").matmul_flops == pytest.approx(stats.flops.total_flops, rel=1e-6)
+    assert re.search(rf'conditional\([^\n]*op_name="[^"]*/{HEAD_SCOPE}/', text), "the head's conditional"
+    for phase in ("pipeline_warmup", "pipeline_steady", "pipeline_cooldown"):
+        assert f"/{phase}/" in text, phase
     if virtual is None:
         full = _compiled_matmul_flops(2, "full")
         assert abs(full / one["full"] - 1) < 0.03, full / one["full"]

@@ -21,6 +21,20 @@ accumulators in the scan carry and sends the input cotangent back with a second
 not autodiff through the scan. Under LoRA (``trainable``) every ``jax.vjp`` is taken with respect
 to the adapters alone, the frozen base closed over: no base weight gradients, no accumulators for
 them, and the base, like the adapters, never copied into the residual slots.
+
+The ticks are three ``lax.scan`` phases over one carry (named scopes ``pipeline_warmup``,
+``pipeline_steady``, ``pipeline_cooldown``): forward items exist in ticks ``[0, M*R + P - 1)``
+and backward items in ``[R*P - 1, M*R + R*P + P - 2)``, so warm-up ``[0, R*P - 1)`` runs the
+forward half alone, the steady phase both (the forward's collectives and permute first, as in
+one tick before), cool-down ``[M*R + P - 1, ...)`` the backward half alone. Each stage then
+computes ``M*R + P - 1`` forwards and as many backwards, not ``M*R + R*P + P - 2`` of each
+(the seed, P = 2, R = 1, M = 64: 65 where it was 66); its idle halves still compute on zeros,
+masked. The zero-lifetime items (the head's) have their forward and backward in one tick, a
+steady one, so neither single-half phase needs the head or this tick's residuals. The head
+(final norm, LM head, CE, and its gradient) runs under ``lax.cond`` on the last chunk of the
+last stage (scope ``pipeline_head_last_stage``): the other stages and ticks do no head matmuls.
+Its predicate is a function of stage and tick alone, so all devices of a stage (its TP, EP and
+data groups) take the same branch and the vocabulary-parallel CE's collectives inside it match.
 """
 
 from __future__ import annotations
@@ -55,14 +69,17 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     are closed over, not differentiated: no weight-gradient matmuls, no accumulators for them,
     and (like the trainable ones) no copies of them among the residuals.
 
-    One ``lax.scan`` over ticks. At tick ``t`` stage ``s`` runs the forward of item
-    ``w = t - s`` and the backward of item ``u = t - (R*P - 1) - (P - 1 - s)``: an item is one
-    chunk of one micro-batch, taken in Megatron's order (groups of ``P`` micro-batches, chunk
-    by chunk forward and in reverse backward). The forward runs the chunk under ``jax.vjp``
-    and keeps its residuals until the item's backward (``2*R*P - 2`` slots, whatever ``M``);
-    the backward applies that pullback to the cotangent its successor sent the tick before
-    (or, on the last chunk of the last stage, the head's, from the same tick), accumulates the
-    weight gradients in float32 and sends the input cotangent back with one ``ppermute``.
+    Three ``lax.scan`` phases over ticks (warm-up: forwards only; steady: both; cool-down:
+    backwards only). At tick ``t`` stage ``s`` runs the forward of item ``w = t - s`` and the
+    backward of item ``u = t - (R*P - 1) - (P - 1 - s)``: an item is one chunk of one
+    micro-batch, taken in Megatron's order (groups of ``P`` micro-batches, chunk by chunk
+    forward and in reverse backward). The forward runs the chunk under ``jax.vjp`` and keeps
+    its residuals until the item's backward (``2*R*P - 2`` slots, whatever ``M``); the backward
+    applies that pullback to the cotangent its successor sent the tick before (or, on the last
+    chunk of the last stage, the head's, from the same tick: the head runs in a ``lax.cond``
+    there alone), accumulates the weight gradients in float32 and sends the input cotangent back
+    with one ``ppermute``. Each stage runs ``M*R + P - 1`` forward and as many backward halves
+    (seed, M = 64, P = 2: 65 each, where one loop of ``M*R + R*P + P - 2`` ticks ran 66 of both).
     """
     stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
     mask = trainable_mask(params, trainable)
@@ -175,9 +192,33 @@ class _OneFOneB:
         mb = group * p + within % p
         return chunk, mb, group * p * r + chunk * p + within % p
 
+    @functools.cached_property
+    def phases(self) -> list[tuple[int, int, bool, bool]]:
+        """The tick loop's phases, ``(first tick, end, forward, backward)``: which halves of a
+        tick any stage has work for. Forward items run in ticks ``[0, M*R + P - 1)`` (stage
+        ``s``: ``[s, M*R + s)``), backward items in ``[R*P - 1, num_ticks)``, so warm-up
+        ``[0, R*P - 1)`` is forwards only, cool-down ``[M*R + P - 1, num_ticks)`` backwards
+        only, and each stage statically runs ``M*R + P - 1`` of each half, not ``num_ticks``.
+        Phases of no tick are left out."""
+        f_end = self.m * self.r + self.p - 1
+        cuts = sorted({0, self.delay, f_end, self.num_ticks})
+        out = [(a, b, a < f_end, a >= self.delay) for a, b in zip(cuts, cuts[1:])]
+        out = [phase for phase in out if phase[2] or phase[3]]
+        # The head runs in the forward of a zero-lifetime item (the last chunk on the last
+        # stage), whose backward is in the same tick: such ticks must hold both halves, so a
+        # forward-only tick needs no head and a backward-only tick no fresh residuals.
+        s = self.p - 1
+        both = [t for a, b, f, bw in out if f and bw for t in range(a, b)]
+        for w in range(self.m * self.r):
+            if self.lifetimes[s, w] == 0:
+                assert w + s in both, (w, out)
+        assert sum(b - a for a, b, f, _ in out if f) == f_end, out
+        assert sum(b - a for a, b, _, bw in out if bw) == f_end, out
+        return out
+
     def body(self, segs_1RS, active_1RS, rest, batch, scale):
-        """One stage's whole step: the tick scan from zero carries; its gradient and loss
-        accumulators, with a leading stage axis of 1."""
+        """One stage's whole step: the tick scans of :attr:`phases` over one carry, from zeros;
+        its gradient and loss accumulators, with a leading stage axis of 1."""
         stage = jax.lax.axis_index(self.stage_axes)
         segs_RS = [jax.tree.map(lambda x: x[0], s) for s in segs_1RS]
         active_RS = [a[0] for a in active_1RS]
@@ -188,21 +229,75 @@ class _OneFOneB:
         zeros_x = jnp.zeros(shape.shape, shape.dtype)
         f32_zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
         acc = zero_acc(self.setup.program, self.r, self.setup, self.balancing, SCALARS)
-        # The residuals one item keeps (their shapes: one abstract trace of a forward).
-        kept = jax.eval_shape(lambda x: self.forward_vjp(local, 0, x, acc)[1].kept, zeros_x)
+        # The residuals one item keeps: their shapes, and where the pullback takes each of its
+        # leaves from (the backward-only ticks have no forward of their own to rebuild it from).
+        traced = []
+
+        def trace(t, x):
+            traced.append(self.forward_vjp(local, t, x, acc)[1])
+            return traced[-1].kept
+
+        kept = jax.eval_shape(trace, jax.ShapeDtypeStruct((), jnp.int32), zeros_x)
         saved = [jnp.zeros((self.slots,) + k.shape, k.dtype) for k in kept]
         trained = lambda trees, masks: [split(t, m)[0] for t, m in zip(trees, masks)]
         carry = (zeros_x, zeros_x, saved, (f32_zeros(trained(segs_RS, self.seg_masks)),
                                            f32_zeros(split(rest, self.rest_mask)[0])), acc)
-        tick = functools.partial(self.tick, local, scale)
-        (_, _, _, (g_segs, g_rest), acc), _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
+        for first, end, forward, backward in self.phases:
+            name = {(True, False): "pipeline_warmup", (True, True): "pipeline_steady",
+                    (False, True): "pipeline_cooldown"}[forward, backward]
+            tick = functools.partial(self.tick, local, scale, traced[0], forward, backward)
+            with jax.named_scope(name):
+                carry, _ = jax.lax.scan(tick, carry, jnp.arange(first, end))
+        _, _, _, (g_segs, g_rest), acc = carry
         return jax.tree.map(lambda x: x[None], (g_segs, g_rest, acc))
 
-    def tick(self, local: _Local, scale, carry, t):
+    def tick(self, local: _Local, scale, residuals: "_Residuals", forward: bool, backward: bool, carry, t):
+        """One tick of a phase: the forward half, the backward half, or both (the forward's
+        first). ``residuals``: the structure of a forward's pullback, for a backward-only tick."""
         received, cotangent, saved, grads, acc = carry
         stage = local.stage
-        # Forward of item w = t - s: its chunk under jax.vjp (the residuals stay for its backward),
-        # then the head's loss and its gradient at once (nonzero on the last chunk of the last stage).
+        w = t - stage
+        rest_b, segs_b = local.rest, local.segs_RS
+        if forward:
+            received, fresh, ct_head, grads, acc = self.forward_half(local, scale, received, grads, acc, t, backward)
+            assert [k.shape for k in fresh.kept] == [b.shape[1:] for b in saved], "the residuals changed between traces"
+            if not backward:
+                return (received, cotangent, self.write_slot(saved, fresh.kept, w), grads, acc), None
+            residuals = fresh
+            # One order of collectives on every device: the forward's (its TP/EP ones, then the
+            # permute) before the backward's. XLA:CPU otherwise runs independent collectives in
+            # whatever order its thread pool picks per device, and on a loaded machine devices
+            # waiting in different rendezvous time out.
+            received, saved, fresh_kept, cotangent, ct_head, rest_b, segs_b = jax.lax.optimization_barrier(
+                (received, saved, fresh.kept, cotangent, ct_head, rest_b, segs_b))
+        # Backward of item u: its residuals from its slot (read before this tick's forward refills
+        # it), or this tick's own on the last chunk of the last stage (lifetime 0: always a tick
+        # with a forward, see phases).
+        u = t - self.delay - (self.p - 1 - stage)
+        chunk_b, _, w_b = self.item(u, backward=True)
+        read = [jax.lax.dynamic_index_in_dim(buf, w_b % self.slots, keepdims=False) for buf in saved]
+        if forward:
+            last_b = (stage == self.p - 1) & (chunk_b == self.r - 1)
+            kept_b = [jnp.where(last_b, k, r) for k, r in zip(fresh_kept, read)]
+            kept_b, saved = jax.lax.optimization_barrier((kept_b, saved))  # the reads before the write
+            saved = self.write_slot(saved, fresh_kept, w)
+            ct_x = jnp.where(last_b, ct_head.astype(cotangent.dtype), cotangent)
+        else:
+            kept_b, ct_x = read, cotangent
+        cotangent, grads = self.backward_half(local, scale, residuals, rest_b, segs_b, u, kept_b, ct_x, grads)
+        return (received, cotangent, saved, grads, acc), None
+
+    def write_slot(self, saved, kept, w):
+        """The forward item ``w``'s residuals into its slot."""
+        return [jax.lax.dynamic_update_index_in_dim(buf, k, jnp.clip(w, 0, None) % self.slots, 0)
+                for buf, k in zip(saved, kept)]
+
+    def forward_half(self, local: _Local, scale, received, grads, acc, t, head: bool):
+        """Forward of item ``w = t - s``: its chunk under ``jax.vjp`` (the residuals stay for its
+        backward), the activation sent on, and with ``head`` the head's loss and gradient
+        (:meth:`head_grad`, on the last chunk of the last stage). ``(received, residuals, the
+        head's input cotangent or None, grads, acc)``."""
+        stage = local.stage
         w = t - stage
         chunk_f, mb_f, _ = self.item(w, backward=False)
         valid_f = (w >= 0) & (w < self.m * self.r)
@@ -210,31 +305,29 @@ class _OneFOneB:
         first_f = (stage == 0) & (chunk_f == 0)
         x_in = jnp.where(first_f, local.model.embed_tokens(batch_f["input_ids"]).astype(local.dtype), received)
         x_out, fresh, terms = self.forward_vjp(local, t, x_in, acc)
-        assert [k.shape for k in fresh.kept] == [b.shape[1:] for b in saved], "the residuals changed between traces"
-        last_f = valid_f & (stage == self.p - 1) & (chunk_f == self.r - 1)
-        (lm_objective, ce_sum, count), head_pullback = self.head_vjp(local.rest, x_out, batch_f, last_f)
-        g_rest_head, ct_head = head_pullback(scale)
-        grads = (grads[0], jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads[1], g_rest_head))
-        acc = _add_terms(acc, chunk_f, valid_f, terms, lm_objective, ce_sum, count)
+        ct_head, head_terms = None, None
+        if head:
+            # A function of stage and tick only: every device of a stage's TP/EP/data groups
+            # takes the same branch, so the vocabulary-parallel CE's collectives inside it match.
+            last_f = valid_f & (stage == self.p - 1) & (chunk_f == self.r - 1)
+            head_out = self.head_grad(local.rest, x_out, batch_f, last_f, scale)
+            # The head's collectives before the permute on every device (XLA:CPU would otherwise
+            # pick either order per device, and two devices in different rendezvous wait forever).
+            x_out, (head_terms, g_rest_head, ct_head) = jax.lax.optimization_barrier((x_out, head_out))
+            grads = (grads[0], jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads[1], g_rest_head))
+        acc = _add_terms(acc, chunk_f, valid_f, terms, head_terms)
         received = jax.lax.ppermute(x_out, self.stage_axes, self.permutes(backward=False))
-        # One order of collectives on every device: the forward's (its TP/EP ones, then the
-        # permute) before the backward's. XLA:CPU otherwise runs independent collectives in
-        # whatever order its thread pool picks per device, and on a loaded machine devices
-        # waiting in different rendezvous time out.
-        received, saved, fresh_kept, cotangent, ct_head, rest_b, segs_b = jax.lax.optimization_barrier(
-            (received, saved, fresh.kept, cotangent, ct_head, local.rest, local.segs_RS))
-        # Backward of item u: its residuals from its slot (read before this tick's forward refills
-        # it), or this tick's own on the last chunk of the last stage (lifetime 0).
-        u = t - self.delay - (self.p - 1 - stage)
+        return received, fresh, ct_head, grads, acc
+
+    def backward_half(self, local: _Local, scale, residuals: "_Residuals", rest_b, segs_b, u, kept_b, ct_x, grads):
+        """Backward of item ``u``: the saved pullback (``residuals`` rebuilt over ``kept_b`` and
+        the item's own weights and context) applied to ``ct_x``, the weight gradients added to
+        the accumulators and the input cotangent sent back. ``(cotangent, grads)``."""
+        stage = local.stage
         valid_b = (u >= 0) & (u < self.m * self.r)
-        chunk_b, mb_b, w_b = self.item(u, backward=True)
+        chunk_b, mb_b, _ = self.item(u, backward=True)
         batch_b = _at(local.batch, mb_b)
-        first_b, last_b = (stage == 0) & (chunk_b == 0), (stage == self.p - 1) & (chunk_b == self.r - 1)
-        kept_b = [jnp.where(last_b, k, jax.lax.dynamic_index_in_dim(buf, w_b % self.slots, keepdims=False))
-                  for k, buf in zip(fresh_kept, saved)]
-        kept_b, saved = jax.lax.optimization_barrier((kept_b, saved))  # the reads before the write
-        saved = [jax.lax.dynamic_update_index_in_dim(buf, k, jnp.clip(w, 0, None) % self.slots, 0)
-                 for buf, k in zip(saved, fresh_kept)]
+        first_b = (stage == 0) & (chunk_b == 0)
         on_b = [_at(a, chunk_b) for a in local.active_RS]
         states_b = [split(_at(s, chunk_b), m) for s, m in zip(segs_b, self.seg_masks)]
         pieces_of = lambda states: _piece_weights(chunk_pieces(self.setup.program, states, on_b, self.remat))
@@ -244,8 +337,7 @@ class _OneFOneB:
             [t for t, _ in states_b])
         weights_b = [[join(t, f) for t, f in zip(ts, fs)] for ts, fs in zip(trained_b, frozen_b)]
         context_b = merge(self.graphdef, self.setup, rest_b).layer_context(batch_b["segment_ids"], batch_b["positions"])
-        pullback = fresh.rebuild(kept_b, weights_b, context_b)
-        ct_x = jnp.where(last_b, ct_head.astype(cotangent.dtype), cotangent)
+        pullback = residuals.rebuild(kept_b, weights_b, context_b)
         g_weights, g_x = pullback((ct_x, scale))
         (g_states,) = split_pullback(g_weights)
         # An idle tick's slot may hold no item yet (zeros, where e.g. a normalisation's
@@ -257,7 +349,7 @@ class _OneFOneB:
         # first chunk's belongs to the embedding, so stage 0 sends zeros then).
         cotangent = jax.lax.ppermute(jnp.where(first_b, jnp.zeros_like(g_x), g_x), self.stage_axes,
                                      self.permutes(backward=True))
-        return (received, cotangent, saved, grads, acc), None
+        return cotangent, grads
 
     def forward_vjp(self, local: _Local, t, x_in, acc):
         """The forward of this tick's item ``w = t - s`` under ``jax.vjp``: its output, its
@@ -292,20 +384,29 @@ class _OneFOneB:
         (x_out, _), pullback, terms = jax.vjp(chunk_objective, trained, x_in, has_aux=True)
         return x_out, _Residuals.of(pullback, weights, context), terms
 
-    def head_vjp(self, rest, x_out, mb, last):
-        """Final norm, LM head and weighted CE of the chunk's output, counted only where ``last``:
-        ``((objective, CE sum, loss tokens), pullback of the objective)``."""
+    def head_grad(self, rest, x_out, mb, last, scale):
+        """Final norm, LM head and weighted CE of the chunk's output where ``last`` (the last
+        chunk on the last stage), and their gradient: ``((objective, CE sum, loss tokens), the
+        head's trainable weights' gradients, the input cotangent)``, zeros elsewhere. A
+        ``lax.cond`` (op_name scope ``pipeline_head_last_stage``), so the other stages and
+        ticks do no head matmuls, where masking its loss did them all."""
         trained, frozen = split(rest, self.rest_mask)
 
         def head(trained, x):
             model = merge(self.graphdef, self.setup, join(trained, frozen))
-            objective, ce_sum, count = model.weighted_loss_sums(
-                model.final_norm(x), mb["labels"], mb["loss_mask"] * last.astype(mb["loss_mask"].dtype),
-                mb["loss_weight"] * last.astype(mb["loss_weight"].dtype))
+            objective, ce_sum, count = model.weighted_loss_sums(model.final_norm(x), mb["labels"], mb["loss_mask"],
+                                                                mb["loss_weight"])
             return objective, (ce_sum, count)
 
-        objective, pullback, (ce_sum, count) = jax.vjp(head, trained, x_out, has_aux=True)
-        return (objective, ce_sum, count), pullback
+        def run(trained, x):
+            objective, pullback, (ce_sum, count) = jax.vjp(head, trained, x, has_aux=True)
+            g_trained, ct_x = pullback(scale)
+            return (objective, ce_sum, count), g_trained, ct_x
+
+        shapes = jax.eval_shape(run, trained, x_out)
+        skip = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        with jax.named_scope("pipeline_head_last_stage"):
+            return jax.lax.cond(last, run, skip, trained, x_out)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -368,14 +469,18 @@ def _add_grads(grads, chunk, mb, g_states, g_embedded):
     return (g_segs, dict(grads[1], embed=g_embed))
 
 
-def _add_terms(acc, chunk, valid, terms, lm_objective, ce_sum, count):
-    """The item's objective terms and router sums added to the accumulators (nothing on idle ticks;
-    the head's terms are zero but on the last chunk of the last stage)."""
+def _add_terms(acc, chunk, valid, terms, head_terms=None):
+    """The item's objective terms and router sums added to the accumulators (nothing on idle
+    ticks); ``head_terms`` (objective, CE sum, loss tokens) are zero but on the last chunk of the
+    last stage, None in the ticks that run no head."""
     router_objective, sums, counts = terms
     keep = valid.astype(jnp.float32)
-    acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum * keep, loss_tokens=acc["loss_tokens"] + count * keep,
-               lm_objective=acc["lm_objective"] + lm_objective * keep,
-               objective=acc["objective"] + (lm_objective + router_objective) * keep)
+    lm_objective = 0.0
+    if head_terms is not None:
+        lm_objective, ce_sum, count = head_terms
+        acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum * keep, loss_tokens=acc["loss_tokens"] + count * keep,
+                   lm_objective=acc["lm_objective"] + lm_objective * keep)
+    acc = dict(acc, objective=acc["objective"] + (lm_objective + router_objective) * keep)
     if sums:
         sums = jax.tree.map(lambda x: x * keep, sums)
         acc["moe"] = add_sums(acc["moe"], sums, chunk)

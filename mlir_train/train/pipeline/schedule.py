@@ -12,7 +12,8 @@ works on from that micro-batch's ids and positions.
 
 * **1F1B**, plain and interleaved (:mod:`~mlir_train.train.pipeline.one_f_one_b`): one
   forward (under ``jax.vjp``, its residuals kept) and one backward (that pullback) per tick,
-  the gradients accumulated in the scan.
+  the gradients accumulated in the scan; three scans over one carry, the warm-up ticks
+  running forwards only and the cool-down ticks backwards only.
 * **GPipe** and **circular** (:mod:`~mlir_train.train.pipeline.gpipe`): forwards only, the
   backward by autodiff through the scan. Evaluation runs this forward for every schedule.
 
@@ -20,12 +21,13 @@ The layers each chunk runs are the stage program (:mod:`~mlir_train.train.pipeli
 what every schedule does on a stage is :mod:`~mlir_train.train.pipeline.stage`.
 
 The embedding is looked up on every stage each tick and used on stage 0 (a gather of ``B*T``
-rows: no matmul; under 1F1B its gradient is scattered straight into its accumulator); final
-norm, LM head and cross-entropy run each tick on every stage and count only on the last stage
-for the final chunk (their loss mask is zeroed elsewhere). All stages execute them in
-lockstep (SPMD), which costs no wall time over doing it on the last stage alone (that stage is
-on every tick's critical path), only idle-rank FLOPs: the head adds ``2*B*T*D*V`` per tick to
-the ``P``-th of the layers' work, the imbalance Megatron has too (hence its
+rows: no matmul; under 1F1B its gradient is scattered straight into its accumulator). Under
+1F1B final norm, LM head and cross-entropy (and their gradient) run in a ``lax.cond`` taken on
+the last chunk of the last stage only. Under GPipe and circular they run each tick on every
+stage and count only there (their loss mask is zeroed elsewhere): in lockstep (SPMD) this costs
+no wall time over doing it on the last stage alone (that stage is on every tick's critical
+path), only idle-rank FLOPs, ``2*B*T*D*V`` per tick. Either way the last stage adds the head
+to its ``P``-th of the layers' work, the imbalance Megatron has too (hence its
 ``--decoder-last-pipeline-num-layers``). Router statistics are accumulated per (chunk, slot)
 over valid items and come back in layer order, so aux and z losses are the sums over all
 stages, as without the pipeline.
@@ -39,25 +41,26 @@ GPipe (R = 1)       M + P - 1 fwd, as many  (P - 1) / (M + P - 1)           M mi
                     bwd (F, then B)                                         (their saved residuals)
 circular (R)        M*R + P - 1 each way    (P - 1) / (M*R + P - 1)         the same, plus an M-slot ring
                                                                             buffer [B, T, D]
-1F1B (R = 1)        M + 2P - 2 (F + B)      (2P - 2) / (M + 2P - 2)         2P - 1 micro-batches' stage
-                                                                            residuals (2P - 2 slots + the
-                                                                            one in its backward)
-interleaved 1F1B    M*R + R*P + P - 2       (R*P + P - 2) /                 2RP - 1 chunks' residuals
-(R, M % P = 0)      (F + B of a chunk)      (M*R + R*P + P - 2)             (2RP - 2 slots + one)
+1F1B (R = 1)        M + P - 1 fwd, as many  (P - 1) / (M + P - 1)           2P - 1 micro-batches' stage
+                    bwd (P - 1 ticks F,                                     residuals (2P - 2 slots + the
+                    M ticks F + B, P - 1 B)                                 one in its backward)
+interleaved 1F1B    M*R + P - 1 each way    (P - 1) / (M*R + P - 1)         2RP - 1 chunks' residuals
+(R, M % P = 0)      (RP - 1 ticks F, then                                   (2RP - 2 slots + one)
+                    F + B, RP - 1 ticks B)
 ==================  ======================  ==============================  ===============================
 
 The 1F1B tick is lockstep: the forward and backward waves each advance one stage per tick, so
 a micro-batch's round trip takes about 2P ticks (Megatron's asynchronous ranks: P), hence the
-larger idle fraction and the ~2P items whose residuals stage 0 keeps where Megatron holds P
-micro-batches' activations (the last stage keeps none: its last chunk's backward runs in the
-forward's tick). The backward applies the pullback its item's forward saved, so a step does
-Megatron's passes: 3 without recompute, 4 with ``--recompute-granularity full`` (whose
-checkpointed layers keep only their inputs, and are recomputed once, in the backward), and
-activation memory does not grow with M. Measured by the compiled program
-(``tests/train/test_pipeline.py``: matmul FLOPs of the step against one device, temporaries
-flat in M for 1F1B, linear in M for GPipe; ``python -m mlir_train.plan`` on the seed's TP2 PP2
-EP2 layout). Bubble ticks compute on zeros and are masked out; ``benchmarks/pipeline.py``
-measures them.
+~2P items whose residuals stage 0 keeps where Megatron holds P micro-batches' activations
+(the last stage keeps none: its last chunk's backward runs in the forward's tick). The backward
+applies the pullback its item's forward saved, so a step does Megatron's passes: 3 without
+recompute, 4 with ``--recompute-granularity full`` (whose checkpointed layers keep only their
+inputs, and are recomputed once, in the backward), and activation memory does not grow with M.
+Measured by the compiled program (``tests/train/test_pipeline.py``: matmul FLOPs of the step
+against one device, temporaries flat in M for 1F1B, linear in M for GPipe; ``python -m
+mlir_train.plan`` on the seed's TP2 PP2 EP2 layout). Bubble halves compute on zeros and are
+masked out (1F1B's warm-up and cool-down ticks run one half, so a stage computes
+``M*R + P - 1`` of each, not ``M*R + R*P + P - 2``); ``benchmarks/pipeline.py`` measures them.
 """
 
 from __future__ import annotations
@@ -88,12 +91,11 @@ class Schedule:
         return 2 * self.virtual * self.stages - 1 if self.kind == "1f1b" else None
 
     def step_factor(self, num_micro: int) -> float:
-        """Step time over the no-bubble ideal of the same work: the idle ticks (the work per
-        item is Megatron's under every schedule: no extra forward)."""
+        """Step time over the no-bubble ideal of the same work: the idle halves (the work per
+        item is Megatron's under every schedule: no extra forward). 1F1B runs forwards alone in
+        its warm-up ticks and backwards alone in its cool-down: ``M*R + P - 1`` of each, as GPipe."""
         m, p, r = num_micro, self.stages, self.virtual
-        if self.kind != "1f1b":
-            return (m * r + p - 1) / (m * r)
-        return (m * r + r * p + p - 2) / (m * r)
+        return (m * r + p - 1) / (m * r)
 
     def chunk_layers(self, num_layers: int) -> list[list[list[int]]]:
         """``[stage][chunk]`` -> the decoder layers it runs, in order: Megatron's assignment
