@@ -32,8 +32,7 @@ def cross_entropy_sum(logits_BTV: jax.Array, labels_BT: jax.Array, loss_mask_BT:
 
 
 def linear_cross_entropy_sum(
-    h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array, constrain_logits=None,
-    gather_input=None,
+    h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array, constrain_logits=None
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`cross_entropy_sum` of ``h @ w`` with the LM head fused in ("fused linear
     cross-entropy").
@@ -43,18 +42,15 @@ def linear_cross_entropy_sum(
     so the backward pass only scales them: the ``[B, T, V]`` logits and probabilities are
     never kept for the backward pass and the softmax is not recomputed. Same value and
     gradients as ``cross_entropy_sum(einsum(h, w), ...)``. ``constrain_logits`` annotates the
-    logits' sharding (the model's, vocab split over the tensor axis under TP); ``gather_input``
-    the layout ``h`` is read in by the two matmuls that read it (the logits and the weight
-    gradient), so that a sequence-split ``h`` is gathered once for both, while the input
-    gradient keeps the layout the caller's ``h`` has (reduce-scattered into it, not all-reduced).
+    logits' sharding (the model's, vocab split over the tensor axis under TP).
     """
-    total, _, count = _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, loss_mask_BT, constrain_logits, gather_input)
+    total, _, count = _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, loss_mask_BT, constrain_logits)
     return total, count
 
 
 def weighted_linear_cross_entropy(
     h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array, weight_BT: jax.Array,
-    constrain_logits=None, gather_input=None,
+    constrain_logits=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(sum(ce * weight), sum(ce * loss_mask), sum(loss_mask))`` of ``h @ w`` in one fused pass.
 
@@ -62,12 +58,11 @@ def weighted_linear_cross_entropy(
     :func:`linear_cross_entropy_sum` with ``weight`` as the mask); the other two are for
     reporting ``lm loss`` and carry no gradient.
     """
-    return _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits, gather_input)
+    return _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits)
 
 
-def _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits, gather_input):
-    h_in = h_BTD if gather_input is None else gather_input(h_BTD)
-    logits = jnp.einsum("btd,dv->btv", h_in, w_DV, preferred_element_type=jnp.float32)
+def _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits):
+    logits = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
     if constrain_logits is not None:
         logits = constrain_logits(logits)
     m_BT1 = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
@@ -85,20 +80,20 @@ def _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_
     dlogits_BTV = (e_BTV / z_BT1 - is_label_BTV.astype(jnp.float32)) * weight[..., None]
     dlogits_BTV = dlogits_BTV.astype(h_BTD.dtype)
     dh_BTD = jnp.einsum("btv,dv->btd", dlogits_BTV, w_DV, preferred_element_type=jnp.float32).astype(h_BTD.dtype)
-    dw_DV = jnp.einsum("btd,btv->dv", h_in, dlogits_BTV, preferred_element_type=jnp.float32).astype(w_DV.dtype)
+    dw_DV = jnp.einsum("btd,btv->dv", h_BTD, dlogits_BTV, preferred_element_type=jnp.float32).astype(w_DV.dtype)
     return sums, (dh_BTD, dw_DV)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits, gather_input):
-    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits, gather_input)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _linear_ce(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits):
+    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits)[0]
 
 
-def _linear_ce_fwd(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits, gather_input):
-    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits, gather_input)
+def _linear_ce_fwd(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits):
+    return _linear_ce_parts(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, constrain_logits)
 
 
-def _linear_ce_bwd(constrain_logits, gather_input, grads, cotangents):
+def _linear_ce_bwd(constrain_logits, grads, cotangents):
     dh_BTD, dw_DV = grads
     g = cotangents[0]  # only the weighted sum is differentiated; the reported sums and count are not
     return (g * dh_BTD).astype(dh_BTD.dtype), (g * dw_DV).astype(dw_DV.dtype), None, None, None

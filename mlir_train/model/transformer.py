@@ -186,7 +186,7 @@ class Qwen3(nnx.Module):
         ``h``: :func:`losses.linear_cross_entropy_sum`, the same numbers as
         ``cross_entropy_sum(self.logits(h), ...)`` without keeping the logits for the backward."""
         w_DV = self.unembed_matrix().astype(h_BTD.dtype)
-        return linear_cross_entropy_sum(h_BTD, w_DV, labels_BT, loss_mask_BT, _constrain_logits, _head_input)
+        return linear_cross_entropy_sum(h_BTD, w_DV, labels_BT, loss_mask_BT, _constrain_logits)
 
     def weighted_loss_sums(self, h_BTD: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array,
                            weight_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -194,8 +194,7 @@ class Qwen3(nnx.Module):
         in one fused pass (:func:`losses.weighted_linear_cross_entropy`); only the objective
         carries gradients."""
         w_DV = self.unembed_matrix().astype(h_BTD.dtype)
-        return weighted_linear_cross_entropy(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, _constrain_logits,
-                                             _head_input)
+        return weighted_linear_cross_entropy(h_BTD, w_DV, labels_BT, loss_mask_BT, weight_BT, _constrain_logits)
 
     def layer_context(self, segment_ids_BT, positions_BT) -> tuple[jax.Array, ...]:
         """What every decoder layer needs besides ``x``: RoPE tables, packed-document causal
@@ -233,13 +232,6 @@ class Qwen3(nnx.Module):
         h_BTD, stats = self.hidden_states(input_ids_BT, segment_ids=segment_ids, positions=positions)
         logits_BTV = self.logits(h_BTD)
         return (logits_BTV, stats) if return_router_stats else logits_BTV
-
-
-def _head_input(h_BTD: jax.Array) -> jax.Array:
-    """The fused LM head's input as its two matmuls read it (logits, weight gradient): whole
-    along the sequence, gathered once under --sequence-parallel (Megatron's column-linear input
-    all-gather); left to the SPMD partitioner, each of the two matmuls gathered it."""
-    return constrain(h_BTD, ("act_batch", "act_seq", "act_embed"))
 
 
 def _constrain_logits(logits_BTV: jax.Array) -> jax.Array:
