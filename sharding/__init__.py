@@ -4,7 +4,7 @@ Imports nothing from ``mlir_train``: the model only ever names logical axes.
 """
 
 from sharding.table import sharding_rows, sharding_table
-from sharding.logical import Rules, active_rules, constrain, logical_to_spec, tree_shardings, tree_specs, use_rules
+from sharding.logical import Rules, active_rules, constrain, constrain_cotangent, logical_to_spec, tree_shardings, tree_specs, use_rules
 from sharding.manual import logical_shard_map, mesh_axes_of, varying_axes
 from sharding.mesh import kv_heads_replicated, make_mesh, validate
 from sharding.layout import ALL_MESH_AXES, DATA_AXES, MESH_AXES, Layout, LayoutError
@@ -42,6 +42,7 @@ __all__ = [
     "StateSpecs",
     "active_rules",
     "constrain",
+    "constrain_cotangent",
     "kv_heads_replicated",
     "logical_shard_map",
     "logical_to_spec",

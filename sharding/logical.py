@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -106,6 +107,36 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if len(names) != x.ndim:
         raise ValueError(f"constrain: {len(names)} logical names {tuple(names)} for an array of rank {x.ndim}")
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules, axis_names))
+
+
+def constrain_cotangent(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Identity on ``x``; in the backward, :func:`constrain` on its cotangent (``names``).
+
+    For the output of a row-parallel linear under sequence parallelism: the forward leaves its
+    partial sums to the caller's reduce-scatter, and the transpose of that reduce-scatter is an
+    all-gather of the cotangent over the sequence. Both of the linear's transposes (input and
+    weight gradient) need that gathered cotangent; left to the SPMD partitioner, each dot gets
+    its own all-gather of the same buffer (XLA does not merge them: their operands differ by
+    a reshape until layout assignment). Constraining the cotangent to the gathered layout once,
+    here, is Megatron's single all-gather of the output gradient.
+    """
+    return _constrain_cotangent(x, tuple(names))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _constrain_cotangent(x, names):
+    return x
+
+
+def _constrain_cotangent_fwd(x, names):
+    return x, None
+
+
+def _constrain_cotangent_bwd(names, _, g):
+    return (constrain(g, names),)
+
+
+_constrain_cotangent.defvjp(_constrain_cotangent_fwd, _constrain_cotangent_bwd)
 
 
 def tree_specs(logical_tree: Any, rules: Rules, mesh_axis_names: Sequence[str] | None = None) -> Any:

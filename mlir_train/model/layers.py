@@ -21,7 +21,7 @@ from mlir_train.model.attention import (
 )
 from mlir_train.model.lora import LoRA, adapted, maybe
 from mlir_train.model.recompute import checkpointed
-from sharding import constrain, mesh_axes_of
+from sharding import constrain, constrain_cotangent, mesh_axes_of
 from sharding.context import sequence_order
 
 Axes = tuple[str | None, ...]
@@ -67,6 +67,13 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
     return (x_BTNH.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x_BTNH.dtype)
 
 
+def row_parallel_out(y_BTD: jax.Array) -> jax.Array:
+    """The output of a row-parallel linear (o_proj, down_proj: partial sums over the tensor
+    ranks, which the residual add's constraint reduces), with its cotangent gathered over the
+    sequence once in the backward, for both of the linear's gradients (Megatron's one
+    all-gather of the output gradient under --sequence-parallel; without the constraint XLA
+    gathered it once per gradient)."""
+    return constrain_cotangent(y_BTD, ("act_batch", "act_seq", "act_embed"))
 
 
 class Attention(nnx.Module):
@@ -144,7 +151,7 @@ class Attention(nnx.Module):
                 q_BTNH.reshape(b, t, self.num_kv_heads, g, h), k_BTKH, v_BTKH, mask)
             o_BTNH = o_BTKGH.reshape(b, t, n, h)
         o_BTNH = constrain(o_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        return adapted(o_BTNH, jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt)), self.o_lora)
+        return row_parallel_out(adapted(o_BTNH, jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt)), self.o_lora))
 
 
 class MLP(nnx.Module):
@@ -175,4 +182,4 @@ class MLP(nnx.Module):
 
         g_BTF, u_BTF = checkpointed(fc1, recompute_norm)(x_BTD)
         h_BTF = constrain(jax.nn.silu(g_BTF) * u_BTF, ("act_batch", "act_seq", "act_mlp"))
-        return adapted(h_BTF, jnp.einsum("btf,fd->btd", h_BTF, self.down_proj[...].astype(dt)), self.down_lora)
+        return row_parallel_out(adapted(h_BTF, jnp.einsum("btf,fd->btd", h_BTF, self.down_proj[...].astype(dt)), self.down_lora))
