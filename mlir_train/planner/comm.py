@@ -203,7 +203,9 @@ def megatron_stage_volumes(cfg: ModelConfig, lay: CommLayout, *, seq: int, micro
             add("all-reduce", "embedding all-reduce", "tp", tp, m, act)
     if last and tp > 1:
         if sp:
-            add("all-gather", "LM head SP all-gather", "tp", tp, 3 * m, act)   # forward, backward regather, output grad
+            # forward, backward regather (megatron-core's LinearWithGradAccumulationAndAsyncCommunication:
+            # the vocab-split output gradient is used as it is, not gathered)
+            add("all-gather", "LM head SP all-gather", "tp", tp, 2 * m, act)
             add("reduce-scatter", "LM head SP reduce-scatter (backward)", "tp", tp, m, act)
         else:
             add("all-reduce", "LM head input-gradient all-reduce", "tp", tp, m, act)

@@ -45,9 +45,10 @@ def test_megatron_volumes_tp2_sp_ep2_distopt_by_hand():
     got = _kinds(vols)
     # Attention: forward AG + RS; backward AG (output grad) + AG (input again) + RS (input grad).
     # MoE: ETP all-gather after the dispatch, reduce-scatter before the combine, forward and backward.
-    # Embedding RS + its backward AG; LM head AG forward, AG + RS backward (and its output-grad AG).
-    assert got["all-gather"] == (3 * m * L + 2 * m * L + m + 3 * m + 2,
-                                 3 * m * L * act + 2 * m * L * rows * 2 * h * 2 + m * act + 3 * m * act
+    # Embedding RS + its backward AG; LM head AG forward, AG + RS backward (its vocab-split
+    # output gradient is not gathered).
+    assert got["all-gather"] == (3 * m * L + 2 * m * L + m + 2 * m + 2,
+                                 3 * m * L * act + 2 * m * L * rows * 2 * h * 2 + m * act + 2 * m * act
                                  + (dense + replicated) * 2 + expert * 2)
     assert got["reduce-scatter"] == (2 * m * L + 2 * m * L + m + m + 2,
                                      2 * m * L * act + 2 * m * L * rows * 2 * h * 2 + 2 * m * act

@@ -31,10 +31,9 @@ computes ``M*R + P - 1`` forwards and as many backwards, not ``M*R + R*P + P - 2
 (the seed, P = 2, R = 1, M = 64: 65 where it was 66); its idle halves still compute on zeros,
 masked. The zero-lifetime items (the head's) have their forward and backward in one tick, a
 steady one, so neither single-half phase needs the head or this tick's residuals. The head
-(final norm, LM head, CE, and its gradient) runs under ``lax.cond`` on the last chunk of the
-last stage (scope ``pipeline_head_last_stage``): the other stages and ticks do no head matmuls.
-Its predicate is a function of stage and tick alone, so all devices of a stage (its TP, EP and
-data groups) take the same branch and the vocabulary-parallel CE's collectives inside it match.
+(final norm, LM head, CE, and its gradient; scope ``pipeline_head``) runs in the steady ticks,
+its loss masked but on the last chunk of the last stage. Not in a ``lax.cond``: there the head's
+data-partial weight gradient would be all-reduced on every tick (:meth:`_OneFOneB.head_grad`).
 """
 
 from __future__ import annotations
@@ -76,8 +75,8 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     forward and in reverse backward). The forward runs the chunk under ``jax.vjp`` and keeps
     its residuals until the item's backward (``2*R*P - 2`` slots, whatever ``M``); the backward
     applies that pullback to the cotangent its successor sent the tick before (or, on the last
-    chunk of the last stage, the head's, from the same tick: the head runs in a ``lax.cond``
-    there alone), accumulates the weight gradients in float32 and sends the input cotangent back
+    chunk of the last stage, the head's, from the same tick; the head's loss is masked
+    elsewhere), accumulates the weight gradients in float32 and sends the input cotangent back
     with one ``ppermute``. Each stage runs ``M*R + P - 1`` forward and as many backward halves
     (seed, M = 64, P = 2: 65 each, where one loop of ``M*R + R*P + P - 2`` ticks ran 66 of both).
     """
@@ -307,13 +306,14 @@ class _OneFOneB:
         x_out, fresh, terms = self.forward_vjp(local, t, x_in, acc)
         ct_head, head_terms = None, None
         if head:
-            # A function of stage and tick only: every device of a stage's TP/EP/data groups
-            # takes the same branch, so the vocabulary-parallel CE's collectives inside it match.
             last_f = valid_f & (stage == self.p - 1) & (chunk_f == self.r - 1)
-            head_out = self.head_grad(local.rest, x_out, batch_f, last_f, scale)
-            # The head's collectives before the permute on every device (XLA:CPU would otherwise
-            # pick either order per device, and two devices in different rendezvous wait forever).
-            x_out, (head_terms, g_rest_head, ct_head) = jax.lax.optimization_barrier((x_out, head_out))
+            head_terms, g_rest_head, ct_head = self.head_grad(local.rest, x_out, batch_f, last_f, scale)
+            # The head's loss collectives before the permute on every device (XLA:CPU would
+            # otherwise pick either order per device, and two devices in different rendezvous
+            # wait forever). Its weight gradient stays out of the barrier: added straight into
+            # its accumulator, its data-parallel all-reduce is one XLA:GPU moves out of the loop
+            # (while-loop-all-reduce-code-motion); through a barrier it ran on every tick.
+            x_out, head_terms, ct_head = jax.lax.optimization_barrier((x_out, head_terms, ct_head))
             grads = (grads[0], jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads[1], g_rest_head))
         acc = _add_terms(acc, chunk_f, valid_f, terms, head_terms)
         received = jax.lax.ppermute(x_out, self.stage_axes, self.permutes(backward=False))
@@ -385,28 +385,30 @@ class _OneFOneB:
         return x_out, _Residuals.of(pullback, weights, context), terms
 
     def head_grad(self, rest, x_out, mb, last, scale):
-        """Final norm, LM head and weighted CE of the chunk's output where ``last`` (the last
-        chunk on the last stage), and their gradient: ``((objective, CE sum, loss tokens), the
-        head's trainable weights' gradients, the input cotangent)``, zeros elsewhere. A
-        ``lax.cond`` (op_name scope ``pipeline_head_last_stage``), so the other stages and
-        ticks do no head matmuls, where masking its loss did them all."""
+        """Final norm, LM head and weighted CE of the chunk's output, counted where ``last`` (the
+        last chunk on the last stage), and their gradient: ``((objective, CE sum, loss tokens),
+        the head's trainable weights' gradients, the input cotangent)``, zeros elsewhere.
+
+        Computed on every forward half and masked (op_name scope ``pipeline_head``), not under a
+        ``lax.cond`` on ``last``: in a conditional the head's weight gradient, partial over the
+        data ranks, is all-reduced inside the branch on every tick that takes it (seed layout:
+        64 float32 ``[2048, 76032]`` all-reduces, 37 GiB per step on the last stage), where a
+        plain accumulation lets XLA:GPU move that one all-reduce out of the tick loop. The
+        other stages' head matmuls cost no step time (every stage runs the same ticks in
+        lockstep); the per-device FLOP count is the last stage's, Megatron's busiest."""
         trained, frozen = split(rest, self.rest_mask)
 
         def head(trained, x):
             model = merge(self.graphdef, self.setup, join(trained, frozen))
-            objective, ce_sum, count = model.weighted_loss_sums(model.final_norm(x), mb["labels"], mb["loss_mask"],
-                                                                mb["loss_weight"])
+            on = last.astype(mb["loss_mask"].dtype)
+            objective, ce_sum, count = model.weighted_loss_sums(model.final_norm(x), mb["labels"], mb["loss_mask"] * on,
+                                                                mb["loss_weight"] * last.astype(mb["loss_weight"].dtype))
             return objective, (ce_sum, count)
 
-        def run(trained, x):
-            objective, pullback, (ce_sum, count) = jax.vjp(head, trained, x, has_aux=True)
+        with jax.named_scope("pipeline_head"):
+            objective, pullback, (ce_sum, count) = jax.vjp(head, trained, x_out, has_aux=True)
             g_trained, ct_x = pullback(scale)
-            return (objective, ce_sum, count), g_trained, ct_x
-
-        shapes = jax.eval_shape(run, trained, x_out)
-        skip = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        with jax.named_scope("pipeline_head_last_stage"):
-            return jax.lax.cond(last, run, skip, trained, x_out)
+        return (objective, ce_sum, count), g_trained, ct_x
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

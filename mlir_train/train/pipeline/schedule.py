@@ -22,9 +22,10 @@ what every schedule does on a stage is :mod:`~mlir_train.train.pipeline.stage`.
 
 The embedding is looked up on every stage each tick and used on stage 0 (a gather of ``B*T``
 rows: no matmul; under 1F1B its gradient is scattered straight into its accumulator). Under
-1F1B final norm, LM head and cross-entropy (and their gradient) run in a ``lax.cond`` taken on
-the last chunk of the last stage only. Under GPipe and circular they run each tick on every
-stage and count only there (their loss mask is zeroed elsewhere): in lockstep (SPMD) this costs
+1F1B final norm, LM head and cross-entropy (and their gradient) run on every stage in the
+steady ticks (a ``lax.cond`` would all-reduce the head's data-partial weight gradient every
+tick), under GPipe and circular each tick; they count only on the last chunk of the last stage
+(their loss mask is zeroed elsewhere): in lockstep (SPMD) this costs
 no wall time over doing it on the last stage alone (that stage is on every tick's critical
 path), only idle-rank FLOPs, ``2*B*T*D*V`` per tick. Either way the last stage adds the head
 to its ``P``-th of the layers' work, the imbalance Megatron has too (hence its
