@@ -15,9 +15,11 @@ SP, distributed optimizer, top-8):
 
 Per layout it prints the ratios the issue sets targets for:
 
-* ``flops``: compiled matmul FLOPs at a balanced routing (the block kernels' static bound scaled
-  to the rows an exactly balanced routing fills) over Megatron's executed FLOPs (model FLOPs x
-  (3 + the recomputed share) / 3): target <= 1.10;
+* ``flops``: compiled matmul FLOPs per device at a balanced routing (the EP overflow rounds'
+  no-overflow branch; the block kernels' static bound scaled to the rows an exactly balanced
+  routing fills) over what one device of Megatron's busiest pipeline stage executes (its layers'
+  model FLOPs x (3 + the recomputed share), and on the last stage the LM head's 3 passes):
+  target <= 1.10; the ratio over Megatron's average device is printed beside;
 * per collective kind, compiled bytes per device and step (ragged all-to-all at its traffic)
   over Megatron's analytic volume (:mod:`mlir_train.planner.comm`, its busiest stage): target
   <= 1.1, or explained in benchmarks/README.md;
