@@ -322,3 +322,45 @@ def test_folding_backward_all_gathers_no_gradient_twice(tmp_path):
         gathered = collections.Counter(o for i in instrs if i.opcode in ("all-gather", "all-gather-start") for o in i.operands)
         twice.update({(name, o): op_names.get(o) for o, n in gathered.items() if n > 1})
     assert not {k: v for k, v in twice.items() if "transpose(" in (v or "")}, twice
+
+
+@pytest.mark.skipif(__import__("tests.helpers", fromlist=["GPU_MISSING"]).GPU_MISSING is not None,
+                    reason="needs the deviceless XLA:GPU compiler")
+def test_seed_lm_head_gradient_is_all_reduced_once_not_per_tick(tmp_path):
+    """The seed layout (TP2 PP2 EP2, DP2) at toy widths, compiled for GPU in its own process (the
+    GPU flags): the LM head's weight gradient, partial over the data ranks, is all-reduced once
+    per step, outside the 1F1B tick loops (XLA:GPU's while-loop all-reduce code motion), not on
+    every tick. It was per tick (+37 GiB per step and device at full size) when the head ran under
+    a ``lax.cond`` or its gradient went through the tick's ordering barrier. ~20 s of CPU."""
+    import math
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "comm_audit.py"), "--quick", "--layouts", "seed",
+                          "--hlo-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (path,) = tmp_path.glob("*.hlo.txt")
+    comps, entry = hlo.parse_module(path.read_text())
+    in_loops, frontier = set(), [b for instrs in comps.values() for i in instrs if i.opcode == "while"
+                                 for b in hlo._called(i.attrs, "body")]
+    while frontier:  # every computation a loop body runs, through calls, fusions and branches
+        c = frontier.pop()
+        if c in in_loops or c not in comps:
+            continue
+        in_loops.add(c)
+        for i in comps[c]:
+            for key in ("body", "calls", "to_apply", "branch_computations", "condition"):
+                frontier += hlo._called(i.attrs, key)
+    head_elems = 256 * 4096 // 2  # --quick: hidden 256, vocab 4096, over TP2
+    found = {}  # float32 all-reduces at least the head's gradient in size (XLA combines them, flattened)
+    for name, instrs in comps.items():
+        for i in instrs:
+            dims = re.match(r"\(?f32\[([\d,]+)\]", i.result_type)
+            if i.opcode in ("all-reduce", "all-reduce-start") and dims and \
+                    math.prod(int(d) for d in dims[1].split(",")) >= head_elems:
+                found[(name, i.name)] = name in in_loops
+    assert found, "the LM head's gradient all-reduce"
+    assert not any(found.values()), found
