@@ -306,16 +306,7 @@ def test_folding_backward_all_gathers_no_gradient_twice(tmp_path):
     the weight gradient: not a backward buffer.) ~20 s of CPU."""
     import collections
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "comm_audit.py"), "--quick", "--layouts", "folding",
-                          "--hlo-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
-    assert out.returncode == 0, out.stdout + out.stderr
-    (path,) = tmp_path.glob("*.hlo.txt")
-    comps, _ = hlo.parse_module(path.read_text())
+    comps, _ = _quick_audit_module("folding", tmp_path)
     twice = {}
     for name, instrs in comps.items():
         op_names = {i.name: (re.search(r'op_name="([^"]*)"', i.attrs) or [None, ""])[1] for i in instrs}
@@ -334,16 +325,7 @@ def test_seed_lm_head_gradient_is_all_reduced_once_not_per_tick(tmp_path):
     a ``lax.cond`` or its gradient went through the tick's ordering barrier. ~20 s of CPU."""
     import math
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "comm_audit.py"), "--quick", "--layouts", "seed",
-                          "--hlo-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
-    assert out.returncode == 0, out.stdout + out.stderr
-    (path,) = tmp_path.glob("*.hlo.txt")
-    comps, entry = hlo.parse_module(path.read_text())
+    comps, _ = _quick_audit_module("seed", tmp_path)
     in_loops, frontier = set(), [b for instrs in comps.values() for i in instrs if i.opcode == "while"
                                  for b in hlo._called(i.attrs, "body")]
     while frontier:  # every computation a loop body runs, through calls, fusions and branches
@@ -364,3 +346,18 @@ def test_seed_lm_head_gradient_is_all_reduced_once_not_per_tick(tmp_path):
                 found[(name, i.name)] = name in in_loops
     assert found, "the LM head's gradient all-reduce"
     assert not any(found.values()), found
+
+
+def _quick_audit_module(layout: str, tmp_path):
+    """The parsed optimized HLO of ``comm_audit.py --quick --layouts <layout>``, compiled in its
+    own process so XLA gets the GPU flags."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "comm_audit.py"), "--quick", "--layouts", layout,
+                          "--hlo-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (path,) = tmp_path.glob("*.hlo.txt")
+    return hlo.parse_module(path.read_text())
