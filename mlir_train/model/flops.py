@@ -63,6 +63,19 @@ PEAK_TFLOPS: tuple[tuple[str, float, float | None], ...] = (
 )
 
 
+def _layer_terms(cfg: ModelConfig, seq_length: int, layer: int, *, causal: bool, shared_expert_ffn: int) -> float:
+    """One decoder layer's per-token matmul terms of Megatron's formula (before ``passes * 2``):
+    its MLP (dense SwiGLU, or the routed and shared experts), QKV and output projections, and
+    core attention (halved for the causal mask unless ``causal=False``)."""
+    h, s = cfg.hidden_size, seq_length
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    ffn = 3 * cfg.moe_intermediate_size * cfg.top_k + 3 * shared_expert_ffn if cfg.layer_is_moe(layer) \
+        else 3 * cfg.intermediate_size
+    core_attn = q * s / 2 * 2 if causal else q * s * 2
+    return h * ffn + h * (q + 2 * kv) + core_attn + q * h
+
+
 def num_floating_point_operations(
     cfg: ModelConfig,
     seq_length: int,
@@ -73,22 +86,11 @@ def num_floating_point_operations(
     shared_expert_ffn: int = 0,
 ) -> float:
     """Megatron's model FLOPs for one step over ``batch_size`` sequences of ``seq_length``."""
-    h, s = cfg.hidden_size, seq_length
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    kinds = cfg.layer_kinds()
-    n_moe = sum(kinds)
-    n_dense = cfg.num_layers - n_moe
-    mlp = h * (
-        3 * cfg.intermediate_size * n_dense
-        + 3 * cfg.moe_intermediate_size * cfg.top_k * n_moe
-        + 3 * shared_expert_ffn * n_moe
-    )
-    core_attn = q * s / 2 * 2 if causal else q * s * 2
-    attn = cfg.num_layers * (h * (q + 2 * kv) + core_attn + q * h)
-    logits = h * cfg.vocab_size
+    layers = sum(_layer_terms(cfg, seq_length, i, causal=causal, shared_expert_ffn=shared_expert_ffn)
+                 for i in range(cfg.num_layers))
+    logits = cfg.hidden_size * cfg.vocab_size
     passes = 3 + float(recompute_full)  # a fraction: the share of layers recomputed (--recompute-method block)
-    return float(passes * 2 * batch_size * s * (mlp + attn + logits))
+    return float(passes * 2 * batch_size * seq_length * (layers + logits))
 
 
 def stage_floating_point_operations(
@@ -108,17 +110,11 @@ def stage_floating_point_operations(
     of the stage's layer forwards), plus, where ``head``, the LM head's 3 passes (recompute never
     reruns the output layer). Summed over the stages without recompute it is
     :func:`num_floating_point_operations`."""
-    h, s = cfg.hidden_size, seq_length
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    core_attn = q * s / 2 * 2 if causal else q * s * 2
-    per_layer = 0.0
-    for i in layers:
-        ffn = 3 * cfg.moe_intermediate_size * cfg.top_k + 3 * shared_expert_ffn if cfg.layer_is_moe(i) \
-            else 3 * cfg.intermediate_size
-        per_layer += h * ffn + h * (q + 2 * kv) + core_attn + q * h
-    tokens = 2 * batch_size * s
-    return float((3 + recompute_fraction) * tokens * per_layer + (3 * tokens * h * cfg.vocab_size if head else 0.0))
+    per_layer = sum(_layer_terms(cfg, seq_length, i, causal=causal, shared_expert_ffn=shared_expert_ffn)
+                    for i in layers)
+    tokens = 2 * batch_size * seq_length
+    return float((3 + recompute_fraction) * tokens * per_layer
+                 + (3 * tokens * cfg.hidden_size * cfg.vocab_size if head else 0.0))
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int, **kwargs) -> float:
