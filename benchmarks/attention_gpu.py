@@ -35,10 +35,11 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from mlir_train.planner.targets import DEVICE_KINDS
-from mlir_train.config.models import get_model_config  # noqa: E402
+from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.model.flops import num_floating_point_operations  # noqa: E402
 from mlir_train.planner.hlo import matmul_flops  # noqa: E402
-from mlir_train.model import Qwen3  # noqa: E402
+from mlir_train.families.qwen3 import Qwen3  # noqa: E402
+from mlir_train.model import ModelOptions  # noqa: E402
 from mlir_train.planner.moe_audit import gpu_topology_devices  # noqa: E402
 
 H200 = DEVICE_KINDS["h200"]  # mlir_train/targets/h200.txtpb
@@ -63,14 +64,14 @@ def main(argv=None) -> int:
     megatron = num_floating_point_operations(cfg, seq, 1)
     print(f"{devices[0].device_kind}; {cfg.name} x {cfg.num_layers} layers, seq {seq}, batch 1, bf16, recompute off; "
           f"Megatron's count {megatron / 1e12:.3f} TFLOP")
-    from mlir_train.model.kernels import ATTENTION_BACKENDS
+    from mlir_train.model.platform import ATTENTION_BACKENDS
     from mlir_train.model.tokamax_kernels import document_starts
     from mlir_train.runtime.platform_setup import compile_target
 
     mesh = rep.mesh
     for kernel in args.kernels.split(","):
         impl = ATTENTION_BACKENDS[kernel]
-        abstract = nnx.eval_shape(lambda impl=impl: Qwen3(cfg, rngs=nnx.Rngs(0), attention_impl=impl))
+        abstract = nnx.eval_shape(lambda impl=impl: Qwen3(cfg, rngs=nnx.Rngs(0), options=ModelOptions(attention_impl=impl)))
         graphdef, state = nnx.split(abstract)
         params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16, sharding=rep), nnx.to_pure_dict(state))
         ids = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=rep)

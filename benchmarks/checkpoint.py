@@ -42,7 +42,7 @@ import optax
 
 from mlir_train.checkpoint import orbax as checkpoint
 from mlir_train.checkpoint import integrity
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims
 from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh, validate

@@ -34,6 +34,7 @@ os.environ["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").sp
 import argparse  # noqa: E402
 import math  # noqa: E402
 
+from mlir_train.model import ModelOptions  # noqa: E402
 from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402
 
 configure_platform(cpu_devices=1)  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
@@ -42,7 +43,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from mlir_train.model import flops  # noqa: E402
-from mlir_train.config.models import ModelConfig, get_model_config  # noqa: E402
+from mlir_train.config.models import ModelConfig
+from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import BATCH_KEYS, StepConfig  # noqa: E402
 from mlir_train.train.build import build_trainer  # noqa: E402
@@ -56,33 +58,33 @@ MOE = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=1, hidden_si
                        num_kv_heads=2, head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=256)
 # (name, model, model kwargs); the padded path is the CPU default, the others show the padding's effect.
 CASES = (
-    ("dense", DENSE, {}),
-    ("moe padded (dropless)", MOE, dict(moe_impl="padded")),
-    ("moe padded, cf 1.0", MOE, dict(moe_impl="padded", capacity_factor=1.0)),
-    ("moe dense reference", MOE, dict(moe_impl="dense")),
-    ("moe ragged_dot", MOE, dict(moe_impl="ragged")),
+    ("dense", DENSE, ModelOptions()),
+    ("moe padded (dropless)", MOE, ModelOptions(moe_impl="padded")),
+    ("moe padded, cf 1.0", MOE, ModelOptions(moe_impl="padded", capacity_factor=1.0)),
+    ("moe dense reference", MOE, ModelOptions(moe_impl="dense")),
+    ("moe ragged_dot", MOE, ModelOptions(moe_impl="ragged")),
 )
 QUICK_CASES = CASES[:3]
 
 
-def xla_flops(cfg: ModelConfig, rows: int, seq: int, model_kwargs: dict) -> float:
+def xla_flops(cfg: ModelConfig, rows: int, seq: int, options: ModelOptions) -> float:
     parallel = Layout(num_devices=1)
     mesh = make_mesh(parallel, devices=jax.devices()[:1])
     # The dropless experts' block loop (the form wide experts take) is a while loop, which XLA
     # counts once: count the batched form of the same blocks instead.
-    model_kwargs = dict(model_kwargs, moe_block_loop=False)
+    options = options.replace(moe_block_loop=False)
     trainer = build_trainer(cfg, StepConfig(num_micro_batches=1, aux_loss_coeff=1e-2),
-                      make_optimizer(lr_schedule=1e-3, weight_decay=0.1), parallel, mesh, model_kwargs=model_kwargs)
+                      make_optimizer(lr_schedule=1e-3, weight_decay=0.1), parallel, mesh, options=options)
     batch = {k: jax.ShapeDtypeStruct((1, rows, seq), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding) for k in BATCH_KEYS}
     cost = trainer.lower_train_step(trainer.abstract_state(), batch).compile().cost_analysis()
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 
-def expert_rows_executed(cfg: ModelConfig, tokens: int, model_kwargs: dict) -> int:
+def expert_rows_executed(cfg: ModelConfig, tokens: int, options: ModelOptions) -> int:
     """Rows the expert matmuls run over, per MoE layer, in the program XLA counts."""
     e, k = cfg.num_experts, cfg.top_k
-    impl, cf = model_kwargs.get("moe_impl", "padded"), model_kwargs.get("capacity_factor")
+    impl, cf = options.moe_impl, options.capacity_factor
     if impl == "dense":
         return e * tokens                          # every expert on every token
     if impl == "ragged" and cf is None:
@@ -95,16 +97,16 @@ def expert_rows_executed(cfg: ModelConfig, tokens: int, model_kwargs: dict) -> i
     return blocked if blocked < e * tokens else e * tokens
 
 
-def predicted_flops(cfg: ModelConfig, rows: int, seq: int, model_kwargs: dict) -> float:
+def predicted_flops(cfg: ModelConfig, rows: int, seq: int, options: ModelOptions) -> float:
     full_square = flops.num_floating_point_operations(cfg, seq, rows, causal=False)
     # The attention's backward recomputes q k^T (FlashAttention-style): one more score matmul.
     full_square += 2.0 * rows * seq * seq * cfg.num_heads * cfg.head_dim * cfg.num_layers
     if not cfg.is_moe:
         return full_square
     tokens = rows * seq
-    extra_rows = expert_rows_executed(cfg, tokens, model_kwargs) - tokens * cfg.top_k
+    extra_rows = expert_rows_executed(cfg, tokens, options) - tokens * cfg.top_k
     # fwd + bwd (3) x multiply-add (2) x the three SwiGLU matmuls of D x F, per MoE layer.
-    return full_square + 6.0 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * extra_rows * sum(cfg.layer_kinds())
+    return full_square + 6.0 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * extra_rows * sum(cfg.moe_layers())
 
 
 def main(argv=None) -> None:

@@ -46,8 +46,8 @@ from mlir_train.model import flops
 from mlir_train.planner import hlo as hlo_stats
 from mlir_train.planner import plan  # noqa: E402
 from mlir_train.runtime import platform_setup  # noqa: E402
-from mlir_train.model import platform_model_kwargs  # noqa: E402
-from mlir_train.config.models import get_model_config  # noqa: E402
+from mlir_train.model import kernel_options  # noqa: E402
+from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import BATCH_KEYS, StepConfig  # noqa: E402
 from mlir_train.train.build import build_trainer  # noqa: E402
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
         device = jax.devices()[0]
     parallel = Layout(num_devices=1)
     mesh = make_mesh(parallel, devices=[device])
-    kernels = platform_model_kwargs(platform_setup.mesh_platform(mesh), is_moe=True)  # as sft picks them
+    kernels = kernel_options(platform_setup.mesh_platform(mesh), is_moe=True)  # as sft picks them
     moe_impl = args.moe_impl or kernels["moe_impl"]
     cfg = model_config(args)
     peak = flops.device_peak_tflops("bf16", args.peak_tflops)
@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     trainer = build_trainer(
         cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16", aux_loss_coeff=1e-3),
         make_optimizer(lr_schedule=1e-5, weight_decay=0.1, beta2=0.95, clip_grad=1.0), parallel, mesh,
-        model_kwargs=kernels | dict(moe_impl=moe_impl, remat=args.recompute),
+        options=kernels.replace(moe_impl=moe_impl, remat=args.recompute),
     )
 
     # ----- compile ahead of time and check the memory before allocating anything ------------

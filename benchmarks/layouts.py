@@ -43,7 +43,8 @@ configure_platform(cpu_devices=8)  # before jax starts: the platform's XLA setti
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlir_train.config.models import ModelConfig, get_model_config  # noqa: E402
+from mlir_train.config.models import ModelConfig
+from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.schedule import megatron_lr_schedule  # noqa: E402
 from mlir_train.train.trainer import StepConfig, model_dims  # noqa: E402

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.model import MOE_IMPLS
 from mlir_train.model.moe.block import MoE
 

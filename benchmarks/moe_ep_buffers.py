@@ -31,7 +31,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from mlir_train.config.models import get_model_config  # noqa: E402
+from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.planner.moe_audit import audit_moe_layer, gpu_topology_devices  # noqa: E402
 from mlir_train.planner.targets import DEVICE_KINDS  # noqa: E402
 from sharding import Layout  # noqa: E402

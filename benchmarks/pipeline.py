@@ -44,7 +44,7 @@ configure_platform(cpu_devices=8)  # before jax starts: the platform's XLA setti
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlir_train.config.models import get_model_config  # noqa: E402
+from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import StepConfig, Trainer  # noqa: E402
 from mlir_train.train.build import build_trainer  # noqa: E402

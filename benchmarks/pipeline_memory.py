@@ -31,6 +31,7 @@ flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_cou
 os.environ["XLA_FLAGS"] = flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from mlir_train.model import ModelOptions  # noqa: E402
 from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402
 
 configure_platform(cpu_devices=8)  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
@@ -41,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peak_buffers import peak_buffers  # noqa: E402
 
-from mlir_train.config.models import get_model_config  # noqa: E402
+from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import BATCH_KEYS, StepConfig, model_dims  # noqa: E402
 from mlir_train.train.build import build_trainer  # noqa: E402
@@ -59,7 +60,7 @@ def compile_step(schedule: str, micro: int, dump: str | None):
     trainer = build_trainer(CFG, StepConfig(num_micro_batches=micro, pipeline_schedule=schedule, compute_dtype=args.dtype,
                                       aux_loss_coeff=1e-2),
                       make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel, make_mesh(parallel),
-                      model_kwargs=dict(remat=args.recompute))
+                      options=ModelOptions(remat=args.recompute))
     batch = {k: jax.ShapeDtypeStruct((micro, parallel.data_parallel, SEQ), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding) for k in BATCH_KEYS}
     options = {"xla_backend_optimization_level": 0}

@@ -49,6 +49,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
+from mlir_train.model import ModelOptions  # noqa: E402
 from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402
 
 configure_platform(cpu_devices=1)  # before jax starts: the platform's XLA settings; a quiet CPU host with a GPU plugin installed
@@ -57,7 +58,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlir_train.config.models import ModelConfig, get_model_config  # noqa: E402
+from mlir_train.config.models import ModelConfig
+from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.checkpoint.hf import save_pretrained  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.trainer import StepConfig  # noqa: E402
@@ -91,7 +93,7 @@ def ours(size: Size, batch_np: dict[str, np.ndarray]):
     mesh = make_mesh(parallel, devices=jax.devices()[:1])
     optimizer = make_optimizer(lr_schedule=LR, weight_decay=WEIGHT_DECAY, beta2=BETA2, clip_grad=CLIP)
     trainer = build_trainer(size.cfg, StepConfig(num_micro_batches=1, aux_loss_coeff=AUX_COEFF), optimizer, parallel, mesh,
-                      model_kwargs=dict(moe_impl="padded"))
+                      options=ModelOptions(moe_impl="padded"))
     state = trainer.init_state(seed=0)
     hf_dir = tempfile.mkdtemp(prefix=f"vs_hf_{size.name}_")
     save_pretrained(trainer.model(jax.device_get(state["params"])), hf_dir)

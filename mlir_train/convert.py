@@ -50,15 +50,13 @@ def _trainer(model_cfg):
 
 
 def _save_ours(trainer, params, dst: str, src: str) -> None:
-    import dataclasses
-
     from mlir_train.checkpoint import orbax
     from mlir_train.runtime.errors import CheckpointError
 
     mgr = orbax.CheckpointManager(dst)
     if mgr.latest_step() is not None:
         raise CheckpointError(f"{dst} already holds checkpoints {mgr.steps()}; give an empty directory")
-    mgr.save(0, {"params": params}, {"model": dataclasses.asdict(trainer.model_cfg), "consumed_samples": 0,
+    mgr.save(0, {"params": params}, {"model": trainer.model_cfg.as_dict(), "consumed_samples": 0,
                                      "converted_from": os.path.abspath(src)}, force=True)
     mgr.close()
 
@@ -83,7 +81,7 @@ def to_megatron(trainer, params, dst: str, layout, *, make_vocab_size_divisible_
     if os.path.isdir(dst) and os.listdir(dst):
         raise mc.MegatronCheckpointError(f"{dst} is not empty; give an empty or new directory")
     cfg = trainer.model_cfg
-    stacks = mc.layer_stacks(cfg)  # (first layer, count, is_moe) per stack, as the model builds them
+    stacks = mc.layer_stacks(cfg)  # (first layer, count, kind) per stack, as the model builds them
 
     def leaf_of(tree, leaf: str):
         for part in leaf.split("/"):

@@ -28,8 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 from mlir_train import sft
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
+from mlir_train.model import ModelOptions
 from mlir_train.model.moe import block as moe_lib
 from mlir_train.planner import plan, targets
 from mlir_train.planner.moe_audit import compile_without_cache
@@ -141,7 +142,7 @@ def adam_mu(opt_state) -> Any:
     return adam.mu
 
 
-def train_one_step(cfg, layout: Layout | None, model_kwargs: dict | None = None,
+def train_one_step(cfg, layout: Layout | None, options: ModelOptions | None = None,
                    per_token: bool = False, step: dict | None = None, init=None) -> StepResult:
     """One train step of model ``cfg`` on ``layout`` (None: one device) on :func:`packed_batch`;
     ``step``: StepConfig fields on top; ``init(trainer, state)``: the state to start from
@@ -156,7 +157,7 @@ def train_one_step(cfg, layout: Layout | None, model_kwargs: dict | None = None,
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
     step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, micro_batch_size=MICRO_BATCH_SIZE,
                           per_token_loss=per_token, **(step or {}))
-    trainer = build_trainer(cfg, step_cfg, optimizer, parallel, mesh, model_kwargs=model_kwargs)
+    trainer = build_trainer(cfg, step_cfg, optimizer, parallel, mesh, options=options or ModelOptions())
     state = trainer.init_state(SEED)
     if init is not None:
         state = init(trainer, state)
@@ -336,7 +337,7 @@ def pipeline_batch(seed=0):
 
 
 def pipeline_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f1b", cfg=PIPELINE_CFG, per_token=False,
-                  model_kwargs=None, **step):
+                  options: ModelOptions | None = None, **step):
     mesh = make_mesh(parallel, devices=devices)
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=1e-3, train_iters=10), weight_decay=0.1, clip_grad=1.0)
     # Megatron's default loss normalisation per data-parallel micro-batch of 2 rows (two such
@@ -344,7 +345,7 @@ def pipeline_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f
     step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
                           layers_per_virtual_stage=layers_per_virtual_stage, micro_batch_size=2,
                           per_token_loss=per_token, pipeline_schedule=schedule, **step)
-    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh, model_kwargs=model_kwargs)
+    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh, options=options or ModelOptions())
     state = trainer.init_state(seed=0)
     batch = trainer.shard_batch({k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in pipeline_batch().items()})
     compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)

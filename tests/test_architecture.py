@@ -3,7 +3,8 @@ a Trainer comes from one builder.
 
 Layers, bottom up (README's module table): ``runtime.errors`` / ``runtime.log`` (the one error
 family and logger) < ``config`` (flags, model registry, policies) and the rest of ``runtime``
-(platform, distributed) < ``data`` and the top-level ``sharding`` < ``model`` < ``train``'s step
+(platform, distributed) < ``data`` and the top-level ``sharding`` < ``model`` < ``families`` (one
+folder per model family and the registry) < ``train``'s step
 (trainer, optimizer, schedule, pipeline, hooks, build) < ``checkpoint`` < ``train.job`` /
 ``train.loop`` (the whole job) and ``planner`` < the entry points (``sft``, ``plan``,
 ``convert``, ``preprocess``). A module may import its own package and anything on a lower
@@ -27,10 +28,11 @@ FLOORS = [  # (module prefix, floor): the longest matching prefix decides
     ("mlir_train.config", 1), ("mlir_train.runtime", 1),
     ("mlir_train.data", 2), ("sharding", 2),
     ("mlir_train.model", 3),
-    ("mlir_train.train", 4),
-    ("mlir_train.checkpoint", 5),
-    ("mlir_train.train.job", 6), ("mlir_train.train.loop", 6), ("mlir_train.planner", 6),
-    ("mlir_train.sft", 7), ("mlir_train.plan", 7), ("mlir_train.convert", 7), ("mlir_train.preprocess", 7),
+    ("mlir_train.families", 4),
+    ("mlir_train.train", 5),
+    ("mlir_train.checkpoint", 6),
+    ("mlir_train.train.job", 7), ("mlir_train.train.loop", 7), ("mlir_train.planner", 7),
+    ("mlir_train.sft", 8), ("mlir_train.plan", 8), ("mlir_train.convert", 8), ("mlir_train.preprocess", 8),
 ]
 
 

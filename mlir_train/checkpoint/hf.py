@@ -36,7 +36,8 @@ from flax import nnx
 
 from mlir_train.checkpoint import shards
 from mlir_train.config.models import ModelConfig
-from mlir_train.model import Qwen3
+from mlir_train import families
+from mlir_train.model import CausalLM, ModelOptions
 from mlir_train.runtime import log
 from mlir_train.runtime.errors import CheckpointError
 from sharding import Rules
@@ -165,7 +166,7 @@ class _Checkpoint:
 
 
 def load_hf_config(path: str) -> ModelConfig:
-    return ModelConfig.from_hf_json(path)
+    return families.from_hf_dir(path)
 
 
 def _expected_hf_shape(entry: _Entry, our_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -217,13 +218,13 @@ def _check_shape(ckpt: _Checkpoint, name: str, want: tuple[int, ...]) -> None:
         raise CheckpointError(f"{ckpt.location(name)}: tensor {name} has shape {got}, expected {tuple(want)}")
 
 
-def _walk_params(abstract_model: Qwen3, cfg: ModelConfig) -> Iterator[tuple[tuple, _Entry, int | None, bool]]:
+def _walk_params(abstract_model: CausalLM, cfg: ModelConfig) -> Iterator[tuple[tuple, _Entry, int | None, bool]]:
     """Yield (our flat path, entry, first global layer or None, stack is MoE) for every param."""
     for entry in _global_entries(cfg):
         yield entry.ours, entry, None, False
-    for i, (first, _, is_moe) in enumerate(abstract_model.stack_kinds):
-        for entry in _layer_entries(cfg, is_moe):
-            yield ("layers", i) + entry.ours, entry, first, is_moe
+    for i, stack in enumerate(abstract_model.stack_kinds):
+        for entry in _layer_entries(cfg, stack.moe):
+            yield ("layers", i) + entry.ours, entry, stack.first, stack.moe
 
 
 def load_pretrained(
@@ -233,13 +234,14 @@ def load_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     rules: Rules | None = None,
     config_overrides: dict[str, Any] | None = None,
-    **model_kwargs: Any,
-) -> Qwen3:
-    """Build a :class:`~mlir_train.model.Qwen3` from a local HF directory.
+    options: ModelOptions | None = None,
+) -> CausalLM:
+    """Build the model of a local HF directory (its family's causal LM).
 
     ``mesh`` and ``rules`` (a logical-axis table from :mod:`sharding.rules`) decide where each
-    parameter lives; without a mesh everything goes to the default device. ``model_kwargs`` go
-    to the model (``moe_impl``, ``remat``, ...).
+    parameter lives; without a mesh everything goes to the default device. ``options`` (a
+    :class:`~mlir_train.model.options.ModelOptions`; its ``param_dtype`` is ``dtype``) say how
+    the model is built to run (``moe_impl``, ``remat``, ...).
     """
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory (expected an HF model directory with config.json)")
@@ -247,7 +249,7 @@ def load_pretrained(
     if config_overrides:
         cfg = cfg.replace(**config_overrides)
     ckpt = _Checkpoint(path)
-    abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=dtype, **model_kwargs))
+    abstract = families.build_model(cfg, (options or ModelOptions()).replace(param_dtype=dtype), abstract=True)
     graphdef, abstract_state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(abstract_state))
 
@@ -324,7 +326,7 @@ def _to_numpy(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def save_pretrained(model: Qwen3, path: str, *, dtype=None, max_shard_bytes: int = 2 * 1024**3) -> None:
+def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: int = 2 * 1024**3) -> None:
     """Write ``model`` as an HF directory (config.json + sharded safetensors + index).
 
     ``dtype`` (e.g. ``jnp.bfloat16``) converts on the way out; default keeps each param's dtype.
@@ -361,7 +363,7 @@ def save_pretrained(model: Qwen3, path: str, *, dtype=None, max_shard_bytes: int
                 writer.add(entry.hf_name.format(l=first + l), entry.to_hf(layer))
     if jax.process_index() == 0:
         saved_dtype = str(out_dtype or next(iter(flat.values())).get_value().dtype)
-        hf_cfg = cfg.to_hf_dict() | {"dtype": "bfloat16" if "bfloat16" in saved_dtype else saved_dtype}
+        hf_cfg = families.family_of(cfg).to_hf(cfg) | {"dtype": "bfloat16" if "bfloat16" in saved_dtype else saved_dtype}
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
     writer.close()

@@ -36,7 +36,6 @@ holds ``DIR/.lock`` so a second job saving into the same directory is refused.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import glob
 import json
@@ -49,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from mlir_train import families
 from mlir_train.checkpoint import integrity
 from mlir_train.config.models import ModelConfig
 from mlir_train.runtime import log
@@ -468,10 +468,8 @@ def _path(path) -> str:
 
 # ----- the trainer's state --------------------------------------------------------------------
 def model_config(meta: dict[str, Any]) -> ModelConfig:
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    m = {k: v for k, v in meta["model"].items() if k in fields}
-    m["mlp_only_layers"] = tuple(m.get("mlp_only_layers", ()))
-    return ModelConfig(**m)
+    """The model config a checkpoint's JSON recorded (:func:`mlir_train.families.from_saved`)."""
+    return families.from_saved(meta["model"])
 
 
 def check_model(meta: dict[str, Any], model_cfg: ModelConfig, where: str) -> None:

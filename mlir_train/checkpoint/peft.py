@@ -67,7 +67,8 @@ def _get(tree, path):
 def to_peft(adapters: dict, stack_kinds, num_experts: int) -> dict[str, np.ndarray]:
     """Our adapters (the trainer's params under LoRA, host arrays) -> peft's tensors by name."""
     out: dict[str, np.ndarray] = {}
-    for i, (first, n, moe) in enumerate(stack_kinds):
+    for i, (first, n, kind) in enumerate(stack_kinds):
+        moe = kind.moe
         stack = adapters["layers"][i]
         for l in range(n):
             pre = f"{PREFIX}.{first + l}"
@@ -108,7 +109,8 @@ def from_peft(tensors: dict[str, np.ndarray], like: dict, stack_kinds, num_exper
         used.add(name)
         return t
 
-    for i, (first, n, moe) in enumerate(stack_kinds):
+    for i, (first, n, kind) in enumerate(stack_kinds):
+        moe = kind.moe
         stack_like = like["layers"][i]
         stack: dict = {}
         for hf, path in _linear_entries(stack_like, moe):
@@ -178,10 +180,10 @@ def save_adapters(path: str, adapters: dict, *, policy, stack_kinds, num_experts
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     linear, experts = set(), set()
-    for i, (_, _, moe) in enumerate(stack_kinds):
+    for i, s in enumerate(stack_kinds):
         stack = adapters["layers"][i]
-        linear |= {hf for hf, _ in _linear_entries(stack, moe)}
-        if moe:
+        linear |= {hf for hf, _ in _linear_entries(stack, s.moe)}
+        if s.moe:
             experts |= set(stack.get("mlp", {})) & {"fc1_lora", "fc2_lora"}
     params = [p for p, ours in (("gate_up_proj", "fc1_lora"), ("down_proj", "fc2_lora")) if ours in experts]
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, WEIGHTS_NAME))

@@ -27,7 +27,7 @@ def run_json(*, iteration: int, global_batch_size: int, loader, seed: int, model
         "global_batch_size": int(global_batch_size),
         "data_loader": {k: int(v) for k, v in loader.state().items()},
         "rng": {"seed": int(seed)},  # the only randomness: init and data order (no dropout)
-        "model": dataclasses.asdict(model_cfg),
+        "model": model_cfg.as_dict(),
         "tokenizer_size": int(tokenizer_size),
         "parallel": dataclasses.asdict(parallel) if dataclasses.is_dataclass(parallel) else dict(parallel),
         "args": json.loads(json.dumps(flags, default=str)),

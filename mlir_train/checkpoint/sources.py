@@ -15,6 +15,7 @@ import dataclasses
 import os
 from typing import Any, ClassVar
 
+from mlir_train import families
 from mlir_train.checkpoint import orbax
 from mlir_train.config.flags import RunConfig
 from mlir_train.config.models import ModelConfig
@@ -82,26 +83,26 @@ class HFModel(Source):
         return f"{self.path}/config.json"
 
     def own_model_config(self, cfg: RunConfig, tokenizer_size: int) -> ModelConfig:
-        return ModelConfig.from_hf_json(self.path)
+        return families.from_hf_dir(self.path)
 
     def stored_model_config(self, vocab_size: int | None = None) -> ModelConfig:
-        return ModelConfig.from_hf_json(self.path)
+        return families.from_hf_dir(self.path)
 
     def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
         log.info(f"loading HF weights from {self.path}")
-        return trainer.state_from_params(self._weights(trainer, **trainer.model_kwargs))
+        return trainer.state_from_params(self._weights(trainer, trainer.options))
 
     def read_params(self, trainer) -> dict[str, Any]:
         return trainer.state_from_params(self._weights(trainer))["params"]
 
-    def _weights(self, trainer, **model_kwargs) -> dict[str, Any]:
+    def _weights(self, trainer, options=None) -> dict[str, Any]:
         """The safetensors read shard by shard straight into the trainer's mesh and rules."""
         import numpy as np
         from flax import nnx
 
         from mlir_train.checkpoint.hf import load_pretrained
 
-        model = load_pretrained(self.path, dtype=np.float32, mesh=trainer.mesh, rules=trainer.rules, **model_kwargs)
+        model = load_pretrained(self.path, dtype=np.float32, mesh=trainer.mesh, rules=trainer.rules, options=options)
         return nnx.to_pure_dict(nnx.state(model))
 
 
@@ -179,7 +180,7 @@ class Megatron(Source):
         from mlir_train.checkpoint import megatron as mc
 
         m = cfg.model
-        named = m.model_config(None) if m.model_name else None
+        named = families.from_flags(m, None) if m.model_name else None
         if vocab_size is None:
             vocab_size = mc.unpadded_vocab(self.checkpoint, [named.vocab_size if named else None, tokenizer_size])
         name = named.name if named else os.path.basename(self.checkpoint.root.rstrip("/"))
@@ -307,7 +308,7 @@ def run_model_config(cfg: RunConfig, source: Source, tokenizer_size: int) -> Mod
     m = cfg.model
     model_cfg = source.own_model_config(cfg, tokenizer_size)
     if model_cfg is None:
-        return m.model_config(m.padded_vocab_size(tokenizer_size, cfg.parallel.tensor_model_parallel_size))
+        return families.from_flags(m, m.padded_vocab_size(tokenizer_size, cfg.parallel.tensor_model_parallel_size))
     saved_tokens = (source.meta or {}).get("tokenizer_size")  # ours records the tokenizer it trained with
     if tokenizer_size > model_cfg.vocab_size or (not cfg.checkpoint.finetune
                                                  and saved_tokens not in (None, tokenizer_size)):
@@ -315,16 +316,16 @@ def run_model_config(cfg: RunConfig, source: Source, tokenizer_size: int) -> Mod
         raise ConfigError(f"tokenizer {cfg.data.tokenizer_path} has {tokenizer_size} tokens but the checkpoint "
                           f"{source.describe()} has a vocab of {model_cfg.vocab_size}{trained}")
     # Named: --model-name must be the checkpoint's model; not named: the flags' overrides must agree.
-    named = m.model_config(model_cfg.vocab_size, base=None if m.model_name else model_cfg)
+    named = families.from_flags(m, model_cfg.vocab_size, base=None if m.model_name else model_cfg)
     who = f"--model-name {m.model_name} (with overrides)" if m.model_name else "a model flag"
     for field in source.shape_fields:
         if getattr(named, field) != getattr(model_cfg, field):
             raise ConfigError(f"{who} has {field}={getattr(named, field)} but the checkpoint {source.describe()} "
                               f"has {getattr(model_cfg, field)}")
     if m.moe_layer_freq is not None and model_cfg.is_moe and \
-            m.moe_layer_pattern(model_cfg.num_layers) != model_cfg.layer_kinds():
+            m.moe_layer_pattern(model_cfg.num_layers) != model_cfg.moe_layers():
         raise ConfigError(f"--moe-layer-freq {m.moe_layer_freq} differs from the checkpoint {source.describe()}'s "
-                          f"MoE layers {[int(k) for k in model_cfg.layer_kinds()]}")
+                          f"MoE layers {[int(k) for k in model_cfg.moe_layers()]}")
     return model_cfg
 
 

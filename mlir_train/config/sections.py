@@ -61,30 +61,19 @@ class ModelFlags:
         help="which decoder layers are MoE: every N-th from layer 0, or a 0/1 list expression such as "
              "([0]*3+[1]*45) (default: from --model-name / the checkpoint)")
 
-    def model_config(self, vocab_size: int | None, base=None):
-        """The registry config of ``--model-name`` (or ``base``, e.g. a checkpoint's own) with these
-        flags' overrides."""
-        from mlir_train.config.models import get_model_config
+    DEFAULT_MODEL: ClassVar[str] = "qwen3-moe-tiny"  # --model-name when neither it nor a --load model names one
 
-        try:
-            cfg = self._overridden(get_model_config, self.model_name or DEFAULT_MODEL if base is None else base, vocab_size)
-        except ValueError as e:  # an unknown --model-name, with the closest one
-            raise ConfigError(str(e)) from None
-        if self.moe_layer_freq is not None:
-            from mlir_train.config.models import layer_pattern_overrides
-
-            cfg = cfg.replace(**layer_pattern_overrides(self.moe_layer_pattern(cfg.num_layers)))
-        return cfg.replace(tie_word_embeddings=False) if self.untie_embeddings_and_output_weights else cfg
-
-    def _overridden(self, get_model_config, source, vocab_size):
-        return get_model_config(
-            source, num_layers=self.num_layers, hidden_size=self.hidden_size,
+    def overrides(self) -> dict:
+        """The architecture fields these flags set (None: keep the model's), by ModelConfig field name;
+        :func:`mlir_train.families.from_flags` applies them to ``--model-name``'s config."""
+        return dict(
+            num_layers=self.num_layers, hidden_size=self.hidden_size,
             num_heads=self.num_attention_heads, num_kv_heads=self.num_query_groups,
             intermediate_size=self.ffn_hidden_size, num_experts=self.num_experts,
             moe_intermediate_size=self.moe_ffn_hidden_size, top_k=self.moe_router_topk,
             rope_theta=self.rotary_base, rope_scaling_factor=self.rotary_seq_len_interpolation_factor,
             rms_norm_eps=self.norm_epsilon, max_position_embeddings=self.max_position_embeddings,
-            init_std=self.init_method_std, head_dim=self.kv_channels, vocab_size=vocab_size,
+            init_std=self.init_method_std, head_dim=self.kv_channels,
         )
 
     def moe_layer_pattern(self, num_layers: int) -> tuple[bool, ...]:
@@ -99,8 +88,6 @@ class ModelFlags:
     def padded_vocab_size(self, tokenizer_size: int, tensor_parallel: int) -> int:
         return padded_vocab_size(tokenizer_size, self.make_vocab_size_divisible_by, tensor_parallel)
 
-
-DEFAULT_MODEL = "qwen3-moe-tiny"  # --model-name when neither it nor a --load model names one
 
 
 def padded_vocab_size(tokenizer_size: int, divisible_by: int, tensor_parallel: int) -> int:

@@ -18,6 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mlir_train.runtime.platform_setup import platform_name
 from sharding import logical_shard_map, mesh_axes_of, varying_axes
 
 # How attention runs: "xla" is masked_attention below (any platform; it computes the whole
@@ -396,4 +397,4 @@ def target_compute_capability() -> str | None:
     except (ImportError, AttributeError):
         pass
     device = devices[0] if devices else jax.devices()[0]
-    return getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+    return getattr(device, "compute_capability", None) if platform_name(device) == "gpu" else None

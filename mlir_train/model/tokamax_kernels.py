@@ -55,8 +55,10 @@ def require_tokamax(flag: str):
 def _check_gpu_device(flag: str):
     from jax.extend import backend
 
+    from mlir_train.runtime.platform_setup import platform_name
+
     device = backend.get_default_device()
-    if device.platform not in ("gpu", "cuda"):
+    if platform_name(device) != "gpu":
         raise ValueError(
             f"{flag} tokamax: tracing on a {device.platform} default device; tokamax's GPU kernels need a GPU "
             "default device (a deviceless compile traces under mlir_train.runtime.platform_setup.compile_target(mesh))")

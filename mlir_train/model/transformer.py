@@ -1,9 +1,12 @@
-"""The Qwen3 / Qwen3-MoE causal LM, written once, in Flax NNX.
+"""The causal LM every family builds on, written once, in Flax NNX: :class:`CausalLM`
+(embedding, decoder layer stacks, final norm, LM head) and the scan that runs a stack.
 
-Decoder layers are built stacked (every layer parameter has a leading ``"layers"`` axis) and
-run with ``jax.lax.scan``, so compile time does not grow with depth and the stack can later be
-split into pipeline stages along that axis. Consecutive layers of the same kind (dense MLP or
-MoE, per HF's ``decoder_sparse_step`` / ``mlp_only_layers``) form one stack; the released
+A family (:mod:`mlir_train.families`) subclasses :class:`CausalLM` with its decoder layer
+(:meth:`CausalLM.make_layer`). Decoder layers are built stacked (every layer parameter has a
+leading ``"layers"`` axis) and run with ``jax.lax.scan``, so compile time does not grow with
+depth and the stack can later be split into pipeline stages along that axis. Consecutive layers
+of the same :class:`~mlir_train.config.models.LayerKind` (dense MLP or MoE, per HF's
+``decoder_sparse_step`` / ``mlp_only_layers``) form one stack (:class:`Stack`); the released
 Qwen3 models are a single stack.
 
 Calling convention::
@@ -30,66 +33,26 @@ losses formed from them.
 from __future__ import annotations
 
 import itertools
-import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlir_train.config.models import ModelConfig
-from mlir_train.model.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
+from mlir_train.config.models import LayerKind, ModelConfig
+from mlir_train.config.policies import LEGACY, RecomputePolicy
 from mlir_train.model.attention import SEGMENT_ID_IMPLS, attention_mask
-from mlir_train.model.layers import MLP, Attention, RMSNorm, param, rope_tables
-from mlir_train.model.moe.block import DEFAULT_EP_BUFFER_FACTOR, MoE
+from mlir_train.model.layers import RMSNorm, param, rope_tables
+from mlir_train.model.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
+from mlir_train.model.options import ModelOptions
 from mlir_train.model.recompute import checkpointed
-from mlir_train.config.policies import LEGACY, LoRAPolicy, RecomputePolicy
-from mlir_train.config.policies import RouterConfig
 from sharding import constrain
 from sharding.context import context_parallel_size, sequence_order
 
 REMAT_POLICIES = LEGACY  # the strings ``remat=`` still takes besides a RecomputePolicy
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, *, moe_impl: str, capacity_factor, drop_policy, dtype,
-                 moe_block_loop: bool | None = None, moe_platform: str | None = None, attention_impl: str = "xla",
-                 router: RouterConfig | None = None, recompute: RecomputePolicy = RecomputePolicy(),
-                 moe_kernels: str | None = None, lora=None,
-                 moe_ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR):
-        # Megatron scales the init of the two output projections by 1/sqrt(2 * num_layers).
-        out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, rngs, out_std, dtype, impl=attention_impl,
-                              recompute_core_attn=recompute.recomputes("core_attn"), lora=lora)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.is_moe = moe
-        # megatron-core's "moe" (the whole MoE layer) and "mlp" (a dense layer's MLP) modules.
-        self.recompute_mlp = recompute.recomputes("moe" if moe else "mlp")
-        self.recompute_norms = recompute.recomputes("layernorm")
-        if moe:
-            self.mlp = MoE(cfg, rngs, out_std, impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy,
-                           dtype=dtype, block_loop=moe_block_loop, platform=moe_platform, router=router,
-                           recompute_act=recompute.recomputes("moe_act"), block_kernels=moe_kernels, lora=lora,
-                           ep_buffer_factor=moe_ep_buffer_factor)
-        else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_std, rngs, dtype, lora=lora)
-
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_BTS, segment_ids_BT):
-        # The norms run inside their consumers, which make them output-discarding checkpoints
-        # under the "layernorm" recompute.
-        x_BTD = x_BTD + self.attn(x_BTD, cos_BTH, sin_BTH, mask_BTS, self.input_norm, self.recompute_norms)
-        x_BTD = constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
-        norm = (self.post_attn_norm, self.recompute_norms)
-        if self.is_moe:
-            y_BTD, stats = _call(self.mlp, self.recompute_mlp, x_BTD, segment_ids_BT != 0, segment_ids_BT, *norm)
-        else:
-            y_BTD, stats = _call(self.mlp, self.recompute_mlp, x_BTD, *norm), {}
-        x_BTD = constrain(x_BTD + y_BTD, ("act_batch", "act_res_seq", "act_embed"))
-        return x_BTD, stats
-
-
-def _call(module: nnx.Module, recompute: bool, *args):
+def call_checkpointed(module: nnx.Module, recompute: bool, *args):
     """``module(*args)``, as a normal checkpoint (its input kept, its insides recomputed in the
     backward) when ``recompute``."""
     if not recompute:
@@ -106,7 +69,7 @@ def _call(module: nnx.Module, recompute: bool, *args):
     return checkpointed(run, True)(state, *(args[i] for i in arrays))
 
 
-def _stacked(make, n: int, rngs: nnx.Rngs):
+def stacked(make, n: int, rngs: nnx.Rngs):
     """Build ``n`` layers as one module whose params have a leading "layers" axis."""
 
     @nnx.split_rngs(splits=n)
@@ -121,52 +84,59 @@ def _stacked(make, n: int, rngs: nnx.Rngs):
     return stack
 
 
-class Qwen3(nnx.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        rngs: nnx.Rngs,
-        param_dtype=jnp.float32,
-        moe_impl: str = "padded",
-        capacity_factor: float | None = None,
-        drop_policy: str = "probs",
-        remat: RecomputePolicy | str = "none",
-        moe_block_loop: bool | None = None,
-        moe_platform: str | None = None,
-        attention_impl: str = "xla",
-        router: RouterConfig | None = None,
-        moe_kernels: str | None = None,
-        lora: LoRAPolicy | None = None,
-        moe_ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR,
-    ):
+class Stack(NamedTuple):
+    """One stack of consecutive decoder layers of one kind: its first layer's index, its
+    length and its :class:`~mlir_train.config.models.LayerKind`."""
+
+    first: int
+    count: int
+    kind: LayerKind
+
+    @property
+    def moe(self) -> bool:
+        return self.kind.moe
+
+
+def layer_stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
+    """The stacks a model of ``cfg`` is built of: runs of consecutive layers of one kind."""
+    stacks, start = [], 0
+    for kind, group in itertools.groupby(cfg.layer_kinds()):
+        n = len(list(group))
+        stacks.append(Stack(start, n, kind))
+        start += n
+    return tuple(stacks)
+
+
+class CausalLM(nnx.Module):
+    """Embedding, the decoder layer stacks, the final norm and the LM head of ``cfg``, built as
+    ``options`` (:class:`~mlir_train.model.options.ModelOptions`) say. A family supplies its
+    decoder layer by overriding :meth:`make_layer`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, options: ModelOptions = ModelOptions()):
         self.cfg = cfg
-        self.lora = lora  # LoRA adapters (mlir_train.model.lora) on the layers it targets; None: none
+        self.options = options
         # What the backward recomputes (mlir_train.model.recompute): the submodules' checkpoints
         # are built into the layers, the layer-level ones are run_stack's.
-        self.remat = RecomputePolicy.of(remat)
-        self.remat.check_chunks([cfg.num_layers], "model")
-        self.attention_impl = attention_impl
-        d, v = cfg.hidden_size, cfg.vocab_size
-        self.embed = param(rngs, (v, d), ("vocab", "embed"), cfg.init_std, param_dtype)
-        layers = []
-        start = 0
-        kinds = []
-        for is_moe, group in itertools.groupby(cfg.layer_kinds()):
-            n = len(list(group))
-            make = lambda r, is_moe=is_moe: DecoderLayer(
-                cfg, is_moe, r, moe_impl=moe_impl, capacity_factor=capacity_factor, drop_policy=drop_policy, dtype=param_dtype,
-                moe_block_loop=moe_block_loop, moe_platform=moe_platform, attention_impl=attention_impl,
-                router=router, recompute=self.remat, moe_kernels=moe_kernels, lora=lora,
-                moe_ep_buffer_factor=moe_ep_buffer_factor,
-            )
-            layers.append(_stacked(make, n, rngs))
-            kinds.append((start, n, is_moe))
-            start += n
-        self.stack_kinds = tuple(kinds)  # (first layer, count, is_moe) per stack
-        self.layers = nnx.List(layers)
-        self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=param_dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg.init_std, param_dtype)
+        options.remat.check_chunks([cfg.num_layers], "model")
+        d, v, dtype = cfg.hidden_size, cfg.vocab_size, options.param_dtype
+        self.embed = param(rngs, (v, d), ("vocab", "embed"), cfg.init_std, dtype)
+        self.stack_kinds = layer_stacks(cfg)
+        self.layers = nnx.List([stacked(lambda r, kind=s.kind: self.make_layer(kind, r), s.count, rngs)
+                                for s in self.stack_kinds])
+        self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg.init_std, dtype)
+
+    def make_layer(self, kind: LayerKind, rngs: nnx.Rngs) -> nnx.Module:
+        """One decoder layer of ``kind``: ``layer(x_BTD, *self.layer_context(...)) -> (x_BTD, stats)``."""
+        raise NotImplementedError(f"{type(self).__name__} builds no decoder layers")
+
+    @property
+    def remat(self) -> RecomputePolicy:
+        return self.options.remat
+
+    @property
+    def attention_impl(self) -> str:
+        return self.options.attention_impl
 
     # ----- pieces, exposed for the trainer's loss and for pipeline stages ----------------------
     def embed_tokens(self, input_ids_BT: jax.Array) -> jax.Array:
@@ -221,8 +191,8 @@ class Qwen3(nnx.Module):
         context = self.layer_context(segment_ids, positions)
         x_BTD = self.embed_tokens(input_ids_BT)
         stats: list[dict[str, jax.Array]] = []
-        for stack, (first, _, _) in zip(self.layers, self.stack_kinds):
-            x_BTD, s = run_stack(stack, x_BTD, context, self.remat, offsets=(first,))
+        for stack, kinds in zip(self.layers, self.stack_kinds):
+            x_BTD, s = run_stack(stack, x_BTD, context, self.remat, offsets=(kinds.first,))
             if s:
                 stats.append(s)
         router_stats = {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]} if stats else {}
@@ -312,15 +282,18 @@ def logical_axes(model: nnx.Module) -> Any:
     )
 
 
-def init_model(cfg: ModelConfig, *, seed: int = 0, shardings: Any = None, **model_kwargs: Any) -> Qwen3:
-    """Fresh model with parameters created by one compiled program, born in ``shardings``.
+def init_model(cfg: ModelConfig, model_class, *, seed: int = 0, shardings: Any = None,
+               options: ModelOptions = ModelOptions()) -> CausalLM:
+    """Fresh ``model_class`` (a :class:`CausalLM` subclass, e.g.
+    :func:`mlir_train.families.model_class` of ``cfg``) with parameters created by one compiled
+    program, born in ``shardings``.
 
     ``shardings`` is a tree like ``nnx.state(model)`` of ``jax.sharding.Sharding`` (or None
     for the default device). Building eagerly would run thousands of tiny ops one at a time
     and, with a mesh, place every full parameter on one device first.
     """
-    def build() -> Qwen3:
-        return Qwen3(cfg, rngs=nnx.Rngs(seed), **model_kwargs)
+    def build() -> CausalLM:
+        return model_class(cfg, rngs=nnx.Rngs(seed), options=options)
 
     graphdef, _ = nnx.split(nnx.eval_shape(build))
     state = jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)()

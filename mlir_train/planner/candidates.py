@@ -63,7 +63,9 @@ def candidate_layouts(run_cfg, num_devices: int) -> list[Candidate]:
     parallelism of 1, 2, 4 or 8 ranks; DP is what is left (EP is carved out of CP x DP). A given
     --expert-tensor-parallel-size is kept for every candidate (EP then ranges over what ETP x EP
     leaves of a stage's ranks: folding)."""
-    cfg = run_cfg.model.model_config(None)
+    from mlir_train import families  # imports jax: not at the planner's start-up
+
+    cfg = families.from_flags(run_cfg.model, None)
     etp = run_cfg.parallel.expert_tensor_parallel_size
     seq = run_cfg.data.seq_length or 0
     divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]

@@ -111,7 +111,7 @@ def activation_bytes(cfg, candidate: Candidate, *, micro_batch: int, seq: int, d
     of its ``2 R P - 1`` chunk items in flight (``Schedule.items_in_flight``)."""
     lay = candidate.layout
     x = _layer_bytes(cfg, candidate, micro_batch=micro_batch, seq=seq, dtype_bytes=dtype_bytes)
-    kinds = cfg.layer_kinds()
+    kinds = cfg.moe_layers()
     per_layer = [x.residual + x.attn + (x.moe if is_moe else x.dense) for is_moe in kinds]
     chunks = schedule.virtual if schedule is not None else 1
     n = max(schedule.stage_layers) if schedule is not None and schedule.stage_layers else len(per_layer) // (lay.pipeline * chunks)

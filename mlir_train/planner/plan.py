@@ -132,6 +132,7 @@ def _trainer(cfg: RunConfig, c: Candidate, num_devices: int, devices=None):
     kernels (MoE experts, attention) are the ones the mesh's platform selects."""
     import jax
 
+    from mlir_train import families
     from mlir_train.runtime.platform_setup import mesh_platform
     from mlir_train.train.build import resolve  # imports jax: not before _preset_devices
     from sharding.mesh import make_mesh
@@ -154,8 +155,8 @@ def _trainer(cfg: RunConfig, c: Candidate, num_devices: int, devices=None):
                       recompute_modules=policy.modules or None, moe_layer_recompute=False,
                       recompute_activations=False, lr=cfg.training.lr or 1e-5,
                       train_iters=cfg.training.train_iters or 1))
-    vocab = cfg.model.vocab_size or cfg.model.model_config(None).vocab_size
-    model_cfg = cfg.model.model_config(cfg.model.padded_vocab_size(vocab, lay.tensor))
+    vocab = cfg.model.vocab_size or families.from_flags(cfg.model, None).vocab_size
+    model_cfg = families.from_flags(cfg.model, cfg.model.padded_vocab_size(vocab, lay.tensor))
     platform = "cpu" if devices is None else mesh_platform(jax.sharding.Mesh(devices, ("all",)))
     run = resolve(cfg, model_cfg, num_devices=num_devices, platform=platform)
     mesh = make_mesh(run.parallel, devices=devices)
@@ -177,7 +178,7 @@ def plan_layout(cfg: RunConfig, c: Candidate, num_devices: int, *, memory_gb: fl
     except Exception as e:  # an invalid layout for this model / device count
         plan.error = str(e).splitlines()[0]
         return plan
-    plan.moe_impl = trainer.model_kwargs.get("moe_impl")
+    plan.moe_impl = trainer.options.moe_impl if model_cfg.is_moe else None
     state, batch = _estimate(plan, cfg, trainer, model_cfg, gbs, num_micro, peak_tflops, assumed_mfu)
     if compile_step:
         plan.compiler = f"XLA:GPU {target} (deviceless)" if devices is not None else "XLA:CPU"
@@ -373,6 +374,8 @@ def main(argv: list[str] | None = None) -> list[Plan]:
         raise ConfigError("--seq-length and --micro-batch-size are required")
     import jax
 
+    from mlir_train import families
+
     num_devices = cfg.extras.num_devices or jax.device_count()
     kind = DEVICE_KINDS[own.device_kind]
     memory_gb = own.device_memory_gb or kind.memory_bytes / GIB
@@ -386,7 +389,7 @@ def main(argv: list[str] | None = None) -> list[Plan]:
                           "(run it as python -m mlir_train.plan, which creates them)")
     common = dict(memory_gb=memory_gb, peak_tflops=peak, assumed_mfu=own.assumed_mfu, target=target, compiler_note=note,
                   hlo_dir=own.hlo_dir)
-    print(f"mlir-train plan: {cfg.model.model_config(None).name} on {num_devices} x {own.device_kind} ({memory_gb:.1f} GiB; "
+    print(f"mlir-train plan: {families.from_flags(cfg.model, None).name} on {num_devices} x {own.device_kind} ({memory_gb:.1f} GiB; "
           f"{kind.description}), seq {cfg.data.seq_length}, micro-batch {t.micro_batch_size}, global batch "
           f"{t.global_batch_size or 'micro x DP'}, {t.compute_dtype}")
     print(f"compiler: {f'XLA:GPU for {kind.description}, deviceless' if target else 'XLA:CPU'}"

@@ -301,15 +301,29 @@ def apply_platform_settings(env, platform: str | None = None, *, cpu_devices: in
     return PlatformSetup(platform, reason, tuple(applied), tuple(kept), compile_only, tuple(skipped))
 
 
-def mesh_platform(mesh) -> str:
-    """The platform of a mesh's devices ("cpu", "gpu", "tpu"). A mesh of compile-only XLA:GPU
-    devices built on a CPU host (:mod:`mlir_train.planner.targets`) is "gpu": what the program is
-    compiled for, not ``jax.default_backend()``."""
-    platforms = {d.platform for d in mesh.devices.flat}
+def platform_name(devices=None) -> str:
+    """The one name of a platform: "cpu", "gpu" or "tpu", for ``devices`` (a device, a mesh, or
+    devices; None: JAX's default devices). CUDA and ROCm devices are "gpu". A mesh of compile-only
+    XLA:GPU devices built on a CPU host (:mod:`mlir_train.planner.targets`) is "gpu": what the
+    program is compiled for, not ``jax.default_backend()``."""
+    if devices is None:
+        import jax
+
+        devices = jax.devices()[:1]
+    elif hasattr(devices, "devices") and hasattr(devices, "axis_names"):  # a mesh
+        devices = devices.devices.flat
+    elif hasattr(devices, "platform"):  # one device
+        devices = [devices]
+    platforms = {d.platform for d in devices}
     if len(platforms) != 1:
-        raise ValueError(f"a mesh over devices of several platforms: {sorted(platforms)}")
+        raise ValueError(f"devices of several platforms: {sorted(platforms)}")
     platform = platforms.pop()
     return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def mesh_platform(mesh) -> str:
+    """The platform a mesh's devices compile for (:func:`platform_name` of the mesh)."""
+    return platform_name(mesh)
 
 
 def compile_target(mesh):

@@ -20,8 +20,9 @@ import optax
 from mlir_train.config.flags import RunConfig
 from mlir_train.config.models import ModelConfig
 from mlir_train.config.sections import ParallelFlags, TrainingFlags
-from mlir_train.model import platform_model_kwargs
+from mlir_train.model import ModelOptions, kernel_options
 from mlir_train.runtime import log
+from mlir_train.runtime.platform_setup import platform_name
 from mlir_train.runtime.errors import ConfigError
 from mlir_train.train.optim import LossScaler, make_optimizer
 from mlir_train.train.pipeline.schedule import make_schedule
@@ -79,12 +80,12 @@ def loss_scaler_of(t: TrainingFlags) -> LossScaler | None:
 def build_trainer(model_cfg: ModelConfig, step: StepConfig | None = None,
                   optimizer: optax.GradientTransformation | None = None, layout: Layout | None = None,
                   mesh: jax.sharding.Mesh | None = None, *, loss_scaler: LossScaler | None = None,
-                  model_kwargs: dict[str, Any] | None = None) -> Trainer:
+                  options: ModelOptions = ModelOptions()) -> Trainer:
     """The :class:`~mlir_train.train.trainer.Trainer` of ``model_cfg``: ``step`` (default one
     micro-batch, fp32), ``optimizer`` (default ``optax.identity()``: no update, as for loading
     and converting weights), ``layout`` (default: one replica over every device) and ``mesh``
     (default: :func:`sharding.mesh.make_mesh` of the layout; a layout the devices cannot hold
-    is a ConfigError naming the flags)."""
+    is a ConfigError naming the flags); ``options``: how the model is built to run."""
     layout = layout if layout is not None else Layout()
     if mesh is None:
         try:
@@ -93,7 +94,7 @@ def build_trainer(model_cfg: ModelConfig, step: StepConfig | None = None,
             raise ConfigError(str(e)) from None
     return Trainer(model_cfg, step if step is not None else StepConfig(),
                    optimizer if optimizer is not None else optax.identity(), layout, mesh,
-                   loss_scaler=loss_scaler, model_kwargs=model_kwargs)
+                   loss_scaler=loss_scaler, options=options)
 
 
 # ----- the run ------------------------------------------------------------------------------------
@@ -128,27 +129,24 @@ class Run:
     def seq_length(self) -> int:
         return self.config.data.seq_length
 
-    def model_kwargs(self) -> dict[str, Any]:
-        """The model's constructor arguments: the platform's kernels (attention, MoE experts),
-        the recompute policy and, for MoE, the capacity and drop policy."""
+    def model_options(self) -> ModelOptions:
+        """How the model is built to run: the platform's kernels (attention, MoE experts), the
+        recompute policy, LoRA and, for MoE, the capacity, drop policy, router and EP buffers."""
         extras = self.config.extras
-        try:
-            kwargs = platform_model_kwargs(self.platform, is_moe=self.model.is_moe, context_parallel=self.parallel.context,
-                                           moe_backend=extras.moe_gemm_backend,
-                                           attention_backend=extras.attention_kernel)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        kwargs |= dict(remat=self.recompute)
-        if self.config.training.lora is not None:
-            kwargs |= dict(lora=self.config.training.lora)
+        options = ModelOptions(remat=self.recompute, lora=self.config.training.lora)
         if self.model.is_moe:
             m = self.config.moe
             if not extras.moe_ep_buffer_factor > 0:
                 raise ConfigError(f"--moe-ep-buffer-factor must be positive, got {extras.moe_ep_buffer_factor}")
-            kwargs |= dict(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy,
-                           router=m.router(self.model, self.parallel.expert),
-                           moe_ep_buffer_factor=extras.moe_ep_buffer_factor)
-        return kwargs
+            options = options.replace(capacity_factor=m.moe_expert_capacity_factor, drop_policy=m.moe_token_drop_policy,
+                                      router=m.router(self.model, self.parallel.expert),
+                                      ep_buffer_factor=extras.moe_ep_buffer_factor)
+        try:
+            return kernel_options(self.platform, is_moe=self.model.is_moe, context_parallel=self.parallel.context,
+                                  moe_backend=extras.moe_gemm_backend, attention_backend=extras.attention_kernel,
+                                  base=options)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def step_config(self):
         m = self.config.moe
@@ -165,12 +163,12 @@ class Run:
     def lr_schedule(self):
         return lr_schedule_of(self.config.training, self.global_batch_size)
 
-    def trainer(self, mesh=None, **model_overrides) -> Trainer:
+    def trainer(self, mesh=None, options: ModelOptions | None = None) -> Trainer:
         """The :class:`~mlir_train.train.trainer.Trainer` of this run on ``mesh`` (default: its own),
-        with ``model_overrides`` on top of :meth:`model_kwargs`."""
+        built with ``options`` (default :meth:`model_options`)."""
         t = self.config.training
         return build_trainer(self.model, self.step_config(), optimizer_of(t, self.lr_schedule()), self.parallel, mesh,
-                             loss_scaler=loss_scaler_of(t), model_kwargs=self.model_kwargs() | model_overrides)
+                             loss_scaler=loss_scaler_of(t), options=options or self.model_options())
 
 
 def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platform: str | None = None) -> Run:
@@ -215,7 +213,7 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
         log.info("--moe-router-num-groups without --moe-router-group-topk routes without groups "
                  "(as in Megatron)")
     if platform is None:  # the devices the default mesh is built from
-        platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
+        platform = platform_name()
     if parallel.context > 1 and platform == "gpu" and cfg.extras.attention_kernel == "auto":
         log.info(f"--context-parallel-size {parallel.context}: attention runs as XLA ops "
                  "(mlir_train.model.attention.blocked_attention: each rank's queries against the gathered row, one key "
@@ -226,5 +224,5 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
         raise ConfigError(f"--moe-gemm-backend {backend} runs the dropless block kernels; with "
                           "--moe-expert-capacity-factor use --moe-gemm-backend padded (or auto)")
     run = Run(cfg, model_cfg, parallel, gbs, num_micro, platform=platform)
-    run.model_kwargs()  # refuses a kernel choice this platform / layout cannot run, before anything compiles
+    run.model_options()  # refuses a kernel choice this platform / layout cannot run, before anything compiles
     return run

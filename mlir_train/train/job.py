@@ -83,7 +83,7 @@ def build_job(cfg: RunConfig, launched: float) -> Job:
         state = source.initial_state(trainer, cfg, loader)
     else:  # the base read through the same layout without adapters or optimizer state
         base_trainer = build_trainer(model_cfg, run.step_config(), None, run.parallel, trainer.mesh,
-                                     model_kwargs={k: v for k, v in trainer.model_kwargs.items() if k != "lora"})
+                                     options=trainer.options.plain())
         state = sources.lora_initial_state(trainer, base_trainer, cfg, loader, base, adapters)
     if cfg.extras.print_sharding:
         from mlir_train.train.sharding_report import sharding_report
@@ -128,7 +128,7 @@ def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokeniz
     pid, gbs = jax.process_index(), run.global_batch_size
     log_dir = lg.tensorboard_dir or os.path.join("runs", f"{model_cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     writer = MetricsWriter(log_dir, enabled=pid == 0, wandb_project=lg.wandb_project, wandb_name=lg.wandb_exp_name,
-                           wandb_dir=lg.wandb_save_dir, config=cfg.flat() | {"model": dataclasses.asdict(model_cfg)})
+                           wandb_dir=lg.wandb_save_dir, config=cfg.flat() | {"model": model_cfg.as_dict()})
     timers = Timers()
     flops_per_step = flops_lib.num_floating_point_operations(
         model_cfg, run.seq_length, gbs,

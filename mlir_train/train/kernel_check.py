@@ -42,12 +42,12 @@ REFERENCE_SCORES = 2**28
 @dataclasses.dataclass(frozen=True)
 class Fallback:
     """What a failed kernel is replaced by: ``flag value`` selects it on the command line (its
-    dest ``choice`` left at ``auto`` lets the check switch by itself), ``model_kwargs`` rebuild
-    the model with it."""
+    dest ``choice`` left at ``auto`` lets the check switch by itself), ``changes`` (ModelOptions
+    fields) rebuild the model with it."""
 
     flag: str
     value: str
-    model_kwargs: dict[str, Any]
+    changes: dict[str, Any]
     describe: str
 
     @property
@@ -298,7 +298,7 @@ def self_check(kernels: list[Kernel], shapes: Shapes, choices: Mapping[str, Any]
         (log or console.warning)(f"kernel self-check: {kernel.name} failed: {problem}; falling back to "
                                  f"{fb.describe} ({fb.flag} {fb.value} selects it; --no-kernel-self-check skips "
                                  "this check)")
-        overrides |= fb.model_kwargs
+        overrides |= fb.changes
     return overrides
 
 
@@ -318,10 +318,8 @@ def _agreed(failed: list[bool]) -> list[bool]:
 def checked_trainer(run, trainer, log: Callable[[str], None] | None = None):
     """``trainer`` after :func:`self_check` of what its model is built with at ``run``'s
     shapes, or the run's trainer rebuilt with the fallbacks of the kernels that failed."""
-    from flax import nnx
+    from mlir_train.families import build_model
 
-    from mlir_train.model import Qwen3
-
-    model = nnx.eval_shape(lambda: Qwen3(trainer.model_cfg, rngs=nnx.Rngs(0), **trainer.model_kwargs))
+    model = build_model(trainer.model_cfg, trainer.options, abstract=True)
     fallbacks = self_check(selected_by(model), Shapes.of_run(run), run.config.flat(), log)
-    return run.trainer(trainer.mesh, **trainer.model_kwargs | fallbacks) if fallbacks else trainer
+    return run.trainer(trainer.mesh, trainer.options.replace(**fallbacks)) if fallbacks else trainer

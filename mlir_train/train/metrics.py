@@ -112,7 +112,7 @@ def router_scalars(m: dict[str, Any], model_cfg, *, per_layer: bool = False) -> 
     # and went in a further round: computed exactly, counted so the factor can be sized.
     out["ep overflow rows"] = float(m["ep_overflow_rows"])
     if per_layer:
-        moe_layers = [i for i, is_moe in enumerate(model_cfg.layer_kinds()) if is_moe]
+        moe_layers = [i for i, is_moe in enumerate(model_cfg.moe_layers()) if is_moe]
         for name in ROUTER_LOSSES:
             for i, v in zip(moe_layers, np.asarray(m.get(f"{name} per layer", [])).tolist()):
                 out[f"moe/{name}_layer_{i}"] = float(v)

@@ -63,7 +63,8 @@ from mlir_train.model import losses
 from mlir_train.train import pipeline
 from mlir_train.config.models import ModelConfig
 from mlir_train.data.dataset import BATCH_KEYS
-from mlir_train.model import Qwen3, logical_axes
+from mlir_train.families import build_model
+from mlir_train.model import CausalLM, ModelOptions, logical_axes
 from mlir_train.model.lora import LoRAParam, folded
 from mlir_train.model.moe.router import updated_expert_bias
 from mlir_train.train.optim import LossScaler, global_norm, select_tree
@@ -167,20 +168,20 @@ class Trainer:
         mesh: jax.sharding.Mesh,
         *,
         loss_scaler: LossScaler | None = None,
-        model_kwargs: dict[str, Any] | None = None,
+        options: ModelOptions = ModelOptions(),
     ):
         if step_cfg.lm_loss_report not in ("objective", "token-mean"):
             raise ValueError(f"StepConfig.lm_loss_report {step_cfg.lm_loss_report!r}: 'objective' or 'token-mean'")
         self.model_cfg, self.step_cfg, self.optimizer = model_cfg, step_cfg, optimizer
         self.parallel, self.mesh, self.loss_scaler = parallel, mesh, loss_scaler
-        self.model_kwargs = dict(model_kwargs or {})
         if model_cfg.is_moe:
             # The router's balancing groups are the data-parallel ranks' micro-batches, the same
             # rows loss_token_weights groups the LM loss by (Megatron forms both per rank).
-            router = self.model_kwargs.get("router") or policies.RouterConfig()
-            self.model_kwargs["router"] = dataclasses.replace(router, balancing_rows=step_cfg.micro_batch_size)
+            router = options.router or policies.RouterConfig()
+            options = options.replace(router=dataclasses.replace(router, balancing_rows=step_cfg.micro_batch_size))
+        self.options = options
         self.rules = rules_for(parallel, model_dims(model_cfg))
-        abstract = nnx.eval_shape(lambda: Qwen3(model_cfg, rngs=nnx.Rngs(0), **self.model_kwargs))
+        abstract = build_model(model_cfg, options, abstract=True)
         self.schedule = None if parallel.pipeline == 1 else pipeline.make_schedule(
             model_cfg.num_layers, parallel.pipeline, kind=step_cfg.pipeline_schedule,
             layers_per_virtual_stage=step_cfg.layers_per_virtual_stage,
@@ -189,13 +190,11 @@ class Trainer:
         )
         self.graphdef, abstract_state = nnx.split(abstract)
         self.stack_kinds = abstract.stack_kinds
-        router_cfg = self.model_kwargs.get("router")
-        # The eval step's model: the same weights, routed as in evaluation (Sinkhorn balancing,
-        # like Megatron's, applies in training only).
-        self.eval_graphdef = self.graphdef
-        if model_cfg.is_moe and router_cfg is not None and router_cfg.sinkhorn:
-            eval_kwargs = self.model_kwargs | {"router": dataclasses.replace(router_cfg, training=False)}
-            self.eval_graphdef = nnx.split(nnx.eval_shape(lambda: Qwen3(model_cfg, rngs=nnx.Rngs(0), **eval_kwargs)))[0]
+        router_cfg = options.router
+        # The eval step's model: the same weights, routed as in evaluation (ModelOptions.for_eval).
+        eval_options = options.for_eval()
+        self.eval_graphdef = self.graphdef if eval_options is options else \
+            nnx.split(build_model(model_cfg, eval_options, abstract=True))[0]
         self.expert_bias = bool(model_cfg.is_moe and router_cfg is not None and router_cfg.enable_expert_bias)
         all_shapes = nnx.to_pure_dict(abstract_state)
         all_logical = nnx.to_pure_dict(logical_axes(abstract))
@@ -203,10 +202,10 @@ class Trainer:
             all_logical = pipeline.storage_axes(all_logical, abstract.stack_kinds, parallel.pipeline)
         all_specs = state_specs(parallel, all_shapes, all_logical, mesh, model_dims(model_cfg))
         named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        # LoRA (the model built with ``lora=``): only the adapters (LoRAParam) are trained, so
+        # LoRA (``options.lora``): only the adapters (LoRAParam) are trained, so
         # only they are "params" (float32 master, optimizer state, gradients); the rest is the
         # frozen base, held in the compute dtype in its storage layout, with no optimizer state.
-        self.lora = self.model_kwargs.get("lora")
+        self.lora = options.lora
         self.trainable = nnx.to_pure_dict(nnx.state(abstract, LoRAParam)) if self.lora is not None else all_shapes
         self.param_shapes = _select(all_shapes, self.trainable)
         self.logical = _select(all_logical, self.trainable)
@@ -268,15 +267,14 @@ class Trainer:
         """Fresh weights (Megatron's normal init with ``init_std``), born sharded: one compiled
         program creates every parameter directly in its master sharding (under LoRA the base in
         the compute dtype)."""
-        cfg, kwargs = self.model_cfg, self.model_kwargs
-        build = lambda: nnx.to_pure_dict(nnx.state(Qwen3(cfg, rngs=nnx.Rngs(seed), **kwargs)))
+        cfg, options = self.model_cfg, self.options
+        build = lambda: nnx.to_pure_dict(nnx.state(build_model(cfg, options, seed=seed)))
         with jax.set_mesh(self.mesh):
             if self.lora is None:
                 return self._wrap(jax.jit(build, out_shardings=self.master_shardings)())
             # The base as a plain model draws it from the seed (drawing the adapters in between would
             # give another base): the same weights a full run of this seed starts from.
-            plain = {k: v for k, v in kwargs.items() if k != "lora"}
-            build_base = lambda: nnx.to_pure_dict(nnx.state(Qwen3(cfg, rngs=nnx.Rngs(seed), **plain)))
+            build_base = lambda: nnx.to_pure_dict(nnx.state(build_model(cfg, options.plain(), seed=seed)))
             params, base = jax.jit(lambda: (self._split(build())[0], self._split(build_base(), cast=True)[1]),
                                    out_shardings=(self.master_shardings, self.base_shardings))()
         return self._wrap(params, base)
@@ -336,22 +334,21 @@ class Trainer:
     def _fresh_adapters(self, seed: int) -> Any:
         """Freshly initialised adapters alone (the base is not built: XLA drops what the
         output does not need)."""
-        cfg, kwargs = self.model_cfg, self.model_kwargs
-        build = lambda: _select(nnx.to_pure_dict(nnx.state(Qwen3(cfg, rngs=nnx.Rngs(seed), **kwargs))), self.trainable)
+        build = lambda: _select(nnx.to_pure_dict(nnx.state(build_model(self.model_cfg, self.options, seed=seed))),
+                                self.trainable)
         with jax.set_mesh(self.mesh):
             return jax.jit(build, out_shardings=self.master_shardings)()
 
-    def model(self, params: Any) -> Qwen3:
+    def model(self, params: Any) -> CausalLM:
         """The model of a full weights tree (:meth:`weights`)."""
         return nnx.merge(self.graphdef, params)
 
-    def export_model(self, state: dict[str, Any]) -> Qwen3:
+    def export_model(self, state: dict[str, Any]) -> CausalLM:
         """The model a state's weights describe, as a plain model: under LoRA the base with every
         adapter's update folded in (the merged model), else :meth:`model` of the params."""
         if self.lora is None:
             return self.model(state["params"])
-        kwargs = {k: v for k, v in self.model_kwargs.items() if k != "lora"}
-        graphdef = nnx.split(nnx.eval_shape(lambda: Qwen3(self.model_cfg, rngs=nnx.Rngs(0), **kwargs)))[0]
+        graphdef = nnx.split(build_model(self.model_cfg, self.options.plain(), abstract=True))[0]
         with jax.set_mesh(self.mesh):
             merged = jax.jit(lambda w: folded(w, self.lora.scaling))(self.weights(state))
         return nnx.merge(graphdef, merged)
@@ -403,9 +400,10 @@ class Trainer:
         """``params`` with every MoE stack's ``expert_bias`` moved by Megatron's
         ``get_updated_expert_bias`` from ``tokens_LE`` (the step's routed load, MoE layers in order)."""
         layers, first = dict(params["layers"]), 0
-        for i, (_, n, is_moe) in enumerate(self.stack_kinds):
-            if not is_moe:
+        for i, stack in enumerate(self.stack_kinds):
+            if not stack.moe:
                 continue
+            n = stack.count
             stack = dict(layers[i])
             mlp = dict(stack["mlp"])
             mlp["expert_bias"] = updated_expert_bias(mlp["expert_bias"], tokens_LE[first:first + n],
@@ -419,7 +417,7 @@ class Trainer:
         sc = self.step_cfg
         return pipeline.pipeline_loss(
             self.graphdef if graphdef is None else graphdef, self._to_compute(params, base), batch, schedule=self.schedule,
-            scale=scale, top_k=self.model_cfg.top_k, remat=self.model_kwargs.get("remat", "none"),
+            scale=scale, top_k=self.model_cfg.top_k, remat=self.options.remat,
             balancing=sc.load_balancing(),
         )
 
@@ -427,7 +425,7 @@ class Trainer:
         sc = self.step_cfg
         (objective, aux), grads = pipeline.pipeline_value_and_grad(
             self.graphdef, self._to_compute(params, base), batch, schedule=self.schedule,
-            scale=scale, top_k=self.model_cfg.top_k, remat=self.model_kwargs.get("remat", "none"),
+            scale=scale, top_k=self.model_cfg.top_k, remat=self.options.remat,
             balancing=sc.load_balancing(), trainable=None if self.lora is None else self.trainable,
         )
         # Under LoRA 1F1B differentiates the adapters alone (the frozen base is closed over: no
@@ -468,7 +466,7 @@ class Trainer:
             zeros = jax.tree.map(jnp.zeros_like, params)
             counts = None
             if self.model_cfg.is_moe and self.step_cfg.load_balancing().uses_global:
-                counts = jnp.zeros((sum(self.model_cfg.layer_kinds()), self.model_cfg.num_experts), jnp.float32)
+                counts = jnp.zeros((sum(self.model_cfg.moe_layers()), self.model_cfg.num_experts), jnp.float32)
             m = batch["input_ids"].shape[0]
             (grads, _), aux = jax.lax.scan(micro, (zeros, counts), (batch, jnp.arange(m)))
         elif self.schedule.kind == "1f1b":  # the schedule forms the gradients itself

@@ -15,9 +15,10 @@ import numpy as np
 import optax
 import pytest
 
+from mlir_train.model import ModelOptions
 from mlir_train import sft
 from mlir_train.checkpoint import orbax as checkpoint
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims
 from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh, validate
@@ -162,7 +163,7 @@ def make_trainer(tp=1, ep=1, dist=False, vocab=1024, **overrides):
                         global_batch_size=8, micro_batch_size=1, seq_length=64)
     mesh = make_mesh(parallel)
     optimizer = optax.adamw(optax.linear_schedule(1e-3, 0.0, 10))
-    return build_trainer(cfg, StepConfig(), optimizer, parallel, mesh, model_kwargs=dict(moe_impl="padded"))
+    return build_trainer(cfg, StepConfig(), optimizer, parallel, mesh, options=ModelOptions(moe_impl="padded"))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ from tests import mcore_cpu  # noqa: E402
 from mlir_train import convert, sft
 from mlir_train.checkpoint import megatron as mc  # noqa: E402
 from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER  # noqa: E402
-from mlir_train.model import Qwen3  # noqa: E402
+from mlir_train.families.qwen3 import Qwen3  # noqa: E402
+from mlir_train.model import ModelOptions  # noqa: E402
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("psutil")
@@ -72,7 +73,7 @@ def mcore_big(tmp_path_factory):
 
 
 def _abstract(cfg):
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), moe_impl="dense")))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), options=ModelOptions(moe_impl="dense"))))
     return graphdef, nnx.to_pure_dict(state)
 
 
@@ -420,7 +421,7 @@ def test_expert_tensor_parallel_above_tp_torch_dist(mcore_etp_over_tp):
 
 
 def test_legacy_writer_refuses_etp_above_tp(tmp_path):
-    from mlir_train.config.models import get_model_config
+    from mlir_train.families import get_model_config
     from sharding.layout import Layout
 
     cfg = get_model_config("qwen3-moe-tiny")
@@ -435,5 +436,5 @@ def test_mixed_dense_and_moe_layers(mcore_mixed, fmt):
     torch_dist such heterogeneous blocks are stored one tensor per layer, not stacked."""
     ref, tokens = _megatron_logits(mcore_mixed)
     _, cfg, graphdef, params = _load(os.path.join(mcore_mixed, fmt))
-    assert cfg.mlp_only_layers == (0, 3) and cfg.layer_kinds() == (False, True, True, False)
+    assert cfg.mlp_only_layers == (0, 3) and cfg.moe_layers() == (False, True, True, False)
     assert np.abs(_logits(graphdef, params, tokens) - ref).max() <= TOL

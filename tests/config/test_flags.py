@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 
+from mlir_train import families
 from mlir_train.config import cli
 from mlir_train.config import flag_table, flags, sections
 from mlir_train.runtime.errors import ConfigError
@@ -124,10 +125,10 @@ def test_pad_expert_input_to_capacity_needs_a_capacity(capsys):
 
 def test_untie_embeddings_gives_a_separate_lm_head():
     tied = cli.parse(["--model-name", "qwen3-0.6b"]).model
-    assert tied.model_config(None).tie_word_embeddings
-    untied = cli.parse(["--model-name", "qwen3-0.6b", "--untie-embeddings-and-output-weights"]).model.model_config(None)
+    assert families.from_flags(tied, None).tie_word_embeddings
+    untied = families.from_flags(cli.parse(["--model-name", "qwen3-0.6b", "--untie-embeddings-and-output-weights"]).model, None)
     assert not untied.tie_word_embeddings
-    assert untied.num_params() - tied.model_config(None).num_params() == untied.vocab_size * untied.hidden_size
+    assert untied.num_params() - families.from_flags(tied, None).num_params() == untied.vocab_size * untied.hidden_size
 
 
 def test_tokenizer_model_is_the_tokenizer_path():
@@ -204,18 +205,18 @@ def test_readme_flag_table_is_the_generated_one():
 def test_num_devices_builds_the_run_on_the_first_n_devices():
     cfg = cli.parse(["--num-devices", "4", "--micro-batch-size", "1", "--seq-length", "16", "--lr", "1e-3",
                      "--train-iters", "1", "--tensor-model-parallel-size", "2"])
-    run = build.resolve(cfg, cfg.model.model_config(256), num_devices=cfg.extras.num_devices)
+    run = build.resolve(cfg, families.from_flags(cfg.model, 256), num_devices=cfg.extras.num_devices)
     assert run.parallel.data_parallel == 2 and run.global_batch_size == 2
     assert run.trainer().mesh.devices.size == 4
     with pytest.raises(ConfigError, match="devices"):
         too_many = cfg.replace(extras={"num_devices": 64})
-        build.resolve(too_many, cfg.model.model_config(256), num_devices=64).trainer()
+        build.resolve(too_many, families.from_flags(cfg.model, 256), num_devices=64).trainer()
 
 
 def test_pipeline_flags_reach_the_step_config(capsys):
     """--pipeline-schedule and the uneven-stage flags go into the StepConfig; the uneven flags
     need PP > 1 (refused naming them), and --pipeline-schedule without PP says it does nothing."""
-    from mlir_train.config.models import get_model_config
+    from mlir_train.families import get_model_config
 
     model = get_model_config("qwen3-moe-tiny", num_layers=4)
     cfg = cli.parse(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe",
@@ -235,12 +236,12 @@ def test_pipeline_flags_reach_the_step_config(capsys):
 
 
 def test_moe_layer_freq_sets_the_model_layers():
-    kinds = cli.parse(["--num-layers", "4", "--moe-layer-freq", "([0]+[1]*3)"]).model.model_config(None).layer_kinds()
+    kinds = families.from_flags(cli.parse(["--num-layers", "4", "--moe-layer-freq", "([0]+[1]*3)"]).model, None).moe_layers()
     assert kinds == (False, True, True, True)
-    assert cli.parse(["--num-layers", "4", "--moe-layer-freq", "2"]).model.model_config(None).layer_kinds() == (
+    assert families.from_flags(cli.parse(["--num-layers", "4", "--moe-layer-freq", "2"]).model, None).moe_layers() == (
         True, False, True, False)
     with pytest.raises(ConfigError, match="--moe-layer-freq"):
-        cli.parse(["--num-layers", "4", "--moe-layer-freq", "[1,0]"]).model.model_config(None)
+        families.from_flags(cli.parse(["--num-layers", "4", "--moe-layer-freq", "[1,0]"]).model, None)
 
 
 def test_num_virtual_stages_is_the_other_spelling_of_layers_per_virtual_stage():
@@ -250,7 +251,7 @@ def test_num_virtual_stages_is_the_other_spelling_of_layers_per_virtual_stage():
 
     def step(*extra):
         cfg = cli.parse(base + list(extra))
-        return build.resolve(cfg, cfg.model.model_config(256), num_devices=8).step_config()
+        return build.resolve(cfg, families.from_flags(cfg.model, 256), num_devices=8).step_config()
 
     assert step("--num-virtual-stages-per-pipeline-rank", "2").layers_per_virtual_stage == 2
     assert (step("--num-virtual-stages-per-pipeline-rank", "2").layers_per_virtual_stage

@@ -92,13 +92,13 @@ def test_under_data_and_tensor_parallelism():
 
 
 def test_flag_selects_it_and_refuses_context_parallelism_and_cpu():
-    from mlir_train.model.kernels import platform_model_kwargs
+    from mlir_train.model import kernel_options
 
-    assert platform_model_kwargs("gpu", is_moe=False, attention_backend="mlir")["attention_impl"] == "docs-flash"
+    assert kernel_options("gpu", is_moe=False, attention_backend="mlir").attention_impl == "docs-flash"
     with pytest.raises(ValueError, match="--attention-kernel mlir does not run with --context-parallel-size"):
-        platform_model_kwargs("gpu", is_moe=False, attention_backend="mlir", context_parallel=2)
+        kernel_options("gpu", is_moe=False, attention_backend="mlir", context_parallel=2)
     with pytest.raises(ValueError, match="--attention-kernel mlir: a GPU kernel"):
-        platform_model_kwargs("cpu", is_moe=False, attention_backend="mlir")
+        kernel_options("cpu", is_moe=False, attention_backend="mlir")
     from mlir_train.train.kernel_check import ATTENTION_KERNELS, FALLBACKS
 
     assert "docs-flash" in ATTENTION_KERNELS and FALLBACKS["docs-flash"].value == "xla"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlir_train.config.models import MODELS
+from mlir_train.families.qwen3 import MODELS
 from mlir_train.model.flops import (
     device_peak_tflops,
     flops_per_token,

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.data import load_tokenizer
 from mlir_train.data.config import DEFAULT_TOKENIZER
 from mlir_train.model.generate import generate
-from mlir_train.model import init_model, logical_axes
+from mlir_train.families import init_model
+from mlir_train.model import ModelOptions, logical_axes
 
 TINY = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2)
 PROMPTS = [[5, 17, 300, 42, 7, 99, 1, 250], [3], [400, 401, 402, 11]]

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlir_train.config.models import get_model_config
-from mlir_train.model import platform_model_kwargs
+from mlir_train.families import get_model_config
+from mlir_train.model import ModelOptions, kernel_options
 from mlir_train.model.moe import dispatch as moe_dispatch
 from mlir_train.model.moe import experts as moe_experts
 from mlir_train.model.attention import attention_mask, masked_attention
@@ -23,14 +23,13 @@ def _tokamax():
 
 # ----- flags ------------------------------------------------------------------------------------
 def test_auto_keeps_todays_choices():
-    assert platform_model_kwargs("cpu", is_moe=True) == {"attention_impl": "xla", "moe_impl": "padded",
-                                                         "moe_platform": "cpu"}
-    gpu = platform_model_kwargs("gpu", is_moe=True)
-    assert gpu["moe_impl"] == "grouped" and "moe_kernels" not in gpu and gpu["attention_impl"] == "flash"
-    assert platform_model_kwargs("gpu", is_moe=False, context_parallel=2) == {"attention_impl": "xla"}
-    assert platform_model_kwargs("gpu", is_moe=True, moe_backend="tokamax", attention_backend="pallas-mha") == {
-        "attention_impl": "flash", "moe_impl": "grouped", "moe_platform": "gpu", "moe_kernels": "tokamax"}
-    assert platform_model_kwargs("gpu", is_moe=True, moe_backend="padded")["moe_impl"] == "padded"
+    assert kernel_options("cpu", is_moe=True) == ModelOptions(attention_impl="xla", moe_impl="padded", moe_platform="cpu")
+    gpu = kernel_options("gpu", is_moe=True)
+    assert gpu.moe_impl == "grouped" and gpu.moe_kernels is None and gpu.attention_impl == "flash"
+    assert kernel_options("gpu", is_moe=False, context_parallel=2) == ModelOptions(attention_impl="xla")
+    assert kernel_options("gpu", is_moe=True, moe_backend="tokamax", attention_backend="pallas-mha") == ModelOptions(
+        attention_impl="flash", moe_impl="grouped", moe_platform="gpu", moe_kernels="tokamax")
+    assert kernel_options("gpu", is_moe=True, moe_backend="padded").moe_impl == "padded"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -42,7 +41,7 @@ def test_auto_keeps_todays_choices():
 ])
 def test_refusals_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        platform_model_kwargs(kwargs.pop("platform"), is_moe=True, **kwargs)
+        kernel_options(kwargs.pop("platform"), is_moe=True, **kwargs)
 
 
 def test_cli_parses_and_refuses_before_compiling():

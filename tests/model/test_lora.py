@@ -21,7 +21,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 from mlir_train.checkpoint.hf import load_pretrained
 from mlir_train.checkpoint.peft import load_adapters, save_adapters, to_peft
 from mlir_train.config.policies import LoRAPolicy
-from mlir_train.model import Qwen3, losses
+from mlir_train.families.qwen3 import Qwen3
+from mlir_train.model import ModelOptions, losses
 from mlir_train.model.lora import LoRAParam
 from mlir_train.runtime.errors import ConfigError
 from tests.helpers import perturb_torch
@@ -55,7 +56,7 @@ def hf_models(tmp_path_factory):
 def _lora_model(path: str, policy: LoRAPolicy, seed: int):
     """Our model of the HF directory with random adapters (B too, so the update is not zero)."""
     base = load_pretrained(path, dtype=jnp.float32)
-    model = Qwen3(base.cfg, rngs=nnx.Rngs(0), lora=policy)
+    model = Qwen3(base.cfg, rngs=nnx.Rngs(0), options=ModelOptions(lora=policy))
     nnx.update(model, nnx.state(base, nnx.Param))
     adapters = nnx.state(model, LoRAParam)
     leaves, tree = jax.tree.flatten(adapters)

@@ -7,8 +7,12 @@ import pytest
 import torch
 from flax import nnx
 
-from mlir_train.config.models import MODELS, ModelConfig, get_model_config
-from mlir_train.model import Qwen3, init_model, logical_axes
+from mlir_train.config.models import ModelConfig
+from mlir_train.families import from_hf_config, get_model_config
+from mlir_train.families.qwen3 import MODELS
+from mlir_train.families import init_model
+from mlir_train.families.qwen3 import Qwen3
+from mlir_train.model import ModelOptions, logical_axes
 from mlir_train.model.layers import apply_rope, rope_tables
 from sharding.rules import LOGICAL_AXES
 
@@ -36,8 +40,8 @@ def test_fast_moe_paths_equal_reference(impl):
     extra = {"moe_block_loop": True} if impl == "padded-loop" else {}
     ids = _tokens()
     seg = jnp.asarray(np.array([[1] * 20 + [2] * 8 + [0] * 4, [1] * 32]), jnp.int32)
-    ref = _loss_and_grads(init_model(TINY, moe_impl="dense"), ids, seg)
-    got = _loss_and_grads(init_model(TINY, moe_impl=impl.split("-")[0], **extra), ids, seg)
+    ref = _loss_and_grads(init_model(TINY, options=ModelOptions(moe_impl="dense")), ids, seg)
+    got = _loss_and_grads(init_model(TINY, options=ModelOptions(moe_impl=impl.split("-")[0], **extra)), ids, seg)
     np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
@@ -46,8 +50,8 @@ def test_fast_moe_paths_equal_reference(impl):
 def test_padded_dropless_on_a_few_tokens_equals_reference():
     # Decoding-sized inputs take the [E, S, D] buffer instead of the blocked layout.
     ids = _tokens(b=1, t=3)
-    ref = _loss_and_grads(init_model(TINY, moe_impl="dense"), ids)
-    got = _loss_and_grads(init_model(TINY, moe_impl="padded"), ids)
+    ref = _loss_and_grads(init_model(TINY, options=ModelOptions(moe_impl="dense")), ids)
+    got = _loss_and_grads(init_model(TINY, options=ModelOptions(moe_impl="padded")), ids)
     np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
@@ -56,8 +60,8 @@ def test_padded_dropless_on_a_few_tokens_equals_reference():
 def test_padded_dropless_survives_the_most_unbalanced_routing():
     # Route every token to the same two experts: the blocked layout's static block count
     # must still hold them all (nothing dropped) and give the reference's output.
-    model = init_model(TINY, moe_impl="padded")
-    ref = init_model(TINY, moe_impl="dense")
+    model = init_model(TINY, options=ModelOptions(moe_impl="padded"))
+    ref = init_model(TINY, options=ModelOptions(moe_impl="dense"))
     for m in (model, ref):
         for stack in m.layers:
             # A zero router ties all experts; top_k then picks experts 0 and 1 for every token.
@@ -71,7 +75,7 @@ def test_padded_dropless_survives_the_most_unbalanced_routing():
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_capacity_factor_drops_and_counts(policy):
-    model = init_model(TINY, moe_impl="padded", capacity_factor=0.5, drop_policy=policy)
+    model = init_model(TINY, options=ModelOptions(moe_impl="padded", capacity_factor=0.5, drop_policy=policy))
     _, stats = model(_tokens(), return_router_stats=True)
     k, e = TINY.top_k, TINY.num_experts
     capacity = int(np.ceil(0.5 * 64 * k / e))
@@ -85,7 +89,7 @@ def test_capacity_factor_drops_and_counts(policy):
 def test_remat_policies_do_not_change_gradients(remat):
     ids = _tokens(seed=2)
     ref = _loss_and_grads(init_model(TINY), ids)
-    got = _loss_and_grads(init_model(TINY, remat=remat), ids)
+    got = _loss_and_grads(init_model(TINY, options=ModelOptions(remat=remat)), ids)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 
@@ -115,9 +119,9 @@ def test_layers_are_scanned_not_unrolled():
 
 def test_mixed_dense_and_moe_layers_follow_hf_rules():
     cfg = TINY.replace(num_layers=6, decoder_sparse_step=2, mlp_only_layers=(3,))
-    assert cfg.layer_kinds() == (False, True, False, False, False, True)
+    assert cfg.moe_layers() == (False, True, False, False, False, True)
     model = init_model(cfg)
-    assert model.stack_kinds == ((0, 1, False), (1, 1, True), (2, 3, False), (5, 1, True))
+    assert [(s.first, s.count, s.moe) for s in model.stack_kinds] == [(0, 1, False), (1, 1, True), (2, 3, False), (5, 1, True)]
     _, stats = model(_tokens(), return_router_stats=True)
     assert stats["tokens_per_expert"].shape == (2, TINY.num_experts)
 
@@ -128,7 +132,7 @@ def test_rope_linear_interpolation_matches_hf():
 
     hf_cfg = Qwen3Config(head_dim=16, hidden_size=64, num_attention_heads=4, rope_theta=1e6,
                          rope_scaling={"rope_type": "linear", "factor": 4.0})
-    cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict())
+    cfg = from_hf_config(hf_cfg.to_dict())
     assert cfg.rope_scaling_factor == 4.0 and cfg.rope_theta == 1e6
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 4, 10, 16)).astype(np.float32)  # HF layout [B, N, T, H]

@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 import sharding
-from mlir_train.config.models import get_model_config
+from mlir_train.model import ModelOptions
+from mlir_train.families import get_model_config
 from mlir_train.model.moe import block as moe_lib
 from mlir_train.model.moe import dispatch as moe_dispatch
 from mlir_train.model.moe import experts as moe_experts
@@ -101,11 +102,11 @@ def test_grouped_platform_choice():
     assert _block(impl="grouped", platform="gpu").plan.ragged_all_to_all is jax.lax.ragged_all_to_all
     assert _block(impl="grouped", platform="cpu").plan.ragged_all_to_all is None
     assert moe_lib.DEFAULT_MOE_IMPL["gpu"] == "grouped"
-    from mlir_train.model import platform_model_kwargs
+    from mlir_train.model import kernel_options
 
-    assert platform_model_kwargs("gpu", is_moe=True) == {"attention_impl": "flash", "moe_impl": "grouped", "moe_platform": "gpu"}
-    assert platform_model_kwargs("cpu", is_moe=True) == {"attention_impl": "xla", "moe_impl": "padded", "moe_platform": "cpu"}
-    assert platform_model_kwargs("cpu", is_moe=False) == {"attention_impl": "xla"}
+    assert kernel_options("gpu", is_moe=True) == ModelOptions(attention_impl="flash", moe_impl="grouped", moe_platform="gpu")
+    assert kernel_options("cpu", is_moe=True) == ModelOptions(attention_impl="xla", moe_impl="padded", moe_platform="cpu")
+    assert kernel_options("cpu", is_moe=False) == ModelOptions(attention_impl="xla")
 
 
 def _interpret():

@@ -18,8 +18,9 @@ from flax import nnx
 from mlir_train.config import cli
 from mlir_train.runtime.errors import ConfigError
 from mlir_train.train import build
-from mlir_train.config.models import get_model_config
-from mlir_train.model import init_model
+from mlir_train.families import get_model_config
+from mlir_train.families import init_model
+from mlir_train.model import ModelOptions
 from mlir_train.config.policies import RecomputePolicy
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
@@ -50,9 +51,9 @@ def selective(*modules):
     return RecomputePolicy("selective", modules=modules)
 
 
-def _loss_and_grad(cfg, policy, rows, seq, **model_kwargs):
+def _loss_and_grad(cfg, policy, rows, seq, **options):
     """The jitted value-and-grad of a loss over logits and router statistics, and its inputs."""
-    model = init_model(cfg, remat=policy, **model_kwargs)
+    model = init_model(cfg, options=ModelOptions(remat=policy, **options))
     graphdef, state = nnx.split(model)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (rows, seq)), jnp.int32)
     seg = jnp.asarray(np.repeat([[1] * (seq // 2) + [2] * (seq // 4) + [0] * (seq - seq // 2 - seq // 4)], rows, 0))
@@ -141,7 +142,7 @@ def _pipeline_step(parallel, policy, cfg=MOE, compile_only=False, **step):
     mesh = make_mesh(parallel, devices=jax.devices()[:parallel.num_devices])
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=1e-3, train_iters=10), weight_decay=0.1, clip_grad=1.0)
     step_cfg = StepConfig(num_micro_batches=PP_MICRO, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, micro_batch_size=2, **step)
-    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh, model_kwargs=dict(remat=policy))
+    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh, options=ModelOptions(remat=policy))
     shape = (PP_MICRO, PP_ROWS // PP_MICRO, PP_SEQ)
     if compile_only:
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
@@ -223,11 +224,14 @@ def test_pieces_follow_megatrons_layer_positions():
 
 def test_stage_program_records_where_each_run_starts():
     """A mixed dense/MoE pipeline: the offsets the recompute method counts from, per segment."""
+    from mlir_train.config.models import LayerKind
+    from mlir_train.model import Stack
     from mlir_train.train.pipeline import make_schedule, stage_program
 
     schedule = make_schedule(8, 2)  # layers 0-3 on stage 0, 4-7 on stage 1
     # kinds: dense, dense, moe x 3, dense x 3 -> stage 0 = [d d][m m], stage 1 = [m][d d d]
-    program = stage_program(schedule, ((0, 2, False), (2, 3, True), (5, 3, False)))
+    dense, moe = LayerKind(moe=False), LayerKind(moe=True)
+    program = stage_program(schedule, (Stack(0, 2, dense), Stack(2, 3, moe), Stack(5, 3, dense)))
     # stage 1's MoE run starts its chunk (position 0), stage 0's at position 2
     assert [(seg.is_moe, seg.offsets) for seg in program] == [(False, (0,)), (True, (0, 2)), (False, (1,))]
 

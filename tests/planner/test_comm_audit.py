@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.planner import comm, hlo, roofline
 from mlir_train.planner.targets import DEVICE_KINDS
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from mlir_train.planner.targets import DEVICE_KINDS
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.planner.hlo import matmul_flops
 from mlir_train.planner.moe_audit import audit_moe_layer, compile_without_cache
 from sharding import Layout
@@ -98,10 +98,10 @@ def test_flash_attention_compiles_and_skips_the_masked_half(h200_devices):
 
 @pytest.mark.slow
 def test_train_step_with_gpu_kernels_compiles_for_h200(h200_devices):
-    """The whole Trainer step (scanned layers, optimizer) with the kernels platform_model_kwargs
+    """The whole Trainer step (scanned layers, optimizer) with the kernels kernel_options
     picks for GPU compiles for 8 x H200 under EP4xTP2: 9 MoE kernel calls per MoE layer (~60 s). (The
     kernels want expert widths per tensor rank that are multiples of 64: F 128 here.)"""
-    from mlir_train.model import platform_model_kwargs
+    from mlir_train.model import kernel_options
     from mlir_train.train.optim import make_optimizer
     from mlir_train.train.build import build_trainer
     from mlir_train.train.trainer import BATCH_KEYS, StepConfig
@@ -112,7 +112,7 @@ def test_train_step_with_gpu_kernels_compiles_for_h200(h200_devices):
     parallel = Layout(expert=4, tensor=2, num_devices=8)
     trainer = build_trainer(cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"), make_optimizer(lr_schedule=1e-4, weight_decay=0.1),
                       parallel, make_mesh(parallel, devices=h200_devices),
-                      model_kwargs=platform_model_kwargs("gpu", is_moe=True))
+                      options=kernel_options("gpu", is_moe=True))
     batch = {k: jax.ShapeDtypeStruct((1, 4, 128), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding) for k in BATCH_KEYS}
     compiled = compile_without_cache(trainer.lower_train_step(trainer.abstract_state(), batch))
@@ -143,11 +143,11 @@ def _kernel_calls(hlo: str) -> dict[str, int]:
 
 
 def test_train_step_calls_the_gpu_kernels_without_fallback(h200_devices):
-    """One H200, one MoE layer, the Trainer's whole step with the kernels platform_model_kwargs
+    """One H200, one MoE layer, the Trainer's whole step with the kernels kernel_options
     picks for GPU: per layer 6 block matmuls (3 forward, 3 input gradients) and 3 weight-gradient
     kernels, the attention's forward and backward Triton kernels, and no ragged-dot (XLA's
     dense-over-every-expert path) anywhere: nothing fell back (~15 s)."""
-    from mlir_train.model import platform_model_kwargs
+    from mlir_train.model import kernel_options
     from mlir_train.train.optim import make_optimizer
     from mlir_train.train.build import build_trainer
     from mlir_train.train.trainer import BATCH_KEYS, StepConfig
@@ -157,7 +157,7 @@ def test_train_step_calls_the_gpu_kernels_without_fallback(h200_devices):
     parallel = Layout(num_devices=1)
     trainer = build_trainer(cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"), make_optimizer(lr_schedule=1e-4, weight_decay=0.1),
                       parallel, make_mesh(parallel, devices=h200_devices[:1]),
-                      model_kwargs=platform_model_kwargs("gpu", is_moe=True))
+                      options=kernel_options("gpu", is_moe=True))
     batch = {k: jax.ShapeDtypeStruct((1, 2, 256), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding) for k in BATCH_KEYS}
     hlo = compile_without_cache(trainer.lower_train_step(trainer.abstract_state(), batch)).as_text()

@@ -17,8 +17,8 @@ from mlir_train.planner import hlo as hlo_stats
 from mlir_train.runtime import platform_setup
 from mlir_train.planner import plan
 from mlir_train.planner import targets
-from mlir_train.config.models import get_model_config
-from mlir_train.model.kernels import platform_model_kwargs
+from mlir_train.families import get_model_config
+from mlir_train.model import kernel_options
 from mlir_train.model.moe.block import DEFAULT_MOE_IMPL
 from tests.helpers import GPU_MISSING, run_planner
 
@@ -196,7 +196,7 @@ def test_gpu_flags_this_jaxlib_lacks_are_left_out(monkeypatch):
 def test_cpu_mesh_gets_the_cpu_moe_path():
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     assert platform_setup.mesh_platform(mesh) == "cpu"
-    assert platform_model_kwargs(platform_setup.mesh_platform(mesh), is_moe=True)["moe_impl"] == DEFAULT_MOE_IMPL["cpu"]
+    assert kernel_options(platform_setup.mesh_platform(mesh), is_moe=True).moe_impl == DEFAULT_MOE_IMPL["cpu"]
 
 
 def test_planner_without_a_gpu_target_says_so():
@@ -218,7 +218,7 @@ def test_gpu_mesh_gets_the_gpu_moe_path_from_a_cpu_host():
     devices = targets.compile_only_devices("h200", 8)
     mesh = Mesh(np.array(devices).reshape(2, 4), ("data", "expert"))
     assert platform_setup.mesh_platform(mesh) == "gpu"
-    assert platform_model_kwargs(platform_setup.mesh_platform(mesh), is_moe=True)["moe_impl"] == DEFAULT_MOE_IMPL["gpu"]
+    assert kernel_options(platform_setup.mesh_platform(mesh), is_moe=True).moe_impl == DEFAULT_MOE_IMPL["gpu"]
     assert DEFAULT_MOE_IMPL["gpu"] != DEFAULT_MOE_IMPL["cpu"]
 
 

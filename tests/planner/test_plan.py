@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.planner.candidates import candidate, candidate_layouts
 from mlir_train.planner.estimate import activation_bytes
 from mlir_train.planner.targets import GIB, USABLE_FRACTION

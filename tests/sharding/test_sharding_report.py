@@ -5,7 +5,7 @@ import math
 import jax
 import pytest
 
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.train.sharding_report import sharding_report
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.trainer import StepConfig, Trainer

@@ -149,10 +149,10 @@ def test_seq_length_is_checked_as_megatron_does():
 
 
 def test_flash_attention_is_not_picked_under_context_parallelism():
-    from mlir_train.model import platform_model_kwargs
+    from mlir_train.model import kernel_options
 
-    assert platform_model_kwargs("gpu", is_moe=False)["attention_impl"] == "flash"
-    assert platform_model_kwargs("gpu", is_moe=False, context_parallel=2)["attention_impl"] == "xla"
+    assert kernel_options("gpu", is_moe=False).attention_impl == "flash"
+    assert kernel_options("gpu", is_moe=False, context_parallel=2).attention_impl == "xla"
 
 
 @pytest.mark.slow  # ~80 s on 2 cores: two CLI runs
@@ -174,7 +174,7 @@ def test_cli_context_parallel_run_equals_data_parallel(tmp_path):
 
 def test_cli_flags_reach_the_layout():
     """--context-parallel-size is no longer refused; Megatron's --seq-length check names the flags."""
-    from mlir_train.config.models import get_model_config
+    from mlir_train.families import get_model_config
     from mlir_train.config.cli import parse
     from mlir_train.runtime.errors import ConfigError
     from mlir_train.train.build import resolve
@@ -184,7 +184,7 @@ def test_cli_flags_reach_the_layout():
     model = get_model_config("qwen3-moe-tiny")
     run = resolve(parse([*base, "--seq-length", "64"]), model, num_devices=8, platform="cpu")
     assert (run.parallel.context, run.parallel.data_parallel, run.num_micro_batches) == (2, 4, 2)
-    assert run.model_kwargs()["attention_impl"] == "xla"
+    assert run.model_options().attention_impl == "xla"
     with pytest.raises(ConfigError, match="--seq-length"):
         resolve(parse([*base, "--seq-length", "66"]), model, num_devices=8, platform="cpu")
 
@@ -240,7 +240,7 @@ def test_planner_search_tries_context_parallelism_for_long_rows():
     long = layouts(32768)
     assert {l.context for l in long} == {1, 2, 4, 8}
     assert all(8 % (l.tensor * l.pipeline * l.context) == 0 for l in long)
-    from mlir_train.config.models import get_model_config
+    from mlir_train.families import get_model_config
 
     cfg = get_model_config("qwen3-30b-a3b")
     est = {cp: activation_bytes(cfg, candidate(tensor=2, context=cp, recompute="full"), micro_batch=1, seq=32768,

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import sharding
-from mlir_train.model import init_model, logical_axes
+from mlir_train.families import init_model
+from mlir_train.model import ModelOptions, logical_axes
 from mlir_train.model.moe import block as moe_lib
 from mlir_train.model.moe.experts import xla_block_kernels
 from sharding import Layout
@@ -47,7 +48,7 @@ def _step(graphdef, ids, seg):
 
 @pytest.fixture(scope="module")
 def reference():
-    model = init_model(TINY_MOE, moe_impl="padded")
+    model = init_model(TINY_MOE, options=ModelOptions(moe_impl="padded"))
     graphdef, state = nnx.split(model)
     ids, seg = _inputs()
     return model, graphdef, state, _step(graphdef, ids, seg).lower(state).compile(COMPILER_OPTIONS)(state)
@@ -236,7 +237,7 @@ def test_buffer_factor_flag_reaches_the_block_and_overflow_reaches_the_log():
     given to every MoE block; a step's overflow rows are on the console line and in the
     logged scalars."""
     from mlir_train.config import cli
-    from mlir_train.config.models import get_model_config
+    from mlir_train.families import get_model_config
     from mlir_train.runtime.errors import ConfigError
     from mlir_train.train.build import resolve
     from mlir_train.train.metrics import console_line, router_scalars
@@ -245,8 +246,8 @@ def test_buffer_factor_flag_reaches_the_block_and_overflow_reaches_the_log():
     model = get_model_config("qwen3-moe-tiny")
     assert cli.parse(base).extras.moe_ep_buffer_factor == moe_lib.DEFAULT_EP_BUFFER_FACTOR
     run = resolve(cli.parse(base + ["--moe-ep-buffer-factor", "3"]), model, num_devices=1, platform="cpu")
-    assert run.model_kwargs()["moe_ep_buffer_factor"] == 3.0
-    built = nnx.eval_shape(lambda: init_model(model, **run.model_kwargs()))
+    assert run.model_options().ep_buffer_factor == 3.0
+    built = nnx.eval_shape(lambda: init_model(model, options=run.model_options()))
     assert all(layer.mlp.plan.ep_buffer_factor == 3.0 for layer in built.layers)
     with pytest.raises(ConfigError, match="--moe-ep-buffer-factor must be positive"):
         resolve(cli.parse(base + ["--moe-ep-buffer-factor", "0"]), model, num_devices=1, platform="cpu")
@@ -268,7 +269,7 @@ def test_pipelined_step_with_overflow_rounds_equals_one_device():
 
     ref = pipeline_step(Layout(num_devices=1), jax.devices()[:1])
     seed = Layout(tensor=2, pipeline=2, expert=2, sequence_parallel=True, distributed_optimizer=True, num_devices=8)
-    out = pipeline_step(seed, jax.devices(), model_kwargs={"moe_ep_buffer_factor": 0.25})
+    out = pipeline_step(seed, jax.devices(), options=ModelOptions(ep_buffer_factor=0.25))
     assert_same_step(out, ref)
     assert float(ref[1]["ep_overflow_rows"]) == 0 and float(out[1]["ep_overflow_rows"]) > 0
 

@@ -193,7 +193,7 @@ def test_checkpoint_saved_under_folding_restores_into_etp_equal_tp(tmp_path):
     parallel = sharding.validate(Layout(tensor=2, expert=2, distributed_optimizer=True), model_dims(MOE))
     target = build_trainer(MOE, StepConfig(), make_optimizer(lr_schedule=lambda i: 1e-3, weight_decay=0.1, beta1=0.9,
                                                        beta2=0.95, clip_grad=1.0),
-                     parallel, sharding.make_mesh(parallel), model_kwargs=None)
+                     parallel, sharding.make_mesh(parallel))
     state, meta = checkpoint.load_state(str(tmp_path / "ck"), target)
     assert meta["iteration"] == 1
     for key in ("params", "opt_state"):
@@ -227,7 +227,7 @@ def test_planner_layouts_carry_etp():
     """The planner names ETP where it differs from TP, builds the trainer with it (the exact state
     sizes come from its shardings) and splits the estimated expert activations by it."""
     from mlir_train.config import cli
-    from mlir_train.config.models import get_model_config
+    from mlir_train.families import get_model_config
     from mlir_train.planner.plan import activation_bytes, candidate, candidate_layouts
 
     fold = candidate(tensor=2, expert=4, expert_tensor=1, sequence_parallel=True)

@@ -9,8 +9,9 @@ import pytest
 from flax import nnx
 
 from mlir_train.train import kernel_check
-from mlir_train.config.models import get_model_config
-from mlir_train.model import Qwen3
+from mlir_train.families import get_model_config
+from mlir_train.families.qwen3 import Qwen3
+from mlir_train.model import ModelOptions
 from mlir_train.model.moe.experts import BlockKernels, mosaic_block_kernels, xla_block_kernels
 from mlir_train.runtime.errors import ConfigError
 
@@ -81,7 +82,7 @@ def test_bf16_tolerance_catches_a_small_error():
 def test_what_is_selected_follows_the_model():
     """CPU defaults select nothing; the GPU kernels are read off the model's attributes."""
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=256, num_layers=2)
-    build = lambda **kw: nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, **kw))
+    build = lambda **kw: nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), options=ModelOptions(**kw)))
     assert kernel_check.selected_by(build(attention_impl="xla", moe_impl="padded", moe_platform="cpu")) == []
     gpu = kernel_check.selected_by(build(attention_impl="flash", moe_impl="grouped", moe_platform="gpu"))
     assert [(k.key, k.fallback.flag) for k in gpu] == [("flash", "--attention-kernel"), ("mosaic", "--moe-gemm-backend")]
@@ -110,20 +111,20 @@ def test_sft_stops_with_exit_2_before_any_state(monkeypatch, capsys):
 
 
 def test_auto_fallback_rebuilds_the_trainer(monkeypatch):
-    """Under ``auto`` the entry point's trainer is rebuilt with the fallback's model kwargs."""
-    from mlir_train import sft
+    """Under ``auto`` the entry point's trainer is rebuilt with the fallback's model options."""
+    from mlir_train import families, sft
     from mlir_train.config import cli
     from mlir_train.train.build import resolve
 
     cfg = cli.parse(sft.DEFAULT_ARGV)
-    run = resolve(cfg, cfg.model.model_config(cfg.model.padded_vocab_size(512, 2)))
+    run = resolve(cfg, families.from_flags(cfg.model, cfg.model.padded_vocab_size(512, 2)))
     trainer = run.trainer()
     monkeypatch.setattr(kernel_check, "selected_by", lambda model: kernel_check.selected("xla", _broken_block_kernels()))
     monkeypatch.setattr(kernel_check.Shapes, "of_run", classmethod(lambda cls, run: SHAPES))
     lines = []
     rebuilt = kernel_check.checked_trainer(run, trainer, log=lines.append)
     assert rebuilt is not trainer and rebuilt.mesh is trainer.mesh
-    assert rebuilt.model_kwargs == trainer.model_kwargs | {"moe_impl": "padded"}
+    assert rebuilt.options == trainer.options.replace(moe_impl="padded")
     assert "falling back to the padded/blocked XLA experts" in lines[1]
     monkeypatch.setattr(kernel_check, "selected_by", lambda model: [])
     assert kernel_check.checked_trainer(run, trainer) is trainer

@@ -50,6 +50,7 @@ import jax
 import numpy as np
 import pytest
 
+from mlir_train.model import ModelOptions
 from sharding.table import held_bytes
 from sharding.layout import Layout
 from tests.helpers import Collective, MODELS, ROWS, SEQ, StepResult, assert_step_matches, cli_metrics, collectives, train_one_step
@@ -78,8 +79,8 @@ PER_TOKEN_CASES = [("moe", "DP8"), ("moe", "TP2xDP4")]
 def run_step(model: str, layout: str, per_token: bool = False) -> StepResult:
     """One train step of ``model`` on ``layout`` (or on ``SINGLE``), compiled once and cached
     for the module: the equivalence, collective and memory tests all read the same run."""
-    model_kwargs = {"moe-ragged": {"moe_impl": "ragged"}, "moe-loop": {"moe_block_loop": True}}.get(model)
-    return train_one_step(MODELS[model], None if layout == SINGLE else LAYOUTS[layout], model_kwargs, per_token)
+    options = {"moe-ragged": ModelOptions(moe_impl="ragged"), "moe-loop": ModelOptions(moe_block_loop=True)}.get(model)
+    return train_one_step(MODELS[model], None if layout == SINGLE else LAYOUTS[layout], options, per_token)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import pytest
 
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.config.policies import LoRAPolicy
 from sharding.layout import Layout
 from tests.helpers import MODELS, assert_step_matches, named_leaves, train_one_step

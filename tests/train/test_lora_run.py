@@ -14,8 +14,9 @@ import pytest
 
 from mlir_train import sft
 from mlir_train.checkpoint.hf import save_pretrained
-from mlir_train.config.models import get_model_config
-from mlir_train.model import init_model
+from mlir_train.families import get_model_config
+from mlir_train.families import init_model
+from mlir_train.model import ModelOptions
 from tests.helpers import DEFAULT_DATA, DEFAULT_TOKENIZER
 
 torch = pytest.importorskip("torch")

@@ -31,7 +31,7 @@ import pytest
 from tests import mcore_inproc as mcore_cpu  # skips the module without torch / megatron-core
 from mlir_train.config import cli
 from mlir_train.model import losses
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.train import build
 
 torch = mcore_cpu.torch

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from mlir_train.config.models import get_model_config  # noqa: E402
+from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.config.policies import TRACKER_NAMES, LoadBalancing, RouterConfig  # noqa: E402
 from mlir_train.model import losses  # noqa: E402
 from mlir_train.model.moe.block import MoE  # noqa: E402

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlir_train.config.models import get_model_config
+from mlir_train.config.models import LayerKind
+from mlir_train.model import ModelOptions, Stack
+from mlir_train.families import get_model_config
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.pipeline import Schedule, from_stages, make_schedule, stage_program, to_stages
 from mlir_train.train.trainer import StepConfig
@@ -84,16 +86,17 @@ def test_uneven_mixed_pipeline_equals_one_device(schedule):
 
 def test_stage_program_pads_uneven_and_mixed_stages():
     # 23 + 25 layers of one stack over two stages: one segment of 25 slots, 2 padding on stage 0
-    (seg,) = stage_program(make_schedule(48, 2, first_stage_layers=23), ((0, 48, True),))
+    moe = LayerKind(moe=True)
+    (seg,) = stage_program(make_schedule(48, 2, first_stage_layers=23), (Stack(0, 48, moe),))
     assert seg.src.shape == (2, 1, 25) and seg.active.sum() == 48 and not seg.active[0, 0, 23:].any()
     np.testing.assert_array_equal(seg.src[1, 0], np.arange(23, 48))
     # a dense/MoE period that divides the stage length: no padding at all
-    kinds = tuple((i, 1, i % 2 == 1) for i in range(8))  # D M D M D M D M, one stack per layer
+    kinds = tuple(Stack(i, 1, LayerKind(moe=i % 2 == 1)) for i in range(8))  # D M D M D M D M, one stack per layer
     program = stage_program(make_schedule(8, 2), kinds)
     assert [s.is_moe for s in program] == [False, True] * 2 and all(s.active.all() for s in program)
     np.testing.assert_array_equal(program[1].src[:, 0, 0], [0, 2])  # MoE rows (layers 1 and 5)
     # even single stack: the plain [P, R, V] view of the stored stack (no data moves for R = 1)
-    (seg,) = stage_program(Schedule(stages=2, virtual=2), ((0, 8, True),))
+    (seg,) = stage_program(Schedule(stages=2, virtual=2), (Stack(0, 8, moe),))
     np.testing.assert_array_equal(seg.src, to_stages(jnp.arange(8), Schedule(stages=2, virtual=2)))
 
 
@@ -207,7 +210,7 @@ def _passes_step(pp: int, recompute: str, virtual: int | None = None, micro: int
     trainer = build_trainer(PASSES_CFG, StepConfig(num_micro_batches=micro, layers_per_virtual_stage=virtual,
                                                    pipeline_schedule=schedule),
                             make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel,
-                            make_mesh(parallel, devices=jax.devices()[:pp]), model_kwargs=kwargs)
+                            make_mesh(parallel, devices=jax.devices()[:pp]), options=ModelOptions(**kwargs))
     batch = {k: jax.ShapeDtypeStruct((micro, PASSES_ROWS, PASSES_SEQ), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding)
              for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
@@ -410,11 +413,11 @@ def test_cli_uneven_mixed_pipeline_matches_pp1(tmp_path):
 
 
 def test_moe_layer_freq_as_megatron_reads_it():
-    from mlir_train.config.models import layer_pattern_overrides, moe_layer_pattern
+    from mlir_train.config.models import moe_layer_pattern
 
     assert moe_layer_pattern("2", 4) == (True, False, True, False)  # MoE where layer % N == 0
     assert moe_layer_pattern("([0]*1+[1]*3)", 4) == (False, True, True, True)
-    assert PIPELINE_CFG.replace(**layer_pattern_overrides(moe_layer_pattern("[0,1,1,1]", 4))).layer_kinds() == (False, True, True, True)
+    assert PIPELINE_CFG.with_moe_layers(moe_layer_pattern("[0,1,1,1]", 4)).moe_layers() == (False, True, True, True)
     for bad in ("[1,0]", "__import__('os')", "0"):
         with pytest.raises(ValueError, match="--moe-layer-freq"):
             moe_layer_pattern(bad, 4)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from mlir_train.model import ModelOptions
 from mlir_train.config import policies
 from mlir_train.checkpoint import orbax as checkpoint
 from mlir_train.config.policies import RouterConfig
@@ -62,7 +63,7 @@ def make_trainer(layout: str, router: RouterConfig = ROUTER, balancing: policies
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=0.9, beta2=0.95, clip_grad=1.0)
     return build_trainer(cfg, StepConfig(num_micro_batches=MICRO, balancing=balancing, expert_bias_update_rate=RATE,
                                    pipeline_schedule=PIPELINE_SCHEDULE.get(layout, "1f1b")),
-                   optimizer, parallel, mesh, model_kwargs={"router": router})
+                   optimizer, parallel, mesh, options=ModelOptions(router=router))
 
 
 @functools.cache

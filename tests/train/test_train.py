@@ -11,7 +11,7 @@ import pytest
 
 from mlir_train.model import flops
 from mlir_train.model import losses
-from mlir_train.config.models import get_model_config
+from mlir_train.families import get_model_config
 from mlir_train.train.optim import LossScaler, make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
 from mlir_train.train.trainer import StepConfig

@@ -33,6 +33,7 @@ from mlir_train.checkpoint import shards
 from mlir_train.checkpoint.megatron.read import (
     RANK_DIR, DistReader, MegatronCheckpoint, MegatronCheckpointError, import_torch, listing, torch_load)
 from mlir_train.config.models import ModelConfig
+from mlir_train.model.transformer import layer_stacks
 
 
 # ----- the checkpoint as Megatron's global per-layer tensors -------------------------------------------
@@ -418,17 +419,6 @@ def _leaves(params_shapes: dict, prefix=()) -> list[tuple[tuple, Any]]:
     return out
 
 
-def layer_stacks(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
-    import itertools
-
-    out, start = [], 0
-    for is_moe, group in itertools.groupby(cfg.layer_kinds()):
-        n = len(list(group))
-        out.append((start, n, is_moe))
-        start += n
-    return out
-
-
 def load_params(ckpt: MegatronCheckpoint, cfg: ModelConfig, param_shapes: dict, shardings: dict,
                 *, dtype=np.float32) -> dict:
     """Our parameter tree (nested dicts like ``nnx.to_pure_dict`` of the model) read from
@@ -442,15 +432,15 @@ def load_params(ckpt: MegatronCheckpoint, cfg: ModelConfig, param_shapes: dict, 
     if getattr(source, "layer_at", None) is not None and len(source.layer_at) != cfg.num_layers:
         raise MegatronCheckpointError(f"{ckpt.describe()}: holds {len(source.layer_at)} layers, the model has "
                                       f"{cfg.num_layers}")
-    stacks = layer_stacks(cfg)
+    stacks = layer_stacks(cfg)  # as the model builds them
     flat_shardings = dict(_leaves(shardings))
     out: dict = {}
     for path, shape_struct in _leaves(param_shapes):
         shape = tuple(shape_struct.shape)
         if path[0] == "layers":
-            first, _, is_moe = stacks[int(path[1])]
+            first, _, kind = stacks[int(path[1])]
             leaf = "/".join(str(p) for p in path[2:])
-            expert = is_moe and leaf in ("mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
+            expert = kind.moe and leaf in ("mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
             callback = _layer_callback(source, cfg, leaf, first, shape, expert, dtype)
         else:
             leaf = "/".join(str(p) for p in path)

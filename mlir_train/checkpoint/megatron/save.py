@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 def megatron_args(cfg: ModelConfig, layout: Layout, padded: int, *,
                   make_vocab_size_divisible_by: int = 128) -> dict[str, Any]:
     """The Megatron arguments a loader of the written checkpoint reads (names as Megatron-LM's)."""
-    kinds = cfg.layer_kinds()
+    kinds = cfg.moe_layers()
     return dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size or None,
         num_attention_heads=cfg.num_heads, group_query_attention=cfg.num_kv_heads != cfg.num_heads,

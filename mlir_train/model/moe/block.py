@@ -58,6 +58,7 @@ from mlir_train.model.moe.parallel import run_experts
 from mlir_train.model.recompute import checkpointed
 from mlir_train.model.moe.router import route, route_in, router_logits
 from mlir_train.config.policies import RouterConfig
+from mlir_train.runtime.platform_setup import platform_name
 from sharding import constrain
 
 ROUTER_SCOPE = "moe_router"
@@ -69,7 +70,7 @@ __all__ = ["DEFAULT_EP_BUFFER_FACTOR", "DEFAULT_MOE_IMPL", "MOE_IMPLS", "MoE", "
 class MoE(nnx.Module):
     """The sparse block. ``impl`` picks the experts' implementation (module docstring);
     ``platform`` is the one the program is compiled for (the mesh's devices: "cpu", "gpu",
-    "tpu"; None: ``jax.default_backend()``), which decides whether the expert-parallel
+    "tpu", :func:`~mlir_train.runtime.platform_setup.platform_name`; None: the default devices'), which decides whether the expert-parallel
     ``"ragged"`` path can use ``jax.lax.ragged_all_to_all``; ``ragged_all_to_all`` overrides
     that collective (tests pass :func:`ragged_all_to_all_dense` to run the ragged dispatcher on
     CPU). ``block_loop`` forces the dropless blocked experts' loop (True) or batched form
@@ -96,7 +97,7 @@ class MoE(nnx.Module):
         lora=None,
         ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR,
     ):
-        platform = platform or jax.default_backend()
+        platform = platform or platform_name()
         if ragged_all_to_all is None and impl in ("ragged", "grouped") and capacity_factor is None:
             ragged_all_to_all = ragged_collective_for(platform)
         if impl == "grouped" and block_kernels == "tokamax":  # --moe-gemm-backend tokamax
@@ -104,7 +105,7 @@ class MoE(nnx.Module):
 
             block_kernels = tokamax_block_kernels(GPU_BLOCK_ROWS)
         elif impl == "grouped" and block_kernels in (None, "mosaic"):
-            block_kernels = mosaic_block_kernels() if platform in ("gpu", "cuda") else xla_block_kernels(GPU_BLOCK_ROWS)
+            block_kernels = mosaic_block_kernels() if platform == "gpu" else xla_block_kernels(GPU_BLOCK_ROWS)
         self.plan = ExpertsPlan(
             impl=impl, num_experts=cfg.num_experts, capacity_factor=capacity_factor, drop_policy=drop_policy,
             block_loop=block_loop, ragged_all_to_all=ragged_all_to_all, block_kernels=block_kernels,

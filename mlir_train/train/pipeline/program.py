@@ -53,7 +53,7 @@ class Segment:
         return self.src.shape[-1]
 
 
-def stage_program(schedule: Schedule, stack_kinds: tuple[tuple[int, int, bool], ...]) -> list[Segment]:
+def stage_program(schedule: Schedule, stack_kinds) -> list[Segment]:
     """Every chunk runs the same sequence of segments (SPMD: one program on every stage).
 
     A chunk's layers split into runs at stack boundaries (stacks alternate dense / MoE), and
@@ -66,9 +66,9 @@ def stage_program(schedule: Schedule, stack_kinds: tuple[tuple[int, int, bool], 
     kind_row = np.zeros(num_layers, np.int64)
     counter = {False: 0, True: 0}
     for l in range(num_layers):
-        moe = stack_kinds[stack_of[l]][2]
+        moe = stack_kinds[stack_of[l]].moe
         kind_row[l], counter[moe] = counter[moe], counter[moe] + 1
-    first_kind = stack_kinds[0][2]
+    first_kind = stack_kinds[0].moe
     chunks = schedule.chunk_layers(num_layers)
     p, r = schedule.stages, schedule.virtual
     placed: dict[tuple[int, int], list[list[int]]] = {}  # (stage, chunk) -> rows per program segment
@@ -81,7 +81,7 @@ def stage_program(schedule: Schedule, stack_kinds: tuple[tuple[int, int, bool], 
                     runs[-1].append(l)
                 else:
                     runs.append([l])
-            offset = 0 if stack_kinds[stack_of[runs[0][0]]][2] == first_kind else 1
+            offset = 0 if stack_kinds[stack_of[runs[0][0]]].moe == first_kind else 1
             placed[s, c] = [[] for _ in range(offset)] + runs
             length = max(length, len(placed[s, c]))
     segments = []
@@ -116,7 +116,7 @@ def to_segments(stacks: list[Any], stack_kinds, program: list[Segment], schedule
     """The stacks' ``[L_k, ...]`` weights -> each segment's ``[P, R, S, ...]`` (linear)."""
     by_kind = {}
     for moe in (False, True):
-        trees = [t for t, (_, _, m) in zip(stacks, stack_kinds) if m == moe]
+        trees = [t for t, s in zip(stacks, stack_kinds) if s.moe == moe]
         if trees:
             by_kind[moe] = trees[0] if len(trees) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *trees)
     out = []

@@ -122,13 +122,13 @@ def _setup(graphdef, params, schedule):
     kinds = model.stack_kinds
     program = stage_program(schedule, kinds)
     graphs = {}
-    for k, (_, _, moe) in enumerate(kinds):
-        graphs.setdefault(moe, nnx.split(model.layers[k])[0])
-    moe_layers = [k for k, (_, _, moe) in enumerate(kinds) if moe]
+    for k, s in enumerate(kinds):
+        graphs.setdefault(s.moe, nnx.split(model.layers[k])[0])
+    moe_layers = [k for k, s in enumerate(kinds) if s.moe]
     num_experts = model.layers[moe_layers[0]].mlp.num_experts if moe_layers else 0
     placeholder = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params["layers"])
     return stages_axes, StageSetup(program, kinds, graphs, placeholder,
-                               sum(n for _, n, moe in kinds if moe), num_experts)
+                               sum(s.count for s in kinds if s.moe), num_experts)
 
 
 def merge(graphdef, setup, rest):

@@ -3,17 +3,17 @@
 The defaults by platform are the tables beside the code they pick from
 (:data:`~mlir_train.model.attention.DEFAULT_ATTENTION_IMPL`,
 :data:`~mlir_train.model.moe.dispatch.DEFAULT_MOE_IMPL`); ``--attention-kernel`` and
-``--moe-gemm-backend`` override them here, and :func:`platform_model_kwargs` turns the choice
-into the model's constructor arguments. The trainer, the planner, the kernel self-check and
-the benchmarks all ask this function; nothing else maps a platform to a kernel.
+``--moe-gemm-backend`` override them here, and :func:`kernel_options` turns the choice into the
+model's :class:`~mlir_train.model.options.ModelOptions`. The trainer, the planner, the kernel
+self-check and the benchmarks all ask this function; nothing else maps a platform to a kernel.
+The platform itself is named by :func:`mlir_train.runtime.platform_setup.platform_name`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from mlir_train.model.attention import DEFAULT_ATTENTION_IMPL
 from mlir_train.model.moe.dispatch import DEFAULT_MOE_IMPL
+from mlir_train.model.options import ModelOptions
 
 # --moe-gemm-backend / --attention-kernel (mlir_train.config.flags) -> what the model runs.
 MOE_BACKENDS = ("auto", "mosaic", "tokamax", "padded")
@@ -21,12 +21,12 @@ ATTENTION_BACKENDS = {"auto": None, "tokamax": "tokamax", "pallas-mha": "flash",
 GPU_ONLY = {"mosaic", "tokamax", "pallas-mha", "mlir"}
 
 
-def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int = 1, moe_backend: str = "auto",
-                          attention_backend: str = "auto") -> dict[str, Any]:
-    """The kernels a model compiled for ``platform`` ("cpu", "gpu", "tpu": the mesh devices'
-    ``.platform``) runs: attention (``attention_backend``, ``--attention-kernel``: "auto" is
+def kernel_options(platform: str, *, is_moe: bool, context_parallel: int = 1, moe_backend: str = "auto",
+                   attention_backend: str = "auto", base: ModelOptions | None = None) -> ModelOptions:
+    """``base`` (default :class:`ModelOptions`) with the kernels a model compiled for ``platform``
+    ("cpu", "gpu", "tpu") runs: attention (``attention_backend``, ``--attention-kernel``: "auto" is
     :data:`~mlir_train.model.attention.DEFAULT_ATTENTION_IMPL`) and, for MoE models, the experts
-    (``moe_backend``, ``--moe-gemm-backend``: "auto" is :data:`~mlir_train.model.moe.block.DEFAULT_MOE_IMPL`,
+    (``moe_backend``, ``--moe-gemm-backend``: "auto" is :data:`~mlir_train.model.moe.dispatch.DEFAULT_MOE_IMPL`,
     with our Mosaic-GPU block kernels under "grouped"; "tokamax" the same dropless block layout on
     tokamax's kernels; "padded" the capacity / padded batched matmul).
 
@@ -51,11 +51,10 @@ def platform_model_kwargs(platform: str, *, is_moe: bool, context_parallel: int 
         impl = "xla"
     else:
         impl = ATTENTION_BACKENDS[attention_backend] or DEFAULT_ATTENTION_IMPL.get(platform, "xla")
-    kwargs: dict[str, Any] = {"attention_impl": impl}
+    options = (base or ModelOptions()).replace(attention_impl=impl)
     if is_moe:
         moe_impl = "padded" if moe_backend == "padded" else (
             "grouped" if moe_backend in ("mosaic", "tokamax") else DEFAULT_MOE_IMPL.get(platform, "padded"))
-        kwargs |= {"moe_impl": moe_impl, "moe_platform": platform}
-        if moe_backend == "tokamax":
-            kwargs["moe_kernels"] = "tokamax"
-    return kwargs
+        options = options.replace(moe_impl=moe_impl, moe_platform=platform,
+                                  moe_kernels="tokamax" if moe_backend == "tokamax" else None)
+    return options
