@@ -1,8 +1,8 @@
 """``python -m mlir_train.sft``: supervised fine-tuning with a Megatron/AIAK command line.
 
-Reads top to bottom: flags -> the job (:func:`mlir_train.train.job.build_job`: the starting
+Reads top to bottom: flags -> the job (:func:`mlir_train.run.job.build_job`: the starting
 point, the model, the trainer, the data, the state and the loop's hooks) -> the loop
-(:func:`mlir_train.train.loop.train`) -> one typed result (:class:`~mlir_train.train.loop.RunResult`).
+(:func:`mlir_train.run.loop.train`) -> one typed result (:class:`~mlir_train.run.loop.RunResult`).
 Any error the user can act on ends the run with one line and exit status 2. With no arguments it
 fine-tunes ``qwen3-moe-tiny`` on the bundled alpaca-format tasks and tokenizer on 8 fake CPU
 devices and shows the loss falling.
@@ -22,7 +22,7 @@ from mlir_train.runtime import distributed, log, platform_setup
 from mlir_train.runtime.errors import exit_on_user_error
 
 if TYPE_CHECKING:
-    from mlir_train.train.loop import RunResult
+    from mlir_train.run.loop import RunResult
 
 DEFAULT_ARGV = [
     "--model-name", "qwen3-moe-tiny",
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> RunResult:
 def _train(cfg: RunConfig, launched: float) -> RunResult:
     import jax
 
-    from mlir_train.train import loop
-    from mlir_train.train.job import build_job
+    from mlir_train.run import loop
+    from mlir_train.run.job import build_job
 
     if jax.process_index() != 0:
         sys.stdout = open(os.devnull, "w")  # console lines from process 0 only, as Megatron's rank 0

@@ -5,8 +5,8 @@ Layers, bottom up (README's module table): ``runtime.errors`` / ``runtime.log`` 
 family and logger) < ``config`` (flags, model registry, policies) and the rest of ``runtime``
 (platform, distributed) < ``data`` and the top-level ``sharding`` < ``model`` < ``families`` (one
 folder per model family and the registry) < ``train``'s step
-(trainer, optimizer, schedule, pipeline, hooks, build) < ``checkpoint`` < ``train.job`` /
-``train.loop`` (the whole job) and ``planner`` < the entry points (``sft``, ``plan``,
+(trainer, optimizer, schedule, pipeline, hooks, build) < ``checkpoint`` < ``run`` (the job and
+its loop) and ``planner`` < the entry points (``sft``, ``plan``,
 ``convert``, ``preprocess``). A module may import its own package and anything on a lower
 floor, never a higher one.
 """
@@ -31,7 +31,7 @@ FLOORS = [  # (module prefix, floor): the longest matching prefix decides
     ("mlir_train.families", 4),
     ("mlir_train.train", 5),
     ("mlir_train.checkpoint", 6),
-    ("mlir_train.train.job", 7), ("mlir_train.train.loop", 7), ("mlir_train.planner", 7),
+    ("mlir_train.run", 7), ("mlir_train.planner", 7),
     ("mlir_train.sft", 8), ("mlir_train.plan", 8), ("mlir_train.convert", 8), ("mlir_train.preprocess", 8),
 ]
 

@@ -2,7 +2,7 @@
 trainer, the data, the state and the loop's hooks.
 
 :func:`build_job` is what ``python -m mlir_train.sft`` calls between reading its flags and
-running the loop (:func:`mlir_train.train.loop.train`). Every part comes from the module that
+running the loop (:func:`mlir_train.run.loop.train`). Every part comes from the module that
 owns it: the starting point from :func:`mlir_train.checkpoint.sources.detect` (one
 :class:`~mlir_train.checkpoint.sources.Source` per format, so nothing here asks which kind it
 holds), the trainer from :func:`mlir_train.train.build.resolve`, the data from

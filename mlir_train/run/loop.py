@@ -1,4 +1,4 @@
-"""The training loop of a built job (:func:`mlir_train.train.job.build_job`), and what it leaves.
+"""The training loop of a built job (:func:`mlir_train.run.job.build_job`), and what it leaves.
 
 One iteration: the next global batch, the compiled step, then the hooks in Megatron's order
 (log, evaluate every ``--eval-interval``, save every ``--save-interval`` or when an exit
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from mlir_train.runtime import log
-from mlir_train.train.job import Job
+from mlir_train.run.job import Job
 
 
 @dataclasses.dataclass

@@ -1,0 +1,1 @@
+"""The whole run: :mod:`.job` builds what a configuration describes, :mod:`.loop` runs it."""
