@@ -34,6 +34,7 @@ import optax
 import pytest
 
 import sharding
+from mlir_train.model import ModelOptions
 from mlir_train.model.moe import block as moe_lib
 from sharding import Layout
 from tests.helpers import (
@@ -74,7 +75,7 @@ def _reference():
 @functools.cache
 def _run(name):
     layout, kwargs = STEP_CASES[name]
-    return train_one_step(MOE, layout, kwargs)
+    return train_one_step(MOE, layout, ModelOptions(**kwargs) if kwargs else None)
 
 
 @pytest.fixture(scope="module", autouse=True)
