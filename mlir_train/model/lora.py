@@ -16,7 +16,7 @@ already form flows back into ``A`` and ``B`` only. That is exactly peft's LoRA o
 parameter (``target_parameters``, a parametrization ``W + delta W``).
 
 Adapter weights are :class:`LoRAParam`, a ``nnx.Param`` subclass: the trainer tells trainable
-from frozen by type (``nnx.state(model, LoRAParam)``).
+from frozen by type (:func:`trained_part`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from mlir_train.model import tree
 
 Axes = tuple[str | None, ...]
 
@@ -71,6 +73,13 @@ class LoRA(nnx.Module):
         return d * jnp.asarray(self.scaling, dt)
 
 
+def trained_part(model: nnx.Module) -> dict:
+    """The adapters of ``model`` as a template (pure nested dicts): the part of the weights a
+    LoRA run trains, which :mod:`mlir_train.model.tree` cuts the weights by (the rest is the
+    frozen base)."""
+    return nnx.to_pure_dict(nnx.state(model, LoRAParam))
+
+
 def maybe(policy, module: str, make) -> LoRA | None:
     """``make()`` when ``policy`` (a :class:`~mlir_train.config.policies.LoRAPolicy` or None)
     adapts ``module`` (one of ``policies.LORA_MODULES``), else None."""
@@ -94,34 +103,32 @@ FOLDS = {"q_lora": ("q_proj",), "k_lora": ("k_proj",), "v_lora": ("v_proj",), "o
          "fc1_lora": ("gate_proj", "up_proj"), "fc2_lora": ("down_proj",)}
 
 
-def folded(weights: dict, scaling: float) -> dict:
-    """The model's weights (a pure dict with adapters) as a plain model's: every adapter's
-    update ``s A B`` added into the weight it adapts (in float32, stored back in that weight's
-    dtype) and the adapters dropped: the merged model ``--save-hf`` writes. Layer stacks keep
-    their leading ``"layers"`` axis; a shared expert adapter adds its update to every expert."""
-    out = dict(weights)
-    layers = {}
-    for i, stack in weights["layers"].items():
-        stack = dict(stack)
-        for part in ("attn", "mlp"):
-            if part not in stack:
-                continue
-            module = dict(stack[part])
-            for name in [k for k in module if k in FOLDS]:
-                adapter = module.pop(name)
-                a, b = (jnp.asarray(adapter[x], jnp.float32) for x in ("a", "b"))
-                experts = name in ("fc1_lora", "fc2_lora")
-                n_lead = 2 if experts and a.ndim == 4 else 1  # [L, E] per expert, [L] otherwise
-                lead, ins, r, outs = a.shape[:n_lead], a.shape[n_lead:-1], a.shape[-1], b.shape[n_lead + 1:]
-                d = jnp.matmul(a.reshape(*lead, math.prod(ins), r), b.reshape(*lead, r, math.prod(outs)))
-                d = d.reshape(*lead, *ins, *outs) * scaling
-                if experts and n_lead == 1:
-                    d = d[:, None]  # shared: the same update for every expert
-                parts = [d[..., j, :] for j in range(2)] if name == "fc1_lora" else [d]
-                for target, update in zip(FOLDS[name], parts):
-                    w = module[target]
-                    module[target] = (w.astype(jnp.float32) + update).astype(w.dtype)
-            stack[part] = module
-        layers[i] = stack
-    out["layers"] = layers
+def folded(base: dict, adapters: dict, scaling: float) -> dict:
+    """A plain model's weights: the frozen ``base`` (a pure dict without adapters) with every
+    adapter's update ``s A B`` of ``adapters`` (:func:`trained_part` of the weights) added into
+    the weight it adapts, in float32 and stored back in that weight's dtype: the merged model
+    ``--save-hf`` writes. Layer stacks keep their leading ``"layers"`` axis; a shared expert
+    adapter adds its update to every expert."""
+    updated = {"layers": {i: {part: _folded_module(base["layers"][i][part], module, scaling)
+                              for part, module in stack.items()}
+                          for i, stack in adapters["layers"].items()}}
+    return tree.merge(base, updated)
+
+
+def _folded_module(weights: dict, adapters: dict, scaling: float) -> dict:
+    """The weights of one ``"attn"`` / ``"mlp"`` module that its ``adapters`` update, updated."""
+    out = {}
+    for name, adapter in adapters.items():
+        a, b = (jnp.asarray(adapter[x], jnp.float32) for x in ("a", "b"))
+        experts = name in ("fc1_lora", "fc2_lora")
+        n_lead = 2 if experts and a.ndim == 4 else 1  # [L, E] per expert, [L] otherwise
+        lead, ins, r, outs = a.shape[:n_lead], a.shape[n_lead:-1], a.shape[-1], b.shape[n_lead + 1:]
+        d = jnp.matmul(a.reshape(*lead, math.prod(ins), r), b.reshape(*lead, r, math.prod(outs)))
+        d = d.reshape(*lead, *ins, *outs) * scaling
+        if experts and n_lead == 1:
+            d = d[:, None]  # shared: the same update for every expert
+        parts = [d[..., j, :] for j in range(2)] if name == "fc1_lora" else [d]
+        for target, update in zip(FOLDS[name], parts):
+            w = weights[target]
+            out[target] = (w.astype(jnp.float32) + update).astype(w.dtype)
     return out

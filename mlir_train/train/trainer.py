@@ -59,13 +59,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mlir_train.config import policies
-from mlir_train.model import losses
+from mlir_train.model import losses, tree
 from mlir_train.train import pipeline
 from mlir_train.config.models import ModelConfig
 from mlir_train.data.dataset import BATCH_KEYS
 from mlir_train.families import build_model
 from mlir_train.model import CausalLM, ModelOptions, logical_axes
-from mlir_train.model.lora import LoRAParam, folded
+from mlir_train.model.lora import folded, trained_part
 from mlir_train.model.moe.router import updated_expert_bias
 from mlir_train.train.optim import LossScaler, global_norm, select_tree
 from mlir_train.runtime.platform_setup import compile_target
@@ -80,42 +80,6 @@ def _is_expert_bias(path) -> bool:
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-# ----- pure-dict trees split by a template (LoRA's adapters vs the frozen base) -------------------
-def _select(tree: Any, like: Any) -> Any:
-    """The part of nested dict ``tree`` whose keys are in ``like``."""
-    if not isinstance(like, dict):
-        return tree
-    return {k: _select(tree[k], v) for k, v in like.items() if k in tree}
-
-
-def _drop(tree: Any, like: Any) -> Any:
-    """``tree`` without the leaves ``like`` has (empty dicts removed)."""
-    out = {}
-    for k, v in tree.items():
-        if k not in like:
-            out[k] = v
-        elif isinstance(v, dict) and isinstance(like[k], dict):
-            rest = _drop(v, like[k])
-            if rest:
-                out[k] = rest
-    return out
-
-
-def _merge(a: Any, b: Any) -> Any:
-    """The union of two nested dicts with disjoint leaves."""
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if k in out and isinstance(v, dict) else v
-    return out
-
-
-def _has(tree: Any, like: Any) -> bool:
-    """Whether every leaf of ``like`` is in ``tree``."""
-    if not isinstance(like, dict):
-        return True
-    return isinstance(tree, dict) and all(k in tree and _has(tree[k], v) for k, v in like.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,19 +165,19 @@ class Trainer:
         if parallel.pipeline > 1:
             all_logical = pipeline.storage_axes(all_logical, abstract.stack_kinds, parallel.pipeline)
         all_specs = state_specs(parallel, all_shapes, all_logical, mesh, model_dims(model_cfg))
-        named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         # LoRA (``options.lora``): only the adapters (LoRAParam) are trained, so
         # only they are "params" (float32 master, optimizer state, gradients); the rest is the
         # frozen base, held in the compute dtype in its storage layout, with no optimizer state.
         self.lora = options.lora
-        self.trainable = nnx.to_pure_dict(nnx.state(abstract, LoRAParam)) if self.lora is not None else all_shapes
-        self.param_shapes = _select(all_shapes, self.trainable)
-        self.logical = _select(all_logical, self.trainable)
-        self.specs: StateSpecs = StateSpecs(*(_select(getattr(all_specs, f.name), self.trainable)
+        self.trainable = trained_part(abstract) if self.lora is not None else all_shapes
+        self.param_shapes = tree.select(all_shapes, self.trainable)
+        self.logical = tree.select(all_logical, self.trainable)
+        self.specs: StateSpecs = StateSpecs(*(tree.select(getattr(all_specs, f.name), self.trainable)
                                               for f in dataclasses.fields(StateSpecs)))
-        self.base_shapes = _drop(all_shapes, self.trainable) if self.lora is not None else None
-        self.base_shardings = named(_drop(all_specs.params, self.trainable)) if self.lora is not None else None
-        self.base_compute_shardings = named(_drop(all_specs.compute, self.trainable)) if self.lora is not None else None
+        self.base_shapes = tree.drop(all_shapes, self.trainable) if self.lora is not None else None
+        self.base_shardings = named(tree.drop(all_specs.params, self.trainable)) if self.lora is not None else None
+        self.base_compute_shardings = named(tree.drop(all_specs.compute, self.trainable)) if self.lora is not None else None
         self.compute_shardings = named(self.specs.compute)
         # Float32 master weights are optimizer state in Megatron's accounting: ZeRO-1 shards them.
         self.master_shardings = named(self.specs.optimizer if parallel.distributed_optimizer else self.specs.params)
@@ -281,16 +245,16 @@ class Trainer:
 
     def _split(self, full: Any, cast: bool = False) -> tuple[Any, Any]:
         """A full weights tree -> (adapters, base), the base cast to the compute dtype with ``cast``."""
-        base = _drop(full, self.trainable)
+        base = tree.drop(full, self.trainable)
         if cast:
             base = jax.tree_util.tree_map_with_path(
                 lambda path, p: p if _is_expert_bias(path) else p.astype(self.base_dtype), base)
-        return _select(full, self.trainable), base
+        return tree.select(full, self.trainable), base
 
     def weights(self, state: dict[str, Any]) -> Any:
         """The model's full weights tree of a state (what :meth:`model` and :meth:`eval_step`
         take): the params, and under LoRA the frozen base with the adapters."""
-        return state["params"] if self.lora is None else _merge(state["base"], state["params"])
+        return state["params"] if self.lora is None else tree.merge(state["base"], state["params"])
 
     def abstract_state(self) -> dict[str, Any]:
         """The state as ``ShapeDtypeStruct``s carrying their shardings: nothing allocated. For
@@ -314,10 +278,10 @@ class Trainer:
         LoRA ``params`` is the base, with or without adapters: missing adapters start fresh
         (``seed``'s A, B = 0, so the model starts equal to its base)."""
         if self.lora is not None:
-            base = _drop(params, self.trainable)
-            base = jax.device_put(self._split(_merge(base, {}), cast=True)[1], self.base_shardings)
-            if _has(params, self.trainable):
-                adapters = _select(params, self.trainable)
+            base = tree.drop(params, self.trainable)
+            base = jax.device_put(self._split(tree.merge(base, {}), cast=True)[1], self.base_shardings)
+            if tree.contains(params, self.trainable):
+                adapters = tree.select(params, self.trainable)
             else:
                 adapters = self._fresh_adapters(seed)
             adapters = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), adapters)
@@ -334,7 +298,7 @@ class Trainer:
     def _fresh_adapters(self, seed: int) -> Any:
         """Freshly initialised adapters alone (the base is not built: XLA drops what the
         output does not need)."""
-        build = lambda: _select(nnx.to_pure_dict(nnx.state(build_model(self.model_cfg, self.options, seed=seed))),
+        build = lambda: tree.select(nnx.to_pure_dict(nnx.state(build_model(self.model_cfg, self.options, seed=seed))),
                                 self.trainable)
         with jax.set_mesh(self.mesh):
             return jax.jit(build, out_shardings=self.master_shardings)()
@@ -350,7 +314,7 @@ class Trainer:
             return self.model(state["params"])
         graphdef = nnx.split(build_model(self.model_cfg, self.options.plain(), abstract=True))[0]
         with jax.set_mesh(self.mesh):
-            merged = jax.jit(lambda w: folded(w, self.lora.scaling))(self.weights(state))
+            merged = jax.jit(lambda base, adapters: folded(base, adapters, self.lora.scaling))(state["base"], state["params"])
         return nnx.merge(graphdef, merged)
 
     # ----- the step -------------------------------------------------------------------------
@@ -374,7 +338,7 @@ class Trainer:
         if self.lora is None:
             return cast
         base = jax.tree.map(jax.lax.with_sharding_constraint, base, self.base_compute_shardings)
-        return _merge(base, cast)
+        return tree.merge(base, cast)
 
     def _micro_loss(self, params, mb, scale, global_counts=None, micro_index=None, base=None, cast=True):
         """One micro-batch's scaled objective and its aux; ``params`` are the float32 master
@@ -539,8 +503,8 @@ class Trainer:
             return step.lower(state_shapes, batch_shapes)
 
     def _eval(self, weights, batch):
-        params, base = (weights, None) if self.lora is None else (_select(weights, self.trainable),
-                                                                  _drop(weights, self.trainable))
+        params, base = (weights, None) if self.lora is None else (tree.select(weights, self.trainable),
+                                                                  tree.drop(weights, self.trainable))
         if batch["input_ids"].ndim == 2:
             batch = {k: v[None] for k, v in batch.items()}
         if self.schedule is not None:  # the forward half of the training pipeline
@@ -564,7 +528,7 @@ class Trainer:
         micro = batch["input_ids"].ndim == 3
         if self._eval_step.get(micro) is None:
             sharding = self.batch_sharding if micro else self.eval_batch_sharding
-            weights = self.master_shardings if self.lora is None else _merge(self.base_shardings, self.master_shardings)
+            weights = self.master_shardings if self.lora is None else tree.merge(self.base_shardings, self.master_shardings)
             self._eval_step[micro] = jax.jit(self._eval, in_shardings=(weights, {k: sharding for k in BATCH_KEYS}))
         with jax.set_mesh(self.mesh), use_rules(self.rules), compile_target(self.mesh):
             return self._eval_step[micro](params, batch)

@@ -48,11 +48,11 @@ import numpy as np
 
 from mlir_train.config import policies
 from mlir_train.config.policies import RecomputePolicy
-from mlir_train.model import losses
+from mlir_train.model import losses, tree
 from mlir_train.train.pipeline.program import to_segments
 from mlir_train.train.pipeline.schedule import Schedule
-from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_pieces, join, merge, prepare, prune,
-                                             router_terms, run_chunk, split, stage_shard_map, trainable_mask, zero_acc)
+from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_pieces, merge, prepare, router_terms,
+                                             run_chunk, stage_shard_map, zero_acc)
 
 SCALARS = ("objective", "ce_sum", "loss_tokens", "lm_objective")
 
@@ -81,7 +81,7 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     (seed, M = 64, P = 2: 65 each, where one loop of ``M*R + R*P + P - 2`` ticks ran 66 of both).
     """
     stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
-    mask = trainable_mask(params, trainable)
+    mask = tree.mask(params, trainable)
     stack_masks = [mask["layers"][k] for k in range(len(setup.stack_kinds))]
     seg_masks = [next(m for m, s in zip(stack_masks, setup.stack_kinds) if s.moe == seg.is_moe)
                  for seg in setup.program]
@@ -92,14 +92,14 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     aux = aux_out(acc, setup.program, run.m, setup.num_moe)
     # The objective is the sum of the terms the forward ticks differentiated (weighted CE + router losses).
     objective = jnp.sum(acc["objective"])
-    stacks = [split(s, m)[0] for s, m in zip(stacks, stack_masks)]
-    return (objective * scale, aux), prune(_param_grads(params, stacks, g_segs, g_rest, setup, schedule))
+    stacks = [tree.split(s, m)[0] for s, m in zip(stacks, stack_masks)]
+    return (objective * scale, aux), tree.prune(_param_grads(params, stacks, g_segs, g_rest, setup, schedule))
 
 
 def _param_grads(params, stacks, g_segs, g_rest, setup: StageSetup, schedule: Schedule):
     """The per-stage accumulators -> gradients shaped like ``params``: the segments' back onto
     the layer stacks (the transpose of :func:`to_segments`), the rest summed over the stages."""
-    f32 = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)
+    f32 = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), t)
     transpose = jax.linear_transpose(lambda st: to_segments(st, setup.stack_kinds, setup.program, schedule), f32(stacks))
     (g_stacks,) = transpose(g_segs)
     grads = jax.tree.map(lambda x: jnp.sum(x, axis=0), g_rest)  # embedding on stage 0, head on P-1
@@ -108,9 +108,9 @@ def _param_grads(params, stacks, g_segs, g_rest, setup: StageSetup, schedule: Sc
     return grads
 
 
-def _at(tree, i):
-    """Row ``i`` (traced) of every leaf of ``tree``."""
-    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+def _at(t, i):
+    """Row ``i`` (traced) of every leaf of ``t``."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), t)
 
 
 class _Local(NamedTuple):
@@ -143,7 +143,7 @@ class _OneFOneB:
 
     def split_pieces(self, weights_r):
         """Piece weights (:func:`_piece_weights`) -> (trainable, frozen), None in each other's place."""
-        parts = [[split(w, m) for w in ws] for ws, m in zip(weights_r, self.seg_masks)]
+        parts = [[tree.split(w, m) for w in ws] for ws, m in zip(weights_r, self.seg_masks)]
         return [[t for t, _ in ps] for ps in parts], [[f for _, f in ps] for ps in parts]
 
     @property
@@ -226,7 +226,7 @@ class _OneFOneB:
         local = _Local(stage, segs_RS, active_RS, rest, batch, model, dtype)
         shape = jax.eval_shape(lambda: model.embed_tokens(batch["input_ids"][0]).astype(dtype))
         zeros_x = jnp.zeros(shape.shape, shape.dtype)
-        f32_zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+        f32_zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), t)
         acc = zero_acc(self.setup.program, self.r, self.setup, self.balancing, SCALARS)
         # The residuals one item keeps: their shapes, and where the pullback takes each of its
         # leaves from (the backward-only ticks have no forward of their own to rebuild it from).
@@ -238,9 +238,9 @@ class _OneFOneB:
 
         kept = jax.eval_shape(trace, jax.ShapeDtypeStruct((), jnp.int32), zeros_x)
         saved = [jnp.zeros((self.slots,) + k.shape, k.dtype) for k in kept]
-        trained = lambda trees, masks: [split(t, m)[0] for t, m in zip(trees, masks)]
+        trained = lambda trees, masks: [tree.split(t, m)[0] for t, m in zip(trees, masks)]
         carry = (zeros_x, zeros_x, saved, (f32_zeros(trained(segs_RS, self.seg_masks)),
-                                           f32_zeros(split(rest, self.rest_mask)[0])), acc)
+                                           f32_zeros(tree.split(rest, self.rest_mask)[0])), acc)
         for first, end, forward, backward in self.phases:
             name = {(True, False): "pipeline_warmup", (True, True): "pipeline_steady",
                     (False, True): "pipeline_cooldown"}[forward, backward]
@@ -329,13 +329,13 @@ class _OneFOneB:
         batch_b = _at(local.batch, mb_b)
         first_b = (stage == 0) & (chunk_b == 0)
         on_b = [_at(a, chunk_b) for a in local.active_RS]
-        states_b = [split(_at(s, chunk_b), m) for s, m in zip(segs_b, self.seg_masks)]
+        states_b = [tree.split(_at(s, chunk_b), m) for s, m in zip(segs_b, self.seg_masks)]
         pieces_of = lambda states: _piece_weights(chunk_pieces(self.setup.program, states, on_b, self.remat))
-        frozen_b = self.split_pieces(pieces_of([join(t, f) for t, f in states_b]))[1]
+        frozen_b = self.split_pieces(pieces_of([tree.join(t, f) for t, f in states_b]))[1]
         trained_b, split_pullback = jax.vjp(
-            lambda trained: self.split_pieces(pieces_of([join(t, f) for t, (_, f) in zip(trained, states_b)]))[0],
+            lambda trained: self.split_pieces(pieces_of([tree.join(t, f) for t, (_, f) in zip(trained, states_b)]))[0],
             [t for t, _ in states_b])
-        weights_b = [[join(t, f) for t, f in zip(ts, fs)] for ts, fs in zip(trained_b, frozen_b)]
+        weights_b = [[tree.join(t, f) for t, f in zip(ts, fs)] for ts, fs in zip(trained_b, frozen_b)]
         context_b = merge(self.graphdef, self.setup, rest_b).layer_context(batch_b["segment_ids"], batch_b["positions"])
         pullback = residuals.rebuild(kept_b, weights_b, context_b)
         g_weights, g_x = pullback((ct_x, scale))
@@ -373,7 +373,7 @@ class _OneFOneB:
 
         def chunk_objective(trained, x_in):
             """The chunk's output and router objective (/M, as without the pipeline)."""
-            weights = [[join(t, f) for t, f in zip(ts, fs)] for ts, fs in zip(trained, frozen)]
+            weights = [[tree.join(t, f) for t, f in zip(ts, fs)] for ts, fs in zip(trained, frozen)]
             x_out, stats = run_chunk(self.setup.stack_graphs, self.setup.program, _with_weights(pieces, weights),
                                      x_in, context)
             router_objective, sums, new_counts = router_terms(self.setup.program, stats, on, jnp.bool_(True),
@@ -396,10 +396,10 @@ class _OneFOneB:
         plain accumulation lets XLA:GPU move that one all-reduce out of the tick loop. The
         other stages' head matmuls cost no step time (every stage runs the same ticks in
         lockstep); the per-device FLOP count is the last stage's, Megatron's busiest."""
-        trained, frozen = split(rest, self.rest_mask)
+        trained, frozen = tree.split(rest, self.rest_mask)
 
         def head(trained, x):
-            model = merge(self.graphdef, self.setup, join(trained, frozen))
+            model = merge(self.graphdef, self.setup, tree.join(trained, frozen))
             on = last.astype(mb["loss_mask"].dtype)
             objective, ce_sum, count = model.weighted_loss_sums(model.final_norm(x), mb["labels"], mb["loss_mask"] * on,
                                                                 mb["loss_weight"] * last.astype(mb["loss_weight"].dtype))
@@ -426,8 +426,8 @@ class _Residuals:
     def of(cls, pullback, weights, context) -> "_Residuals":
         leaves, treedef = jax.tree.flatten(pullback)
         given = {}
-        for name, tree in (("weight", weights), ("context", context)):
-            for i, leaf in enumerate(jax.tree.leaves(tree)):
+        for name, part in (("weight", weights), ("context", context)):
+            for i, leaf in enumerate(jax.tree.leaves(part)):
                 given.setdefault(id(leaf), (name, i))
         sources, kept, kept_index = [], [], {}
         for leaf in leaves:

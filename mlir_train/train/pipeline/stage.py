@@ -167,33 +167,3 @@ def stage_shard_map(body, segs, active, rest, batch, scalars, out_names):
         # which Shardy rejects; unchecked, the outer region transposes cleanly.
         check_vma=False,
     )(segs, active, rest, batch, scalars)
-
-
-# ----- trainable vs frozen weights (LoRA: the adapters vs the base) ---------------------------
-def trainable_mask(params, trainable):
-    """``params``' tree with a bool per leaf: whether it is in ``trainable`` (a nested dict
-    whose keys are the trainable part of ``params``, leaves anything; None: every leaf)."""
-    if trainable is None or not isinstance(trainable, dict):
-        return jax.tree.map(lambda _: True, params)
-    return {k: trainable_mask(v, trainable[k]) if k in trainable else jax.tree.map(lambda _: False, v)
-            for k, v in params.items()}
-
-
-def split(tree, mask):
-    """``tree`` -> (its trainable leaves, its frozen leaves), each the same tree with None in
-    the other's places: the same arrays, not copies (the 1F1B residuals recognise them by id)."""
-    return (jax.tree.map(lambda x, m: x if m else None, tree, mask),
-            jax.tree.map(lambda x, m: None if m else x, tree, mask))
-
-
-def join(trained, frozen):
-    """The inverse of :func:`split`."""
-    return jax.tree.map(lambda t, f: f if t is None else t, trained, frozen, is_leaf=lambda x: x is None)
-
-
-def prune(tree):
-    """``tree`` without its None leaves and the dicts left empty."""
-    if isinstance(tree, dict):
-        out = {k: prune(v) for k, v in tree.items()}
-        return {k: v for k, v in out.items() if v is not None and not (isinstance(v, dict) and not v)}
-    return tree
