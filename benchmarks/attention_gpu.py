@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     print(f"{devices[0].device_kind}; {cfg.name} x {cfg.num_layers} layers, seq {seq}, batch 1, bf16, recompute off; "
           f"Megatron's count {megatron / 1e12:.3f} TFLOP")
     from mlir_train.model.platform import ATTENTION_BACKENDS
-    from mlir_train.model.tokamax_kernels import document_starts
+    from mlir_train.model.kernels.tokamax_ops import document_starts
     from mlir_train.runtime.platform_setup import compile_target
 
     mesh = rep.mesh

@@ -8,7 +8,7 @@ input's gradient for a random cotangent), bf16 operands:
 
 * MoE experts (SwiGLU of the rows sorted by expert, hidden 2048, 128 experts, 8192 tokens routed
   top-8 uniformly at random = 65536 rows; expert width 768, and 384 as one of two expert-tensor
-  ranks sees it): our Mosaic-GPU block kernels (``moe_experts.mosaic_block_kernels`` through
+  ranks sees it): our Mosaic-GPU block kernels (``kernels.mosaic_moe.mosaic_block_kernels`` through
   ``grouped_experts``, rows scattered into the block layout and back), ``tokamax.ragged_dot`` if
   tokamax imports, ``jax.lax.ragged_dot`` (XLA), and the capacity-padded ``[E, C, D]`` einsum
   (C = the largest group, rounded up to 8). Reference: the padded einsum in float32 at HIGHEST.
@@ -151,7 +151,7 @@ def moe_blocks(kernels, sizes_E):
 
 def moe_backends(sizes_E, capacity):
     """(name, fn or None, why skipped) per MoE backend."""
-    from mlir_train.model.moe.experts import mosaic_block_kernels
+    from mlir_train.model.kernels.mosaic_moe import mosaic_block_kernels
 
     out = []
     if SMOKE:

@@ -507,7 +507,7 @@ class ExtraFlags:
              "on the padded one")
     attention_kernel: str = flag("--attention-kernel", default="auto",
                                  choices=("auto", "tokamax", "pallas-mha", "mlir", "xla"),
-                                 help="attention: mlir (our Pallas-Triton flash attention, mlir_train.model.docs_flash: "
+                                 help="attention: mlir (our Pallas-Triton flash attention, mlir_train.model.kernels.docs_flash: "
                                       "skips other documents' tiles forward and backward), tokamax (tokamax's "
                                       "Mosaic-GPU flash attention, skips other documents' key blocks in the forward; needs tokamax), pallas-mha (JAX's Pallas "
                                       "Triton flash attention), xla (masked / blocked XLA ops); auto: the platform's "

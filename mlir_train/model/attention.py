@@ -18,6 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mlir_train.model.kernels import docs_flash, tokamax_ops
 from mlir_train.runtime.platform_setup import platform_name
 from sharding import logical_shard_map, mesh_axes_of, varying_axes
 
@@ -26,11 +27,11 @@ from sharding import logical_shard_map, mesh_axes_of, varying_axes
 # kernel of jax.experimental.pallas.ops.gpu.attention, GPU only, which takes the packed
 # documents' segment ids, skips the key blocks above the causal diagonal in the forward and
 # both backward passes, and never materialises the scores; "tokamax" is tokamax's Mosaic-GPU flash
-# attention (mlir_train.model.tokamax_kernels.tokamax_attention), GPU only, whose forward also
+# attention (mlir_train.model.kernels.tokamax_ops.tokamax_attention), GPU only, whose forward also
 # skips the key blocks of the packed row's earlier documents. The GPU default stays "flash": the
 # compiled FLOPs (benchmarks/README.md) are within 2 % of tokamax's on one document per row and
 # above them only on packed rows, and tokamax's kernel wants --seq-length a multiple of 128.
-# "docs-flash" is our Pallas (Triton) kernel (mlir_train.model.docs_flash, --attention-kernel mlir),
+# "docs-flash" is our Pallas (Triton) kernel (mlir_train.model.kernels.docs_flash, --attention-kernel mlir),
 # GPU only, whose forward and both backward passes skip the tiles outside a tile's documents.
 ATTENTION_IMPLS = ("xla", "flash", "tokamax", "docs-flash")
 DEFAULT_ATTENTION_IMPL = {"cpu": "xla", "gpu": "flash", "tpu": "xla"}
@@ -318,10 +319,8 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
 
 
 def kernel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation: str = "mosaic_gpu"):
-    """:func:`~mlir_train.model.tokamax_kernels.tokamax_attention` (``--attention-kernel
+    """:func:`~mlir_train.model.kernels.tokamax_ops.tokamax_attention` (``--attention-kernel
     tokamax``) in a region manual over the batch and head axes, as :func:`flash_attention`."""
-    from mlir_train.model.tokamax_kernels import tokamax_attention
-
     if mesh_axes_of("act_seq")[1] > 1:
         raise ValueError("--attention-kernel tokamax does not run with the sequence split over context-parallel "
                          "ranks (--context-parallel-size > 1); use --attention-kernel xla")
@@ -331,7 +330,7 @@ def kernel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation: 
                          "use --attention-kernel pallas-mha or xla")
 
     def run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
-        return tokamax_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, implementation=implementation)
+        return tokamax_ops.tokamax_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, implementation=implementation)
 
     if mesh_axes_of("act_batch")[1] == 1 and mesh_axes_of("act_heads")[1] == 1:
         return run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
@@ -341,11 +340,9 @@ def kernel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation: 
 
 
 def docs_flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool = False):
-    """:func:`mlir_train.model.docs_flash.docs_flash_attention` (``--attention-kernel mlir``: our
+    """:func:`mlir_train.model.kernels.docs_flash.docs_flash_attention` (``--attention-kernel mlir``: our
     Pallas-Triton kernel that skips other documents' tiles, forward and backward; GQA mapped in
     its index maps) in a region manual over the batch and head axes, as :func:`flash_attention`."""
-    from mlir_train.model import docs_flash
-
     if mesh_axes_of("act_seq")[1] > 1:
         raise ValueError("--attention-kernel mlir does not run with the sequence split over context-parallel "
                          "ranks (--context-parallel-size > 1); use --attention-kernel xla")

@@ -6,7 +6,7 @@ nothing, so the FLOPs of these calls are read from their operands, attributes an
 
 * cuBLAS GEMM custom calls (``__cublas$gemm``, ``__cublas$lt$matmul``): 2 x batch x M x N x K from
   their operands and the ``dot_dimension_numbers`` of their backend config;
-* the MoE block kernels of :mod:`mlir_train.model.moe.gpu` (``mosaic_gpu_v2`` custom calls
+* the MoE block kernels of :mod:`mlir_train.model.kernels.mosaic_moe` (``mosaic_gpu_v2`` custom calls
   whose ``op_name`` names the kernel): their static bound, 2 x R x K x N for R block rows,
   from the operand shapes. The kernels compute only the used blocks, so the work a step does
   is that bound times (used block rows / R), which depends on the routing: see
@@ -23,7 +23,7 @@ nothing, so the FLOPs of these calls are read from their operands, attributes an
   2 matmuls per visited (query tile, key tile) pair, the backward 7 (the dK/dV loop
   recomputes the scores and dP, then dV and dK; the dQ loop recomputes both again, then dQ);
 * our document-skipping Pallas-Triton attention (``docs_flash_{fwd,dq,dkv}_q<bq>_k<bk>``,
-  :mod:`mlir_train.model.docs_flash`, ``--attention-kernel mlir``) by the tiles it visits
+  :mod:`mlir_train.model.kernels.docs_flash`, ``--attention-kernel mlir``) by the tiles it visits
   (:class:`DocsFlashCall`; one document per row, :meth:`DocsFlashCall.flops` for packed rows'
   document starts).
 
@@ -164,7 +164,7 @@ class AttentionCall:
 @dataclasses.dataclass(frozen=True)
 class DocsFlashCall:
     """One of our document-skipping Pallas-Triton attention kernels
-    (:mod:`mlir_train.model.docs_flash`, op_name ``docs_flash_{fwd,dq,dkv}_q<bq>_k<bk>``), with q's
+    (:mod:`mlir_train.model.kernels.docs_flash`, op_name ``docs_flash_{fwd,dq,dkv}_q<bq>_k<bk>``), with q's
     ``[B, T, N, H]``. Forward and dQ visit, per query tile, the key tiles from the tile's first
     document start to the causal diagonal (2 and 3 matmuls a tile pair); dK/dV, per key tile, the
     query tiles from the diagonal to the tile's last document end (4 matmuls), for each query head."""

@@ -245,13 +245,13 @@ def audit_xla_dump(dump_dir: str, arch: str = "sm_90a") -> list[KernelReport]:
 def moe_kernel_cases(hidden: int = 2048, widths=(768, 384), experts: int = 128, rows: int = 64 * 640):
     """``(id, kernel, operand ShapeDtypeStructs)`` for each MoE block-kernel call of a
     Qwen3-30B-A3B-like layer (bf16; ``rows``: 4096 tokens x top-8 in blocks of 64 plus one spare
-    block per expert): :func:`~mlir_train.model.moe.gpu.block_matmul` (forward and input
+    block per expert): :func:`~mlir_train.model.kernels.mosaic_moe.block_matmul` (forward and input
     gradients, ``k x n`` = hidden x width and width x hidden) and ``block_matmul_t`` (the weight
     gradients, ``[k, rows] x [rows, n]``) at each expert width (768, and 384 per rank of TP2)."""
     import jax
     import jax.numpy as jnp
 
-    from mlir_train.model.moe import gpu as moe_gpu
+    from mlir_train.model.kernels import mosaic_moe as moe_gpu
 
     sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     blocks = rows // moe_gpu.BLOCK_ROWS

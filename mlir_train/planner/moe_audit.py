@@ -31,7 +31,7 @@ import sharding
 from mlir_train.planner.hlo import _arrays, _called, _nbytes, _Reader, analyze, matmul_flops, parse_module
 from mlir_train.model import logical_axes
 from mlir_train.model.moe.block import ROUTER_SCOPE, MoE
-from mlir_train.model.moe.gpu import BLOCK_ROWS
+from mlir_train.model.kernels.mosaic_moe import BLOCK_ROWS
 from mlir_train.runtime.platform_setup import compile_target
 
 

@@ -278,7 +278,7 @@ def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, n
     overlaps), the matmul FLOPs at a balanced routing, and the roofline
     (:mod:`mlir_train.planner.roofline`) where the step was compiled for a GPU target."""
     from mlir_train.model import flops as flops_lib
-    from mlir_train.model.moe.gpu import BLOCK_ROWS
+    from mlir_train.model.kernels.mosaic_moe import BLOCK_ROWS
     from mlir_train.planner import comm, roofline
 
     c = plan.candidate

@@ -233,7 +233,8 @@ def check_block_kernels(kernels, s: Shapes) -> float:
     import jax.numpy as jnp
 
     from mlir_train.model.moe.dispatch import block_grouping
-    from mlir_train.model.moe.experts import grouped_experts, xla_block_kernels
+    from mlir_train.model.kernels.blocks import xla_block_kernels
+    from mlir_train.model.moe.experts import grouped_experts
 
     b, e, d, f = kernels.block_rows, s.experts, s.hidden, s.moe_width
     sizes = [2 * b - 7, 0, b, 5][:e] + [b // 2] * max(e - 4, 0)

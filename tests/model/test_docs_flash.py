@@ -1,4 +1,4 @@
-"""Our document-skipping Pallas-Triton attention (mlir_train.model.docs_flash, ``--attention-kernel
+"""Our document-skipping Pallas-Triton attention (mlir_train.model.kernels.docs_flash, ``--attention-kernel
 mlir``, ``attention_impl="docs-flash"``): equal to masked_attention (values and dq, dk, dv) in
 Pallas' interpreter on packed rows; compiled deviceless for an H200 its HLO holds the three kernel
 calls and no dense attention, the kernels issue wgmma without spills; the tiles it visits on
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlir_train.model.docs_flash import Tiles, docs_flash_attention, document_bounds
+from mlir_train.model.kernels.docs_flash import Tiles, docs_flash_attention, document_bounds
 from mlir_train.model.attention import attention_mask, masked_attention
 
 # Row 0: documents of 40, 1 and 59 tokens (crossing 16-token tile edges), then 28 of padding;

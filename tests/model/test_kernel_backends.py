@@ -11,6 +11,7 @@ import pytest
 from mlir_train.families import get_model_config
 from mlir_train.model import ModelOptions, kernel_options
 from mlir_train.model.moe import dispatch as moe_dispatch
+from mlir_train.model.kernels.blocks import xla_block_kernels
 from mlir_train.model.moe import experts as moe_experts
 from mlir_train.model.attention import attention_mask, masked_attention
 from sharding import Layout
@@ -82,9 +83,9 @@ def test_tokamax_block_kernels_equal_reference_on_cpu():
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x, weight, *ws)
 
-    from mlir_train.model.tokamax_kernels import tokamax_block_kernels
+    from mlir_train.model.kernels.tokamax_ops import tokamax_block_kernels
 
-    got, want = run(tokamax_block_kernels(b, implementation="xla")), run(moe_experts.xla_block_kernels(b))
+    got, want = run(tokamax_block_kernels(b, implementation="xla")), run(xla_block_kernels(b))
     for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-5)
 
@@ -93,7 +94,7 @@ def test_tokamax_attention_equals_masked_attention_on_cpu():
     """Packed documents as per-query key starts (tokamax's reference implementation) give the
     packed-document causal attention of attention_mask, values and gradients."""
     _tokamax()
-    from mlir_train.model.tokamax_kernels import document_starts, tokamax_attention
+    from mlir_train.model.kernels.tokamax_ops import document_starts, tokamax_attention
 
     b, t, kv, g, h = 2, 32, 2, 2, 16
     rng = np.random.default_rng(1)
@@ -149,7 +150,7 @@ def test_tokamax_attention_compiles_and_skips_other_documents_on_h200(h200_devic
     Megatron's causal count (6 half-matmuls): 9 half-matmuls for one document, ~8.3 for four."""
     from tests.helpers import compiled_attention_grads, one_device_mesh
     from mlir_train.planner.hlo import matmul_flops
-    from mlir_train.model.tokamax_kernels import document_starts, tokamax_attention
+    from mlir_train.model.kernels.tokamax_ops import document_starts, tokamax_attention
     from mlir_train.runtime.platform_setup import compile_target
 
     b, t, kv, g, h = 1, 1024, 2, 4, 128

@@ -3,7 +3,7 @@ reference, values and gradients, on one device, under data parallelism and under
 parallelism (the ragged_all_to_all dispatcher, through its dense emulation on CPU).
 
 On CPU the grouped path runs its custom VJP on ``jax.lax.ragged_dot`` kernels
-(``moe_experts.xla_block_kernels``); the Mosaic-GPU kernels themselves run here in the
+(``kernels.blocks.xla_block_kernels``); the Mosaic-GPU kernels themselves run here in the
 Mosaic-GPU interpreter on small shapes, and compile for an H200 in test_moe_gpu_compile.py.
 """
 
@@ -18,8 +18,7 @@ from mlir_train.model import ModelOptions
 from mlir_train.families import get_model_config
 from mlir_train.model.moe import block as moe_lib
 from mlir_train.model.moe import dispatch as moe_dispatch
-from mlir_train.model.moe import experts as moe_experts
-from mlir_train.model.moe import gpu as moe_gpu
+from mlir_train.model.kernels import blocks, mosaic_moe
 from sharding import Layout
 
 TINY = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=2)
@@ -127,10 +126,10 @@ ROUTINGS = {  # rows per expert, in 6 blocks of 64
 @pytest.mark.parametrize("routing, k", [(r, 128) for r in ROUTINGS] + [("skewed", 64)])
 def test_mosaic_kernels_in_interpreter_equal_reference(routing, k):
     """The two Mosaic-GPU kernels, run by the Mosaic-GPU interpreter on CPU, equal their
-    ``ragged_dot`` reference (``moe_experts.xla_block_kernels``): spare blocks zero, an expert
+    ``ragged_dot`` reference (``kernels.blocks.xla_block_kernels``): spare blocks zero, an expert
     without rows a zero weight gradient. ``k`` 128: a 2-step pipelined K loop, 64: one step
     (no delayed release). Output width 256: two tiles."""
-    b, n, e, n_blocks = moe_gpu.BLOCK_ROWS, 256, 3, 6
+    b, n, e, n_blocks = mosaic_moe.BLOCK_ROWS, 256, 3, 6
     rng = np.random.default_rng(0)
     sizes_E = jnp.asarray(ROUTINGS[routing], jnp.int32)
     layout = moe_dispatch.block_grouping(sizes_E, b, n_blocks)
@@ -138,7 +137,7 @@ def test_mosaic_kernels_in_interpreter_equal_reference(routing, k):
     x = jnp.asarray(rng.standard_normal((n_blocks * b, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((e, k, n)), jnp.bfloat16)
     dy = jnp.asarray(rng.standard_normal((n_blocks * b, n)), jnp.bfloat16)
-    mosaic, ref = moe_experts.mosaic_block_kernels(_interpret()), moe_experts.xla_block_kernels(b)
+    mosaic, ref = mosaic_moe.mosaic_block_kernels(_interpret()), blocks.xla_block_kernels(b)
     got, want = mosaic.matmul(x, w, *layout), ref.matmul(x, w, *layout)
     assert not np.any(np.asarray(got[used * b:], np.float32))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=0.25)

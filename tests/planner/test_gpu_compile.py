@@ -171,7 +171,7 @@ def test_train_step_calls_the_gpu_kernels_without_fallback(h200_devices):
 
 
 def test_kernels_refuse_widths_they_cannot_tile():
-    from mlir_train.model.moe import gpu as moe_gpu
+    from mlir_train.model.kernels import mosaic_moe as moe_gpu
 
     with pytest.raises(ValueError, match="multiple of 64.*moe_impl='padded'"):
         moe_gpu.block_matmul_t(jnp.ones((32, 128), jnp.bfloat16), jnp.ones((128, 128), jnp.bfloat16),

@@ -14,7 +14,7 @@ import sharding
 from mlir_train.families import init_model
 from mlir_train.model import ModelOptions, logical_axes
 from mlir_train.model.moe import block as moe_lib
-from mlir_train.model.moe.experts import xla_block_kernels
+from mlir_train.model.kernels.blocks import xla_block_kernels
 from sharding import Layout
 from tests.helpers import B, COMPILER_OPTIONS, T, TINY_MOE, moe_block, moe_block_inputs, run_moe_block
 

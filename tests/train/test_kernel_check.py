@@ -12,7 +12,8 @@ from mlir_train.train import kernel_check
 from mlir_train.families import get_model_config
 from mlir_train.families.qwen3 import Qwen3
 from mlir_train.model import ModelOptions
-from mlir_train.model.moe.experts import BlockKernels, mosaic_block_kernels, xla_block_kernels
+from mlir_train.model.kernels.blocks import BlockKernels, xla_block_kernels
+from mlir_train.model.kernels.mosaic_moe import mosaic_block_kernels
 from mlir_train.runtime.errors import ConfigError
 
 # Small widths the kernels' tiles divide (64-row blocks, 64-wide weight-gradient tiles).

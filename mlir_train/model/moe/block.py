@@ -18,9 +18,9 @@ Three ways to run the experts, all computing the same function (tests compare th
 * ``"ragged"``  sort assignments by expert and run ``jax.lax.ragged_dot`` on the groups:
                 dropless by construction; the fast path on TPU. (XLA:GPU lowers ragged_dot to
                 a dense padded dot over every expert: E/K times the routed work.)
-* ``"grouped"`` dropless block-grouped experts on block kernels (``moe_experts.BlockKernels``):
+* ``"grouped"`` dropless block-grouped experts on block kernels (``kernels.blocks.BlockKernels``):
                 the blocked layout with 64-row blocks, run by Pallas Mosaic-GPU kernels
-                (``moe_gpu``, Hopper) that compute only the used blocks: the routed rows plus
+                (``kernels.mosaic_moe``, Hopper) that compute only the used blocks: the routed rows plus
                 each expert's round-up to a block. The fast path on GPU. Under EP the rows move
                 with ``ragged_all_to_all`` straight into that layout. Off GPU the same wrapper
                 runs ``ragged_dot`` (the reference the CPU tests use). With a capacity it runs
@@ -47,13 +47,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlir_train.model.kernels.blocks import BlockKernels, xla_block_kernels
+from mlir_train.model.kernels.mosaic_moe import BLOCK_ROWS as GPU_BLOCK_ROWS, mosaic_block_kernels
+from mlir_train.model.kernels.tokamax_ops import tokamax_block_kernels
 from mlir_train.model.layers import param
 from mlir_train.model.lora import LoRA, expert_delta, maybe
 from mlir_train.model.moe.dispatch import (
     DEFAULT_EP_BUFFER_FACTOR, DEFAULT_MOE_IMPL, MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for,
 )
-from mlir_train.model.moe.experts import BlockKernels, mosaic_block_kernels, swiglu_down, xla_block_kernels
-from mlir_train.model.moe.gpu import BLOCK_ROWS as GPU_BLOCK_ROWS
+from mlir_train.model.moe.experts import swiglu_down
 from mlir_train.model.moe.parallel import run_experts
 from mlir_train.model.recompute import checkpointed
 from mlir_train.model.moe.router import route, route_in, router_logits
@@ -76,7 +78,7 @@ class MoE(nnx.Module):
     CPU). ``block_loop`` forces the dropless blocked experts' loop (True) or batched form
     (False); None picks by size. ``block_kernels`` are ``impl="grouped"``'s matmuls: by default
     (or "mosaic") our Mosaic-GPU kernels when ``platform`` is "gpu", else the ``ragged_dot``
-    reference; "tokamax" tokamax's kernels (:mod:`mlir_train.model.tokamax_kernels`)."""
+    reference; "tokamax" tokamax's kernels (:mod:`mlir_train.model.kernels.tokamax_ops`)."""
 
     def __init__(
         self,
@@ -101,8 +103,6 @@ class MoE(nnx.Module):
         if ragged_all_to_all is None and impl in ("ragged", "grouped") and capacity_factor is None:
             ragged_all_to_all = ragged_collective_for(platform)
         if impl == "grouped" and block_kernels == "tokamax":  # --moe-gemm-backend tokamax
-            from mlir_train.model.tokamax_kernels import tokamax_block_kernels
-
             block_kernels = tokamax_block_kernels(GPU_BLOCK_ROWS)
         elif impl == "grouped" and block_kernels in (None, "mosaic"):
             block_kernels = mosaic_block_kernels() if platform == "gpu" else xla_block_kernels(GPU_BLOCK_ROWS)

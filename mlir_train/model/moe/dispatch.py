@@ -18,9 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mlir_train.model.moe.experts import (
-    BlockKernels, blocked_experts, grouped_experts, ragged_experts, swiglu_down, swiglu_experts,
-)
+from mlir_train.model.kernels.blocks import BlockKernels
+from mlir_train.model.moe.experts import blocked_experts, grouped_experts, ragged_experts, swiglu_down, swiglu_experts
 from sharding import constrain, varying_axes
 
 MOE_IMPLS = ("dense", "padded", "ragged", "grouped")

@@ -6,8 +6,9 @@ C capacity slots, A assignments (rows sorted by expert), N blocks of b rows, R =
 * :func:`swiglu_experts` the batched ``[E, C, D]`` form (padded buffers, the EP receive buffer).
 * :func:`blocked_experts` the block-grouped form (MegaBlocks' layout) with its custom VJP.
 * :func:`ragged_experts` ``jax.lax.ragged_dot`` groups with their custom VJP.
-* :func:`grouped_experts` rows in the same block layout on pluggable :class:`BlockKernels`
-  (Pallas Mosaic-GPU kernels on Hopper, ``ragged_dot`` as the reference), with its custom VJP.
+* :func:`grouped_experts` rows in the same block layout on pluggable
+  :class:`~mlir_train.model.kernels.blocks.BlockKernels` (:mod:`mlir_train.model.kernels`: Pallas
+  Mosaic-GPU or tokamax kernels on Hopper, ``ragged_dot`` as the reference), with its custom VJP.
 
 Nothing here routes, sorts or communicates (:mod:`mlir_train.model.moe.dispatch` and
 :mod:`mlir_train.model.moe.parallel` do).
@@ -15,15 +16,13 @@ Nothing here routes, sorts or communicates (:mod:`mlir_train.model.moe.dispatch`
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
+from mlir_train.model.kernels.blocks import BlockKernels, common_vma
 from mlir_train.model.recompute import checkpointed
-from sharding import varying_axes
 
 
 def swiglu_down(g, u, down, recompute: bool = False):
@@ -198,67 +197,6 @@ def blocked_experts(x_SD, weight_R, wg_EDF, wu_EDF, wd_EFD, token_R, expert_N, u
 
 
 # ----- block-grouped experts on pluggable kernels ------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class BlockKernels:
-    """The two matmuls the block-grouped experts need, on rows in blocks of ``block_rows``
-    (block ``n`` of expert ``expert_N[n]``; blocks from ``used`` on are spare):
-
-    ``matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E) -> [R, N]``
-        each used block times its expert's matrix, spare blocks zero;
-    ``matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E) -> [E, K, N]``
-        float32, per expert the sum over its blocks of ``lhs[:, block] @ rhs[block]``.
-
-    :func:`mosaic_block_kernels` (Hopper GPUs) does only the used blocks' work;
-    :func:`xla_block_kernels` computes the same with ``jax.lax.ragged_dot`` (the reference the
-    CPU tests run the same wrapper with)."""
-
-    name: str
-    block_rows: int
-    matmul: Callable
-    matmul_t: Callable
-
-
-def xla_block_kernels(block_rows: int) -> BlockKernels:
-    def matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E):
-        # Rows past the last group belong to no group: ragged_dot makes them zero.
-        return jax.lax.ragged_dot(lhs_RK, rhs_EKN.astype(lhs_RK.dtype), (num_blocks_E * block_rows).astype(jnp.int32))
-
-    def matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E):
-        dims = jax.lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(((1,), (0,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
-        )
-        return jax.lax.ragged_dot_general(
-            lhs_KR, rhs_RN.astype(lhs_KR.dtype), (num_blocks_E * block_rows).astype(jnp.int32), dims,
-            preferred_element_type=jnp.float32,
-        )
-
-    return BlockKernels("xla", block_rows, matmul, matmul_t)
-
-
-def mosaic_block_kernels(interpret=None) -> BlockKernels:
-    """The Pallas Mosaic-GPU kernels of :mod:`mlir_train.model.moe.gpu` (``interpret``: run
-    them in the Mosaic-GPU interpreter, on CPU, for tests)."""
-    from mlir_train.model.moe import gpu as moe_gpu
-
-    # A Pallas call's result is typed invariant over every manual mesh axis: give it the
-    # variance of its operands, as any other op's result would have.
-    def named(kernel, *args, **kwargs):
-        try:
-            return kernel(*args, **kwargs)
-        except ValueError as e:  # a width the kernels cannot tile: say which flag chose them
-            raise ValueError(f"--moe-gemm-backend mosaic (the GPU default): {e}; or --moe-gemm-backend padded") from None
-
-    def matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E):
-        out = named(moe_gpu.block_matmul, lhs_RK, rhs_EKN, expert_N, used, interpret=interpret)
-        return _common_vma(out, lhs_RK, rhs_EKN)[0]
-
-    def matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E):
-        out = named(moe_gpu.block_matmul_t, lhs_KR, rhs_RN, first_block_E, num_blocks_E, interpret=interpret)
-        return _common_vma(out, lhs_KR, rhs_RN)[0]
-
-    return BlockKernels("mosaic" if interpret is None else "mosaic-interpret", moe_gpu.BLOCK_ROWS, matmul, matmul_t)
-
-
 def _grouped_fwd(kernels, x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD, *layout):
     g_RF = kernels.matmul(x_RD, wg_EDF, *layout)
     u_RF = kernels.matmul(x_RD, wu_EDF, *layout)
@@ -303,14 +241,5 @@ def grouped_experts(kernels: BlockKernels, x_RD, weight_R, wg_EDF, wu_EDF, wd_EF
     any of them varies over (a tensor rank's routing-weight gradient, say, is a partial sum
     over its F shard): the custom VJP needs an input and its gradient to have one type, and
     the marks' transposes sum the gradients where they are partial."""
-    x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD = _common_vma(x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD)
+    x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD = common_vma(x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD)
     return _grouped_vjp(kernels, x_RD, weight_R, wg_EDF, wu_EDF, wd_EFD, expert_N, used, first_block_E, num_blocks_E)
-
-
-def _common_vma(*arrays):
-    axes = set().union(*(varying_axes(a) for a in arrays))
-    out = []
-    for a in arrays:
-        missing = tuple(sorted(axes - varying_axes(a)))
-        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-    return tuple(out)

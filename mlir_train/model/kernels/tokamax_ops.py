@@ -2,7 +2,7 @@
 
 Shape suffixes as in :mod:`mlir_train.model.layers` and :mod:`mlir_train.model.moe.experts`.
 
-* :func:`tokamax_block_kernels` the :class:`~mlir_train.model.moe.experts.BlockKernels` of
+* :func:`tokamax_block_kernels` the :class:`~.blocks.BlockKernels` of
   ``--moe-gemm-backend tokamax``: ``tokamax.ragged_dot`` on the block layout, the Mosaic-GPU
   kernel (Hopper wgmma) for the forward and input-gradient matmuls and, for the weight gradients,
   tokamax's Mosaic-GPU ragged-contracting kernel. Its Pallas-Triton one (reported much faster at
@@ -29,7 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mlir_train.model.moe.experts import BlockKernels, _common_vma
+from mlir_train.model.kernels.blocks import BlockKernels, common_vma
+from mlir_train.runtime.platform_setup import platform_name
 
 MOE_FLAG = "--moe-gemm-backend"
 ATTENTION_FLAG = "--attention-kernel"
@@ -54,8 +55,6 @@ def require_tokamax(flag: str):
 
 def _check_gpu_device(flag: str):
     from jax.extend import backend
-
-    from mlir_train.runtime.platform_setup import platform_name
 
     device = backend.get_default_device()
     if platform_name(device) != "gpu":
@@ -86,7 +85,7 @@ def tokamax_block_kernels(block_rows: int = 64, *, implementation: str | None = 
                                     implementation=matmul_impl)
         live_R = jnp.arange(lhs_RK.shape[0]) < used * block_rows
         out_RN = jnp.where(live_R[:, None], out_RN, 0).astype(lhs_RK.dtype)
-        return _common_vma(out_RN, lhs_RK, rhs_EKN)[0]
+        return common_vma(out_RN, lhs_RK, rhs_EKN)[0]
 
     def matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E):
         if implementation is None:
@@ -94,7 +93,7 @@ def tokamax_block_kernels(block_rows: int = 64, *, implementation: str | None = 
         # tokamax's ragged-contracting form takes the rows leading on both sides ([R, K] x [R, N]).
         out = tokamax.ragged_dot_general(lhs_KR.T, rhs_RN.astype(lhs_KR.dtype), sizes(num_blocks_E), contracting,
                                          preferred_element_type=jnp.float32, implementation=matmul_t_impl)
-        return _common_vma(out, lhs_KR, rhs_RN)[0]
+        return common_vma(out, lhs_KR, rhs_RN)[0]
 
     name = "tokamax" if implementation is None else f"tokamax-{implementation}"
     return BlockKernels(name, block_rows, matmul, matmul_t)

@@ -16,7 +16,8 @@ the round-up of its rows to a whole block:
 XLA's own ``ragged_dot`` on GPU is a dense padded dot over every expert (E/K times the routed
 work), which is why these exist. Their operands are plain (no transposed SMEM views): the
 Mosaic-GPU interpreter runs them on CPU (tests), and it cannot run transposed views.
-``moe_experts.xla_block_kernels`` computes the same two functions with ``jax.lax.ragged_dot``.
+:func:`~.blocks.xla_block_kernels` computes the same two functions with ``jax.lax.ragged_dot``;
+:func:`mosaic_block_kernels` gives these two as the experts' ``BlockKernels``.
 
 In the optimized HLO each kernel is a ``mosaic_gpu_v2`` custom call whose ``op_name`` ends in
 the kernel body's name (``moe_block_matmul``, ``moe_block_matmul_t``): ``mlir_train.planner.hlo_kernels``
@@ -30,6 +31,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from mlir_train.model.kernels.blocks import BlockKernels, common_vma
 
 # wgmma's M is 64 rows per warpgroup: the smallest block, and the least padding per expert.
 BLOCK_ROWS = 64
@@ -181,3 +184,26 @@ def block_matmul_t(lhs_KR, rhs_RN, first_block_E, num_blocks_E, *, block_rows: i
         interpret=interpret,
     )
     return kernel(first_block_E.astype(jnp.int32), num_blocks_E.astype(jnp.int32), lhs_KR, rhs_RN.astype(lhs_KR.dtype))
+
+
+def mosaic_block_kernels(interpret=None) -> BlockKernels:
+    """:func:`block_matmul` and :func:`block_matmul_t` as the experts' kernels (``interpret``:
+    run them in the Mosaic-GPU interpreter, on CPU, for tests)."""
+
+    def named(kernel, *args, **kwargs):
+        try:
+            return kernel(*args, **kwargs)
+        except ValueError as e:  # a width the kernels cannot tile: say which flag chose them
+            raise ValueError(f"--moe-gemm-backend mosaic (the GPU default): {e}; or --moe-gemm-backend padded") from None
+
+    # A Pallas call's result is typed invariant over every manual mesh axis: give it the
+    # variance of its operands, as any other op's result would have.
+    def matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E):
+        out = named(block_matmul, lhs_RK, rhs_EKN, expert_N, used, interpret=interpret)
+        return common_vma(out, lhs_RK, rhs_EKN)[0]
+
+    def matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E):
+        out = named(block_matmul_t, lhs_KR, rhs_RN, first_block_E, num_blocks_E, interpret=interpret)
+        return common_vma(out, lhs_KR, rhs_RN)[0]
+
+    return BlockKernels("mosaic" if interpret is None else "mosaic-interpret", BLOCK_ROWS, matmul, matmul_t)
