@@ -46,6 +46,7 @@ from mlir_train.model import flops  # noqa: E402
 from mlir_train.config.models import ModelConfig
 from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
+from mlir_train.config.policies import LoadBalancing  # noqa: E402
 from mlir_train.train.trainer import BATCH_KEYS, StepConfig  # noqa: E402
 from mlir_train.train.build import build_trainer  # noqa: E402
 from mlir_train.model.moe.block import block_layout  # noqa: E402
@@ -73,7 +74,7 @@ def xla_flops(cfg: ModelConfig, rows: int, seq: int, options: ModelOptions) -> f
     # The dropless experts' block loop (the form wide experts take) is a while loop, which XLA
     # counts once: count the batched form of the same blocks instead.
     options = options.replace(moe_block_loop=False)
-    trainer = build_trainer(cfg, StepConfig(num_micro_batches=1, aux_loss_coeff=1e-2),
+    trainer = build_trainer(cfg, StepConfig(num_micro_batches=1, balancing=LoadBalancing.from_flags("aux_loss", 1e-2)),
                       make_optimizer(lr_schedule=1e-3, weight_decay=0.1), parallel, mesh, options=options)
     batch = {k: jax.ShapeDtypeStruct((1, rows, seq), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding) for k in BATCH_KEYS}

@@ -49,6 +49,7 @@ from mlir_train.runtime import platform_setup  # noqa: E402
 from mlir_train.model import kernel_options  # noqa: E402
 from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
+from mlir_train.config.policies import LoadBalancing  # noqa: E402
 from mlir_train.train.trainer import BATCH_KEYS, StepConfig  # noqa: E402
 from mlir_train.train.build import build_trainer  # noqa: E402
 from sharding.mesh import make_mesh
@@ -116,7 +117,7 @@ def main(argv=None) -> None:
 
     print(SETUP.describe())
     trainer = build_trainer(
-        cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16", aux_loss_coeff=1e-3),
+        cfg, StepConfig(num_micro_batches=1, compute_dtype="bfloat16", balancing=LoadBalancing.from_flags("aux_loss", 1e-3)),
         make_optimizer(lr_schedule=1e-5, weight_decay=0.1, beta2=0.95, clip_grad=1.0), parallel, mesh,
         options=kernels.replace(moe_impl=moe_impl, remat=args.recompute),
     )

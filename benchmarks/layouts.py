@@ -47,6 +47,7 @@ from mlir_train.config.models import ModelConfig
 from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
 from mlir_train.train.schedule import megatron_lr_schedule  # noqa: E402
+from mlir_train.config.policies import LoadBalancing  # noqa: E402
 from mlir_train.train.trainer import StepConfig, model_dims  # noqa: E402
 from mlir_train.train.build import build_trainer  # noqa: E402
 from sharding.table import held_bytes  # noqa: E402
@@ -108,7 +109,8 @@ def build(size: Size, layout: str):
         mesh = make_mesh(parallel)
     optimizer = make_optimizer(lr_schedule=megatron_lr_schedule(lr=1e-4, train_iters=1000, lr_decay_style="constant"),
                                weight_decay=0.1)
-    trainer = build_trainer(cfg, StepConfig(num_micro_batches=size.micro, aux_loss_coeff=1e-2), optimizer, parallel, mesh)
+    step_cfg = StepConfig(num_micro_batches=size.micro, balancing=LoadBalancing.from_flags("aux_loss", 1e-2))
+    trainer = build_trainer(cfg, step_cfg, optimizer, parallel, mesh)
     state = trainer.init_state(0)
     master = shard_bytes(trainer.param_shapes, trainer.state_shardings["params"])
     opt = shard_bytes(jax.eval_shape(optimizer.init, trainer.param_shapes), trainer.state_shardings["opt_state"])

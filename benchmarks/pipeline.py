@@ -46,8 +46,10 @@ import numpy as np  # noqa: E402
 
 from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
+from mlir_train.config.policies import LoadBalancing  # noqa: E402
 from mlir_train.train.trainer import StepConfig, Trainer  # noqa: E402
 from mlir_train.train.build import build_trainer  # noqa: E402
+from mlir_train.train.pipeline import make_schedule  # noqa: E402
 from sharding.mesh import make_mesh
 from sharding.layout import Layout  # noqa: E402
 
@@ -57,10 +59,12 @@ LAYERS = 8
 def _trainer(stages: int, micro: int, virtual: bool, devices: int, schedule: str = "1f1b") -> Trainer:
     cfg = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=LAYERS)
     parallel = Layout(pipeline=stages, num_devices=devices)
-    step_cfg = StepConfig(num_micro_batches=micro, aux_loss_coeff=1e-2, pipeline_schedule=schedule,
-                          layers_per_virtual_stage=1 if virtual and stages > 1 else None)
+    step_cfg = StepConfig(num_micro_batches=micro, balancing=LoadBalancing.from_flags("aux_loss", 1e-2))
     opt = make_optimizer(lr_schedule=lambda _: 1e-4, weight_decay=0.1, clip_grad=1.0)
-    return build_trainer(cfg, step_cfg, opt, parallel, make_mesh(parallel, devices=jax.devices()[:devices]))
+    pipeline = None if stages == 1 else make_schedule(LAYERS, stages, kind=schedule, num_micro_batches=micro,
+                                                      layers_per_virtual_stage=1 if virtual else None)
+    return build_trainer(cfg, step_cfg, opt, parallel, make_mesh(parallel, devices=jax.devices()[:devices]),
+                         schedule=pipeline)
 
 
 def _batch(trainer: Trainer, micro: int, rows: int, seq: int) -> dict:

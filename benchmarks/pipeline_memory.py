@@ -44,8 +44,10 @@ from peak_buffers import peak_buffers  # noqa: E402
 
 from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
+from mlir_train.config.policies import LoadBalancing  # noqa: E402
 from mlir_train.train.trainer import BATCH_KEYS, StepConfig, model_dims  # noqa: E402
 from mlir_train.train.build import build_trainer  # noqa: E402
+from mlir_train.train.pipeline import make_schedule  # noqa: E402
 from sharding.mesh import make_mesh, validate
 from sharding.layout import Layout  # noqa: E402
 
@@ -57,10 +59,11 @@ SEQ = 256
 def compile_step(schedule: str, micro: int, dump: str | None):
     parallel = validate(Layout(tensor=2, pipeline=2, expert=2, sequence_parallel=True,
                                        distributed_optimizer=True), model_dims(CFG), seq_length=SEQ)
-    trainer = build_trainer(CFG, StepConfig(num_micro_batches=micro, pipeline_schedule=schedule, compute_dtype=args.dtype,
-                                      aux_loss_coeff=1e-2),
-                      make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel, make_mesh(parallel),
-                      options=ModelOptions(remat=args.recompute))
+    trainer = build_trainer(CFG, StepConfig(num_micro_batches=micro, compute_dtype=args.dtype,
+                                            balancing=LoadBalancing.from_flags("aux_loss", 1e-2)),
+                            make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel, make_mesh(parallel),
+                            options=ModelOptions(remat=args.recompute),
+                            schedule=make_schedule(CFG.num_layers, parallel.pipeline, kind=schedule, num_micro_batches=micro))
     batch = {k: jax.ShapeDtypeStruct((micro, parallel.data_parallel, SEQ), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding) for k in BATCH_KEYS}
     options = {"xla_backend_optimization_level": 0}

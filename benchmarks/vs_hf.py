@@ -62,6 +62,7 @@ from mlir_train.config.models import ModelConfig
 from mlir_train.families import get_model_config  # noqa: E402
 from mlir_train.checkpoint.hf import save_pretrained  # noqa: E402
 from mlir_train.train.optim import make_optimizer  # noqa: E402
+from mlir_train.config.policies import LoadBalancing  # noqa: E402
 from mlir_train.train.trainer import StepConfig  # noqa: E402
 from mlir_train.train.build import build_trainer  # noqa: E402
 from sharding.mesh import make_mesh
@@ -92,7 +93,8 @@ def ours(size: Size, batch_np: dict[str, np.ndarray]):
     parallel = Layout(num_devices=1)
     mesh = make_mesh(parallel, devices=jax.devices()[:1])
     optimizer = make_optimizer(lr_schedule=LR, weight_decay=WEIGHT_DECAY, beta2=BETA2, clip_grad=CLIP)
-    trainer = build_trainer(size.cfg, StepConfig(num_micro_batches=1, aux_loss_coeff=AUX_COEFF), optimizer, parallel, mesh,
+    step_cfg = StepConfig(num_micro_batches=1, balancing=LoadBalancing.from_flags("aux_loss", AUX_COEFF))
+    trainer = build_trainer(size.cfg, step_cfg, optimizer, parallel, mesh,
                       options=ModelOptions(moe_impl="padded"))
     state = trainer.init_state(seed=0)
     hf_dir = tempfile.mkdtemp(prefix=f"vs_hf_{size.name}_")

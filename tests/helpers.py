@@ -37,6 +37,8 @@ from mlir_train.planner.moe_audit import compile_without_cache
 from mlir_train.train.build import build_trainer
 from mlir_train.train.optim import make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
+from mlir_train.config.policies import LoadBalancing
+from mlir_train.train.pipeline import Schedule, make_schedule
 from mlir_train.train.trainer import StepConfig, Trainer, model_dims
 from sharding.layout import Layout
 from sharding.mesh import make_mesh, validate
@@ -76,6 +78,19 @@ BETA1 = 0.9
 
 
 MICRO, ROWS, SEQ = 2, 8, 32  # batch [micro-batches, rows per micro-batch, tokens per row]
+AUX_LOSS = LoadBalancing.from_flags("aux_loss", 1e-2)  # --moe-aux-loss-coeff 1e-2
+AUX_AND_Z_LOSS = LoadBalancing.from_flags("aux_loss", 1e-2, z_loss_coeff=1e-3)  # and --moe-z-loss-coeff 1e-3
+
+
+def pipeline_schedule(cfg, parallel: Layout, micro: int, kind: str = "1f1b", virtual: int | None = None,
+                      **uneven) -> Schedule | None:
+    """``build_trainer``'s ``schedule`` for ``parallel``'s pipeline stages over ``micro``
+    micro-batches (``virtual``: layers per virtual stage; ``uneven``: the first/last stage's
+    layers); None without pipeline stages."""
+    if parallel.pipeline == 1:
+        return None
+    return make_schedule(cfg.num_layers, parallel.pipeline, kind=kind, layers_per_virtual_stage=virtual,
+                         num_micro_batches=micro, **uneven)
 
 
 MODELS = {
@@ -143,10 +158,11 @@ def adam_mu(opt_state) -> Any:
 
 
 def train_one_step(cfg, layout: Layout | None, options: ModelOptions | None = None,
-                   per_token: bool = False, step: dict | None = None, init=None) -> StepResult:
+                   per_token: bool = False, step: dict | None = None, init=None, pipeline: dict | None = None) -> StepResult:
     """One train step of model ``cfg`` on ``layout`` (None: one device) on :func:`packed_batch`;
     ``step``: StepConfig fields on top; ``init(trainer, state)``: the state to start from
-    (default ``init_state(SEED)``)."""
+    (default ``init_state(SEED)``); ``pipeline``: :func:`pipeline_schedule`'s arguments under
+    pipeline stages."""
     if layout is None:
         parallel = Layout(num_devices=1)
         mesh = make_mesh(parallel, devices=jax.devices()[:1])
@@ -155,9 +171,10 @@ def train_one_step(cfg, layout: Layout | None, options: ModelOptions | None = No
         mesh = make_mesh(parallel)
     schedule = megatron_lr_schedule(lr=LR, min_lr=LR / 10, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
-    step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, micro_batch_size=MICRO_BATCH_SIZE,
+    step_cfg = StepConfig(num_micro_batches=MICRO, balancing=AUX_LOSS, micro_batch_size=MICRO_BATCH_SIZE,
                           per_token_loss=per_token, **(step or {}))
-    trainer = build_trainer(cfg, step_cfg, optimizer, parallel, mesh, options=options or ModelOptions())
+    trainer = build_trainer(cfg, step_cfg, optimizer, parallel, mesh, options=options or ModelOptions(),
+                            schedule=pipeline_schedule(cfg, parallel, MICRO, **(pipeline or {})))
     state = trainer.init_state(SEED)
     if init is not None:
         state = init(trainer, state)
@@ -337,15 +354,15 @@ def pipeline_batch(seed=0):
 
 
 def pipeline_step(parallel, devices, layers_per_virtual_stage=None, schedule="1f1b", cfg=PIPELINE_CFG, per_token=False,
-                  options: ModelOptions | None = None, **step):
+                  options: ModelOptions | None = None, **uneven):
     mesh = make_mesh(parallel, devices=devices)
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=1e-3, train_iters=10), weight_decay=0.1, clip_grad=1.0)
     # Megatron's default loss normalisation per data-parallel micro-batch of 2 rows (two such
     # groups per micro-batch slice), or --calculate-per-token-loss.
-    step_cfg = StepConfig(num_micro_batches=MICRO, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
-                          layers_per_virtual_stage=layers_per_virtual_stage, micro_batch_size=2,
-                          per_token_loss=per_token, pipeline_schedule=schedule, **step)
-    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh, options=options or ModelOptions())
+    step_cfg = StepConfig(num_micro_batches=MICRO, balancing=AUX_AND_Z_LOSS, micro_batch_size=2,
+                          per_token_loss=per_token)
+    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh, options=options or ModelOptions(),
+                            schedule=pipeline_schedule(cfg, parallel, MICRO, schedule, layers_per_virtual_stage, **uneven))
     state = trainer.init_state(seed=0)
     batch = trainer.shard_batch({k: v.reshape(MICRO, ROWS // MICRO, SEQ) for k, v in pipeline_batch().items()})
     compiled = trainer.lower_train_step(state, batch).compile(COMPILER_OPTIONS)

@@ -25,7 +25,7 @@ from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokeni
 from mlir_train.model import flops as flops_lib
 from mlir_train.runtime import distributed, log
 from mlir_train.train import exits, kernel_check
-from mlir_train.train.build import Run, build_trainer, resolve
+from mlir_train.train.build import Run, resolve
 from mlir_train.train.evaluation import Evaluator
 from mlir_train.train.metrics import MetricsWriter, StepLogger, Timers
 
@@ -82,9 +82,7 @@ def build_job(cfg: RunConfig, launched: float) -> Job:
     if cfg.training.lora is None:
         state = source.initial_state(trainer, cfg, loader)
     else:  # the base read through the same layout without adapters or optimizer state
-        base_trainer = build_trainer(model_cfg, run.step_config(), None, run.parallel, trainer.mesh,
-                                     options=trainer.options.plain())
-        state = sources.lora_initial_state(trainer, base_trainer, cfg, loader, base, adapters)
+        state = sources.lora_initial_state(trainer, run.base_trainer(trainer), cfg, loader, base, adapters)
     if cfg.extras.print_sharding:
         from mlir_train.train.sharding_report import sharding_report
 

@@ -17,6 +17,7 @@ from mlir_train.config import cli
 from mlir_train.config import flag_table, flags, sections
 from mlir_train.runtime.errors import ConfigError
 from mlir_train.train import build
+from mlir_train.train.pipeline import Schedule
 from mlir_train.config.flag_table import ARCH_IMPLIED_FLAGS, NOOP_FLAGS, NOT_IMPLEMENTED_FLAGS, REFUSED
 
 # A value of each refused flag that must stop the run (None: a switch).
@@ -213,19 +214,19 @@ def test_num_devices_builds_the_run_on_the_first_n_devices():
         build.resolve(too_many, families.from_flags(cfg.model, 256), num_devices=64).trainer()
 
 
-def test_pipeline_flags_reach_the_step_config(capsys):
-    """--pipeline-schedule and the uneven-stage flags go into the StepConfig; the uneven flags
+def test_pipeline_flags_make_the_runs_schedule(capsys):
+    """--pipeline-schedule and the uneven-stage flags make the run's one Schedule; the uneven flags
     need PP > 1 (refused naming them), and --pipeline-schedule without PP says it does nothing."""
     from mlir_train.families import get_model_config
 
     model = get_model_config("qwen3-moe-tiny", num_layers=4)
     cfg = cli.parse(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe",
                      "--decoder-first-pipeline-num-layers", "1", "--global-batch-size", "4", "--micro-batch-size", "1"])
-    step = build.resolve(cfg, model, num_devices=2, platform="cpu").step_config()
-    assert (step.pipeline_schedule, step.first_stage_layers, step.last_stage_layers) == ("gpipe", 1, None)
+    schedule = build.resolve(cfg, model, num_devices=2, platform="cpu").schedule
+    assert schedule == Schedule(stages=2, kind="gpipe", stage_layers=(1, 3))
     mbs = ["--micro-batch-size", "1"]
     assert build.resolve(cli.parse(["--pipeline-model-parallel-size", "2", *mbs]), model, num_devices=2,
-                              platform="cpu").step_config().pipeline_schedule == "1f1b"  # Megatron's default
+                              platform="cpu").schedule == Schedule(stages=2)  # Megatron's default: 1F1B, even
     with pytest.raises(ConfigError, match="--decoder-first/last-pipeline-num-layers need"):
         build.resolve(cli.parse(["--decoder-last-pipeline-num-layers", "1", *mbs]), model, num_devices=1, platform="cpu")
     with pytest.raises(ConfigError, match="--decoder-first-pipeline-num-layers 5"):
@@ -251,12 +252,12 @@ def test_num_virtual_stages_is_the_other_spelling_of_layers_per_virtual_stage():
 
     def step(*extra):
         cfg = cli.parse(base + list(extra))
-        return build.resolve(cfg, families.from_flags(cfg.model, 256), num_devices=8).step_config()
+        return build.resolve(cfg, families.from_flags(cfg.model, 256), num_devices=8).schedule
 
-    assert step("--num-virtual-stages-per-pipeline-rank", "2").layers_per_virtual_stage == 2
-    assert (step("--num-virtual-stages-per-pipeline-rank", "2").layers_per_virtual_stage
-            == step("--num-layers-per-virtual-pipeline-stage", "2").layers_per_virtual_stage)
-    assert step("--num-virtual-stages-per-pipeline-rank", "1").layers_per_virtual_stage is None
+    # 8 layers over 2 stages: 2 chunks of 2 layers each, said either way
+    assert step("--num-virtual-stages-per-pipeline-rank", "2").virtual == 2
+    assert step("--num-virtual-stages-per-pipeline-rank", "2") == step("--num-layers-per-virtual-pipeline-stage", "2")
+    assert step("--num-virtual-stages-per-pipeline-rank", "1").virtual == 1
     with pytest.raises(ConfigError, match="mutually exclusive"):
         step("--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "2")
     with pytest.raises(ConfigError, match="--num-virtual-stages-per-pipeline-rank 3"):

@@ -28,6 +28,7 @@ from mlir_train.train.trainer import StepConfig
 from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh
 from sharding.layout import Layout
+from tests.helpers import AUX_AND_Z_LOSS, pipeline_schedule
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 MOE = get_model_config("qwen3-moe-tiny", vocab_size=128, num_layers=4, hidden_size=64, num_heads=2, num_kv_heads=1,
@@ -138,11 +139,12 @@ def test_selective_modules_lie_between_none_and_full():
 PP_ROWS, PP_SEQ, PP_MICRO = 8, 32, 2
 
 
-def _pipeline_step(parallel, policy, cfg=MOE, compile_only=False, **step):
+def _pipeline_step(parallel, policy, cfg=MOE, compile_only=False, schedule="1f1b"):
     mesh = make_mesh(parallel, devices=jax.devices()[:parallel.num_devices])
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=1e-3, train_iters=10), weight_decay=0.1, clip_grad=1.0)
-    step_cfg = StepConfig(num_micro_batches=PP_MICRO, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, micro_batch_size=2, **step)
-    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh, options=ModelOptions(remat=policy))
+    step_cfg = StepConfig(num_micro_batches=PP_MICRO, balancing=AUX_AND_Z_LOSS, micro_batch_size=2)
+    trainer = build_trainer(cfg, step_cfg, opt, parallel, mesh, options=ModelOptions(remat=policy),
+                            schedule=pipeline_schedule(cfg, parallel, PP_MICRO, schedule))
     shape = (PP_MICRO, PP_ROWS // PP_MICRO, PP_SEQ)
     if compile_only:
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
@@ -189,7 +191,7 @@ SLOW_LAYOUT_CASES = {"PP2-uniform2-gpipe", "PP2-selective-1f1b"}
 def test_recompute_in_a_layout_equals_one_device(case, pp1_reference):
     """One training step (float32) against one device without recompute."""
     parallel, policy, schedule = LAYOUT_CASES[case]
-    state, metrics = _pipeline_step(parallel, policy, pipeline_schedule=schedule)
+    state, metrics = _pipeline_step(parallel, policy, schedule=schedule)
     ref_state, ref_metrics = pp1_reference
     for key in ("lm loss", "grad-norm", "load_balancing_loss", "z_loss"):
         np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=2e-5, err_msg=key)
@@ -205,7 +207,7 @@ def test_pipelined_recompute_orders_the_compiled_memory(schedule):
     of the items in flight, whatever the policy keeps of them)."""
     cfg = DENSE.replace(num_layers=8)
     parallel = Layout(pipeline=2, num_devices=2)
-    t = {name: _pipeline_step(parallel, p, cfg, compile_only=True, pipeline_schedule=schedule)
+    t = {name: _pipeline_step(parallel, p, cfg, compile_only=True, schedule=schedule)
          .memory_analysis().temp_size_in_bytes for name, p in (("none", NONE), ("block2", block(2)), ("full", FULL))}
     assert t["full"] < t["block2"] < t["none"], t
 

@@ -184,7 +184,7 @@ def test_cli_flags_reach_the_layout():
     model = get_model_config("qwen3-moe-tiny")
     run = resolve(parse([*base, "--seq-length", "64"]), model, num_devices=8, platform="cpu")
     assert (run.parallel.context, run.parallel.data_parallel, run.num_micro_batches) == (2, 4, 2)
-    assert run.model_options().attention_impl == "xla"
+    assert run.options.attention_impl == "xla"
     with pytest.raises(ConfigError, match="--seq-length"):
         resolve(parse([*base, "--seq-length", "66"]), model, num_devices=8, platform="cpu")
 

@@ -246,8 +246,8 @@ def test_buffer_factor_flag_reaches_the_block_and_overflow_reaches_the_log():
     model = get_model_config("qwen3-moe-tiny")
     assert cli.parse(base).extras.moe_ep_buffer_factor == moe_lib.DEFAULT_EP_BUFFER_FACTOR
     run = resolve(cli.parse(base + ["--moe-ep-buffer-factor", "3"]), model, num_devices=1, platform="cpu")
-    assert run.model_options().ep_buffer_factor == 3.0
-    built = nnx.eval_shape(lambda: init_model(model, options=run.model_options()))
+    assert run.options.ep_buffer_factor == 3.0
+    built = nnx.eval_shape(lambda: init_model(model, options=run.options))
     assert all(layer.mlp.plan.ep_buffer_factor == 3.0 for layer in built.layers)
     with pytest.raises(ConfigError, match="--moe-ep-buffer-factor must be positive"):
         resolve(cli.parse(base + ["--moe-ep-buffer-factor", "0"]), model, num_devices=1, platform="cpu")

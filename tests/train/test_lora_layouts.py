@@ -37,7 +37,7 @@ SHARED = LoRAPolicy(dim=4, alpha=128, expert_adapters="shared")
 DEEP = get_model_config("qwen3-moe-tiny", vocab_size=512, num_layers=4)  # pipeline stages of 2 layers
 CFGS = {"moe": MODELS["moe"], "dense": MODELS["dense"], "deep": DEEP}
 
-# (model, policy, layout, StepConfig fields)
+# (model, policy, layout, the pipeline schedule's arguments: helpers.pipeline_schedule)
 FAST = {
     "moe-TP2xEP2-SP-distopt": ("moe", PER_EXPERT, Layout(tensor=2, expert=2, sequence_parallel=True,
                                                           distributed_optimizer=True), {}),
@@ -49,8 +49,8 @@ SLOW = {
     "moe-FSDP8": ("moe", PER_EXPERT, Layout(fsdp=True), {}),
     "moe-TP1xEP2xETP2": ("moe", PER_EXPERT, Layout(expert=2, expert_tensor=2), {}),
     "deep-PP2xTP2-1f1b": ("deep", PER_EXPERT, Layout(pipeline=2, tensor=2), {}),
-    "deep-PP2-interleaved": ("deep", PER_EXPERT, Layout(pipeline=2), {"layers_per_virtual_stage": 1}),
-    "deep-PP2xEP2-gpipe": ("deep", PER_EXPERT, Layout(pipeline=2, expert=2), {"pipeline_schedule": "gpipe"}),
+    "deep-PP2-interleaved": ("deep", PER_EXPERT, Layout(pipeline=2), {"virtual": 1}),
+    "deep-PP2xEP2-gpipe": ("deep", PER_EXPERT, Layout(pipeline=2, expert=2), {"kind": "gpipe"}),
     "moe-CP2xTP2-SP": ("moe", PER_EXPERT, Layout(context=2, tensor=2, sequence_parallel=True), {}),
     "dense-CP2xTP2-SP": ("dense", PER_EXPERT, Layout(context=2, tensor=2, sequence_parallel=True), {}),
 }
@@ -70,15 +70,15 @@ def _random_b(trainer, state):
 
 
 @functools.cache
-def _run(model: str, policy: LoRAPolicy, layout: Layout | None, step: tuple):
-    return train_one_step(CFGS[model], layout, ModelOptions(lora=policy), step=dict(step), init=_random_b)
+def _run(model: str, policy: LoRAPolicy, layout: Layout | None, pipeline: tuple):
+    return train_one_step(CFGS[model], layout, ModelOptions(lora=policy), init=_random_b, pipeline=dict(pipeline))
 
 
 def _check(name: str, cases: dict):
-    model, policy, layout, step = cases[name]
-    step = tuple(sorted(step.items()))
-    ref = _run(model, policy, None, step)
-    got = _run(model, policy, layout, step)
+    model, policy, layout, pipeline = cases[name]
+    pipeline = tuple(sorted(pipeline.items()))
+    ref = _run(model, policy, None, pipeline)
+    got = _run(model, policy, layout, pipeline)
     assert_step_matches(got, ref, moe=model != "dense")
     # Only the adapters train: params and Adam's moments are adapter-shaped, the base is unchanged.
     names = [p for p, _ in named_leaves(got.params)]

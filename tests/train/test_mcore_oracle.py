@@ -408,7 +408,9 @@ def _our_run(initial, per_token: bool, aux_coeff: float, batches) -> list[dict]:
                            rms_norm_eps=1e-6, rope_theta=1e6)
     args, _ = _parse_args(GPT_FLAGS + (["--calculate-per-token-loss"] if per_token else []))
     parallel = Layout(num_devices=1)
-    trainer = build_trainer(cfg, StepConfig(num_micro_batches=GPT_MICRO, aux_loss_coeff=aux_coeff,
+    from mlir_train.config.policies import LoadBalancing
+
+    trainer = build_trainer(cfg, StepConfig(num_micro_batches=GPT_MICRO, balancing=LoadBalancing.from_flags("aux_loss", aux_coeff),
                                       micro_batch_size=args.micro_batch_size, per_token_loss=args.calculate_per_token_loss),
                       optimizer_from_args(args, schedule_from_args(args)), parallel,
                       make_mesh(parallel, devices=jax.devices()[:1]))

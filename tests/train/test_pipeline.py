@@ -24,7 +24,8 @@ from mlir_train.train.build import build_trainer
 from sharding import use_rules
 from sharding.mesh import make_mesh
 from sharding.layout import Layout, LayoutError
-from tests.helpers import COMPILER_OPTIONS, MICRO, PIPELINE_CFG, ROWS, SEQ, assert_same_step, pipeline_batch, pipeline_step
+from tests.helpers import (COMPILER_OPTIONS, MICRO, PIPELINE_CFG, ROWS, SEQ, assert_same_step, pipeline_batch, pipeline_schedule,
+                           pipeline_step)
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +166,8 @@ def _compiled_temp_bytes(pp: int, micro: int, schedule: str) -> int:
     cfg = get_model_config("qwen3-tiny", vocab_size=256, num_layers=4, hidden_size=64, num_heads=2,
                            num_kv_heads=1, head_dim=32, intermediate_size=128)
     parallel = Layout(pipeline=pp, num_devices=8)
-    trainer = build_trainer(cfg, StepConfig(num_micro_batches=micro, pipeline_schedule=schedule),
-                      make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel, make_mesh(parallel))
+    trainer = build_trainer(cfg, StepConfig(num_micro_batches=micro), make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0),
+                            parallel, make_mesh(parallel), schedule=pipeline_schedule(cfg, parallel, micro, schedule))
     batch = {k: jax.ShapeDtypeStruct((micro, parallel.data_parallel, SEQ), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding)
              for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
@@ -207,10 +208,10 @@ def _passes_step(pp: int, recompute: str, virtual: int | None = None, micro: int
 
     parallel = Layout(pipeline=pp, num_devices=pp)
     kwargs = dict(remat=RecomputePolicy.of(recompute), **({"lora": lora} if lora is not None else {}))
-    trainer = build_trainer(PASSES_CFG, StepConfig(num_micro_batches=micro, layers_per_virtual_stage=virtual,
-                                                   pipeline_schedule=schedule),
+    trainer = build_trainer(PASSES_CFG, StepConfig(num_micro_batches=micro),
                             make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), parallel,
-                            make_mesh(parallel, devices=jax.devices()[:pp]), options=ModelOptions(**kwargs))
+                            make_mesh(parallel, devices=jax.devices()[:pp]), options=ModelOptions(**kwargs),
+                            schedule=pipeline_schedule(PASSES_CFG, parallel, micro, schedule, virtual))
     batch = {k: jax.ShapeDtypeStruct((micro, PASSES_ROWS, PASSES_SEQ), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=trainer.batch_sharding)
              for k in ("input_ids", "labels", "loss_mask", "segment_ids", "positions")}
@@ -377,8 +378,9 @@ def test_pipelined_eval_equals_one_device(name):
     out = {}
     for key, (par, devices, virtual) in {"one": (Layout(num_devices=1), jax.devices()[:1], None),
                                          "pp": (parallel, jax.devices()[:8], per_virtual)}.items():
-        trainer = build_trainer(PIPELINE_CFG, StepConfig(num_micro_batches=MICRO, layers_per_virtual_stage=virtual),
-                          make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), par, make_mesh(par, devices=devices))
+        trainer = build_trainer(PIPELINE_CFG, StepConfig(num_micro_batches=MICRO),
+                                make_optimizer(lr_schedule=lambda _: 1e-3, weight_decay=0.0), par,
+                                make_mesh(par, devices=devices), schedule=pipeline_schedule(PIPELINE_CFG, par, MICRO, virtual=virtual))
         params = trainer.init_state(seed=0)["params"]
         out[key] = jax.device_get(trainer.eval_step(params, trainer.shard_batch(batch)))
         if key == "one":

@@ -28,7 +28,8 @@ from mlir_train.train.trainer import StepConfig, model_dims
 from mlir_train.train.build import build_trainer
 from sharding.mesh import make_mesh, validate
 from sharding.layout import Layout
-from tests.helpers import COMPILER_OPTIONS, MICRO, MODELS, SEQ, SEED, adam_mu, named_leaves, packed_batch, sft_args
+from tests.helpers import (COMPILER_OPTIONS, MICRO, MODELS, SEQ, SEED, adam_mu, named_leaves, packed_batch, pipeline_schedule,
+                           sft_args)
 
 ROUTER = RouterConfig(score_function="sigmoid", num_groups=4, group_topk=2, enable_expert_bias=True,
                       per_sequence_stats=True)
@@ -40,7 +41,7 @@ LAYOUTS = {
     "PP2xEP2xDP2": Layout(pipeline=2, expert=2),  # the default 1F1B schedule
     "PP2xEP2xDP2-gpipe": Layout(pipeline=2, expert=2),
 }
-PIPELINE_SCHEDULE = {"PP2xEP2xDP2-gpipe": "gpipe"}  # else StepConfig's default (1f1b)
+PIPELINE_SCHEDULE = {"PP2xEP2xDP2-gpipe": "gpipe"}  # else Megatron's default (1f1b)
 # Pure DP is also inside PP2xEP2xDP2 (two data ranks); its own 8-rank run is the slow one.
 SLOW = {"DP8", "PP2xEP2xDP2-gpipe"}  # GPipe itself is tested in tests/train/test_pipeline.py
 SINGLE = "1 device"
@@ -61,9 +62,9 @@ def make_trainer(layout: str, router: RouterConfig = ROUTER, balancing: policies
         mesh = make_mesh(parallel)
     schedule = megatron_lr_schedule(lr=1e-3, min_lr=1e-4, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=0.9, beta2=0.95, clip_grad=1.0)
-    return build_trainer(cfg, StepConfig(num_micro_batches=MICRO, balancing=balancing, expert_bias_update_rate=RATE,
-                                   pipeline_schedule=PIPELINE_SCHEDULE.get(layout, "1f1b")),
-                   optimizer, parallel, mesh, options=ModelOptions(router=router))
+    return build_trainer(cfg, StepConfig(num_micro_batches=MICRO, balancing=balancing, expert_bias_update_rate=RATE),
+                         optimizer, parallel, mesh, options=ModelOptions(router=router),
+                         schedule=pipeline_schedule(cfg, parallel, MICRO, PIPELINE_SCHEDULE.get(layout, "1f1b")))
 
 
 @functools.cache

@@ -11,6 +11,7 @@ import pytest
 
 from mlir_train.model import flops
 from mlir_train.model import losses
+from mlir_train.config.policies import LoadBalancing
 from mlir_train.families import get_model_config
 from mlir_train.train.optim import LossScaler, make_optimizer
 from mlir_train.train.schedule import megatron_lr_schedule
@@ -29,7 +30,8 @@ def _one_device_trainer(num_micro, cfg=CFG, loss_scaler=None, compute_dtype="flo
     parallel = Layout(num_devices=1)
     mesh = make_mesh(parallel, devices=jax.devices()[:1])
     opt = make_optimizer(lr_schedule=megatron_lr_schedule(lr=lr, train_iters=10), weight_decay=0.1, clip_grad=1.0)
-    step_cfg = StepConfig(num_micro_batches=num_micro, aux_loss_coeff=aux, z_loss_coeff=aux / 10, compute_dtype=compute_dtype,
+    step_cfg = StepConfig(num_micro_batches=num_micro, balancing=LoadBalancing.from_flags("aux_loss", aux, z_loss_coeff=aux / 10),
+                          compute_dtype=compute_dtype,
                           per_token_loss=per_token, micro_batch_size=micro_batch_size, lm_loss_report=lm_loss_report)
     return build_trainer(cfg, step_cfg, opt, parallel, mesh, loss_scaler=loss_scaler)
 
@@ -165,6 +167,28 @@ def test_loss_token_weights():
     np.testing.assert_allclose(w, mask / mask.sum())
     with pytest.raises(ValueError, match="--micro-batch-size 3"):
         losses.loss_token_weights(jnp.asarray(mask), micro_batch_size=3, per_token=False)
+
+
+def test_the_trainer_takes_what_the_run_resolved():
+    """The pipeline schedule, the router (its balancing groups: the data-parallel micro-batch) and
+    the load balancing are resolved once, from the flags, and handed down as they are."""
+    from mlir_train import families
+    from mlir_train.config import cli
+    from mlir_train.train.build import build_trainer, resolve
+
+    cfg = cli.parse(["--model-name", "qwen3-moe-tiny", "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                     "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "32",
+                     "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--lr", "1e-3", "--train-iters", "1"])
+    run = resolve(cfg, families.from_flags(cfg.model, 256), num_devices=2, platform="cpu")
+    assert run.options.router.balancing_rows == 2 and run.step.balancing.z_loss_coeff == 1e-3
+    trainer = run.trainer()
+    assert trainer.schedule is run.schedule and trainer.step.schedule is run.schedule
+    assert trainer.options.router is run.options.router and trainer.step_cfg is run.step
+    # Callers without flags: the one builder fills in what they leave out.
+    parallel = Layout(pipeline=2, num_devices=2)
+    plain = build_trainer(run.model, StepConfig(num_micro_batches=4, micro_batch_size=3), layout=parallel,
+                          mesh=make_mesh(parallel, devices=jax.devices()[:2]))
+    assert plain.schedule.kind == "1f1b" and plain.schedule.stages == 2 and plain.options.router.balancing_rows == 3
 
 
 def test_fp16_overflow_skips_the_step_and_backs_off():
