@@ -42,7 +42,6 @@ def main(argv: list[str] | None = None) -> RunResult:
     launched = time.perf_counter()  # --exit-duration-in-mins counts from here, as Megatron's from its start
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = cli.parse(argv or DEFAULT_ARGV)
-    platform_setup.configure_platform(cpu_devices=cfg.extras.cpu_devices)
     if not argv:
         log.info("no arguments given; running the embedded default SFT "
                  "(qwen3-moe-tiny on the bundled alpaca tasks, 8 fake CPU devices).")
@@ -50,6 +49,7 @@ def main(argv: list[str] | None = None) -> RunResult:
         log.info(f"ignoring flags that mean nothing under JAX/XLA: {' '.join(cfg.ignored_flags)}")
     with exit_on_user_error():
         require(cfg, "--train-iters", "--lr", "--seq-length", "--micro-batch-size", "--data-path", "--hf-tokenizer-path")
+        platform_setup.configure_platform(cpu_devices=cfg.extras.cpu_devices)
         processes = distributed.initialize_from_env(cpu_devices=cfg.extras.cpu_devices)  # before any device use
         try:
             return _train(cfg, launched)
@@ -68,7 +68,8 @@ def _train(cfg: RunConfig, launched: float) -> RunResult:
     log.info(platform_setup.current().describe())
     if cfg.extras.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cfg.extras.compilation_cache_dir)
-    return loop.train(build_job(cfg, launched))
+    job = build_job(cfg, launched)
+    return loop.train(job)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""The whole job a run configuration describes, built once: the starting point, the model, the
-trainer, the data, the state and the loop's hooks.
+"""The whole job a run configuration describes, built once, each part from what came before it:
+the starting point (what ``--load`` holds, the model it describes, the seed), the run resolved
+from the flags and the model, its kernels checked, the data, the trainer, the state and the
+loop's hooks.
 
 :func:`build_job` is what ``python -m mlir_train.sft`` calls between reading its flags and
 running the loop (:func:`mlir_train.run.loop.train`). Every part comes from the module that
@@ -61,63 +63,76 @@ def build_job(cfg: RunConfig, launched: float) -> Job:
     """``cfg`` as a job ready to train (``launched``: when the process started, for
     ``--exit-duration-in-mins``). Raises the :mod:`mlir_train.runtime.errors` family."""
     tokenizer = load_tokenizer(cfg.data.tokenizer_path)
-    cfg, source, save_lock = _starting_point(cfg)
-    sources.check_lora_resume(cfg, source)
-    # LoRA: the model is its base's; --load may hold only adapters (sources.lora_sources).
-    base, adapters = sources.lora_sources(cfg, source) if cfg.training.lora is not None else (source, None)
-    model_cfg = sources.run_model_config(cfg, base, len(tokenizer))
+    start = _starting_point(cfg, len(tokenizer))
+    cfg, model_cfg = start.cfg, start.model
     # --num-devices: the first N devices; the kernels follow the platform of the mesh's devices.
     run = resolve(cfg, model_cfg, num_devices=cfg.extras.num_devices)
-    trainer = run.trainer()
-    if not cfg.extras.no_kernel_self_check:  # before any state: a kernel that fails may be swapped for its fallback
-        trainer = kernel_check.checked_trainer(run, trainer)
-    log.info(f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(trainer.mesh.shape)}, "
-             f"{model_cfg.name} ({model_cfg.num_params() / 1e6:.1f}M params), {run.compute_dtype}, global batch "
-             f"{run.global_batch_size} = {run.num_micro_batches} micro-batches x {run.micro_batch_size} x "
-             f"DP{run.parallel.data_parallel}")
-    data = _datasets(cfg, tokenizer)
-    print(data.summary())
-    loader = BatchLoader(data.train, run.global_batch_size, seed=cfg.training.seed, process_index=jax.process_index(),
-                         process_count=jax.process_count())
-    if cfg.training.lora is None:
-        state = source.initial_state(trainer, cfg, loader)
-    else:  # the base read through the same layout without adapters or optimizer state
-        state = sources.lora_initial_state(trainer, run.base_trainer(trainer), cfg, loader, base, adapters)
-    if cfg.extras.print_sharding:
-        from mlir_train.train.sharding_report import sharding_report
-
-        print(sharding_report(trainer))  # compute layout, fp32 master weights and optimizer state
-    lora = None if cfg.training.lora is None else sources.lora_record(cfg.training.lora, base, cfg.training.seed)
-    hooks = _hooks(cfg, run, trainer, data, loader, len(tokenizer), save_lock, launched, lora)
-    resumed = source if cfg.training.lora is None else adapters
-    start_iteration = 0 if cfg.checkpoint.finetune or resumed is None else resumed.iteration
-    lora_base = lora["base"]["path"] if lora and lora["base"]["kind"] == "hf" else None
-    return Job(cfg, run, source, trainer, tokenizer, loader, state, start_iteration, hooks, lora_base)
-
-
-def _starting_point(cfg: RunConfig):
-    """What ``--load`` holds, checked against the flags; the ``--save`` lock, taken now rather
-    than after loading (resuming into the directory it loaded from, the steps after the one
-    resumed, a corrupt one skipped, are set aside); the seed the run continues with."""
-    ck = cfg.checkpoint
-    source = sources.detect(ck.load, step=ck.ckpt_step, exit_on_missing=ck.exit_on_missing_checkpoint)
-    source.check_resume(cfg)  # Megatron's rule: what the checkpoint lacks, the flags must waive
-    save_lock = saver.claim_save_dir(ck.save, resume_step=source.resume_step_in(ck.save, cfg)) if ck.save else None
-    if source.seed is not None and not (ck.no_load_rng or ck.finetune) and source.seed != cfg.training.seed:
-        log.info(f"--seed {cfg.training.seed} replaced by the checkpoint's {source.seed} (--no-load-rng keeps yours)")
-        cfg = cfg.replace(training={"seed": source.seed})
-    return cfg, source, save_lock
-
-
-def _datasets(cfg: RunConfig, tokenizer):
-    """Process 0 preprocesses first; the others then find its cache (or, on a host that does not
-    share the cache directory, build their own without racing it)."""
+    # Before data or state: a kernel that fails may be swapped for its fallback.
+    options = run.options if cfg.extras.no_kernel_self_check else kernel_check.checked_options(run)
+    # Process 0 preprocesses the data first; the others then find its cache (or, on a host that does
+    # not share the cache directory, build their own without racing it).
     if jax.process_index() != 0:
         distributed.barrier("data-cache")
     data = build_datasets(DataConfig.from_flags(cfg.data, cfg.training.seed), tokenizer)
     if jax.process_index() == 0:
         distributed.barrier("data-cache")
-    return data
+    loader = BatchLoader(data.train, run.global_batch_size, seed=cfg.training.seed, process_index=jax.process_index(),
+                         process_count=jax.process_count())
+    trainer = run.trainer(options=options)
+    log.info(f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(trainer.mesh.shape)}, "
+             f"{model_cfg.name} ({model_cfg.num_params() / 1e6:.1f}M params), {run.compute_dtype}, global batch "
+             f"{run.global_batch_size} = {run.num_micro_batches} micro-batches x {run.micro_batch_size} x "
+             f"DP{run.parallel.data_parallel}")
+    print(data.summary())
+    if cfg.training.lora is None:
+        state = start.source.initial_state(trainer, cfg, loader)
+    else:  # the base read through the same layout without adapters or optimizer state
+        state = sources.lora_initial_state(trainer, run.base_trainer(trainer), cfg, loader, start.base, start.adapters)
+    if cfg.extras.print_sharding:
+        from mlir_train.train.sharding_report import sharding_report
+
+        print(sharding_report(trainer))  # compute layout, fp32 master weights and optimizer state
+    lora = None if cfg.training.lora is None else sources.lora_record(cfg.training.lora, start.base, cfg.training.seed)
+    hooks = _hooks(cfg, run, trainer, data, loader, len(tokenizer), start.save_lock, launched, lora)
+    lora_base = lora["base"]["path"] if lora and lora["base"]["kind"] == "hf" else None
+    return Job(cfg, run, start.source, trainer, tokenizer, loader, state, start.iteration, hooks, lora_base)
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where a run starts, read from ``--load`` once."""
+
+    cfg: RunConfig                    # the flags, with the seed the run continues with
+    source: sources.Source            # what --load holds
+    base: sources.Source              # the model's weights (under LoRA: its base)
+    adapters: sources.Source | None   # under LoRA: where the adapters resume from
+    model: Any                        # the model config (mlir_train.config.models.ModelConfig)
+    save_lock: Any                    # the --save lock (saver.claim_save_dir), or None
+
+    @property
+    def iteration(self) -> int:
+        """The iteration the loop resumes after (0: a fresh start or --finetune)."""
+        resumed = self.source if self.cfg.training.lora is None else self.adapters
+        return 0 if self.cfg.checkpoint.finetune or resumed is None else resumed.iteration
+
+
+def _starting_point(cfg: RunConfig, tokenizer_size: int) -> Start:
+    """What ``--load`` holds, checked against the flags; the ``--save`` lock, taken now rather
+    than after loading (resuming into the directory it loaded from, the steps after the one
+    resumed, a corrupt one skipped, are set aside); the model it describes; the seed the run
+    continues with (the checkpoint's, unless --no-load-rng or --finetune keeps the flag's)."""
+    ck = cfg.checkpoint
+    source = sources.detect(ck.load, step=ck.ckpt_step, exit_on_missing=ck.exit_on_missing_checkpoint)
+    source.check_resume(cfg)  # Megatron's rule: what the checkpoint lacks, the flags must waive
+    save_lock = saver.claim_save_dir(ck.save, resume_step=source.resume_step_in(ck.save, cfg)) if ck.save else None
+    sources.check_lora_resume(cfg, source)
+    # LoRA: the model is its base's; --load may hold only adapters (sources.lora_sources).
+    base, adapters = sources.lora_sources(cfg, source) if cfg.training.lora is not None else (source, None)
+    model_cfg = sources.run_model_config(cfg, base, tokenizer_size)
+    if source.seed is not None and not (ck.no_load_rng or ck.finetune) and source.seed != cfg.training.seed:
+        log.info(f"--seed {cfg.training.seed} replaced by the checkpoint's {source.seed} (--no-load-rng keeps yours)")
+        cfg = cfg.replace(training={"seed": source.seed})
+    return Start(cfg, source, base, adapters, model_cfg, save_lock)
 
 
 def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokenizer_size: int, save_lock,

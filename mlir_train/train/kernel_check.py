@@ -316,11 +316,13 @@ def _agreed(failed: list[bool]) -> list[bool]:
     return [bool(x) for x in np.asarray(every).reshape(-1, len(failed)).any(axis=0)]
 
 
-def checked_trainer(run, trainer, log: Callable[[str], None] | None = None):
-    """``trainer`` after :func:`self_check` of what its model is built with at ``run``'s
-    shapes, or the run's trainer rebuilt with the fallbacks of the kernels that failed."""
+def checked_options(run, log: Callable[[str], None] | None = None):
+    """``run.options`` after :func:`self_check` of the kernels the model is built with at the
+    run's shapes, with the fallbacks of the kernels that failed: checked before the trainer is
+    built, so a swapped kernel costs no second trainer."""
     from mlir_train.families import build_model
 
-    model = build_model(trainer.model_cfg, trainer.options, abstract=True)
-    fallbacks = self_check(selected_by(model), Shapes.of_run(run), run.config.flat(), log)
-    return run.trainer(trainer.mesh, trainer.options.replace(**fallbacks)) if fallbacks else trainer
+    shapes = Shapes.of_run(run)
+    fallbacks = self_check(selected_by(build_model(run.model, run.options, abstract=True)), shapes,
+                           run.config.flat(), log)
+    return run.options.replace(**fallbacks) if fallbacks else run.options

@@ -93,7 +93,7 @@ def test_what_is_selected_follows_the_model():
 
 
 def test_sft_stops_with_exit_2_before_any_state(monkeypatch, capsys):
-    """Through the entry point: the check runs after the trainer is built and a failure under
+    """Through the entry point: the check runs before the trainer is built and a failure under
     an explicit backend choice is a user error (exit 2), before data or state."""
     from mlir_train import sft
     from mlir_train.config.flags import RunConfig
@@ -111,24 +111,23 @@ def test_sft_stops_with_exit_2_before_any_state(monkeypatch, capsys):
     assert "error: kernel self-check: MoE expert matmuls (broken block kernels)" in err and "--moe-gemm-backend padded" in err
 
 
-def test_auto_fallback_rebuilds_the_trainer(monkeypatch):
-    """Under ``auto`` the entry point's trainer is rebuilt with the fallback's model options."""
+def test_auto_fallback_changes_the_model_options(monkeypatch):
+    """Under ``auto`` the entry point's trainer is built with the fallback's model options."""
     from mlir_train import families, sft
     from mlir_train.config import cli
     from mlir_train.train.build import resolve
 
     cfg = cli.parse(sft.DEFAULT_ARGV)
     run = resolve(cfg, families.from_flags(cfg.model, cfg.model.padded_vocab_size(512, 2)))
-    trainer = run.trainer()
     monkeypatch.setattr(kernel_check, "selected_by", lambda model: kernel_check.selected("xla", _broken_block_kernels()))
     monkeypatch.setattr(kernel_check.Shapes, "of_run", classmethod(lambda cls, run: SHAPES))
     lines = []
-    rebuilt = kernel_check.checked_trainer(run, trainer, log=lines.append)
-    assert rebuilt is not trainer and rebuilt.mesh is trainer.mesh
-    assert rebuilt.options == trainer.options.replace(moe_impl="padded")
+    options = kernel_check.checked_options(run, log=lines.append)
+    assert options == run.options.replace(moe_impl="padded")
     assert "falling back to the padded/blocked XLA experts" in lines[1]
+    assert run.trainer(options=options).options == options
     monkeypatch.setattr(kernel_check, "selected_by", lambda model: [])
-    assert kernel_check.checked_trainer(run, trainer) is trainer
+    assert kernel_check.checked_options(run) is run.options
 
 
 def test_long_sequences_check_against_the_blocked_reference(monkeypatch):
