@@ -28,7 +28,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import sharding
-from mlir_train.planner.hlo import _arrays, _called, _nbytes, _Reader, analyze, matmul_flops, parse_module
+from mlir_train.planner.hlo import _Reader, analyze, matmul_flops
+from mlir_train.planner.hlo_text import arrays_of, bytes_of, computations, parse_module
 from mlir_train.model import logical_axes
 from mlir_train.model.moe.block import ROUTER_SCOPE, MoE
 from mlir_train.model.moe.gpu import BLOCK_ROWS
@@ -118,13 +119,13 @@ def _cheapest_path(hlo_text: str):
         for ins in comps.get(comp, []):
             yield ins, types
             if ins.opcode == "conditional":
-                branches = _called(ins.attrs, "branch_computations") or (
-                    _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation"))
+                branches = computations(ins.attrs, "branch_computations") or (
+                    computations(ins.attrs, "true_computation") + computations(ins.attrs, "false_computation"))
                 if branches:  # ties (a loop whose body is itself a branch) go to the shorter branch
                     yield from visit(min(branches, key=lambda b: (reader.tally(b).cost(), _size(comps, b))))
             else:
                 for key in ("calls", "to_apply", "body"):
-                    for called in _called(ins.attrs, key):
+                    for called in computations(ins.attrs, key):
                         yield from visit(called)
 
     yield from visit(entry)
@@ -136,7 +137,7 @@ def _size(comps, comp, depth: int = 0) -> int:
         return 0
     return sum(1 + sum(_size(comps, c, depth + 1) for key in ("calls", "to_apply", "body", "branch_computations",
                                                                "true_computation", "false_computation")
-                       for c in _called(i.attrs, key)) for i in comps.get(comp, []))
+                       for c in computations(i.attrs, key)) for i in comps.get(comp, []))
 
 
 def loops_on_cheapest_path(hlo_text: str) -> int:
@@ -153,11 +154,11 @@ def _exchange_sizes(hlo_text: str, kind: str) -> list[int]:
         op = ins.opcode
         base = op[:-6] if op.endswith("-start") else op
         if base == kind and not op.endswith(("-done", "-update")):
-            sent = _nbytes(_arrays(types.get(ins.operands[0], ""))) if ins.operands else 0
-            outs = _arrays(ins.result_type)
+            sent = bytes_of(arrays_of(types.get(ins.operands[0], ""))) if ins.operands else 0
+            outs = arrays_of(ins.result_type)
             if op.endswith("-start"):
                 outs = [a for a in outs[len(ins.operands):] if a[1]]
-            per.append(max(sent, _nbytes(outs)))
+            per.append(max(sent, bytes_of(outs)))
     return per
 
 
