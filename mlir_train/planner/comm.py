@@ -351,7 +351,7 @@ def balanced_kernel_rows(rows: int, *, expert_ranks: int, num_experts: int, top_
     routing. The buffer holds one round of the exchange plus a block per local expert for the
     round-ups: ``C + L b`` rows for ``L = E / EP`` local experts, ``C`` the smaller of the worst
     routing's ``EP S min(K, L)`` rows and ``--moe-ep-buffer-factor`` F times the ``S K`` a balanced
-    routing sends (``dispatch.exchange_capacity``; None: F >= the worst case, the buffer before
+    routing sends (``exchange.exchange_capacity``; None: F >= the worst case, the buffer before
     the factor existed), ``S`` tokens per rank. A balanced routing brings ``S K`` rows, ``S K / L``
     per local expert, each rounded up to whole blocks (of ``max(b, row_tile)``)."""
     local = num_experts // expert_ranks

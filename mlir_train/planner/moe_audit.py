@@ -277,7 +277,7 @@ def _sampled_routing_path(text: str, worst, layer: _CompiledLayer, cfg, tokens_p
     buffer holds, else ``worst`` (the costliest path)."""
     plan, expert_ranks = layer.plan, layer.expert_ranks
     if plan.dropless_dispatch and plan.ragged_all_to_all is not None and expert_ranks > 1:
-        from mlir_train.model.moe.dispatch import exchange_capacity
+        from mlir_train.model.moe.exchange import exchange_capacity
 
         align = plan.block_kernels.block_rows if plan.dropless_dispatch == "grouped" else 8
         capacity = exchange_capacity(plan, tokens_per_rank, cfg.top_k, expert_ranks, align)[0]

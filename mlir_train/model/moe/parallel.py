@@ -1,5 +1,6 @@
 """Parallel wrappers of the MoE experts: the manual regions that run the dispatch of
-:mod:`mlir_train.model.moe.dispatch` per rank, under data and expert parallelism.
+:mod:`mlir_train.model.moe.dispatch` (and the exchange of :mod:`mlir_train.model.moe.exchange`) per
+rank, under data and expert parallelism.
 
 Data parallelism without expert ranks
 -------------------------------------
@@ -87,6 +88,7 @@ import jax
 import jax.numpy as jnp
 
 from mlir_train.model.moe import dispatch as moe_dispatch
+from mlir_train.model.moe import exchange
 from mlir_train.model.moe.dispatch import ExpertsPlan, constrained_swiglu
 from mlir_train.model.moe.experts import swiglu_experts
 from sharding import logical_shard_map, mesh_axes_of, varying_axes
@@ -216,7 +218,7 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
         if dispatcher == "ragged":
             # Dropless: the expert-tensor ranks holding other tokens gather them first, and
             # each dispatches them all to the ranks of its own F shard.
-            experts = _gather_rows(lambda x_SD, w_SK, e_SK: moe_dispatch.ep_ragged(
+            experts = _gather_rows(lambda x_SD, w_SK, e_SK: exchange.ep_ragged(
                 plan, x_SD, w_SK, e_SK, (wg, wu, wd), ep_axes, ep, agree), w_axes)
             y_SD, counts = experts(x_SD, weights_SK, experts_SK)
             return y_SD, _count_over(counts, manual_axes, w_axes)
@@ -224,7 +226,7 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
             # The kernels' custom VJP needs a weight and its gradient (summed over the token
             # ranks by the region's transpose) to have one type.
             weights = _varying((wg, wu, wd), manual_axes)
-            experts = _gather_rows(lambda x_SD, w_SK, e_SK: moe_dispatch.ep_grouped(
+            experts = _gather_rows(lambda x_SD, w_SK, e_SK: exchange.ep_grouped(
                 plan, x_SD, w_SK, e_SK, weights, ep_axes, ep, agree), w_axes)
             y_SD, counts = _tensor_manual(plan, tp_axes, experts)(x_SD, weights_SK, experts_SK)
             return y_SD, _count_over(counts, manual_axes + tp_axes, w_axes + tp_axes)
