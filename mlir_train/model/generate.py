@@ -52,7 +52,7 @@ def generate(
 ) -> list[Generation]:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
-    ``model`` is a :class:`mlir_train.model.Qwen3`. ``prompts`` are strings (encoded with
+    ``model`` is a :class:`mlir_train.model.CausalLM` (any family's). ``prompts`` are strings (encoded with
     ``tokenizer``, no special tokens added: apply a chat template first if wanted) or lists of
     token ids. ``temperature == 0`` is greedy (argmax); otherwise tokens are sampled from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens and/or the
