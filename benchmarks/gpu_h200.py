@@ -74,7 +74,7 @@ def random_batch(cfg, rows: int, seq: int) -> dict[str, np.ndarray]:
             "segment_ids": np.ones((1, rows, seq), np.int32), "positions": positions}
 
 
-def main(argv=None) -> None:
+def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; smoke 2)")
     parser.add_argument("--seq-length", type=int, default=None, help="tokens per row (default 4096; smoke 64)")
@@ -90,7 +90,11 @@ def main(argv=None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="device bf16 peak for MFU (default: the device table; 989 on an H200)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, runs anywhere in seconds (CPU test)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
     seq = args.seq_length or (64 if args.smoke else 4096)
     rows = args.micro_batch_size or (2 if args.smoke else 1)
     iters = args.iters or (2 if args.smoke else 10)
@@ -106,9 +110,6 @@ def main(argv=None) -> None:
     kernels = kernel_options(platform_setup.mesh_platform(mesh), is_moe=True)  # as sft picks them
     moe_impl = args.moe_impl or kernels.moe_impl
     cfg = model_config(args)
-    peak = flops.device_peak_tflops("bf16", args.peak_tflops)
-    if peak is None and "h200" in device.device_kind.lower():
-        peak = H200_PEAK_BF16
     print(f"{cfg.name}-shaped stack: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads "
           f"x {cfg.head_dim}, {cfg.num_experts} experts top-{cfg.top_k} of width {cfg.moe_intermediate_size}, vocab "
           f"{cfg.vocab_size}: {cfg.num_params() / 1e9:.2f}B params")
@@ -121,9 +122,14 @@ def main(argv=None) -> None:
         make_optimizer(lr_schedule=1e-5, weight_decay=0.1, beta2=0.95, clip_grad=1.0), parallel, mesh,
         options=kernels.replace(moe_impl=moe_impl, remat=args.recompute),
     )
-
-    # ----- compile ahead of time and check the memory before allocating anything ------------
     batch_np = random_batch(cfg, rows, seq)
+    _compile_and_check(trainer, cfg, batch_np, device, args.compile_only)
+    if not args.compile_only:
+        _timed_steps(trainer, cfg, batch_np, args.warmup, iters, device, args.peak_tflops)
+
+
+def _compile_and_check(trainer, cfg, batch_np, device, compile_only: bool) -> None:
+    """Compile ahead of time and check the memory before allocating anything."""
     batch_shapes = {k: jax.ShapeDtypeStruct(batch_np[k].shape, batch_np[k].dtype, sharding=trainer.batch_sharding)
                     for k in BATCH_KEYS}
     start = time.perf_counter()
@@ -133,12 +139,13 @@ def main(argv=None) -> None:
     # FLOPs and collectives from the optimized HLO, as `python -m mlir_train.plan` reports them.
     step = hlo_stats.audit_compiled(compiled)
     need = step.needed_bytes
-    if args.compile_only:  # a compile-only device has no allocator: the description's memory
+    if compile_only:  # a compile-only device has no allocator: the description's memory
         from mlir_train.planner.targets import DEVICE_KINDS
 
         limit = DEVICE_KINDS["h200"].memory_bytes * platform_setup.GPU_MEM_FRACTION
     else:
         limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
+    _, rows, seq = batch_np["input_ids"].shape  # [micro, rows, seq]
     model_flops = flops.num_floating_point_operations(cfg, seq, rows)
     print(f"memory per device: state+batch {step.argument_bytes / 2**30:.2f} GiB, temp "
           f"{step.temp_bytes / 2**30:.2f} GiB, total {need / 2**30:.2f} GiB"
@@ -149,24 +156,28 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: the step needs {need / 2**30:.1f} GiB but the device has {limit / 2**30:.1f} GiB: "
                          f"lower --layers (now {cfg.num_layers}) or --seq-length, or use --recompute full")
 
-    if args.compile_only:
-        return
 
-    # ----- run --------------------------------------------------------------------------------
+def _timed_steps(trainer, cfg, batch_np, warmup: int, iters: int, device, peak_tflops) -> None:
+    """``warmup`` untimed then ``iters`` timed steps, and the median's tokens/s, TFLOP/s and MFU."""
     state = trainer.init_state(seed=0)
     batch = trainer.shard_batch({k: v for k, v in batch_np.items()})
     times = []
-    for i in range(args.warmup + iters):
+    for i in range(warmup + iters):
         start = time.perf_counter()
         state, metrics = trainer.train_step(state, batch)
         loss = float(jax.block_until_ready(metrics["lm loss"]))
         elapsed = time.perf_counter() - start
-        if i >= args.warmup:
+        if i >= warmup:
             times.append(elapsed)
-        print(f"  step {i + 1}: {elapsed * 1e3:.1f} ms, lm loss {loss:.4f}" + ("  (warm-up)" if i < args.warmup else ""))
+        print(f"  step {i + 1}: {elapsed * 1e3:.1f} ms, lm loss {loss:.4f}" + ("  (warm-up)" if i < warmup else ""))
     if not np.isfinite(loss):
         raise SystemExit(f"error: lm loss is {loss}")
 
+    peak = flops.device_peak_tflops("bf16", peak_tflops)
+    if peak is None and "h200" in device.device_kind.lower():
+        peak = H200_PEAK_BF16
+    _, rows, seq = batch_np["input_ids"].shape  # [micro, rows, seq]
+    model_flops = flops.num_floating_point_operations(cfg, seq, rows)
     step_s = statistics.median(times)
     tokens = rows * seq
     tflops = flops.tflops_per_device(model_flops, step_s, 1)

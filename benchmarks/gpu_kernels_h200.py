@@ -321,6 +321,13 @@ def main(argv=None) -> int:
         del ref
 
     print()
+    _print_table(rows)
+    print(f"\ntotal {time.perf_counter() - started:.0f}s (bf16 operands; errors against float32 at HIGHEST; "
+          f"TFLOP/s of the analytic routed / causal FLOPs)")
+    return 0
+
+
+def _print_table(rows) -> None:
     print("| case | backend | fwd max abs | fwd rel | bwd max abs | bwd rel | bit-identical | fwd+bwd ms | TFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for case, name, r, note in rows:
@@ -329,9 +336,6 @@ def main(argv=None) -> int:
         else:
             print(f"| {case.name} | {name} | {r['fwd'][0]:.2e} | {r['fwd'][1]:.2e} | {r['bwd'][0]:.2e} | "
                   f"{r['bwd'][1]:.2e} | {r['same']} | {r['ms']:.2f} | {r['tflops']:.3g} |")
-    print(f"\ntotal {time.perf_counter() - started:.0f}s (bf16 operands; errors against float32 at HIGHEST; "
-          f"TFLOP/s of the analytic routed / causal FLOPs)")
-    return 0
 
 
 def _row_text(row) -> str:

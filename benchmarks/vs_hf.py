@@ -268,6 +268,13 @@ def main(argv=None) -> None:
                        f"({tokens / sec['ours']:,.0f} vs {tokens / sec['hf']:,.0f})")
         floors.append((size, sec, gflop))
     print()
+    results += _gemm_floor_table(floors)
+    print()
+    print("\n".join(results))
+
+
+def _gemm_floor_table(floors) -> list[str]:
+    """Print the GEMM floor of each size against both steps; its result lines."""
     print("GEMM floor: the step's matrix products alone (forward and backward, experts as exactly balanced groups,")
     print("no recompute, no padding), each timed as a row-major matmul (XLA: alone or two at once, the faster per product),")
     print("XLA vs torch, one pass per timing round")
@@ -275,6 +282,7 @@ def main(argv=None) -> None:
               f"{'ours step ms':>12} {'HF step ms':>10} {'HF step / XLA GEMMs':>19}")
     print(header)
     print("-" * len(header))
+    results = []
     for size, sec, gflop in floors:
         xla, tch = sec["xla gemms"], sec["torch gemms"]
         print(f"{size.name:<6} {gflop:>7.2f} {xla * 1e3:>12.1f} {tch * 1e3:>14.1f} {tch / xla:>14.2f}x "
@@ -282,8 +290,7 @@ def main(argv=None) -> None:
         results.append(f"ratio {size.name} GEMM bound: at most {sec['hf'] / xla:.2f}x HF if the step were nothing but "
                        f"its GEMMs on XLA:CPU ({xla * 1e3:.0f} ms vs HF's step {sec['hf'] * 1e3:.0f} ms); XLA's GEMMs run "
                        f"at {tch / xla:.2f}x torch's on these shapes")
-    print()
-    print("\n".join(results))
+    return results
 
 
 if __name__ == "__main__":
