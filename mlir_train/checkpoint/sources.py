@@ -385,9 +385,12 @@ def check_lora_resume(cfg: RunConfig, source: Source) -> None:
                           f"{saved['dim']} and its other LoRA flags to continue it (its merged model comes out with "
                           "--save-hf)")
     mine = lora_record(policy, Scratch(), 0)
+    # The targets as the modules they select (the family's names): the same adapters however spelled.
+    modules = families.family_of(families.from_saved(source.meta["model"])).params.lora_modules()
+    same_targets = policy.modules(modules) == dataclasses.replace(policy, targets=tuple(saved["targets"])).modules(modules)
     for key, flag in (("dim", "--lora-dim"), ("alpha", "--lora-alpha"), ("targets", "--lora-target-modules"),
                       ("expert_adapters", "--lora-expert-adapters")):
-        if mine[key] != saved[key]:
+        if (not same_targets) if key == "targets" else mine[key] != saved[key]:
             raise ConfigError(f"{flag} {mine[key]} differs from the checkpoint {source.describe()}'s {saved[key]}")
 
 

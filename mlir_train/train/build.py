@@ -20,6 +20,7 @@ import optax
 from mlir_train.config.flags import RunConfig
 from mlir_train.config.models import ModelConfig
 from mlir_train.config.sections import ParallelFlags, TrainingFlags
+from mlir_train.families import family_of
 from mlir_train.model import ModelOptions, kernel_options
 from mlir_train.runtime import log
 from mlir_train.runtime.platform_setup import platform_name
@@ -206,6 +207,10 @@ def resolve(cfg: RunConfig, model_cfg, *, num_devices: int | None = None, platfo
     if not model_cfg.is_moe and any(recompute.recomputes(m) for m in ("moe", "moe_act")):
         log.info("--recompute-modules moe/moe_act (or --moe-layer-recompute) have no effect: the model has "
                  "no MoE layers")
+    if t.lora is not None:  # the patterns against the model's own modules (its family's parameter table)
+        problem = family_of(model_cfg).params.check_lora_targets(t.lora.patterns())
+        if problem:
+            raise ConfigError(f"--lora-target-modules {problem}")
     router = cfg.moe.router(model_cfg, parallel.expert)  # Megatron's router checks, before anything compiles
     if router is not None and router.dtype == "fp64" and platform == "tpu":
         raise ConfigError("--moe-router-dtype fp64: TPUs have no float64; use --moe-router-dtype fp32 (the default)")

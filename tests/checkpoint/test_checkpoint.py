@@ -175,7 +175,7 @@ def saved(tmp_path_factory):
     state["opt_state"] = jax.tree.map(lambda x: x + 0.5 if x.dtype == np.float32 else x + 3, state["opt_state"])
     path = str(tmp_path_factory.mktemp("saved") / "ck")
     mgr = checkpoint.CheckpointManager(path, max_to_keep=2)
-    assert mgr.save(7, state, {"model": checkpoint.dataclasses.asdict(trainer.model_cfg)}, force=True)
+    assert mgr.save(7, state, {"model": trainer.model_cfg.as_dict()}, force=True)
     assert not mgr.save(7, state, {}, force=True)  # already there
     mgr.close()
     return {"path": path, "state": state, "trainer": trainer}

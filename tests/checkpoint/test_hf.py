@@ -239,8 +239,10 @@ def test_expert_bias_starts_at_zero_and_is_not_exported(hf_moe, tmp_path, capsys
     from mlir_train.config.policies import RouterConfig
 
     hf, path = hf_moe
-    model = load_pretrained(path, dtype=jnp.float32,
-                            router=RouterConfig(score_function="sigmoid", enable_expert_bias=True))
+    from mlir_train.model import ModelOptions
+
+    model = load_pretrained(path, dtype=jnp.float32, options=ModelOptions(
+        router=RouterConfig(score_function="sigmoid", enable_expert_bias=True)))
     stack = model.layers[1]  # layer 0 is dense
     assert stack.mlp.expert_bias[...].shape == (2, 4) and not np.any(np.asarray(stack.mlp.expert_bias[...]))
     stack.mlp.expert_bias[...] = jnp.full((2, 4), 0.01)

@@ -149,15 +149,22 @@ def test_peft_directory_reads_back(hf_models, tmp_path):
 
 
 def test_policy_patterns_and_refusals():
-    assert LoRAPolicy(4).modules() == ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                                       "mlp.linear_fc2", "mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
-    assert LoRAPolicy(4, targets=("*experts*",)).modules() == ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
-    assert LoRAPolicy(4, targets=("mlp.linear_fc?",)).modules() == ("mlp.linear_fc1", "mlp.linear_fc2")
+    """The patterns select the family's modules (its parameter table's Megatron names); a pattern
+    that selects none is refused naming the flag where the model is known (train.build.resolve)."""
+    from mlir_train.families.qwen3.params import TABLE
+
+    modules = TABLE.lora_modules()
+    assert LoRAPolicy(4).modules(modules) == ("self_attention.linear_qkv", "self_attention.linear_proj",
+                                              "mlp.linear_fc1", "mlp.linear_fc2", "mlp.experts.linear_fc1",
+                                              "mlp.experts.linear_fc2")
+    assert LoRAPolicy(4, targets=("*experts*",)).modules(modules) == ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
+    assert LoRAPolicy(4, targets=("mlp.linear_fc?",)).modules(modules) == ("mlp.linear_fc1", "mlp.linear_fc2")
     assert LoRAPolicy.from_flags(8, 16, 0.0, ["all-linear"], "shared").scaling == 2.0
     assert LoRAPolicy.from_flags(None, 16, 0.0, None, "shared") is None
     for args, flag in (((0, 32, 0.0, None, "per-expert"), "--lora-dim 0"),
-                       ((4, 32, 0.1, None, "per-expert"), "--lora-dropout 0.1"),
-                       ((4, 32, 0.0, ["router"], "per-expert"), "--lora-target-modules router"),
-                       ((4, 32, 0.0, ["linear_fc3"], "per-expert"), "--lora-target-modules linear_fc3")):
+                       ((4, 32, 0.1, None, "per-expert"), "--lora-dropout 0.1")):
         with pytest.raises(ConfigError, match=flag):
             LoRAPolicy.from_flags(*args)
+    assert TABLE.check_lora_targets(["router"]).startswith("router: the MoE router takes no adapter")
+    assert TABLE.check_lora_targets(["linear_fc3"]).startswith("linear_fc3: matches none of")
+    assert TABLE.check_lora_targets(LoRAPolicy(4, targets=("linear_qkv", "*experts*", "all-linear")).patterns()) is None
