@@ -17,7 +17,7 @@ from mlir_train.runtime.errors import CheckpointError
 _SAY = {
     "missing": "missing tensor {name}{detail}",
     "unread": "tensor {name}{detail} has no counterpart in the model: nothing reads it",
-    "unwritten": "parameter {name}{detail} has no place in the format: nothing writes it",
+    "unwritten": "parameter {name}{detail} has no place in the format",
 }
 
 
@@ -35,3 +35,18 @@ def check(where: str, *, missing: Iterable[str] | Mapping[str, str] = (),
             more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
             detail = f" {details[first]}" if details[first] else ""
             raise error(f"{where}: {_SAY[kind].format(name=first, detail=detail)}{more}{hint}")
+
+
+def drop(where: str, name: str, state: bool, value, fmt: str, error: type[CheckpointError] = CheckpointError) -> None:
+    """Writing a parameter the ``fmt`` format has no place for: training state (``state``, e.g.
+    the router's expert bias) is left out, with a warning when ``value`` is not zero; a weight is
+    an error naming it."""
+    import numpy as np
+
+    from mlir_train.runtime import log
+
+    if not state:
+        check(where, unwritten=[name], hint=f" (its table row names no {fmt} tensor)", error=error)
+    if np.any(np.asarray(value) != 0):
+        log.warning(f"{where}: {name} (training state: the router's expert bias of --moe-router-enable-expert-bias) "
+                    f"has no place in the {fmt} format and is not written; the exported model runs without it")

@@ -42,7 +42,6 @@ from mlir_train.checkpoint.hf_files import Files, ShardWriter, to_numpy
 from mlir_train.config.models import ModelConfig
 from mlir_train.families.table import EXPERT, Bound, Ext, Table
 from mlir_train.model import CausalLM, ModelOptions
-from mlir_train.runtime import log
 from mlir_train.runtime.errors import CheckpointError
 from sharding import Rules
 from sharding.logical import logical_to_spec
@@ -226,7 +225,7 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
     written: set[tuple] = set()
     for bound in table.bind(flat, model.stack_kinds, f"{path}: "):
         if not bound.row.hf:
-            _drop_state(path, bound, flat[bound.path].get_value())
+            complete.drop(path, bound.name, bound.row.state, to_numpy(flat[bound.path].get_value()), "HF")
             written.add(bound.path)
         elif bound.path not in written:
             written |= _write(writer, table, bound, flat, host)
@@ -237,15 +236,6 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
     writer.close()
-
-
-def _drop_state(path: str, bound: Bound, value) -> None:
-    if not bound.row.state:
-        complete.check(path, unwritten=[bound.name], hint=" (its table row names no HF tensor)")
-    if np.any(to_numpy(value) != 0):
-        log.warning(f"{path}: {'/'.join(map(str, bound.path))} (training state, e.g. the router's expert bias of "
-                    "--moe-router-enable-expert-bias) has no place in the HF format and is not written; the exported "
-                    "model runs without it")
 
 
 def _write(writer: ShardWriter, table: Table, bound: Bound, flat: dict, host) -> set[tuple]:

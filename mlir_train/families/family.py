@@ -27,3 +27,6 @@ class Family:
     to_hf: Callable[[ModelConfig], dict[str, Any]]                 # config -> config.json fields
     model: Callable[..., Any]                                     # the nnx causal LM class
     params: Table
+    # (Megatron's args as a dict, name=, vocab_size=, has_tensor=) -> config; CheckpointError if not this family's
+    from_megatron: Callable[..., ModelConfig]
+    to_megatron: Callable[[ModelConfig], dict[str, Any]]        # config -> the args Megatron builds it from
