@@ -179,12 +179,12 @@ def peft_config(policy, table: Table, linear: list[str], expert_params: list[str
     full-match regex over the layers' modules, so peft adapts exactly these ``nn.Linear`` layers
     (its MoE conversion of names into fused expert targets does not apply)."""
     alternatives = "|".join(re.escape(m) for m in sorted(linear))
-    layers = re.escape(table.hf_layers).replace(re.escape("{l}"), r"\d+")
+    layers = table.hf_layers.split("{l}")[0].rstrip(".").rsplit(".", 1)[-1]  # the layer list's own name
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": policy.dim, "lora_alpha": policy.alpha,
         "lora_dropout": policy.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "use_dora": False, "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base,
-        "target_modules": rf".*{layers}({alternatives})" if linear else None,
+        "target_modules": rf".*\.{re.escape(layers)}\.\d+\.({alternatives})" if linear else None,
         "target_parameters": list(expert_params) or None,
         "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None, "layers_to_transform": None,
         "layers_pattern": None, "exclude_modules": None,
