@@ -195,10 +195,6 @@ class Param:
     state: bool = False
     tied_to: tuple[str, ...] | None = None
 
-    @property
-    def key(self) -> str:
-        return "/".join(self.path)
-
     def applies(self, kind: LayerKind | None) -> bool:
         """Whether the row is a parameter of a layer of ``kind`` (None: the model's root)."""
         if kind is None:

@@ -28,6 +28,7 @@ import pytest
 
 from mlir_train.families import get_model_config
 from mlir_train.config.policies import LoRAPolicy
+from mlir_train.model import ModelOptions
 from sharding.layout import Layout
 from tests.helpers import MODELS, assert_step_matches, named_leaves, train_one_step
 
@@ -70,7 +71,7 @@ def _random_b(trainer, state):
 
 @functools.cache
 def _run(model: str, policy: LoRAPolicy, layout: Layout | None, step: tuple):
-    return train_one_step(CFGS[model], layout, {"lora": policy}, step=dict(step), init=_random_b)
+    return train_one_step(CFGS[model], layout, ModelOptions(lora=policy), step=dict(step), init=_random_b)
 
 
 def _check(name: str, cases: dict):
@@ -102,7 +103,7 @@ def test_lora_step_matches_single_device_slow(name):
 def test_frozen_base_is_untouched_and_in_the_compute_dtype():
     """One bf16 step: the base is held in bfloat16 and comes back bit-identical; the adapters
     alone hold float32 master weights and moments."""
-    res = train_one_step(MODELS["moe"], None, {"lora": PER_EXPERT}, step={"compute_dtype": "bfloat16"},
+    res = train_one_step(MODELS["moe"], None, ModelOptions(lora=PER_EXPERT), step={"compute_dtype": "bfloat16"},
                          init=_random_b)
     state = jax.device_get(res.state)
     init = res.trainer.init_state(3)  # SEED: the base init_state gives, before the step
@@ -122,7 +123,7 @@ def test_megatron_semantics_unchanged(per_token):
     from tests.helpers import BETA1, LR
 
     base = train_one_step(MODELS["moe"], None, per_token=per_token)
-    lora = train_one_step(MODELS["moe"], None, {"lora": PER_EXPERT}, per_token=per_token)
+    lora = train_one_step(MODELS["moe"], None, ModelOptions(lora=PER_EXPERT), per_token=per_token)
     for key in ("lm loss", "load_balancing_loss", "loss tokens"):
         assert lora.metrics[key] == pytest.approx(base.metrics[key], rel=1e-6), key
     # B = 0: only the Bs have a gradient on the first step; A's is exactly zero.
