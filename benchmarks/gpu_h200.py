@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     parallel = Layout(num_devices=1)
     mesh = make_mesh(parallel, devices=[device])
     kernels = kernel_options(platform_setup.mesh_platform(mesh), is_moe=True)  # as sft picks them
-    moe_impl = args.moe_impl or kernels["moe_impl"]
+    moe_impl = args.moe_impl or kernels.moe_impl
     cfg = model_config(args)
     peak = flops.device_peak_tflops("bf16", args.peak_tflops)
     if peak is None and "h200" in device.device_kind.lower():

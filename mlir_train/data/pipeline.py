@@ -1,4 +1,5 @@
-"""Preprocessing: read -> render -> tokenise (N processes) -> split -> blend -> pack -> cache.
+"""Preprocessing: read -> render -> tokenise (N processes: :mod:`mlir_train.data.encode`) -> split
+-> blend -> pack -> cache.
 
 The cache is a directory of ``.npy`` arrays (memory-mapped on load) named by a hash of
 everything that changes its contents: data file bytes, resolved dataset formats, the tokenizer
@@ -11,11 +12,9 @@ loads.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -25,167 +24,16 @@ import numpy as np
 
 from mlir_train.data.config import DataConfig
 from mlir_train.data.dataset import SPLITS, DataStats, SFTDataset, SFTDatasets
+from mlir_train.data.encode import MASKING_COUNTS, MAX_BAD_EXAMPLES, TokenizeJob, add_count, tokenize_all
 from mlir_train.data.packing import one_per_row, pack_best_fit
-from mlir_train.data.records import (DataError, DatasetFormat, RawRecord, format_for,
-                                     iter_samples, load_dataset_config, parse_data_path,
-                                     parse_split, read_raw_records, resolve_format, usable)
-from mlir_train.data.templates import (TemplateSpec, make_spec, parse_template_kwargs,
-                                       render_full)
+from mlir_train.data.records import (DataError, DatasetFormat, format_for, load_dataset_config,
+                                     parse_data_path, parse_split, read_raw_records, resolve_format,
+                                     usable)
+from mlir_train.data.templates import TemplateSpec, make_spec, parse_template_kwargs
 from mlir_train.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint
 
 CACHE_VERSION = 2  # 2: masking and per-role loss counts in the stats
-_CHUNK = 2048  # records per tokenisation task
-_MAX_BAD_EXAMPLES = 5
 
-
-# ------------------------------------------------------------------------ tokenisation
-
-@dataclasses.dataclass(frozen=True)
-class TokenizeJob:
-    """What a worker needs, picklable: workers never import transformers."""
-
-    tokenizer_json: str
-    spec: TemplateSpec
-    fmt: DatasetFormat
-    seq_length: int
-    train_on_prompt: bool
-    drop_long: bool
-    skip_bad: bool
-    eod_mask_ids: tuple[int, ...] = ()  # --eod-mask-loss: token ids that never get loss
-
-
-@dataclasses.dataclass
-class Chunk:
-    tokens: np.ndarray  # int32, the kept documents' (possibly truncated) tokens back to back
-    loss: np.ndarray  # uint8, 1 where the token is a loss target
-    lengths: np.ndarray  # int64 tokens per kept document
-    truncated: int
-    truncated_tokens: int
-    dropped: dict[str, int]
-    bad_examples: list[str]
-    masking: dict[str, int] = dataclasses.field(default_factory=dict)  # see _MASKING_COUNTS
-    role_loss: dict[str, int] = dataclasses.field(default_factory=dict)  # role -> loss positions
-
-
-# What masking did, counted over the kept documents (DataStats.masking).
-_MASKING_COUNTS = ("records with tools", "empty think blocks skipped", "turns masked by history",
-                   "reasoning dropped (enable_thinking false)", "eod tokens masked")
-
-
-def _count(counts: dict[str, int], key: str, n: int = 1) -> None:
-    if n:
-        counts[key] = counts.get(key, 0) + n
-
-
-_worker: tuple[TokenizeJob, object] | None = None
-
-
-def _init_worker(job: TokenizeJob) -> None:
-    global _worker
-    # N processes each running tokenizers' own thread pool would oversubscribe the cores.
-    os.environ["RAYON_NUM_THREADS"] = "1"
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer
-    _worker = (job, Tokenizer.from_str(job.tokenizer_json))
-
-
-def _tokenize_in_worker(records: list[RawRecord]) -> Chunk:
-    job, tokenizer = _worker
-    return tokenize_records(records, job, tokenizer)
-
-
-def tokenize_records(records: list[RawRecord], job: TokenizeJob, tokenizer) -> Chunk:
-    dropped: dict[str, int] = {}
-    bad_examples: list[str] = []
-    rendered = []
-    for record, sample in zip(records, iter_samples(records, job.fmt, job.skip_bad, dropped,
-                                                    bad_examples)):
-        if sample is None:
-            continue
-        try:
-            rendered.append((render_full(sample, job.spec, record.where), bool(sample.tools)))
-        except DataError as e:
-            if not job.skip_bad:
-                raise
-            _count(dropped, e.reason)
-            if len(bad_examples) < _MAX_BAD_EXAMPLES:
-                bad_examples.append(str(e))
-    encodings = (tokenizer.encode_batch([r.text for r, _ in rendered], add_special_tokens=False)
-                 if rendered else [])
-    limit = job.seq_length + 1  # a row holds n - 1 positions of an n-token document
-    eod_ids = np.asarray(job.eod_mask_ids, np.int64)
-    token_parts, loss_parts, lengths = [], [], []
-    truncated = truncated_tokens = 0
-    masking: dict[str, int] = {}
-    role_loss: dict[str, int] = {}
-    for encoding, (out, has_tools) in zip(encodings, rendered):
-        ids = np.asarray(encoding.ids, np.int64)
-        loss = np.zeros(len(ids), np.uint8)
-        if job.train_on_prompt:
-            loss[:] = 1
-        else:
-            for start, end in out.spans:
-                first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
-                if first is not None and last is not None:
-                    loss[first:last + 1] = 1
-        eod_masked = 0
-        if len(eod_ids):
-            on_eod = np.isin(ids, eod_ids) & (loss == 1)
-            eod_masked = int(on_eod[1:].sum())
-            loss[on_eod] = 0
-        n = len(ids)
-        if n > limit:
-            if job.drop_long:
-                _count(dropped, "longer than seq_length")
-                continue
-            ids, loss = ids[:limit], loss[:limit]
-        if n < 2 or not loss[1:].any():
-            _count(dropped, "response truncated away" if n > limit else "no loss tokens")
-            continue
-        if n > limit:
-            truncated += 1
-            truncated_tokens += n - limit
-        # Loss positions by the role of the text each token starts in.
-        starts = np.asarray([o[0] for o in encoding.offsets[:len(ids)]], np.int64)
-        for a, b, role in out.roles:
-            lo, hi = np.searchsorted(starts, [a, b], side="left")
-            _count(role_loss, role, int(loss[max(lo, 1):max(hi, 1)].sum()))
-        _count(masking, "records with tools", int(has_tools))
-        _count(masking, "empty think blocks skipped", out.empty_think_skipped)
-        _count(masking, "turns masked by history", out.history_masked)
-        _count(masking, "reasoning dropped (enable_thinking false)", out.reasoning_dropped)
-        _count(masking, "eod tokens masked", eod_masked)
-        token_parts.append(ids.astype(np.int32))
-        loss_parts.append(loss)
-        lengths.append(len(ids))
-    return Chunk(
-        tokens=np.concatenate(token_parts) if token_parts else np.zeros(0, np.int32),
-        loss=np.concatenate(loss_parts) if loss_parts else np.zeros(0, np.uint8),
-        lengths=np.asarray(lengths, np.int64),
-        truncated=truncated, truncated_tokens=truncated_tokens, dropped=dropped,
-        bad_examples=bad_examples, masking=masking, role_loss=role_loss)
-
-
-def tokenize_all(job: TokenizeJob, records: list[RawRecord], num_workers: int) -> list[Chunk]:
-    """Tokenise inline (1 worker) or in ``num_workers`` spawned processes, chunks in order."""
-    if num_workers <= 1:
-        from tokenizers import Tokenizer
-        tokenizer = Tokenizer.from_str(job.tokenizer_json)
-        return [tokenize_records(records[i:i + _CHUNK], job, tokenizer)
-                for i in range(0, len(records), _CHUNK)]
-    size = max(64, min(_CHUNK, -(-len(records) // (4 * num_workers))))
-    pieces = [records[i:i + size] for i in range(0, len(records), size)]
-    # spawn, not fork: the parent may hold JAX's threads, which fork would copy mid-flight.
-    pool = concurrent.futures.ProcessPoolExecutor(
-        num_workers, mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker, initargs=(job,))
-    try:
-        return list(pool.map(_tokenize_in_worker, pieces))
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-
-# ------------------------------------------------------------------------------- build
 
 def cache_key(cfg: DataConfig, sources, formats: list[DatasetFormat], spec: TemplateSpec,
               tokenizer) -> str:
@@ -288,7 +136,7 @@ class _Documents:
     truncated_tokens: int
     dropped: dict[str, int]
     bad_examples: list[str]
-    masking: dict[str, int]  # what masking did (_MASKING_COUNTS)
+    masking: dict[str, int]  # what masking did (MASKING_COUNTS)
     role_loss: dict[str, int]  # role -> loss positions of the kept documents
 
 
@@ -309,7 +157,7 @@ def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Do
     bad_examples: list[str] = []
     per_source_docs: list[np.ndarray] = []  # global doc ids per source
     source_info = []
-    masking = dict.fromkeys(_MASKING_COUNTS[:-1] if not cfg.eod_mask_loss else _MASKING_COUNTS, 0)
+    masking = dict.fromkeys(MASKING_COUNTS[:-1] if not cfg.eod_mask_loss else MASKING_COUNTS, 0)
     role_loss: dict[str, int] = {}
     next_doc = 0
     eod_ids = tuple(sorted({i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id)
@@ -334,11 +182,11 @@ def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Do
             truncated_tokens += chunk.truncated_tokens
             for reason, count in chunk.dropped.items():
                 dropped[reason] = dropped.get(reason, 0) + count
-            bad_examples.extend(chunk.bad_examples[:_MAX_BAD_EXAMPLES - len(bad_examples)])
+            bad_examples.extend(chunk.bad_examples[:MAX_BAD_EXAMPLES - len(bad_examples)])
             for key, count in chunk.masking.items():
-                _count(masking, key, count)
+                add_count(masking, key, count)
             for key, count in chunk.role_loss.items():
-                _count(role_loss, key, count)
+                add_count(role_loss, key, count)
         kept = sum(len(c.lengths) for c in chunks)
         no_loss = sum(c.dropped.get("no loss tokens", 0) for c in chunks)
         if records and not kept and no_loss:

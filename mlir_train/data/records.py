@@ -383,13 +383,7 @@ def _chat_sample(value: dict, fmt: DatasetFormat, where: str) -> Sample:
     pending_calls = 0  # calls of the last assistant message not yet answered by a tool message
     for i, message in enumerate(raw_messages):
         at = f"{where}: {fmt.messages}[{i}]"
-        if not isinstance(message, dict):
-            raise DataError(f"{at}: expected an object with {fmt.role_tag!r} and "
-                            f"{fmt.content_tag!r}", reason="bad message")
-        role = roles.get(message.get(fmt.role_tag))
-        if role is None:
-            raise DataError(f"{at}: unknown {fmt.role_tag!r} {message.get(fmt.role_tag)!r}: "
-                            f"expected one of {sorted(roles)}", reason="unknown role")
+        role = _message_role(message, roles, fmt, at)
         previous = messages[-1].role if messages else None
         if role == "system":
             if i != 0:
@@ -411,34 +405,8 @@ def _chat_sample(value: dict, fmt: DatasetFormat, where: str) -> Sample:
             messages.append(Message("tool", _string(message, fmt.content_tag, at,
                                                     required=True)))
         else:  # assistant, or sharegpt's function_call (an assistant turn that calls tools)
-            if previous not in ("user", "tool"):
-                what = "first" if previous is None else f"after an {previous} message"
-                raise DataError(f"{at}: roles out of order: an assistant message {what}: "
-                                f"expected it after a user or tool message",
-                                reason="roles out of order")
-            if role == "function":
-                text = _string(message, fmt.content_tag, at, required=True)
-                try:
-                    calls = _tool_calls(json.loads(text), at)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{at}: a {fmt.function_tag!r} message must hold the call as "
-                                    f"JSON ({e.msg})", reason="bad tool call") from None
-                content, reasoning = "", None
-            else:
-                content = _string(message, fmt.content_tag, at, required=False)
-                reasoning = message.get(fmt.reasoning)
-                if reasoning is not None and not isinstance(reasoning, str):
-                    raise DataError(f"{at}: field {fmt.reasoning!r} is "
-                                    f"{type(reasoning).__name__}: expected a string",
-                                    reason="non-string field")
-                raw_calls = message.get(fmt.tool_calls)
-                calls = _tool_calls(raw_calls, at) if raw_calls else ()
-            if not (content.strip() or (reasoning or "").strip() or calls):
-                raise DataError(f"{at}: assistant turn with neither content nor reasoning "
-                                f"(nor tool calls): expected non-empty text",
-                                reason="empty assistant turn")
-            pending_calls = len(calls)
-            messages.append(Message("assistant", content, reasoning, calls))
+            messages.append(_assistant_message(message, role, previous, fmt, at))
+            pending_calls = len(messages[-1].tool_calls)
     if not messages or messages[-1].role != "assistant":
         raise DataError(f"{where}: conversation must end with an assistant message",
                         reason="no final response")
@@ -450,6 +418,51 @@ def _chat_sample(value: dict, fmt: DatasetFormat, where: str) -> Sample:
     if plain:  # strictly user/assistant alternation (checked above): the turn templates' form
         turns = tuple(Turn(u.content, a.content) for u, a in zip(messages[::2], messages[1::2]))
     return Sample(turns, system, tuple(messages), tuple(tools), tuple(sorted(kwargs.items())))
+
+
+def _message_role(message, roles: dict[str, str], fmt: DatasetFormat, at: str) -> str:
+    """A chat message's role (system, user, assistant, tool, or function: a sharegpt tool call),
+    from its ``fmt.role_tag`` as the dataset spells it."""
+    if not isinstance(message, dict):
+        raise DataError(f"{at}: expected an object with {fmt.role_tag!r} and "
+                        f"{fmt.content_tag!r}", reason="bad message")
+    role = roles.get(message.get(fmt.role_tag))
+    if role is None:
+        raise DataError(f"{at}: unknown {fmt.role_tag!r} {message.get(fmt.role_tag)!r}: "
+                        f"expected one of {sorted(roles)}", reason="unknown role")
+    return role
+
+
+def _assistant_message(message: dict, role: str, previous: str | None, fmt: DatasetFormat, at: str) -> Message:
+    """An assistant turn after a user or tool message: its content, reasoning and tool calls, or
+    (``role == "function"``, sharegpt) only the calls, given as JSON in its content."""
+    if previous not in ("user", "tool"):
+        what = "first" if previous is None else f"after an {previous} message"
+        raise DataError(f"{at}: roles out of order: an assistant message {what}: "
+                        f"expected it after a user or tool message",
+                        reason="roles out of order")
+    if role == "function":
+        text = _string(message, fmt.content_tag, at, required=True)
+        try:
+            calls = _tool_calls(json.loads(text), at)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{at}: a {fmt.function_tag!r} message must hold the call as "
+                            f"JSON ({e.msg})", reason="bad tool call") from None
+        content, reasoning = "", None
+    else:
+        content = _string(message, fmt.content_tag, at, required=False)
+        reasoning = message.get(fmt.reasoning)
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise DataError(f"{at}: field {fmt.reasoning!r} is "
+                            f"{type(reasoning).__name__}: expected a string",
+                            reason="non-string field")
+        raw_calls = message.get(fmt.tool_calls)
+        calls = _tool_calls(raw_calls, at) if raw_calls else ()
+    if not (content.strip() or (reasoning or "").strip() or calls):
+        raise DataError(f"{at}: assistant turn with neither content nor reasoning "
+                        f"(nor tool calls): expected non-empty text",
+                        reason="empty assistant turn")
+    return Message("assistant", content, reasoning, calls)
 
 
 def iter_samples(records: list[RawRecord], fmt: DatasetFormat, skip_bad: bool,

@@ -291,23 +291,8 @@ def _is_tool_response(text: str) -> bool:
 def _render_qwen3(sample: Sample, spec: TemplateSpec, kwargs: dict) -> _Builder:
     out = _Builder()
     messages = conversation(sample)
-    if sample.tools:
-        out.add(f"{IM_START}system\n", "system")
-        if sample.system is not None:
-            out.add(sample.system + "\n\n", "system")
-        out.add(QWEN3_TOOLS_HEADER, "system")
-        for tool in sample.tools:
-            out.add("\n" + _to_json(tool), "system")
-        out.add(QWEN3_TOOLS_FOOTER, "system")
-    elif sample.system is not None:
-        out.add(f"{IM_START}system\n{sample.system}{IM_END}\n", "system")
-    # The last real user query: reasoning before it is history and is not rendered.
-    last_query = len(messages) - 1
-    for index in range(len(messages) - 1, -1, -1):
-        message = messages[index]
-        if message.role == "user" and not _is_tool_response(message.content):
-            last_query = index
-            break
+    _qwen3_system(out, sample)
+    last_query = _qwen3_last_query(messages)
     thinking = kwargs.get("enable_thinking", True)
     for index, message in enumerate(messages):
         last = index == len(messages) - 1
@@ -321,34 +306,69 @@ def _render_qwen3(sample: Sample, spec: TemplateSpec, kwargs: dict) -> _Builder:
                 out.add(f"{IM_END}\n", "tool")
         elif message.role == "assistant":
             out.turn = index
-            content, reasoning = message.content, message.reasoning
-            if reasoning is None:
-                content, reasoning = split_think(content)
-                reasoning = reasoning or ""
-            if last and thinking is False and reasoning:
-                out.reasoning_dropped += 1  # non-thinking: the answer follows an empty block
-                reasoning = ""
-            out.add(f"{IM_START}assistant\n", "assistant")
-            body = content
-            if index > last_query and (last or reasoning):
-                think = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n"
-                empty = not reasoning.strip()
-                loss = spec.reasoning_loss == "all" or (spec.reasoning_loss == "nonempty"
-                                                        and not empty)
-                if empty and not loss:
-                    out.empty_think_skipped += 1
-                out.add(think, "reasoning", loss=loss)
-                body = content.lstrip("\n")
-            for i, call in enumerate(message.tool_calls):
-                if i or content:
-                    body += "\n"
-                arguments = (call.arguments if isinstance(call.arguments, str)
-                             else _to_json(call.arguments))
-                body += (f'<tool_call>\n{{"name": "{call.name}", "arguments": {arguments}}}'
-                         f'\n</tool_call>')
-            out.add(body + IM_END, "assistant", loss=True)
-            out.add("\n", "assistant")
+            _qwen3_assistant(out, message, spec, after_last_query=index > last_query, last=last,
+                             thinking=thinking)
     return out
+
+
+def _qwen3_system(out: _Builder, sample: Sample) -> None:
+    """The system message: with tools, the system prompt (if any) then the tools' signatures."""
+    if sample.tools:
+        out.add(f"{IM_START}system\n", "system")
+        if sample.system is not None:
+            out.add(sample.system + "\n\n", "system")
+        out.add(QWEN3_TOOLS_HEADER, "system")
+        for tool in sample.tools:
+            out.add("\n" + _to_json(tool), "system")
+        out.add(QWEN3_TOOLS_FOOTER, "system")
+    elif sample.system is not None:
+        out.add(f"{IM_START}system\n{sample.system}{IM_END}\n", "system")
+
+
+def _qwen3_last_query(messages: list[Message]) -> int:
+    """The last real user query (not a tool response in a user message): reasoning before it
+    is history and is not rendered."""
+    last_query = len(messages) - 1
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if message.role == "user" and not _is_tool_response(message.content):
+            last_query = index
+            break
+    return last_query
+
+
+def _qwen3_assistant(out: _Builder, message: Message, spec: TemplateSpec, *, after_last_query: bool, last: bool,
+                     thinking) -> None:
+    """An assistant turn: its think block (after the last user query only, where it has
+    reasoning or is the last message; its loss per ``spec.reasoning_loss``), then its answer
+    and tool calls, which always get loss."""
+    content, reasoning = message.content, message.reasoning
+    if reasoning is None:
+        content, reasoning = split_think(content)
+        reasoning = reasoning or ""
+    if last and thinking is False and reasoning:
+        out.reasoning_dropped += 1  # non-thinking: the answer follows an empty block
+        reasoning = ""
+    out.add(f"{IM_START}assistant\n", "assistant")
+    body = content
+    if after_last_query and (last or reasoning):
+        think = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n"
+        empty = not reasoning.strip()
+        loss = spec.reasoning_loss == "all" or (spec.reasoning_loss == "nonempty"
+                                                and not empty)
+        if empty and not loss:
+            out.empty_think_skipped += 1
+        out.add(think, "reasoning", loss=loss)
+        body = content.lstrip("\n")
+    for i, call in enumerate(message.tool_calls):
+        if i or content:
+            body += "\n"
+        arguments = (call.arguments if isinstance(call.arguments, str)
+                     else _to_json(call.arguments))
+        body += (f'<tool_call>\n{{"name": "{call.name}", "arguments": {arguments}}}'
+                 f'\n</tool_call>')
+    out.add(body + IM_END, "assistant", loss=True)
+    out.add("\n", "assistant")
 
 
 def messages_of(sample: Sample) -> list[dict]:

@@ -52,7 +52,7 @@ def generate(
 ) -> list[Generation]:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
-    ``model`` is a :class:`mlir_train.model.Qwen3`. ``prompts`` are strings (encoded with
+    ``model`` is a :class:`mlir_train.model.CausalLM` (any family's). ``prompts`` are strings (encoded with
     ``tokenizer``, no special tokens added: apply a chat template first if wanted) or lists of
     token ids. ``temperature == 0`` is greedy (argmax); otherwise tokens are sampled from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens and/or the
@@ -61,40 +61,14 @@ def generate(
     the full ``max_new_tokens``. Each step recomputes the full forward over the whole buffer
     (there is no KV cache): meant for small models and short answers, not for serving.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and not 1 <= top_k <= model.cfg.vocab_size:
-        raise ValueError(f"top_k must be in [1, vocab_size={model.cfg.vocab_size}], got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    _check_sampling(model.cfg.vocab_size, max_new_tokens, temperature, top_k, top_p)
     token_lists = [_encode(p, tokenizer) for p in prompts]
     if not token_lists:
         return []
     if any(len(t) == 0 for t in token_lists):
         raise ValueError("every prompt needs at least one token")
-    if eos_token_id is None and tokenizer is not None:
-        eos_token_id = tokenizer.eos_token_id
-    if eos_token_id is None:
-        eos_ids = []
-    elif np.isscalar(eos_token_id):
-        eos_ids = [int(eos_token_id)]
-    else:
-        eos_ids = [int(i) for i in eos_token_id]
-    eos_ids += [-1] * max(0, 4 - len(eos_ids))  # pad with an id no token has: fewer recompiles
-
-    lengths = np.array([len(t) for t in token_lists], np.int32)
-    needed = int(lengths.max()) + max_new_tokens
-    limit = model.cfg.max_position_embeddings
-    if needed > limit:
-        raise ValueError(f"longest prompt + max_new_tokens = {needed} exceeds the model's "
-                         f"max_position_embeddings ({limit})")
-    # Round the buffer up so nearby prompt lengths reuse one compiled program.
-    buffer_len = min(limit, -(-needed // _BUFFER_MULTIPLE) * _BUFFER_MULTIPLE)
-    ids_BL = np.zeros((len(token_lists), buffer_len), np.int32)
-    for row, toks in enumerate(token_lists):
-        ids_BL[row, : len(toks)] = toks
+    eos_ids = _eos_ids(eos_token_id, tokenizer)
+    ids_BL, lengths = _prompt_buffer(token_lists, max_new_tokens, model.cfg.max_position_embeddings)
 
     graphdef, state = nnx.split(model)
     new_BN, num_new_B, stopped_B = _generate_ids(
@@ -110,6 +84,49 @@ def generate(
         text = tokenizer.decode(toks, skip_special_tokens=True) if tokenizer is not None else None
         out.append(Generation(tokens=toks, text=text, stopped_at_eos=bool(stopped_B[row])))
     return out
+
+
+def _check_sampling(vocab_size: int, max_new_tokens: int, temperature: float, top_k: int | None,
+                    top_p: float | None) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and not 1 <= top_k <= vocab_size:
+        raise ValueError(f"top_k must be in [1, vocab_size={vocab_size}], got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def _eos_ids(eos_token_id: int | Sequence[int] | None, tokenizer) -> list[int]:
+    """The ids that end a row (the tokenizer's eos by default), padded to at least 4."""
+    if eos_token_id is None and tokenizer is not None:
+        eos_token_id = tokenizer.eos_token_id
+    if eos_token_id is None:
+        eos_ids = []
+    elif np.isscalar(eos_token_id):
+        eos_ids = [int(eos_token_id)]
+    else:
+        eos_ids = [int(i) for i in eos_token_id]
+    eos_ids += [-1] * max(0, 4 - len(eos_ids))  # pad with an id no token has: fewer recompiles
+    return eos_ids
+
+
+def _prompt_buffer(token_lists: list[list[int]], max_new_tokens: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids [B, L], prompt lengths [B])``: the prompts left-aligned in a buffer with room for
+    ``max_new_tokens`` more, its length rounded up to a multiple of 16 (at most ``limit``, the
+    model's max_position_embeddings)."""
+    lengths = np.array([len(t) for t in token_lists], np.int32)
+    needed = int(lengths.max()) + max_new_tokens
+    if needed > limit:
+        raise ValueError(f"longest prompt + max_new_tokens = {needed} exceeds the model's "
+                         f"max_position_embeddings ({limit})")
+    # Round the buffer up so nearby prompt lengths reuse one compiled program.
+    buffer_len = min(limit, -(-needed // _BUFFER_MULTIPLE) * _BUFFER_MULTIPLE)
+    ids_BL = np.zeros((len(token_lists), buffer_len), np.int32)
+    for row, toks in enumerate(token_lists):
+        ids_BL[row, : len(toks)] = toks
+    return ids_BL, lengths
 
 
 def _encode(prompt, tokenizer) -> list[int]:

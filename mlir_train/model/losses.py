@@ -215,22 +215,32 @@ def router_losses(stats: dict[str, jax.Array], balancing: LoadBalancing, top_k: 
         seq_weight_LG = weight_LG if loss_tokens is None else weight_LG / jnp.maximum(stats["num_sequences"], 1.0)
         objective = objective + balancing.coeff("seq_aux_loss") * jnp.sum(seq_weight_LG * seq_LG)
     if balancing.uses_global:
-        counts_LE = jax.lax.stop_gradient(jnp.sum(stats.get("aux_tokens_per_expert", stats["tokens_per_expert"]),
-                                                  axis=-2))
-        global_counts_LE = counts_LE if global_counts_LE is None else global_counts_LE + counts_LE
-        seen = 1.0 if micro_index is None else jnp.asarray(micro_index, jnp.float32) + 1.0
-        glob_LG = switch_aux_loss(stats, top_k, counts=(global_counts_LE / seen)[..., None, :],
-                                  num_tokens=jnp.sum(n_LG, axis=-1, keepdims=True))
-        per_layer["global_load_balancing_loss"] = jnp.sum(glob_LG, axis=-1)
-        glob_weight_LG = weight_LG
-        if loss_tokens is not None:
-            # megatron-core 0.16.1 scales each rank's global aux loss by the token count of *all*
-            # ranks: its all-reduce of the rank's expert counts runs in place, on the tensor it
-            # then counts the rank's tokens from (get_tokens_per_expert_and_token_count).
-            glob_weight_LG = jnp.broadcast_to(jnp.sum(n_LG, axis=-1, keepdims=True), n_LG.shape) / jnp.maximum(
-                loss_tokens, 1.0)
-        objective = objective + balancing.coeff("global_aux_loss") * jnp.sum(glob_weight_LG * glob_LG)
+        per_layer["global_load_balancing_loss"], glob, global_counts_LE = _global_aux_loss(
+            stats, top_k, global_counts_LE, micro_index, weight_LG, loss_tokens)
+        objective = objective + balancing.coeff("global_aux_loss") * glob
     return objective, per_layer, global_counts_LE
+
+
+def _global_aux_loss(stats: dict[str, jax.Array], top_k: int, global_counts_LE: jax.Array | None, micro_index,
+                     weight_LG: jax.Array, loss_tokens: jax.Array | None):
+    """:func:`router_losses`' ``global_aux_loss``: ``(per layer, the weighted sum over layers and
+    groups, the running expert counts [L, E] including this micro-batch)``."""
+    n_LG = stats["num_tokens"]
+    counts_LE = jax.lax.stop_gradient(jnp.sum(stats.get("aux_tokens_per_expert", stats["tokens_per_expert"]),
+                                              axis=-2))
+    global_counts_LE = counts_LE if global_counts_LE is None else global_counts_LE + counts_LE
+    seen = 1.0 if micro_index is None else jnp.asarray(micro_index, jnp.float32) + 1.0
+    glob_LG = switch_aux_loss(stats, top_k, counts=(global_counts_LE / seen)[..., None, :],
+                              num_tokens=jnp.sum(n_LG, axis=-1, keepdims=True))
+    per_layer_L = jnp.sum(glob_LG, axis=-1)
+    glob_weight_LG = weight_LG
+    if loss_tokens is not None:
+        # megatron-core 0.16.1 scales each rank's global aux loss by the token count of *all*
+        # ranks: its all-reduce of the rank's expert counts runs in place, on the tensor it
+        # then counts the rank's tokens from (get_tokens_per_expert_and_token_count).
+        glob_weight_LG = jnp.broadcast_to(jnp.sum(n_LG, axis=-1, keepdims=True), n_LG.shape) / jnp.maximum(
+            loss_tokens, 1.0)
+    return per_layer_L, jnp.sum(glob_weight_LG * glob_LG), global_counts_LE
 
 
 def hf_aux_loss(stats: dict[str, jax.Array]) -> jax.Array:

@@ -152,6 +152,22 @@ def stage_layers(num_layers: int, pipeline: int, first: int | None = None, last:
     return out
 
 
+class _Tally:
+    """Megatron's collectives summed by (kind, purpose, group, group size), in the order first met."""
+
+    def __init__(self):
+        self.acc: dict[tuple[str, str, str, int], list[float]] = defaultdict(lambda: [0, 0.0])
+
+    def add(self, kind: str, purpose: str, group: str, size: int, count: float, nbytes: float) -> None:
+        if size > 1 and count > 0:
+            a = self.acc[(kind, purpose, group, size)]
+            a[0] += count
+            a[1] += count * nbytes
+
+    def volumes(self) -> list[Volume]:
+        return [Volume(k, p, g, s, int(round(c)), int(round(b))) for (k, p, g, s), (c, b) in self.acc.items()]
+
+
 def megatron_stage_volumes(cfg: ModelConfig, lay: CommLayout, *, seq: int, micro_batch: int, num_micro: int,
                            stage: int = 0, recompute_fraction: float = 0.0, act_bytes: int = 2, grad_bytes: int = 4,
                            param_bytes: int = 2, probs_bytes: int = 4, layers: list[range] | None = None) -> list[Volume]:
@@ -161,19 +177,31 @@ def megatron_stage_volumes(cfg: ModelConfig, lay: CommLayout, *, seq: int, micro
     layers = layers or stage_layers(cfg.num_layers, lay.pipeline)
     mine, pp = layers[stage], lay.pipeline
     first, last = stage == 0, stage == pp - 1
-    tp, sp, etp, ep = lay.tensor, lay.sequence_parallel and lay.tensor > 1, lay.etp, lay.expert
+    tp, sp = lay.tensor, lay.sequence_parallel and lay.tensor > 1
     tokens = micro_batch * seq // lay.context                   # T, the data replica's tokens per micro-batch
     local = tokens // tp if (sp or cfg.is_moe and tp > 1) else tokens   # what one rank routes / sends
     act = tokens * cfg.hidden_size * act_bytes                 # one [T, h] activation buffer
     m = num_micro
-    acc: dict[tuple[str, str, str, int], list[float]] = defaultdict(lambda: [0, 0.0])
+    tally = _Tally()
+    _decoder_layer_volumes(tally, cfg, lay, mine, m, recompute_fraction, sp, local * cfg.top_k, act,
+                           cfg.hidden_size * act_bytes, probs_bytes)
+    if tp > 1:
+        _embedding_and_head_volumes(tally, tp, sp, first, last, m, act, tokens)
+    if pp > 1:
+        msg = local * cfg.hidden_size * act_bytes if sp else act
+        sends = (m if not last else 0) + (m if not first else 0)
+        tally.add("send/recv", "pipeline activations and gradients", "pp", pp, sends, msg)
+    _gradient_volumes(tally, cfg, lay, mine, first, last, sp, grad_bytes, param_bytes)
+    return tally.volumes()
 
-    def add(kind, purpose, group, size, count, nbytes):
-        if size > 1 and count > 0:
-            a = acc[(kind, purpose, group, size)]
-            a[0] += count
-            a[1] += count * nbytes
 
+def _decoder_layer_volumes(tally: _Tally, cfg: ModelConfig, lay: CommLayout, mine: range, m: int,
+                           recompute_fraction: float, sp: bool, rows: int, act: int, row_bytes: int,
+                           probs_bytes: int) -> None:
+    """Per micro-batch, the decoder layers ``mine``: the TP blocks' gathers and reductions
+    (attention in every layer, the dense MLPs) and the MoE layers' token exchange of ``rows``
+    routed rows of ``row_bytes`` per rank; a full recompute reruns its share of the forward ones."""
+    tp, etp, ep = lay.tensor, lay.etp, lay.expert
     n_layers = len(mine)
     n_moe = sum(cfg.layer_is_moe(i) for i in mine)
     n_tp_blocks = n_layers + (n_layers - n_moe)            # attention in every layer, dense MLPs
@@ -181,40 +209,52 @@ def megatron_stage_volumes(cfg: ModelConfig, lay: CommLayout, *, seq: int, micro
     f_blocks = m * (n_tp_blocks + recompute_fraction * n_tp_blocks)  # forward executions of TP blocks
     b_blocks = m * n_tp_blocks
     if sp:
-        add("all-gather", "TP blocks (attention, dense MLP): SP all-gather", "tp", tp, f_blocks + 2 * b_blocks, act)
-        add("reduce-scatter", "TP blocks (attention, dense MLP): SP reduce-scatter", "tp", tp, f_blocks + b_blocks, act)
+        tally.add("all-gather", "TP blocks (attention, dense MLP): SP all-gather", "tp", tp, f_blocks + 2 * b_blocks,
+                  act)
+        tally.add("reduce-scatter", "TP blocks (attention, dense MLP): SP reduce-scatter", "tp", tp,
+                  f_blocks + b_blocks, act)
     else:
-        add("all-reduce", "TP blocks (attention, dense MLP): all-reduce", "tp", tp, f_blocks + b_blocks, act)
+        tally.add("all-reduce", "TP blocks (attention, dense MLP): all-reduce", "tp", tp, f_blocks + b_blocks, act)
     if n_moe:
-        rows = local * cfg.top_k
         f_moe = m * (n_moe + recompute_fraction * n_moe)
         b_moe = m * n_moe
-        hd = cfg.hidden_size * act_bytes
-        add("all-to-all", "MoE dispatch + combine all-to-all (top-k rows)", "ep", ep, 2 * (f_moe + b_moe), rows * hd)
-        add("all-to-all", "MoE routing probabilities all-to-all", "ep", ep, f_moe + b_moe, rows * probs_bytes)
+        tally.add("all-to-all", "MoE dispatch + combine all-to-all (top-k rows)", "ep", ep, 2 * (f_moe + b_moe),
+                  rows * row_bytes)
+        tally.add("all-to-all", "MoE routing probabilities all-to-all", "ep", ep, f_moe + b_moe, rows * probs_bytes)
         gathered = rows * etp  # balanced routing: R rows arrive per rank, R * ETP after the gather
-        add("all-gather", "MoE ETP all-gather of dispatched rows", "etp", etp, f_moe + b_moe, gathered * hd)
-        add("reduce-scatter", "MoE ETP reduce-scatter of expert outputs", "etp", etp, f_moe + b_moe, gathered * hd)
-    if first and tp > 1:
+        tally.add("all-gather", "MoE ETP all-gather of dispatched rows", "etp", etp, f_moe + b_moe,
+                  gathered * row_bytes)
+        tally.add("reduce-scatter", "MoE ETP reduce-scatter of expert outputs", "etp", etp, f_moe + b_moe,
+                  gathered * row_bytes)
+
+
+def _embedding_and_head_volumes(tally: _Tally, tp: int, sp: bool, first: bool, last: bool, m: int, act: int,
+                                tokens: int) -> None:
+    """Per micro-batch under TP > 1: the vocab-parallel embedding (first stage), the LM head's
+    column linear and the vocab-parallel cross entropy (last stage)."""
+    if first:
         if sp:
-            add("reduce-scatter", "embedding SP reduce-scatter", "tp", tp, m, act)
-            add("all-gather", "embedding SP all-gather (backward)", "tp", tp, m, act)
+            tally.add("reduce-scatter", "embedding SP reduce-scatter", "tp", tp, m, act)
+            tally.add("all-gather", "embedding SP all-gather (backward)", "tp", tp, m, act)
         else:
-            add("all-reduce", "embedding all-reduce", "tp", tp, m, act)
-    if last and tp > 1:
+            tally.add("all-reduce", "embedding all-reduce", "tp", tp, m, act)
+    if last:
         if sp:
             # forward, backward regather (megatron-core's LinearWithGradAccumulationAndAsyncCommunication:
             # the vocab-split output gradient is used as it is, not gathered)
-            add("all-gather", "LM head SP all-gather", "tp", tp, 2 * m, act)
-            add("reduce-scatter", "LM head SP reduce-scatter (backward)", "tp", tp, m, act)
+            tally.add("all-gather", "LM head SP all-gather", "tp", tp, 2 * m, act)
+            tally.add("reduce-scatter", "LM head SP reduce-scatter (backward)", "tp", tp, m, act)
         else:
-            add("all-reduce", "LM head input-gradient all-reduce", "tp", tp, m, act)
-        add("all-reduce", "vocab-parallel cross entropy (max, target, sum-exp)", "tp", tp, 3 * m, tokens * 4)
-    if pp > 1:
-        msg = local * cfg.hidden_size * act_bytes if sp else act
-        sends = (m if not last else 0) + (m if not first else 0)
-        add("send/recv", "pipeline activations and gradients", "pp", pp, sends, msg)
-    # Once per step: the gradients (and, with the distributed optimizer, the parameters).
+            tally.add("all-reduce", "LM head input-gradient all-reduce", "tp", tp, m, act)
+        tally.add("all-reduce", "vocab-parallel cross entropy (max, target, sum-exp)", "tp", tp, 3 * m, tokens * 4)
+
+
+def _gradient_volumes(tally: _Tally, cfg: ModelConfig, lay: CommLayout, mine: range, first: bool, last: bool,
+                      sp: bool, grad_bytes: int, param_bytes: int) -> None:
+    """Once per step: the gradients (and, with the distributed optimizer, the parameters) over
+    the data-parallel groups, the SP-replicated ones over TP, the tied embedding's between the
+    first and last stage."""
+    tp, pp = lay.tensor, lay.pipeline
     params = _param_counts(cfg, mine, lay, first, last)
     dense_params = params["dense"] + params["replicated"]
     for name, n, group, size in (("dense", dense_params, "dp", lay.data * lay.context),
@@ -222,18 +262,18 @@ def megatron_stage_volumes(cfg: ModelConfig, lay: CommLayout, *, seq: int, micro
         if not n:
             continue
         if lay.distributed_optimizer:
-            add("reduce-scatter", f"{name} grads reduce-scatter (distributed optimizer, fp32)", group, size, 1,
-                n * grad_bytes)
-            add("all-gather", f"{name} params all-gather (distributed optimizer, bf16)", group, size, 1, n * param_bytes)
+            tally.add("reduce-scatter", f"{name} grads reduce-scatter (distributed optimizer, fp32)", group, size, 1,
+                      n * grad_bytes)
+            tally.add("all-gather", f"{name} params all-gather (distributed optimizer, bf16)", group, size, 1,
+                      n * param_bytes)
         else:
-            add("all-reduce", f"{name} grads all-reduce (fp32)", group, size, 1, n * grad_bytes)
+            tally.add("all-reduce", f"{name} grads all-reduce (fp32)", group, size, 1, n * grad_bytes)
     if sp:
-        add("all-reduce", "SP-replicated grads (norms, router) all-reduce over TP", "tp", tp, 1,
-            params["replicated"] * grad_bytes)
+        tally.add("all-reduce", "SP-replicated grads (norms, router) all-reduce over TP", "tp", tp, 1,
+                  params["replicated"] * grad_bytes)
     if cfg.tie_word_embeddings and pp > 1 and (first or last):
-        add("all-reduce", "tied embedding grads between first and last stage", "pp", 2, 1,
-            cfg.vocab_size * cfg.hidden_size / tp * grad_bytes)
-    return [Volume(k, p, g, s, int(round(c)), int(round(b))) for (k, p, g, s), (c, b) in acc.items()]
+        tally.add("all-reduce", "tied embedding grads between first and last stage", "pp", 2, 1,
+                  cfg.vocab_size * cfg.hidden_size / tp * grad_bytes)
 
 
 def megatron_volumes(cfg: ModelConfig, lay: CommLayout, **kw) -> tuple[int, list[Volume]]:
@@ -311,7 +351,7 @@ def balanced_kernel_rows(rows: int, *, expert_ranks: int, num_experts: int, top_
     routing. The buffer holds one round of the exchange plus a block per local expert for the
     round-ups: ``C + L b`` rows for ``L = E / EP`` local experts, ``C`` the smaller of the worst
     routing's ``EP S min(K, L)`` rows and ``--moe-ep-buffer-factor`` F times the ``S K`` a balanced
-    routing sends (``dispatch.exchange_capacity``; None: F >= the worst case, the buffer before
+    routing sends (``exchange.exchange_capacity``; None: F >= the worst case, the buffer before
     the factor existed), ``S`` tokens per rank. A balanced routing brings ``S K`` rows, ``S K / L``
     per local expert, each rounded up to whole blocks (of ``max(b, row_tile)``)."""
     local = num_experts // expert_ranks

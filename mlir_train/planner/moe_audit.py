@@ -28,7 +28,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import sharding
-from mlir_train.planner.hlo import _arrays, _called, _nbytes, _Reader, analyze, matmul_flops, parse_module
+from mlir_train.planner.hlo import _Reader, analyze, matmul_flops
+from mlir_train.planner.hlo_text import arrays_of, bytes_of, computations, parse_module
 from mlir_train.model import logical_axes
 from mlir_train.model.moe.block import ROUTER_SCOPE, MoE
 from mlir_train.model.moe.gpu import BLOCK_ROWS
@@ -118,13 +119,13 @@ def _cheapest_path(hlo_text: str):
         for ins in comps.get(comp, []):
             yield ins, types
             if ins.opcode == "conditional":
-                branches = _called(ins.attrs, "branch_computations") or (
-                    _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation"))
+                branches = computations(ins.attrs, "branch_computations") or (
+                    computations(ins.attrs, "true_computation") + computations(ins.attrs, "false_computation"))
                 if branches:  # ties (a loop whose body is itself a branch) go to the shorter branch
                     yield from visit(min(branches, key=lambda b: (reader.tally(b).cost(), _size(comps, b))))
             else:
                 for key in ("calls", "to_apply", "body"):
-                    for called in _called(ins.attrs, key):
+                    for called in computations(ins.attrs, key):
                         yield from visit(called)
 
     yield from visit(entry)
@@ -136,7 +137,7 @@ def _size(comps, comp, depth: int = 0) -> int:
         return 0
     return sum(1 + sum(_size(comps, c, depth + 1) for key in ("calls", "to_apply", "body", "branch_computations",
                                                                "true_computation", "false_computation")
-                       for c in _called(i.attrs, key)) for i in comps.get(comp, []))
+                       for c in computations(i.attrs, key)) for i in comps.get(comp, []))
 
 
 def loops_on_cheapest_path(hlo_text: str) -> int:
@@ -153,11 +154,11 @@ def _exchange_sizes(hlo_text: str, kind: str) -> list[int]:
         op = ins.opcode
         base = op[:-6] if op.endswith("-start") else op
         if base == kind and not op.endswith(("-done", "-update")):
-            sent = _nbytes(_arrays(types.get(ins.operands[0], ""))) if ins.operands else 0
-            outs = _arrays(ins.result_type)
+            sent = bytes_of(arrays_of(types.get(ins.operands[0], ""))) if ins.operands else 0
+            outs = arrays_of(ins.result_type)
             if op.endswith("-start"):
                 outs = [a for a in outs[len(ins.operands):] if a[1]]
-            per.append(max(sent, _nbytes(outs)))
+            per.append(max(sent, bytes_of(outs)))
     return per
 
 
@@ -191,6 +192,44 @@ def audit_moe_layer(cfg, parallel: sharding.Layout, devices, *, impl: str, capac
     compile the forward alone (``jax.vjp``) and read the bytes it keeps for the backward.
     Expert FLOPs, loops and kernel calls are the no-overflow path's (what the sampled routing
     runs: checked, else the costliest path's); ``expert_flops_bound`` the costliest path's."""
+    layer = _compile_layer(cfg, parallel, devices, impl, capacity_factor, tokens_per_rank, block_kernels,
+                           ep_buffer_factor, residuals)
+    token_ranks, tensor_ranks, expert_ranks = layer.token_ranks, layer.tensor_ranks, layer.expert_ranks
+    text = layer.compiled.as_text()
+    stats = analyze(text, exclude_scope=ROUTER_SCOPE)  # its collectives
+    worst = matmul_flops(text, exclude_scope=ROUTER_SCOPE)
+    flops, loops = _sampled_routing_path(text, worst, layer, cfg, tokens_per_rank, seed)
+    s_sent = tokens_per_rank * cfg.top_k
+    routed = 6.0 * tokens_per_rank * cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size / tensor_ranks
+    rows = {tile: used_block_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, token_ranks, expert_ranks, seed, tile)
+            for tile in {max(k.row_tile, BLOCK_ROWS) for k in flops.kernels}}
+    return MoELayerAudit(
+        layout=layout, impl=impl if block_kernels is None else f"{impl}:{block_kernels}",
+        capacity_factor=capacity_factor, routed_flops=routed,
+        expert_flops=flops.dot_flops + sum(k.flops_for_rows(rows[max(k.row_tile, BLOCK_ROWS)]) for k in flops.kernels),
+        expert_flops_bound=worst.dot_flops + worst.kernel_flops_bound, router_flops=flops.excluded_flops,
+        temp_bytes=layer.compiled.memory_analysis().temp_size_in_bytes, while_loops=loops,
+        kernel_calls=len(flops.kernels), collectives={k: c.bytes for k, c in stats.collectives.items()},
+        residual_bytes=layer.residual_bytes,
+        ep_exchange=ep_exchange_report(text, s_sent, cfg.hidden_size * 2) if expert_ranks > 1 else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _CompiledLayer:
+    compiled: object  # jax.stages.Compiled of the layer's value_and_grad
+    residual_bytes: int | None
+    plan: object  # the block's MoE plan (its dispatcher, kernels, exchange)
+    token_ranks: int
+    tensor_ranks: int
+    expert_ranks: int
+
+
+def _compile_layer(cfg, parallel: sharding.Layout, devices, impl: str, capacity_factor: float | None,
+                   tokens_per_rank: int, block_kernels: str | None, ep_buffer_factor: float | None,
+                   residuals: bool) -> _CompiledLayer:
+    """:func:`audit_moe_layer`'s compile: the abstract block's parameters and a bfloat16 input
+    sharded by ``parallel``'s rules, ``value_and_grad`` of a cotangent-weighted sum of its output."""
     mesh, rules = sharding.make_mesh(parallel, devices=devices), sharding.rules_for(parallel)
     platform = devices[0].platform
     with jax.set_mesh(mesh), sharding.use_rules(rules), compile_target(mesh):
@@ -216,41 +255,36 @@ def audit_moe_layer(cfg, parallel: sharding.Layout, devices, *, impl: str, capac
             return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
         compiled = compile_without_cache(jax.jit(step).lower(params, x, x))
-        residual_bytes = None
-        if residuals:
-            def forward(params, x):
-                def f(params, x):
-                    return nnx.merge(graphdef, params)(x, jnp.ones(x.shape[:2], bool))[0]
-                y, vjp = jax.vjp(f, params, x)
-                return vjp  # its leaves: what the backward needs from the forward
-            fwd = compile_without_cache(jax.jit(forward).lower(params, x)).memory_analysis()
-            residual_bytes = fwd.output_size_in_bytes - fwd.alias_size_in_bytes
-        plan = abstract.plan
-    text = compiled.as_text()
-    stats = analyze(text, exclude_scope=ROUTER_SCOPE)  # its collectives
-    worst = matmul_flops(text, exclude_scope=ROUTER_SCOPE)
-    flops, loops = worst, worst.while_loops
-    s_sent = tokens_per_rank * cfg.top_k
+        residual_bytes = _residual_bytes(graphdef, params, x) if residuals else None
+        return _CompiledLayer(compiled, residual_bytes, abstract.plan, token_ranks, tensor_ranks, expert_ranks)
+
+
+def _residual_bytes(graphdef, params, x) -> int:
+    """Bytes the compiled forward alone keeps for the backward (the leaves of ``jax.vjp``'s
+    residuals, less what aliases its arguments)."""
+    def forward(params, x):
+        def f(params, x):
+            return nnx.merge(graphdef, params)(x, jnp.ones(x.shape[:2], bool))[0]
+        y, vjp = jax.vjp(f, params, x)
+        return vjp  # its leaves: what the backward needs from the forward
+    fwd = compile_without_cache(jax.jit(forward).lower(params, x)).memory_analysis()
+    return fwd.output_size_in_bytes - fwd.alias_size_in_bytes
+
+
+def _sampled_routing_path(text: str, worst, layer: _CompiledLayer, cfg, tokens_per_rank: int, seed: int):
+    """(FLOPs, while loops) of the path the sampled routing runs: a dropless expert-parallel
+    dispatcher's no-overflow path where no expert rank receives more rows than its exchange
+    buffer holds, else ``worst`` (the costliest path)."""
+    plan, expert_ranks = layer.plan, layer.expert_ranks
     if plan.dropless_dispatch and plan.ragged_all_to_all is not None and expert_ranks > 1:
-        from mlir_train.model.moe.dispatch import exchange_capacity
+        from mlir_train.model.moe.exchange import exchange_capacity
 
         align = plan.block_kernels.block_rows if plan.dropless_dispatch == "grouped" else 8
         capacity = exchange_capacity(plan, tokens_per_rank, cfg.top_k, expert_ranks, align)[0]
-        if max_received_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, token_ranks, expert_ranks, seed) <= capacity:
-            flops, loops = analyze(text, branch="min", exclude_scope=ROUTER_SCOPE).flops, loops_on_cheapest_path(text)
-    routed = 6.0 * tokens_per_rank * cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size / tensor_ranks
-    rows = {tile: used_block_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, token_ranks, expert_ranks, seed, tile)
-            for tile in {max(k.row_tile, BLOCK_ROWS) for k in flops.kernels}}
-    return MoELayerAudit(
-        layout=layout, impl=impl if block_kernels is None else f"{impl}:{block_kernels}",
-        capacity_factor=capacity_factor, routed_flops=routed,
-        expert_flops=flops.dot_flops + sum(k.flops_for_rows(rows[max(k.row_tile, BLOCK_ROWS)]) for k in flops.kernels),
-        expert_flops_bound=worst.dot_flops + worst.kernel_flops_bound, router_flops=flops.excluded_flops,
-        temp_bytes=compiled.memory_analysis().temp_size_in_bytes, while_loops=loops,
-        kernel_calls=len(flops.kernels), collectives={k: c.bytes for k, c in stats.collectives.items()},
-        residual_bytes=residual_bytes,
-        ep_exchange=ep_exchange_report(text, s_sent, cfg.hidden_size * 2) if expert_ranks > 1 else None,
-    )
+        if max_received_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, layer.token_ranks, expert_ranks,
+                             seed) <= capacity:
+            return analyze(text, branch="min", exclude_scope=ROUTER_SCOPE).flops, loops_on_cheapest_path(text)
+    return worst, worst.while_loops
 
 
 def max_received_rows(num_experts: int, top_k: int, tokens_per_rank: int, token_ranks: int, expert_ranks: int,

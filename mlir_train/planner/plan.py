@@ -277,13 +277,10 @@ def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, n
     Megatron's analytic volumes for the same layout, bytes by mesh axes, what the schedule
     overlaps), the matmul FLOPs at a balanced routing, and the roofline
     (:mod:`mlir_train.planner.roofline`) where the step was compiled for a GPU target."""
-    from mlir_train.model import flops as flops_lib
-    from mlir_train.model.moe.gpu import BLOCK_ROWS
-    from mlir_train.planner import comm, roofline
+    from mlir_train.planner import comm
 
     c = plan.candidate
     stats = step.stats
-    mesh_shape = dict(trainer.mesh.shape)
     lay = comm.CommLayout.of(c.layout, plan.num_devices)
     per_stage = model_cfg.num_layers // c.layout.pipeline
     plan.megatron_stage, volumes = comm.megatron_volumes(
@@ -298,6 +295,21 @@ def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, n
     plan.collective_traffic_bound = stats.traffic() if stats.conditionals else None
     plan.comm_comparison = [dict(kind=k.kind, compiled_bytes=k.compiled_bytes, megatron_bytes=k.megatron_bytes,
                                  ratio=k.ratio) for k in comm.compare(plan.collective_traffic, volumes)]
+    plan.collectives_by_axes = _collectives_by_axes(stats, dict(trainer.mesh.shape))
+    plan.overlap = stats.overlap()
+    _audit_megatron_flops(plan, model_cfg, cfg, per_stage)
+    plan.compiled_matmul_flops_balanced = _balanced_matmul_flops(balanced_stats, c.layout, model_cfg, cfg)
+    plan.hbm_bytes = stats.hbm_bytes
+    kind = DEVICE_KINDS.get(target) if target else None
+    if kind is not None and kind.compiles_for_gpu:
+        _audit_roofline(plan, stats, model_cfg, kind)
+
+
+def _collectives_by_axes(stats, mesh_shape: dict[str, int]) -> list[dict]:
+    """The compiled collectives by kind and the mesh axes their device groups span (a permute's
+    by the axes of its pairs), most bytes first, with how many the schedule overlaps."""
+    from mlir_train.planner import comm
+
     rows: dict[tuple[str, str], dict[str, int]] = {}
     for g, col in stats.collective_groups.items():
         axes = comm.group_axes(g.group, mesh_shape) if not g.pairs else \
@@ -307,8 +319,15 @@ def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, n
         row["bytes"] += col.bytes
         row["overlapped"] += col.count if g.overlapped else 0
         row["matmul_overlapped"] += col.count if g.matmul_overlapped else 0
-    plan.collectives_by_axes = [dict(kind=k, axes=a, **v) for (k, a), v in sorted(rows.items(), key=lambda x: -x[1]["bytes"])]
-    plan.overlap = stats.overlap()
+    return [dict(kind=k, axes=a, **v) for (k, a), v in sorted(rows.items(), key=lambda x: -x[1]["bytes"])]
+
+
+def _audit_megatron_flops(plan: Plan, model_cfg, cfg: RunConfig, per_stage: int) -> None:
+    """What Megatron executes per step (its recompute included) and per device of its busiest stage."""
+    from mlir_train.model import flops as flops_lib
+    from mlir_train.planner import comm
+
+    c = plan.candidate
     per_step = (3 + c.recompute.recomputed_fraction(per_stage)) / 3
     plan.megatron_executed_flops = plan.flops_per_step * per_step
     # Per device, Megatron's busiest stage (its last: the LM head) executes more than the average;
@@ -319,28 +338,37 @@ def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, n
         recompute_fraction=c.recompute.recomputed_fraction(len(layers))) for i, layers in enumerate(stages)]
     plan.megatron_busiest_flops_stage = max(range(len(by_stage)), key=by_stage.__getitem__)
     plan.megatron_busiest_device_flops = by_stage[plan.megatron_busiest_flops_stage] * len(stages) / plan.num_devices
+
+
+def _balanced_matmul_flops(balanced_stats, layout, model_cfg, cfg: RunConfig) -> float:
+    """The compiled matmul FLOPs with the block kernels at the rows a balanced routing fills,
+    not their static bound."""
+    from mlir_train.model.moe.gpu import BLOCK_ROWS
+    from mlir_train.planner import comm
+
     kernels = balanced_stats.flops.kernels
-    if kernels:
-        balanced = sum(k.flops_for_rows(comm.balanced_kernel_rows(
-            k.rows, expert_ranks=c.layout.expert, num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,
-            block=BLOCK_ROWS, row_tile=k.row_tile, buffer_factor=cfg.extras.moe_ep_buffer_factor)) for k in kernels)
-        plan.compiled_matmul_flops_balanced = balanced_stats.matmul_flops - balanced_stats.flops.kernel_flops_bound \
-            + balanced
-    else:
-        plan.compiled_matmul_flops_balanced = balanced_stats.matmul_flops
-    plan.hbm_bytes = stats.hbm_bytes
-    kind = DEVICE_KINDS.get(target) if target else None
-    if kind is not None and kind.compiles_for_gpu:
-        consts = roofline.device_constants(kind)
-        r = roofline.roofline(plan.compiled_matmul_flops_balanced, stats.hbm_bytes,
-                              roofline.exposed_collectives(stats.collective_groups), consts,
-                              model_flops_per_device=plan.flops_per_step / plan.num_devices,
-                              tokens_per_step=plan.tokens_per_step)
-        plan.roofline = dataclasses.asdict(r) | dict(model_tflops_per_device=r.model_tflops_per_device,
-                                                     tokens_per_s=r.tokens_per_s, bound=r.bound,
-                                                     constants=dataclasses.asdict(consts))
-        ref = roofline.MEGATRON_BRIDGE_REFERENCE.get(model_cfg.name)
-        plan.published_reference = dict(zip(("tflops_per_device", "device", "precision", "source"), ref)) if ref else None
+    if not kernels:
+        return balanced_stats.matmul_flops
+    balanced = sum(k.flops_for_rows(comm.balanced_kernel_rows(
+        k.rows, expert_ranks=layout.expert, num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,
+        block=BLOCK_ROWS, row_tile=k.row_tile, buffer_factor=cfg.extras.moe_ep_buffer_factor)) for k in kernels)
+    return balanced_stats.matmul_flops - balanced_stats.flops.kernel_flops_bound + balanced
+
+
+def _audit_roofline(plan: Plan, stats, model_cfg, kind) -> None:
+    """The roofline step time on a GPU ``kind``, and the published reference for the model."""
+    from mlir_train.planner import roofline
+
+    consts = roofline.device_constants(kind)
+    r = roofline.roofline(plan.compiled_matmul_flops_balanced, stats.hbm_bytes,
+                          roofline.exposed_collectives(stats.collective_groups), consts,
+                          model_flops_per_device=plan.flops_per_step / plan.num_devices,
+                          tokens_per_step=plan.tokens_per_step)
+    plan.roofline = dataclasses.asdict(r) | dict(model_tflops_per_device=r.model_tflops_per_device,
+                                                 tokens_per_s=r.tokens_per_s, bound=r.bound,
+                                                 constants=dataclasses.asdict(consts))
+    ref = roofline.MEGATRON_BRIDGE_REFERENCE.get(model_cfg.name)
+    plan.published_reference = dict(zip(("tflops_per_device", "device", "precision", "source"), ref)) if ref else None
 
 
 def _planner_parser() -> argparse.ArgumentParser:

@@ -146,7 +146,7 @@ def selected(attention_impl: str | None, block_kernels=None, *, interpret: bool 
 
 
 def selected_by(model) -> list[Kernel]:
-    """:func:`selected` for a built (or abstract) :class:`~mlir_train.model.Qwen3`: its
+    """:func:`selected` for a built (or abstract) :class:`~mlir_train.model.CausalLM`: its
     attention implementation and the block kernels of its first dropless grouped MoE block."""
     from mlir_train.model.moe.block import MoE
 

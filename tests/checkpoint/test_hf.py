@@ -17,6 +17,7 @@ from flax import nnx
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from mlir_train.model import ModelOptions
 from mlir_train.model import losses
 from mlir_train.checkpoint.hf import CheckpointError, load_pretrained, save_pretrained
 from sharding.rules import DATA_PARALLEL
@@ -239,8 +240,6 @@ def test_expert_bias_starts_at_zero_and_is_not_exported(hf_moe, tmp_path, capsys
     from mlir_train.config.policies import RouterConfig
 
     hf, path = hf_moe
-    from mlir_train.model import ModelOptions
-
     model = load_pretrained(path, dtype=jnp.float32, options=ModelOptions(
         router=RouterConfig(score_function="sigmoid", enable_expert_bias=True)))
     stack = model.layers[1]  # layer 0 is dense

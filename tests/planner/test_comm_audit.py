@@ -8,7 +8,7 @@ import types
 import pytest
 
 from mlir_train.families import get_model_config
-from mlir_train.planner import comm, hlo, roofline
+from mlir_train.planner import comm, hlo, hlo_text, roofline
 from mlir_train.planner.targets import DEVICE_KINDS
 
 TINY = get_model_config("qwen3-moe-tiny")
@@ -240,12 +240,12 @@ ENTRY %main (x: bf16[16,8], o: s64[2]) -> bf16[64,8] {
 
 
 def test_replica_group_forms():
-    assert hlo.replica_groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1), x") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert hlo.replica_groups("replica_groups=mesh['a'=2,'b'=1,'c'=4] {'a'}, x") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert hlo.replica_groups("replica_groups=mesh['a'=2,'b'=2,'c'=2], device_ids=([2,2,2]T(0,2,1)) {'a'}, x") \
+    assert hlo_text.replica_groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1), x") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert hlo_text.replica_groups("replica_groups=mesh['a'=2,'b'=1,'c'=4] {'a'}, x") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert hlo_text.replica_groups("replica_groups=mesh['a'=2,'b'=2,'c'=2], device_ids=([2,2,2]T(0,2,1)) {'a'}, x") \
         == [[0, 4], [2, 6], [1, 5], [3, 7]]
-    assert hlo.replica_groups("replica_groups={{0,1,2,3}}, x") == [[0, 1, 2, 3]]
-    assert hlo.replica_groups("channel_id=1, x") is None
+    assert hlo_text.replica_groups("replica_groups={{0,1,2,3}}, x") == [[0, 1, 2, 3]]
+    assert hlo_text.replica_groups("channel_id=1, x") is None
 
 
 def test_roofline_arithmetic_and_constants():
@@ -327,7 +327,7 @@ def test_seed_lm_head_gradient_is_all_reduced_once_not_per_tick(tmp_path):
     import re
     comps, _ = _quick_audit_module("seed", tmp_path)
     in_loops, frontier = set(), [b for instrs in comps.values() for i in instrs if i.opcode == "while"
-                                 for b in hlo._called(i.attrs, "body")]
+                                 for b in hlo_text.computations(i.attrs, "body")]
     while frontier:  # every computation a loop body runs, through calls, fusions and branches
         c = frontier.pop()
         if c in in_loops or c not in comps:
@@ -335,7 +335,7 @@ def test_seed_lm_head_gradient_is_all_reduced_once_not_per_tick(tmp_path):
         in_loops.add(c)
         for i in comps[c]:
             for key in ("body", "calls", "to_apply", "branch_computations", "condition"):
-                frontier += hlo._called(i.attrs, key)
+                frontier += hlo_text.computations(i.attrs, key)
     head_elems = 256 * 4096 // 2  # --quick: hidden 256, vocab 4096, over TP2
     found = {}  # float32 all-reduces at least the head's gradient in size (XLA combines them, flattened)
     for name, instrs in comps.items():
@@ -360,4 +360,4 @@ def _quick_audit_module(layout: str, tmp_path):
                           "--hlo-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0, out.stdout + out.stderr
     (path,) = tmp_path.glob("*.hlo.txt")
-    return hlo.parse_module(path.read_text())
+    return hlo_text.parse_module(path.read_text())

@@ -165,8 +165,7 @@ def _expected_overflow(block, cfg, impl):
     """Rows past the exchange buffer when every token picks experts 0 and 1 (a zero router),
     from the buffer sizes the dispatchers document (per rank and expert on the padded path, per
     receiving rank on the ragged ones)."""
-    from mlir_train.model.moe import dispatch
-
+    from mlir_train.model.moe import exchange
     from mlir_train.model.moe.parallel import width_token_axes
 
     mesh, rules = sharding.make_mesh(cfg), sharding.rules_for(cfg)
@@ -182,7 +181,7 @@ def _expected_overflow(block, cfg, impl):
     # same on each of them: counted once), then each EP group of them exchanges.
     s *= w
     align = plan.block_kernels.block_rows if impl == "grouped" else 8
-    rows, _ = dispatch.exchange_capacity(plan, s, k, ep, align)
+    rows, _ = exchange.exchange_capacity(plan, s, k, ep, align)
     el = e // ep
     owners = [min(2, el)] + ([1] if el == 1 else [])  # rows of experts 0 and 1 per receiving rank
     return (token_ranks // (ep * w)) * sum(max(0, ep * s * n - rows) for n in owners)

@@ -26,9 +26,9 @@ import jax
 import numpy as np
 import pytest
 
+from mlir_train.model import ModelOptions
 from mlir_train.families import get_model_config
 from mlir_train.config.policies import LoRAPolicy
-from mlir_train.model import ModelOptions
 from sharding.layout import Layout
 from tests.helpers import MODELS, assert_step_matches, named_leaves, train_one_step
 

@@ -129,7 +129,7 @@ def test_expert_bias_moves_against_the_load_and_is_checkpointed(tmp_path):
     assert not np.any(np.asarray(mu))
     # Saved with the weights, restored as it was.
     mgr = checkpoint.CheckpointManager(str(tmp_path / "ck"), max_to_keep=1)
-    assert mgr.save(1, state, {"model": checkpoint.dataclasses.asdict(trainer.model_cfg)}, force=True)
+    assert mgr.save(1, state, {"model": trainer.model_cfg.as_dict()}, force=True)
     mgr.close()
     restored = checkpoint.CheckpointManager(str(tmp_path / "ck"), read_only=True).restore(
         {"params": trainer.abstract_state()["params"]})

@@ -1,5 +1,7 @@
 """Token dispatch of the MoE block on one rank: sort the routed assignments by expert, lay them
-out for an expert kernel (:mod:`mlir_train.model.moe.experts`), run it, combine the outputs.
+out for an expert kernel (:mod:`mlir_train.model.moe.experts`), run it, combine the outputs;
+and the rounds through one bounded buffer (:func:`in_rounds`) that the padded dispatcher and the
+expert-parallel exchange (:mod:`mlir_train.model.moe.exchange`) share.
 
 Shape suffixes as in :mod:`mlir_train.model.moe.block`. Every function takes the block's
 :class:`ExpertsPlan`, fixed when the block is built; the parallel wrappers
@@ -9,17 +11,15 @@ Shape suffixes as in :mod:`mlir_train.model.moe.block`. Every function takes the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from mlir_train.model.moe.experts import (
-    BlockKernels, blocked_experts, grouped_experts, ragged_experts, swiglu_down, swiglu_experts,
+    BlockKernels, blocked_experts, grouped_experts, ragged_experts, swiglu_experts,
 )
 from sharding import constrain, varying_axes
 
@@ -85,6 +85,23 @@ def ragged_collective_for(platform: str) -> Callable | None:
     """``jax.lax.ragged_all_to_all`` where the platform implements it (GPU, TPU), else None:
     XLA:CPU has no ragged all-to-all, so there the padded dispatcher runs instead."""
     return jax.lax.ragged_all_to_all if platform in ("gpu", "cuda", "rocm", "tpu") else None
+
+
+def ragged_all_to_all_dense(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all``'s documented semantics from a dense ``all_to_all``.
+
+    Every slice is padded to the operand's full length, so this moves N times the operand:
+    a reference for tests of the ragged dispatcher's bookkeeping on CPU, not a fast path.
+    """
+    n, length = input_offsets.shape[0], operand.shape[0]
+    j_L = jnp.arange(length)
+    rows_NL = input_offsets[:, None] + j_L
+    send = operand.at[rows_NL].get(mode="fill", fill_value=0)
+    send = jnp.where((j_L < send_sizes[:, None]).reshape((n, length) + (1,) * (operand.ndim - 1)), send, 0)
+    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
+    offsets_N = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    dest_NL = jnp.where(j_L < recv_sizes[:, None], offsets_N[:, None] + j_L, output.shape[0])
+    return output.at[dest_NL].set(recv, mode="drop")
 
 
 def sort_assignments(plan: ExpertsPlan, weights_SK, experts_SK):
@@ -247,7 +264,7 @@ def dispatch_padded(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, ex
         y_AD = one_round(capacity)(0, (x_SD, *weights), ints)
         return combine(y_AD, keep_A), jnp.stack([dropped, jnp.zeros((), jnp.float32)])
     # Dropless: an expert receives at most one assignment per token, so C = S never overflows.
-    capacity = min(s, _round_up(max(1, math.ceil(plan.ep_buffer_factor * s * k / e)), 8))
+    capacity = min(s, round_up(max(1, math.ceil(plan.ep_buffer_factor * s * k / e)), 8))
     n_rounds = -(-global_max(jnp.max(group_sizes_E).astype(jnp.int32)) // capacity)
     y_AD = in_rounds(one_round(capacity), (x_SD, *weights), ints, n_rounds, -(-s // capacity))
     overflow = jnp.sum(slot_A >= capacity).astype(jnp.float32)
@@ -325,205 +342,6 @@ def _rounds_bwd(round_fn, max_rounds, res, ct):
 _rounds.defvjp(_rounds_fwd, _rounds_bwd)
 
 
-def exchange_capacity(plan: ExpertsPlan, s: int, k: int, ep: int, align: int) -> tuple[int, int]:
-    """(rows per round, most rounds) of a rank's receive buffer under the dropless ragged
-    dispatchers: ``ep_buffer_factor`` x the S*K rows a balanced routing sends it (rounded up to
-    ``align``), never more than the worst routing's EP * S * min(K, L) rows (every token of
-    every source to this rank's experts), which then takes ``most rounds``."""
-    worst = ep * s * min(k, plan.num_experts // ep)
-    rows = min(_round_up(worst, align), _round_up(max(1, math.ceil(plan.ep_buffer_factor * s * k)), align))
-    return rows, -(-worst // rows)
-
-
-class _Exchange(NamedTuple):
-    """The bookkeeping of one rank's ragged exchange, from the exchanged counts. Slices are
-    (destination or source rank, local expert), flattened rank-major. A rank's receive *stream*
-    is every row sent to it, ordered by local expert, then by source; round r moves the rows at
-    stream positions [r*M, (r+1)*M)."""
-    send_sizes_E: jax.Array    # rows this rank sends per (destination, local expert)
-    send_offsets_E: jax.Array  # where they start in its sorted rows
-    send_pos_E: jax.Array      # where they start in the destination's stream
-    recv_sizes_E: jax.Array    # rows it receives per (source, local expert)
-    recv_pos_E: jax.Array      # where they start in its own stream
-
-
-def _exchange(expert_A, e: int, ep: int, ep_axes) -> tuple[_Exchange, jax.Array]:
-    """Megatron's alltoall dispatcher also exchanges the counts first. Also the rank's total
-    received rows."""
-    el = e // ep
-
-    def a2a(v):
-        return jax.lax.all_to_all(v, ep_axes, 0, 0, tiled=True)
-
-    send_sizes_E = jnp.bincount(expert_A, length=e).astype(jnp.int32)
-    send_offsets_E = jnp.cumsum(send_sizes_E) - send_sizes_E
-    recv_sizes_E = a2a(send_sizes_E)
-    by_expert = recv_sizes_E.reshape(ep, el).T.reshape(-1)
-    recv_pos_E = (jnp.cumsum(by_expert) - by_expert).reshape(el, ep).T.reshape(-1)
-    ex = _Exchange(send_sizes_E, send_offsets_E, a2a(recv_pos_E), recv_sizes_E, recv_pos_E)
-    return ex, jnp.sum(recv_sizes_E)
-
-
-def _window(pos, size, r, rows: int):
-    """(skipped, taken) rows of slices starting at stream position ``pos`` with ``size`` rows
-    in round ``r``'s window [r*rows, (r+1)*rows)."""
-    lo = jnp.clip(r * rows - pos, 0, size)
-    return lo, jnp.clip((r + 1) * rows - pos, 0, size) - lo
-
-
-def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, align, recv_layout, experts):
-    """The dropless ragged exchange in rounds (:func:`in_rounds`) through a receive buffer of
-    :func:`exchange_capacity` rows: ``recv_layout(r_sizes_RL) -> (buffer rows, out offsets
-    [src, local expert], extra)`` places a round's slices in it, ``experts(buf, extra, weights)``
-    runs the local experts there. ``(y_SD, [0, overflow rows])``."""
-    s, k = experts_SK.shape
-    e = plan.num_experts
-    el = e // ep
-    ragged_a2a = plan.ragged_all_to_all
-    token_A, expert_A, weight_A = sort_assignments(plan, weights_SK, experts_SK)
-    rows, max_rounds = exchange_capacity(plan, s, k, ep, align)
-    ex, received = _exchange(expert_A, e, ep, ep_axes)
-
-    def one_round(r, args, ex):
-        x_AD, *weights = args
-
-        def a2a(v):
-            return jax.lax.all_to_all(v, ep_axes, 0, 0, tiled=True)
-
-        skip_E, send_E = _window(ex.send_pos_E, ex.send_sizes_E, r, rows)
-        _, recv_E = _window(ex.recv_pos_E, ex.recv_sizes_E, r, rows)
-        buf_rows, recv_offsets_E, extra = recv_layout(recv_E.reshape(ep, el))
-        send_offsets_E = ex.send_offsets_E + skip_E
-        recv_MD = ragged_into_zeros(ragged_a2a, x_AD, buf_rows, send_offsets_E, send_E, a2a(recv_offsets_E), recv_E,
-                                    ep_axes)
-        out_MD = experts(recv_MD, extra, weights)
-        return ragged_into_zeros(ragged_a2a, out_MD, x_AD.shape[0], recv_offsets_E, recv_E, a2a(send_offsets_E), send_E,
-                                 ep_axes)
-
-    n_rounds = -(-agree(received) // rows)
-    y_AD = in_rounds(one_round, (x_SD[token_A], *weights), ex, n_rounds, max_rounds)
-    overflow = jnp.maximum(received - rows, 0).astype(jnp.float32)
-    y_SD = jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
-    return y_SD, jnp.stack([jnp.zeros((), jnp.float32), overflow])
-
-
-def ep_ragged(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree=lambda n: n):
-    """Dropless dispatch with ``ragged_all_to_all``: one slice per (destination, expert).
-
-    Slices arrive grouped by local expert, then by source rank, so ``ragged_dot`` runs on
-    the receive buffer as it is; the return trip swaps the offsets. The buffer holds
-    :func:`exchange_capacity` rows; a round moves that window of the rank's receive stream
-    (:func:`in_rounds`). ``agree``: the max over every rank of the exchange."""
-    el = plan.num_experts // ep
-    rows = exchange_capacity(plan, *experts_SK.shape, ep, 8)[0]
-
-    def layout(recv_RL):
-        by_expert = recv_RL.T.reshape(-1)
-        offsets = (jnp.cumsum(by_expert) - by_expert).reshape(el, ep).T.reshape(-1)
-        return rows, offsets, jnp.sum(recv_RL, axis=0)
-
-    def experts(recv_MD, group_sizes_L, weights):
-        wg, wu, wd = weights
-        g_MF = jax.lax.ragged_dot(recv_MD, wg, group_sizes_L)
-        return swiglu_down(g_MF, jax.lax.ragged_dot(recv_MD, wu, group_sizes_L),
-                           lambda h_MF: jax.lax.ragged_dot(h_MF, wd, group_sizes_L), plan.recompute_act)
-
-    return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 8, layout, experts)
-
-
-def ep_grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree=lambda n: n):
-    """Dropless expert-parallel dispatch onto the block kernels: as :func:`ep_ragged`, one
-    ``ragged_all_to_all`` slice per (destination, local expert), but each local expert's rows
-    land from a block boundary of the receive buffer, so the buffer is in the block layout as
-    it arrives and the kernels work on its used blocks only. The buffer holds
-    :func:`exchange_capacity` rows plus a block per local expert (each expert's round-up);
-    rows beyond go in further rounds (:func:`in_rounds`). Only real rows move and only used
-    blocks are computed."""
-    el, b = plan.num_experts // ep, plan.block_kernels.block_rows
-    rows = exchange_capacity(plan, *experts_SK.shape, ep, b)[0]
-    n_blocks = rows // b + el
-
-    def layout(recv_RL):
-        grouping = block_grouping(jnp.sum(recv_RL, axis=0), b, n_blocks)
-        offsets = (grouping[2][None, :] * b + jnp.cumsum(recv_RL, axis=0) - recv_RL).reshape(-1).astype(jnp.int32)
-        return n_blocks * b, offsets, grouping
-
-    def experts(recv_MD, grouping, weights):
-        ones_M = jnp.ones_like(recv_MD[:, 0])  # the routing weights are applied at home
-        return grouped_experts(plan.block_kernels, recv_MD, ones_M, *weights, *grouping)
-
-    return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, b, layout, experts)
-
-
-def ragged_into_zeros(ragged_a2a, operand, rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
-    """``ragged_a2a(operand, zeros((rows, ...)), offsets and sizes...)``: the slices land in a
-    fresh zero buffer of ``rows`` rows, typed varying over the manual axes the operand varies
-    over. ``jax.lax.ragged_all_to_all`` (jax 0.10.2) gives its result the output buffer's type:
-    with plain zeros the rows a rank received were typed the same on every rank, and the block
-    kernels' custom VJP (``experts._common_vma``) then all-reduced their input gradient over
-    every manual axis, the whole receive buffer per call (about 420 GiB per step on the seed
-    layout, benchmarks/README.md's communication audit), summing unrelated ranks' rows. The VJP
-    transposes the operand only (JAX's rule also instantiates a tangent for the zeros)."""
-    shapes = (rows, operand.shape, jnp.dtype(operand.dtype).name, tuple(sorted(varying_axes(operand))))
-    return _into_zeros(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _into_zeros(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes):
-    rows, shape, dtype, vma = shapes
-    # The result takes the output buffer's type (jax 0.10.2's rule): mark the fresh zeros varying
-    # as the rows that land in them are, or the region would treat what each rank receives as
-    # the same on every rank (and the experts' custom VJP would sum its gradient over the ranks).
-    output = jnp.zeros((rows,) + tuple(shape[1:]), dtype)
-    if vma:
-        output = jax.lax.pcast(output, vma, to="varying")
-    return ragged_a2a(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
-
-
-def _into_zeros_fwd(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes):
-    out = _into_zeros(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes)
-    return out, (input_offsets, send_sizes, output_offsets, recv_sizes)
-
-
-def _into_zeros_bwd(ragged_a2a, shapes, axis_name, res, ct):
-    # The slices go back: what arrived at (output offset, recv size) returns to (input offset,
-    # send size); each rank's offsets into the other's buffer come by all-to-all (JAX's rule).
-    input_offsets, send_sizes, output_offsets, recv_sizes = res
-    _, shape, dtype, vma = shapes
-
-    def a2a(v):
-        return jax.lax.all_to_all(v, axis_name, 0, 0, tiled=True)
-
-    zero = jnp.zeros(shape, dtype)
-    operand_ct = ragged_a2a(ct, zero, a2a(output_offsets), recv_sizes, a2a(input_offsets), send_sizes,
-                            axis_name=axis_name)
-    # The operand's cotangent has the operand's type: varying over the manual axes it varies over.
-    missing = tuple(a for a in vma if a not in varying_axes(operand_ct))
-    if missing:
-        operand_ct = jax.lax.pcast(operand_ct, missing, to="varying")
-    return operand_ct, None, None, None, None
-
-
-_into_zeros.defvjp(_into_zeros_fwd, _into_zeros_bwd)
-
-
-def ragged_all_to_all_dense(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
-    """``jax.lax.ragged_all_to_all``'s documented semantics from a dense ``all_to_all``.
-
-    Every slice is padded to the operand's full length, so this moves N times the operand:
-    a reference for tests of the ragged dispatcher's bookkeeping on CPU, not a fast path.
-    """
-    n, length = input_offsets.shape[0], operand.shape[0]
-    j_L = jnp.arange(length)
-    rows_NL = input_offsets[:, None] + j_L
-    send = operand.at[rows_NL].get(mode="fill", fill_value=0)
-    send = jnp.where((j_L < send_sizes[:, None]).reshape((n, length) + (1,) * (operand.ndim - 1)), send, 0)
-    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
-    offsets_N = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    dest_NL = jnp.where(j_L < recv_sizes[:, None], offsets_N[:, None] + j_L, output.shape[0])
-    return output.at[dest_NL].set(recv, mode="drop")
-
-
 def block_layout(assignments: int, experts: int) -> tuple[int, int]:
     """(rows per block, static block count) of the dropless blocked layout: each expert's
     rows fill whole blocks and waste less than one, so ceil(A/b) + E blocks hold any routing."""
@@ -542,5 +360,5 @@ def block_rows(assignments: int, experts: int) -> int:
     return b
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m

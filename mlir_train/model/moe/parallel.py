@@ -1,5 +1,6 @@
 """Parallel wrappers of the MoE experts: the manual regions that run the dispatch of
-:mod:`mlir_train.model.moe.dispatch` per rank, under data and expert parallelism.
+:mod:`mlir_train.model.moe.dispatch` (and the exchange of :mod:`mlir_train.model.moe.exchange`) per
+rank, under data and expert parallelism.
 
 Data parallelism without expert ranks
 -------------------------------------
@@ -87,6 +88,7 @@ import jax
 import jax.numpy as jnp
 
 from mlir_train.model.moe import dispatch as moe_dispatch
+from mlir_train.model.moe import exchange
 from mlir_train.model.moe.dispatch import ExpertsPlan, constrained_swiglu
 from mlir_train.model.moe.experts import swiglu_experts
 from sharding import logical_shard_map, mesh_axes_of, varying_axes
@@ -205,14 +207,7 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
     """
     ep_axes, ep = mesh_axes_of("exp")
     manual_axes = tuple(token_axes(x_SD.shape[0]))
-    e = plan.num_experts
-    if e % ep:
-        raise ValueError(f"{e} experts cannot be split over {ep} expert-parallel ranks")
-    if not set(ep_axes) <= set(manual_axes):
-        raise ValueError(
-            f"expert parallelism needs the tokens split over the expert ranks too (the rules map "
-            f"'exp' to {ep_axes} but 'act_tokens' to {manual_axes}): EP is carved out of DP"
-        )
+    _check_expert_split(plan.num_experts, ep, ep_axes, manual_axes)
     dispatcher = plan.dropless_dispatch if plan.ragged_all_to_all is not None else None
     tp_axes = _kernel_tp_axes(plan) if dispatcher == "grouped" else ()
     w_axes = width_token_axes()
@@ -223,7 +218,7 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
         if dispatcher == "ragged":
             # Dropless: the expert-tensor ranks holding other tokens gather them first, and
             # each dispatches them all to the ranks of its own F shard.
-            experts = _gather_rows(lambda x_SD, w_SK, e_SK: moe_dispatch.ep_ragged(
+            experts = _gather_rows(lambda x_SD, w_SK, e_SK: exchange.ep_ragged(
                 plan, x_SD, w_SK, e_SK, (wg, wu, wd), ep_axes, ep, agree), w_axes)
             y_SD, counts = experts(x_SD, weights_SK, experts_SK)
             return y_SD, _count_over(counts, manual_axes, w_axes)
@@ -231,28 +226,12 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
             # The kernels' custom VJP needs a weight and its gradient (summed over the token
             # ranks by the region's transpose) to have one type.
             weights = _varying((wg, wu, wd), manual_axes)
-            experts = _gather_rows(lambda x_SD, w_SK, e_SK: moe_dispatch.ep_grouped(
+            experts = _gather_rows(lambda x_SD, w_SK, e_SK: exchange.ep_grouped(
                 plan, x_SD, w_SK, e_SK, weights, ep_axes, ep, agree), w_axes)
             y_SD, counts = _tensor_manual(plan, tp_axes, experts)(x_SD, weights_SK, experts_SK)
             return y_SD, _count_over(counts, manual_axes + tp_axes, w_axes + tp_axes)
-
-        def experts_fn(buf_ECD, wg, wu, wd):
-            _, c, d = buf_ECD.shape
-            el = e // ep
-            # Tiled all-to-all: block r of the expert axis (rank r's experts) goes to rank
-            # r; what arrives is indexed (source rank, local expert).
-            recv = jax.lax.all_to_all(buf_ECD, ep_axes, 0, 0, tiled=True)
-            recv_LCD = recv.reshape(ep, el, c, d).swapaxes(0, 1).reshape(el, ep * c, d)
-            # Each rank's own slots; with expert-tensor ranks that hold other tokens, the
-            # slots of all of them meet on each rank's F shard (Megatron's ETP all-gather).
-            out_LCD = _gather_rows(lambda r_LCD: swiglu_experts(r_LCD, wg, wu, wd, recompute_act=plan.recompute_act), w_axes, axis=1)(recv_LCD)
-            out = out_LCD.reshape(el, ep, c, d).swapaxes(0, 1).reshape(e, c, d)
-            return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
-
-        y_SD, dropped = moe_dispatch.dispatch_padded(
-            plan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, lambda n: jax.lax.pmax(n, manual_axes), (wg, wu, wd)
-        )
-        return y_SD, jax.lax.psum(dropped, manual_axes)
+        return _ep_padded(plan, x_SD, weights_SK, experts_SK, valid_S, (wg, wu, wd), ep_axes, ep, manual_axes,
+                          w_axes)
 
     tokens = ("act_tokens", None)
     w_in, w_out = ("exp", "embed", "moe_mlp"), ("exp", "moe_mlp", "embed")
@@ -263,6 +242,43 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
         manual=("act_tokens", "exp") + (("moe_mlp",) if tp_axes else ()),
     )
     return run(x_SD, weights_SK, experts_SK, valid_S, *weights)
+
+
+def _check_expert_split(e: int, ep: int, ep_axes, manual_axes) -> None:
+    if e % ep:
+        raise ValueError(f"{e} experts cannot be split over {ep} expert-parallel ranks")
+    if not set(ep_axes) <= set(manual_axes):
+        raise ValueError(
+            f"expert parallelism needs the tokens split over the expert ranks too (the rules map "
+            f"'exp' to {ep_axes} but 'act_tokens' to {manual_axes}): EP is carved out of DP"
+        )
+
+
+def _ep_padded(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weights, ep_axes, ep: int, manual_axes,
+               w_axes):
+    """The padded dispatcher across expert ranks, inside :func:`expert_parallel`'s region (see
+    the module docstring): the rank's ``[E, C, D]`` buffer goes out by a tiled all-to-all, the
+    local experts run on what arrives, a second all-to-all brings the outputs back.
+    ``(y_SD, dropped assignments summed over the ranks)``."""
+    e = plan.num_experts
+
+    def experts_fn(buf_ECD, wg, wu, wd):
+        _, c, d = buf_ECD.shape
+        el = e // ep
+        # Tiled all-to-all: block r of the expert axis (rank r's experts) goes to rank
+        # r; what arrives is indexed (source rank, local expert).
+        recv = jax.lax.all_to_all(buf_ECD, ep_axes, 0, 0, tiled=True)
+        recv_LCD = recv.reshape(ep, el, c, d).swapaxes(0, 1).reshape(el, ep * c, d)
+        # Each rank's own slots; with expert-tensor ranks that hold other tokens, the
+        # slots of all of them meet on each rank's F shard (Megatron's ETP all-gather).
+        out_LCD = _gather_rows(lambda r_LCD: swiglu_experts(r_LCD, wg, wu, wd, recompute_act=plan.recompute_act), w_axes, axis=1)(recv_LCD)
+        out = out_LCD.reshape(el, ep, c, d).swapaxes(0, 1).reshape(e, c, d)
+        return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
+
+    y_SD, dropped = moe_dispatch.dispatch_padded(
+        plan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, lambda n: jax.lax.pmax(n, manual_axes), weights
+    )
+    return y_SD, jax.lax.psum(dropped, manual_axes)
 
 
 def _count_over(counts, axes, same_axes):

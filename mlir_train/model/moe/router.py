@@ -137,53 +137,81 @@ def route(logits_SE: jax.Array, valid_S: jax.Array, *, top_k: int, norm_topk_pro
     statistics have a leading group axis and Sinkhorn balances each run on its own."""
     if logits_SE.shape[0] % balancing_groups:
         raise ValueError(f"{logits_SE.shape[0]} tokens do not split into {balancing_groups} balancing groups")
-    e = logits_SE.shape[-1]
-    dt = logits_SE.dtype
-    valid = valid_S.astype(dt)
+    valid = valid_S.astype(logits_SE.dtype)
     groups = (cfg.num_groups, cfg.group_topk) if cfg.group_topk else None
-    select = lambda scores: _select(scores, top_k, groups)
     if cfg.sinkhorn:
-        # Megatron's _sinkhorn_activation: sigmoid for top-1, softmax over all experts otherwise.
-        scores_SE = jax.nn.sigmoid(logits_SE) if top_k == 1 else jax.nn.softmax(logits_SE, axis=-1)
-        if cfg.training:
-            balanced_SE = jax.lax.stop_gradient(sinkhorn(logits_SE, balancing_groups))
-            _, experts_SK = select(balanced_SE)
-            weights_SK = jnp.take_along_axis(scores_SE, experts_SK, axis=-1)
-        else:
-            weights_SK, experts_SK = select(scores_SE)
-        aux_scores_SE, aux_experts_SK = scores_SE, experts_SK
+        routed = _route_sinkhorn(logits_SE, top_k, groups, cfg.training, balancing_groups)
     elif cfg.score_function == "softmax":
-        probs_SE = jax.nn.softmax(logits_SE, axis=-1)
-        renorm = cfg.renormalises(norm_topk_prob)
-        if groups and renorm:
-            # Megatron's group scores are sums of the top logits here (top-k before softmax).
-            top_logits_SK, experts_SK = select(logits_SE)
-            weights_SK = jax.nn.softmax(top_logits_SK, axis=-1)
-        else:
-            weights_SK, experts_SK = select(probs_SE)
-            if renorm:
-                weights_SK = weights_SK / jnp.sum(weights_SK, axis=-1, keepdims=True)
-        aux_scores_SE = probs_SE
-        aux_experts_SK = experts_SK if not groups else _select(probs_SE, top_k, None)[1]
+        routed = _route_softmax(logits_SE, top_k, groups, cfg.renormalises(norm_topk_prob))
     elif cfg.score_function == "sigmoid":
-        scores_SE = jax.nn.sigmoid(logits_SE)
-        if expert_bias_E is not None:
-            # The bias chooses, the scores weigh; it is state updated outside the gradient.
-            bias_E = jax.lax.stop_gradient(expert_bias_E.astype(dt))
-            _, experts_SK = select(scores_SE + bias_E)
-            weights_SK = jnp.take_along_axis(scores_SE, experts_SK, axis=-1)
-        else:
-            weights_SK, experts_SK = select(scores_SE)
-        if top_k > 1:
-            weights_SK = weights_SK / (jnp.sum(weights_SK, axis=-1, keepdims=True) + 1e-20)
-        aux_scores_SE = scores_SE / (jnp.sum(scores_SE, axis=-1, keepdims=True) + 1e-20)
-        plain = expert_bias_E is None and not groups  # top-k of s and of s / sum(s) agree
-        aux_experts_SK = experts_SK if plain else _select(aux_scores_SE, top_k, None)[1]
+        routed = _route_sigmoid(logits_SE, top_k, groups, expert_bias_E)
     else:
         raise RouterConfigError(f"--moe-router-score-function {cfg.score_function}: choose one of {SCORE_FUNCTIONS}")
+    weights_SK, experts_SK, aux_scores_SE, aux_experts_SK = routed
     if cfg.topk_scaling_factor and not cfg.sinkhorn:  # Megatron's sinkhorn path does not scale
         weights_SK = weights_SK * cfg.topk_scaling_factor
+    stats = _balancing_stats(logits_SE, valid, experts_SK, aux_scores_SE, aux_experts_SK, cfg, top_k,
+                             segment_ids_BT, balancing_groups)
+    return weights_SK, experts_SK, stats
 
+
+# Each score function returns (weights [S, K], experts [S, K], the aux losses' scores [S, E] and
+# their experts [S, K]: the unbiased, ungrouped top-k of the normalised scores, the routing's own
+# experts array where the two agree).
+
+def _route_sinkhorn(logits_SE, top_k, groups, training: bool, balancing_groups: int):
+    """Training: the top-k of the Sinkhorn-balanced ``exp(logits)``, weighted by the plain scores;
+    evaluation: the top-k of the plain scores."""
+    # Megatron's _sinkhorn_activation: sigmoid for top-1, softmax over all experts otherwise.
+    scores_SE = jax.nn.sigmoid(logits_SE) if top_k == 1 else jax.nn.softmax(logits_SE, axis=-1)
+    if training:
+        balanced_SE = jax.lax.stop_gradient(sinkhorn(logits_SE, balancing_groups))
+        _, experts_SK = _select(balanced_SE, top_k, groups)
+        weights_SK = jnp.take_along_axis(scores_SE, experts_SK, axis=-1)
+    else:
+        weights_SK, experts_SK = _select(scores_SE, top_k, groups)
+    return weights_SK, experts_SK, scores_SE, experts_SK
+
+
+def _route_softmax(logits_SE, top_k, groups, renorm: bool):
+    """Softmax over all experts, then the top-k weights, renormalised to sum to 1 or as they are."""
+    probs_SE = jax.nn.softmax(logits_SE, axis=-1)
+    if groups and renorm:
+        # Megatron's group scores are sums of the top logits here (top-k before softmax).
+        top_logits_SK, experts_SK = _select(logits_SE, top_k, groups)
+        weights_SK = jax.nn.softmax(top_logits_SK, axis=-1)
+    else:
+        weights_SK, experts_SK = _select(probs_SE, top_k, groups)
+        if renorm:
+            weights_SK = weights_SK / jnp.sum(weights_SK, axis=-1, keepdims=True)
+    aux_experts_SK = experts_SK if not groups else _select(probs_SE, top_k, None)[1]
+    return weights_SK, experts_SK, probs_SE, aux_experts_SK
+
+
+def _route_sigmoid(logits_SE, top_k, groups, expert_bias_E):
+    """Sigmoid scores; the experts the top-k of ``scores + expert_bias`` (when given), the weights
+    the chosen scores over their sum for k > 1."""
+    scores_SE = jax.nn.sigmoid(logits_SE)
+    if expert_bias_E is not None:
+        # The bias chooses, the scores weigh; it is state updated outside the gradient.
+        bias_E = jax.lax.stop_gradient(expert_bias_E.astype(logits_SE.dtype))
+        _, experts_SK = _select(scores_SE + bias_E, top_k, groups)
+        weights_SK = jnp.take_along_axis(scores_SE, experts_SK, axis=-1)
+    else:
+        weights_SK, experts_SK = _select(scores_SE, top_k, groups)
+    if top_k > 1:
+        weights_SK = weights_SK / (jnp.sum(weights_SK, axis=-1, keepdims=True) + 1e-20)
+    aux_scores_SE = scores_SE / (jnp.sum(scores_SE, axis=-1, keepdims=True) + 1e-20)
+    plain = expert_bias_E is None and not groups  # top-k of s and of s / sum(s) agree
+    aux_experts_SK = experts_SK if plain else _select(aux_scores_SE, top_k, None)[1]
+    return weights_SK, experts_SK, aux_scores_SE, aux_experts_SK
+
+
+def _balancing_stats(logits_SE, valid, experts_SK, aux_scores_SE, aux_experts_SK, cfg: RouterConfig, top_k: int,
+                     segment_ids_BT, balancing_groups: int) -> dict[str, jax.Array]:
+    """The load-balancing statistics of the module docstring, over the valid tokens, per
+    balancing group (``tokens_per_expert`` over all of them)."""
+    e = logits_SE.shape[-1]
     in_groups = lambda x: x.reshape((balancing_groups, x.shape[0] // balancing_groups) + x.shape[1:])
     aux_counts_GE = jnp.sum(in_groups(_assignments(aux_experts_SK, e, valid)), axis=1)
     counts_E = (jnp.sum(aux_counts_GE, axis=0) if aux_experts_SK is experts_SK
@@ -201,7 +229,7 @@ def route(logits_SE: jax.Array, valid_S: jax.Array, *, top_k: int, norm_topk_pro
             raise ValueError("seq_aux_loss needs the segment ids of the tokens")
         per_row = _per_sequence(aux_experts_SK, aux_scores_SE, valid, segment_ids_BT, top_k)
         stats.update({k: jnp.sum(in_groups(v), axis=1) for k, v in per_row.items()})
-    return weights_SK, experts_SK, stats
+    return stats
 
 
 def sinkhorn(logits_SE: jax.Array, groups: int = 1, tol: float = 1e-4) -> jax.Array:

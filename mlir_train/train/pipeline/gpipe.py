@@ -38,69 +38,92 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
     stacks, leaves ``[L_k, ...]``). Must run under the trainer's mesh and rules.
     """
     stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
-    p, r_chunks, program = schedule.stages, schedule.virtual, setup.program
     m = batch["input_ids"].shape[0]
 
     def body(segs_1RS, active_1RS, rest, batch, scalars):
-        stage = jax.lax.axis_index(stage_axes)
-        segs_RS = [jax.tree.map(lambda x: x[0], s) for s in segs_1RS]
-        active_RS = [a[0] for a in active_1RS]
-        model = merge(graphdef, setup, rest)
-        dtype = jax.tree.leaves(segs_RS)[0].dtype
-
-        def inject(i):  # micro-batch i enters stage 0, its context with it
-            mb = {k: jax.lax.dynamic_index_in_dim(batch[k], i, keepdims=False) for k in ("input_ids",) + TRAVELLING}
-            return {"x": model.embed_tokens(mb.pop("input_ids")).astype(dtype), **mb}
-
-        empty = jax.tree.map(jnp.zeros_like, jax.eval_shape(inject, 0))
-        # --calculate-per-token-loss: the global batch's loss tokens, which weigh the router losses
-        loss_tokens = batch[losses.ROUTER_LOSS_TOKENS][0] if losses.ROUTER_LOSS_TOKENS in batch else None
-
-        @jax.checkpoint
-        def head_loss(x_BTD, labels_BT, mask_BT, weight_BT):
-            return model.weighted_loss_sums(model.final_norm(x_BTD), labels_BT, mask_BT, weight_BT)
-
-        def tick(carry, t):
-            received, ring, acc = carry
-            if r_chunks > 1:  # park what came round the ring until stage 0's turn for it
-                ring = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, (t - p) % m, 0),
-                                    ring, received)
-                from_ring = jax.tree.map(lambda buf: jax.lax.dynamic_index_in_dim(buf, t % m, keepdims=False), ring)
-                first = jax.tree.map(lambda a, b: jnp.where(t < m, a, b), inject(jnp.minimum(t, m - 1)), from_ring)
-            else:
-                first = inject(jnp.minimum(t, m - 1))
-            cur = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), first, received)
-            w = t - stage
-            valid = (w >= 0) & (w < m * r_chunks)
-            chunk = jnp.clip(w // m, 0, r_chunks - 1)
-            states = [jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, chunk, keepdims=False), s) for s in segs_RS]
-            on = [jax.lax.dynamic_index_in_dim(a, chunk, keepdims=False) for a in active_RS]
-            context = model.layer_context(cur["segment_ids"], cur["positions"])
-            x, stats = chunk_forward(setup.stack_graphs, program, states, on, cur["x"], context, remat)
-            last = valid & (stage == p - 1) & (chunk == r_chunks - 1)
-            objective, ce_sum, count = head_loss(x, cur["labels"], cur["loss_mask"] * last.astype(cur["loss_mask"].dtype),
-                                                 cur["loss_weight"] * last.astype(cur["loss_weight"].dtype))
-            # global_aux_loss: this chunk's running counts over the micro-batches before item w.
-            counts = [c[chunk] for c in acc["counts"]] if "counts" in acc else None
-            router_objective, sums, counts = router_terms(program, stats, on, valid, balancing, top_k, m,
-                                                          counts, jnp.clip(w - chunk * m, 0, m - 1), loss_tokens)
-            acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum, loss_tokens=acc["loss_tokens"] + count,
-                       lm_objective=acc["lm_objective"] + objective,
-                       objective=acc["objective"] + objective + router_objective)
-            if sums:
-                acc["moe"] = add_sums(acc["moe"], sums, chunk)
-            if counts is not None:  # masked stats leave the counts as they were on idle ticks
-                acc["counts"] = [a.at[chunk].set(c) for a, c in zip(acc["counts"], counts)]
-            shift = [(i, (i + 1) % p) for i in range(p if r_chunks > 1 else p - 1)]
-            sent = jax.lax.ppermute(dict(cur, x=x), stage_axes, shift)
-            return (sent, ring, acc), None
-
-        acc = zero_acc(program, r_chunks, setup, balancing, ("objective", "ce_sum", "loss_tokens", "lm_objective"))
-        ring = jax.tree.map(lambda x: jnp.zeros((m,) + x.shape, x.dtype), empty) if r_chunks > 1 else None
-        (_, _, acc), _ = jax.lax.scan(tick, (empty, ring, acc), jnp.arange(m * r_chunks + p - 1))
-        return jax.tree.map(lambda x: x[None], acc)
+        return _stage_ticks(graphdef, setup, stage_axes, schedule, m, top_k, remat, balancing,
+                            segs_1RS, active_1RS, rest, batch)
 
     acc = stage_shard_map(body, segs, active, rest, batch, (), ("layers",))
     objective = jnp.sum(acc["objective"])
-    return objective * scale, aux_out(acc, program, m, setup.num_moe)
+    return objective * scale, aux_out(acc, setup.program, m, setup.num_moe)
 
+
+def _stage_ticks(graphdef, setup, stage_axes, schedule: Schedule, m: int, top_k: int, remat, balancing,
+                 segs_1RS, active_1RS, rest, batch):
+    """One stage's ``M * R + P - 1`` ticks (inside the stage-manual region): each runs item
+    ``w = t - stage`` through its chunk, the last stage's last chunk adds the LM head's loss,
+    and the output moves one stage on. Returns the stage's accumulators (leading axis 1)."""
+    p, r_chunks, program = schedule.stages, schedule.virtual, setup.program
+    stage = jax.lax.axis_index(stage_axes)
+    segs_RS = [jax.tree.map(lambda x: x[0], s) for s in segs_1RS]
+    active_RS = [a[0] for a in active_1RS]
+    model = merge(graphdef, setup, rest)
+    dtype = jax.tree.leaves(segs_RS)[0].dtype
+
+    def inject(i):  # micro-batch i enters stage 0, its context with it
+        mb = {k: jax.lax.dynamic_index_in_dim(batch[k], i, keepdims=False) for k in ("input_ids",) + TRAVELLING}
+        return {"x": model.embed_tokens(mb.pop("input_ids")).astype(dtype), **mb}
+
+    empty = jax.tree.map(jnp.zeros_like, jax.eval_shape(inject, 0))
+    # --calculate-per-token-loss: the global batch's loss tokens, which weigh the router losses
+    loss_tokens = batch[losses.ROUTER_LOSS_TOKENS][0] if losses.ROUTER_LOSS_TOKENS in batch else None
+
+    @jax.checkpoint
+    def head_loss(x_BTD, labels_BT, mask_BT, weight_BT):
+        return model.weighted_loss_sums(model.final_norm(x_BTD), labels_BT, mask_BT, weight_BT)
+
+    def tick(carry, t):
+        received, ring, acc = carry
+        ring, first = _stage0_input(inject, ring, received, t, m, p, r_chunks)
+        cur = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), first, received)
+        w = t - stage
+        valid = (w >= 0) & (w < m * r_chunks)
+        chunk = jnp.clip(w // m, 0, r_chunks - 1)
+        states = [jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, chunk, keepdims=False), s) for s in segs_RS]
+        on = [jax.lax.dynamic_index_in_dim(a, chunk, keepdims=False) for a in active_RS]
+        context = model.layer_context(cur["segment_ids"], cur["positions"])
+        x, stats = chunk_forward(setup.stack_graphs, program, states, on, cur["x"], context, remat)
+        last = valid & (stage == p - 1) & (chunk == r_chunks - 1)
+        objective, ce_sum, count = head_loss(x, cur["labels"], cur["loss_mask"] * last.astype(cur["loss_mask"].dtype),
+                                             cur["loss_weight"] * last.astype(cur["loss_weight"].dtype))
+        # global_aux_loss: this chunk's running counts over the micro-batches before item w.
+        counts = [c[chunk] for c in acc["counts"]] if "counts" in acc else None
+        router_objective, sums, counts = router_terms(program, stats, on, valid, balancing, top_k, m,
+                                                      counts, jnp.clip(w - chunk * m, 0, m - 1), loss_tokens)
+        acc = _add_tick(acc, chunk, objective, ce_sum, count, router_objective, sums, counts)
+        shift = [(i, (i + 1) % p) for i in range(p if r_chunks > 1 else p - 1)]
+        sent = jax.lax.ppermute(dict(cur, x=x), stage_axes, shift)
+        return (sent, ring, acc), None
+
+    acc = zero_acc(program, r_chunks, setup, balancing, ("objective", "ce_sum", "loss_tokens", "lm_objective"))
+    ring = jax.tree.map(lambda x: jnp.zeros((m,) + x.shape, x.dtype), empty) if r_chunks > 1 else None
+    (_, _, acc), _ = jax.lax.scan(tick, (empty, ring, acc), jnp.arange(m * r_chunks + p - 1))
+    return jax.tree.map(lambda x: x[None], acc)
+
+
+def _stage0_input(inject, ring, received, t, m: int, p: int, r_chunks: int):
+    """``(ring, first)``: what stage 0 takes at tick ``t``, micro-batch ``t`` for the first M
+    ticks; after them (circular) what came round the ring, parked in the M-slot ``ring``
+    buffer until stage 0's turn for it."""
+    if r_chunks > 1:
+        ring = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, (t - p) % m, 0),
+                            ring, received)
+        from_ring = jax.tree.map(lambda buf: jax.lax.dynamic_index_in_dim(buf, t % m, keepdims=False), ring)
+        first = jax.tree.map(lambda a, b: jnp.where(t < m, a, b), inject(jnp.minimum(t, m - 1)), from_ring)
+    else:
+        first = inject(jnp.minimum(t, m - 1))
+    return ring, first
+
+
+def _add_tick(acc, chunk, objective, ce_sum, count, router_objective, sums, counts):
+    """The accumulators after a tick: the LM head's sums, the objective with the router terms,
+    the chunk's MoE statistics and running expert counts."""
+    acc = dict(acc, ce_sum=acc["ce_sum"] + ce_sum, loss_tokens=acc["loss_tokens"] + count,
+               lm_objective=acc["lm_objective"] + objective,
+               objective=acc["objective"] + objective + router_objective)
+    if sums:
+        acc["moe"] = add_sums(acc["moe"], sums, chunk)
+    if counts is not None:  # masked stats leave the counts as they were on idle ticks
+        acc["counts"] = [a.at[chunk].set(c) for a, c in zip(acc["counts"], counts)]
+    return acc
