@@ -26,7 +26,6 @@ converting is for other tools (``from_pretrained``, serving) and for going back 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 # what each source format converts to by default
@@ -49,65 +48,10 @@ def _trainer(model_cfg):
     return build_trainer(model_cfg, layout=validate(Layout(distributed_optimizer=True), model_dims(model_cfg)))
 
 
-def _save_ours(trainer, params, dst: str, src: str) -> None:
-    from mlir_train.checkpoint import orbax
-    from mlir_train.runtime.errors import CheckpointError
-
-    mgr = orbax.CheckpointManager(dst)
-    if mgr.latest_step() is not None:
-        raise CheckpointError(f"{dst} already holds checkpoints {mgr.steps()}; give an empty directory")
-    mgr.save(0, {"params": params}, {"model": trainer.model_cfg.as_dict(), "consumed_samples": 0,
-                                     "converted_from": os.path.abspath(src)}, force=True)
-    mgr.close()
-
-
-def _save_hf(trainer, params, dst: str, dtype: str | None) -> None:
-    import jax.numpy as jnp
-
-    from mlir_train.checkpoint.hf import save_pretrained
-
-    save_pretrained(trainer.model(params), dst, dtype=None if dtype is None else jnp.dtype(dtype))
-
-
-def to_megatron(trainer, params, dst: str, layout, *, make_vocab_size_divisible_by: int = 128,
-                iteration: int | None = None, dtype: str | None = None) -> list[str]:
-    """Our parameters (any sharding) as a Megatron legacy checkpoint in ``layout``, read to
-    the host one layer (one expert) at a time."""
-    import jax
-    import numpy as np
-
-    from mlir_train.checkpoint import megatron as mc
-
-    if os.path.isdir(dst) and os.listdir(dst):
-        raise mc.MegatronCheckpointError(f"{dst} is not empty; give an empty or new directory")
-    cfg = trainer.model_cfg
-    stacks = mc.layer_stacks(cfg)  # (first layer, count, kind) per stack, as the model builds them
-
-    def leaf_of(tree, leaf: str):
-        for part in leaf.split("/"):
-            tree = tree[part]
-        return tree
-
-    def layer_array(leaf: str, l: int, e: int | None):
-        si = next(i for i, (first, n, _) in enumerate(stacks) if first <= l < first + n)
-        x = leaf_of(params["layers"][si], leaf)[l - stacks[si][0]]
-        return np.asarray(jax.device_get(x if e is None else x[e]), np.float32)
-
-    def global_array(leaf: str):
-        return np.asarray(jax.device_get(leaf_of(params, leaf)), np.float32)
-
-    torch_dtype = None
-    if dtype is not None:
-        import torch
-
-        torch_dtype = getattr(torch, dtype)
-    return mc.save_legacy(layer_array, global_array, cfg, dst, layout, iteration=iteration, dtype=torch_dtype,
-                          make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-
-
 def convert(args) -> str:
     """One conversion: SRC detected once (:func:`mlir_train.checkpoint.sources.detect`), its
-    weights read through a data-parallel trainer, written in the target format. Returns what was written."""
+    weights read through a data-parallel trainer and written by the target format's source
+    (:meth:`~mlir_train.checkpoint.sources.Source.write`). Returns what was written."""
     from mlir_train.checkpoint import sources
     from mlir_train.runtime.errors import CheckpointError
     from sharding.layout import Layout
@@ -117,20 +61,19 @@ def convert(args) -> str:
     if (src.kind, to) in SAME_FORMAT:
         raise CheckpointError(SAME_FORMAT[src.kind, to].format(src=args.src))
     trainer = _trainer(src.stored_model_config(args.vocab_size))
-    params = src.read_params(trainer)
+    state = trainer.state_from_params(src.read_params(trainer))
     if to == "megatron":
         layout = Layout(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
                         expert=args.expert_model_parallel_size,
                         expert_tensor=args.expert_tensor_parallel_size or None)  # 0 too: = TP, as before
-        files = to_megatron(trainer, params, args.dst, layout,
-                            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                            iteration=args.iteration, dtype=args.dtype)
+        files = sources.Megatron.write(args.dst, trainer, state, layout, iteration=args.iteration, dtype=args.dtype,
+                                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         return (f"a Megatron legacy checkpoint ({len(files)} mp_rank files, TP{layout.tensor} PP{layout.pipeline} "
                 f"EP{layout.expert} ETP{layout.etp})")
     if to == "hf":
-        _save_hf(trainer, params, args.dst, args.dtype)
+        sources.HFModel.write(args.dst, trainer, state, dtype=args.dtype)
         return "HF model"
-    _save_ours(trainer, trainer.state_from_params(params)["params"], args.dst, args.src)
+    sources.Ours.write(args.dst, trainer, state, converted_from=args.src)
     return "checkpoint (iteration 0, weights only)"
 
 

@@ -5,8 +5,10 @@ model directory (:class:`HFModel`), a checkpoint of ours (:class:`Ours`, wins wh
 holds one; ``DIR/<step>`` names one step), a Megatron-LM / AIAK checkpoint (:class:`Megatron`,
 legacy ``torch`` or ``torch_dist``), or nothing (:class:`Scratch`). Each Source knows its own
 model config, what resuming from it requires, and how to lay its weights (and, for ours, the
-optimizer and the data position) into a trainer's state; the entry points never ask which
-kind they hold.
+optimizer and the data position) into a run's state (a
+:class:`~mlir_train.checkpoint.target.Target`, the trainer), and how to write one in its format
+(``write``: the loop's final ``--save-hf`` / ``--save-peft``, ``convert``); the entry points
+never ask which kind they hold.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, ClassVar
 
 from mlir_train import families
 from mlir_train.checkpoint import orbax
+from mlir_train.checkpoint.target import Target
 from mlir_train.config.flags import RunConfig
 from mlir_train.config.models import ModelConfig
 from mlir_train.runtime import log
@@ -64,12 +67,12 @@ class Source:
         """The step this run resumes from when it saves into the directory it loaded from."""
         return None
 
-    def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
-        """The trainer state the run starts from (and, for ours, ``loader`` put where the run was)."""
-        return trainer.init_state(cfg.training.seed)
+    def initial_state(self, target: Target, cfg: RunConfig, loader) -> dict[str, Any]:
+        """The state the run starts from (and, for ours, ``loader`` put where the run was)."""
+        return target.init_state(cfg.training.seed)
 
-    def read_params(self, trainer) -> dict[str, Any]:
-        """The weights alone, in the trainer's master shardings (``convert``)."""
+    def read_params(self, target: Target) -> dict[str, Any]:
+        """The weights alone, in the target's master shardings (``convert``)."""
         raise CheckpointError("no checkpoint to read weights from")
 
 
@@ -88,27 +91,36 @@ class HFModel(Source):
     def stored_model_config(self, vocab_size: int | None = None) -> ModelConfig:
         return families.from_hf_dir(self.path)
 
-    def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
+    def initial_state(self, target: Target, cfg: RunConfig, loader) -> dict[str, Any]:
         log.info(f"loading HF weights from {self.path}")
-        return trainer.state_from_params(self._weights(trainer, trainer.options))
+        return target.state_from_params(self._weights(target, target.options))
 
-    def read_params(self, trainer) -> dict[str, Any]:
-        return trainer.state_from_params(self._weights(trainer))["params"]
+    def read_params(self, target: Target) -> dict[str, Any]:
+        return target.state_from_params(self._weights(target))["params"]
 
-    def _weights(self, trainer, options=None) -> dict[str, Any]:
-        """The safetensors read shard by shard straight into the trainer's mesh and rules."""
+    @staticmethod
+    def write(dst: str, target: Target, state: dict[str, Any], *, dtype: str | None = None) -> None:
+        """The plain model of ``state`` (under LoRA the adapters merged in) as an HF directory."""
+        import jax.numpy as jnp
+
+        from mlir_train.checkpoint.hf import save_pretrained
+
+        save_pretrained(target.export_model(state), dst, dtype=None if dtype is None else jnp.dtype(dtype))
+
+    def _weights(self, target: Target, options=None) -> dict[str, Any]:
+        """The safetensors read shard by shard straight into the target's mesh and rules."""
         import numpy as np
         from flax import nnx
 
         from mlir_train.checkpoint.hf import load_pretrained
 
-        model = load_pretrained(self.path, dtype=np.float32, mesh=trainer.mesh, rules=trainer.rules, options=options)
+        model = load_pretrained(self.path, dtype=np.float32, mesh=target.mesh, rules=target.rules, options=options)
         return nnx.to_pure_dict(nnx.state(model))
 
 
 @dataclasses.dataclass(frozen=True)
 class Ours(Source):
-    """A checkpoint of this trainer: ``step`` (already checked against its checksums) and its JSON."""
+    """A checkpoint of ours: ``step`` (already checked against its checksums) and its JSON."""
 
     kind: ClassVar[str] = "ours"
     step: int | None = None
@@ -140,22 +152,28 @@ class Ours(Source):
         same = not cfg.checkpoint.finetune and os.path.realpath(save_dir or "") == os.path.realpath(self.path)
         return self.step if same else None
 
-    def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
+    def initial_state(self, target: Target, cfg: RunConfig, loader) -> dict[str, Any]:
         ck = cfg.checkpoint
         what = "weights only, iteration 0 (--finetune)" if ck.finetune else "weights" if ck.no_load_optim else "full state"
         log.info(f"loading {what} from checkpoint {self.path} (iteration {self.iteration})")
         if not ck.finetune and "opt_state" not in self.saved["items"] and self.iteration:
             log.info(f"checkpoint {self.describe()} holds no optimizer state (--no-save-optim): resuming "
                      "with a fresh optimizer (zero Adam moments, the LR schedule's step count from 0)")
-        state, meta = orbax.load_state(self.path, trainer, load_optim=not ck.no_load_optim, finetune=ck.finetune,
+        state, meta = orbax.load_state(self.path, target, load_optim=not ck.no_load_optim, finetune=ck.finetune,
                                        step=self.step, verify=False)
         if not ck.finetune:
             orbax.restore_loader(loader, meta, exact=self.seed == cfg.training.seed)
         return state
 
-    def read_params(self, trainer) -> dict[str, Any]:
-        state, _ = orbax.load_state(self.path, trainer, load_optim=False, step=self.step, verify=False)
+    def read_params(self, target: Target) -> dict[str, Any]:
+        state, _ = orbax.load_state(self.path, target, load_optim=False, step=self.step, verify=False)
         return state["params"]
+
+    @staticmethod
+    def write(dst: str, target: Target, state: dict[str, Any], *, converted_from: str) -> None:
+        """``state``'s weights alone as a checkpoint at iteration 0 (``--load`` then starts from
+        them with a fresh optimizer); ``dst`` must hold no checkpoint yet."""
+        orbax.save_weights(dst, target.model_cfg, state["params"], converted_from=converted_from)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +215,7 @@ class Megatron(Source):
                      "(padded) rows. Pass --vocab-size N (e.g. 151936 for Qwen3) to strip the padding")
         return cfg
 
-    def initial_state(self, trainer, cfg: RunConfig, loader) -> dict[str, Any]:
+    def initial_state(self, target: Target, cfg: RunConfig, loader) -> dict[str, Any]:
         import jax
         import numpy as np
 
@@ -208,15 +226,25 @@ class Megatron(Source):
         for note in mc.resume_notes(self.checkpoint, finetune=ck.finetune, load_optim=not ck.no_load_optim,
                                     load_rng=not ck.no_load_rng):
             log.info(f"note: {note}")
-        state = trainer.state_from_params(self.read_params(trainer))
+        state = target.state_from_params(self.read_params(target))
         state["iteration"] = jax.device_put(np.int32(0 if ck.finetune else self.iteration),
-                                            trainer.state_shardings["iteration"])
+                                            target.state_shardings["iteration"])
         return state
 
-    def read_params(self, trainer) -> dict[str, Any]:
+    def read_params(self, target: Target) -> dict[str, Any]:
         from mlir_train.checkpoint import megatron as mc
 
-        return mc.load_params(self.checkpoint, trainer.model_cfg, trainer.param_shapes, trainer.master_shardings)
+        return mc.load_params(self.checkpoint, target.model_cfg, target.param_shapes, target.master_shardings)
+
+    @staticmethod
+    def write(dst: str, target: Target, state: dict[str, Any], layout, *, make_vocab_size_divisible_by: int = 128,
+              iteration: int | None = None, dtype: str | None = None) -> list[str]:
+        """``state``'s weights as a Megatron legacy checkpoint in ``layout`` (a
+        :class:`sharding.layout.Layout`); returns the rank files written."""
+        from mlir_train.checkpoint import megatron as mc
+
+        return mc.save_params(state["params"], target.model_cfg, dst, layout, iteration=iteration, dtype=dtype,
+                              make_vocab_size_divisible_by=make_vocab_size_divisible_by)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +257,17 @@ class PeftAdapters(Source):
 
     def describe(self) -> str:
         return f"{self.path} (PEFT adapters)"
+
+    @staticmethod
+    def write(dst: str, target: Target, state: dict[str, Any], *, base: str | None = None) -> None:
+        """A LoRA run's adapters as a PEFT directory for the HF model at ``base``."""
+        import jax
+
+        from mlir_train.checkpoint import peft
+
+        cfg = target.model_cfg
+        peft.save_adapters(dst, jax.device_get(state["params"]), policy=target.lora, table=families.family_of(cfg).params,
+                           stack_kinds=target.stack_kinds, num_experts=cfg.num_experts, base=base)
 
     def recorded_base(self) -> str | None:
         from mlir_train.checkpoint import peft
@@ -385,14 +424,17 @@ def check_lora_resume(cfg: RunConfig, source: Source) -> None:
                           f"{saved['dim']} and its other LoRA flags to continue it (its merged model comes out with "
                           "--save-hf)")
     mine = lora_record(policy, Scratch(), 0)
+    # The targets as the modules they select (the family's names): the same adapters however spelled.
+    modules = families.family_of(families.from_saved(source.meta["model"])).params.lora_modules()
+    same_targets = policy.modules(modules) == dataclasses.replace(policy, targets=tuple(saved["targets"])).modules(modules)
     for key, flag in (("dim", "--lora-dim"), ("alpha", "--lora-alpha"), ("targets", "--lora-target-modules"),
                       ("expert_adapters", "--lora-expert-adapters")):
-        if mine[key] != saved[key]:
+        if (not same_targets) if key == "targets" else mine[key] != saved[key]:
             raise ConfigError(f"{flag} {mine[key]} differs from the checkpoint {source.describe()}'s {saved[key]}")
 
 
-def lora_initial_state(trainer, base_trainer, cfg: RunConfig, loader, base: Source, adapters: Source | None):
-    """A LoRA run's state: the base's weights (read through ``base_trainer``, the same layout
+def lora_initial_state(target: Target, base_target: Target, cfg: RunConfig, loader, base: Source, adapters: Source | None):
+    """A LoRA run's state: the base's weights (read through ``base_target``, the same layout
     without adapters or optimizer state) in the compute dtype, and the adapters fresh (seed's
     A, B = 0), from a PEFT directory, or with their optimizer state and the data position
     from a LoRA checkpoint of ours."""
@@ -405,21 +447,22 @@ def lora_initial_state(trainer, base_trainer, cfg: RunConfig, loader, base: Sour
         saved = (adapters.meta or {}).get("lora") if adapters is not None else None
         base_seed = saved["base"]["seed"] if saved else seed  # the seed that drew the base the adapters trained on
         log.info(f"LoRA on a randomly initialised base (seed {base_seed})")
-        state = trainer.init_state(base_seed)
+        state = target.init_state(base_seed)
     else:
         log.info(f"LoRA base: {base.describe()}")
-        state = trainer.state_from_params(base.initial_state(base_trainer, as_base, None)["params"], seed)
+        state = target.state_from_params(base.initial_state(base_target, as_base, None)["params"], seed)
     if isinstance(adapters, PeftAdapters):
         from mlir_train.checkpoint import peft
 
         log.info(f"loading LoRA adapters from {adapters.describe()} (optimizer fresh, iteration 0)")
-        host = peft.load_adapters(adapters.path, trainer.param_shapes, trainer.stack_kinds, trainer.model_cfg.num_experts)
-        state = trainer.state_with_base(jax.tree.map(lambda x: np.asarray(x, np.float32), host), state["base"])
+        host = peft.load_adapters(adapters.path, target.param_shapes, families.family_of(target.model_cfg).params,
+                                  target.stack_kinds, target.model_cfg.num_experts)
+        state = target.state_with_base(jax.tree.map(lambda x: np.asarray(x, np.float32), host), state["base"])
     elif adapters is not None:
         ck = cfg.checkpoint
         log.info(f"loading LoRA adapters{'' if ck.finetune or ck.no_load_optim else ' and their optimizer state'} "
                  f"from checkpoint {adapters.describe()}")
-        restored, meta = orbax.load_state(adapters.path, trainer, load_optim=not ck.no_load_optim,
+        restored, meta = orbax.load_state(adapters.path, target, load_optim=not ck.no_load_optim,
                                           finetune=ck.finetune, step=adapters.step, verify=False,
                                           base=state["base"])
         state = restored

@@ -299,27 +299,34 @@ class LoadBalancing:
 
 
 # ----- LoRA: low-rank adapters on a frozen base (mlir_train.model.lora) --------------------------
-# Megatron's module names of the layers an adapter can wrap, as "<parent>.<name>" (the dense MLP's
-# and the routed experts' fc1/fc2 share their short name, as in megatron-core). The router never
-# takes an adapter: its output picks experts, and neither Megatron-Bridge nor peft adapts it.
-LORA_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
-                "mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
-LORA_DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge's default
-LORA_ALIASES = {"all-linear": LORA_DEFAULT_TARGETS}  # ms-swift's name for every linear layer, experts included
+# The layers an adapter can wrap are the model family's (its parameter table names them as
+# Megatron's "<parent>.<name>" modules, mlir_train.families); the patterns are checked against
+# them once the model is known (mlir_train.train.build.resolve).
+LORA_ALL = "all-linear"  # ms-swift's name for every linear layer (experts included, never the router)
+LORA_ALIASES = {LORA_ALL: ("*",)}
+LORA_DEFAULT_TARGETS = (LORA_ALL,)  # Megatron-Bridge's default: every linear layer
 EXPERT_ADAPTERS = ("per-expert", "shared")
+
+
+def matches(module: str, pattern: str) -> bool:
+    """A ``--lora-target-modules`` pattern (``fnmatch`` wildcards) matches a module by its full
+    name or by its short name (its last component), as Megatron-Bridge's bare names do."""
+    import fnmatch
+
+    return fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(module.rsplit(".", 1)[-1], pattern)
 
 
 @dataclasses.dataclass(frozen=True)
 class LoRAPolicy:
     """Which layers carry a rank-``dim`` adapter ``W + (alpha / dim) A B`` and how.
 
-    ``targets`` are patterns (``fnmatch`` wildcards) over :data:`LORA_MODULES`: a pattern matches
-    a module when it matches its full name or its short name, so ``linear_fc1`` adapts the dense
-    MLPs' and the experts' fc1 (as Megatron-Bridge's bare names do), ``*experts*`` only the
-    experts, ``mlp.linear_fc*`` only the dense MLPs. ``expert_adapters``: ``per-expert`` gives
-    every routed expert its own A and B (peft's ``target_parameters`` on fused experts,
-    NeMo AutoModel), ``shared`` one A and B for all experts of a layer (Megatron-Bridge's
-    shared-expert-adapter choice): ``E`` times fewer adapter weights."""
+    ``targets`` are patterns (``fnmatch`` wildcards, :func:`matches`) over the model's module
+    names (Megatron's, from its family's parameter table), ``all-linear`` every one: a pattern
+    of a short name adapts every module of that name (the dense MLPs' and the experts' fc1, as
+    Megatron-Bridge's bare names do), ``*experts*`` only the experts. ``expert_adapters``:
+    ``per-expert`` gives every routed expert its own A and B (peft's ``target_parameters`` on
+    fused experts, NeMo AutoModel), ``shared`` one A and B for all experts of a layer
+    (Megatron-Bridge's shared-expert-adapter choice): ``E`` times fewer adapter weights."""
 
     dim: int
     alpha: float = 32.0
@@ -331,24 +338,17 @@ class LoRAPolicy:
     def scaling(self) -> float:
         return self.alpha / self.dim
 
-    def modules(self) -> tuple[str, ...]:
-        """The full names of :data:`LORA_MODULES` the targets select, in that order."""
-        import fnmatch
+    def patterns(self) -> tuple[str, ...]:
+        """The targets with the aliases expanded."""
+        return tuple(p for t in self.targets for p in LORA_ALIASES.get(t, (t,)))
 
-        chosen = set()
-        for pattern in self.targets:
-            chosen |= {m for m in LORA_MODULES
-                       if fnmatch.fnmatchcase(m, pattern) or fnmatch.fnmatchcase(m.rsplit(".", 1)[1], pattern)}
-        return tuple(m for m in LORA_MODULES if m in chosen)
-
-    def adapts(self, module: str) -> bool:
-        """Whether the layer named ``module`` (one of :data:`LORA_MODULES`) takes an adapter."""
-        return module in self.modules()
+    def modules(self, available) -> tuple[str, ...]:
+        """The modules of ``available`` (a family's, in its order) the targets select."""
+        return tuple(m for m in available if any(matches(m, p) for p in self.patterns()))
 
     def check(self) -> None:
-        """The flags' own checks (each error names its flag)."""
-        import fnmatch
-
+        """The flags' own checks (each error names its flag); the patterns are checked against the
+        model's modules where the model is known."""
         if self.dim <= 0:
             raise ConfigError(f"--lora-dim {self.dim}: the adapter rank must be a positive integer")
         if self.dropout:
@@ -357,24 +357,13 @@ class LoRAPolicy:
                 "weights, whose input cannot be dropped per adapter); use --lora-dropout 0")
         if self.expert_adapters not in EXPERT_ADAPTERS:
             raise ConfigError(f"--lora-expert-adapters {self.expert_adapters!r}: choose one of {EXPERT_ADAPTERS}")
-        for pattern in self.targets:
-            if fnmatch.fnmatchcase("router", pattern) or "router" in pattern:
-                raise ConfigError(f"--lora-target-modules {pattern}: the MoE router takes no adapter (it picks the "
-                                  "experts); adapt linear_qkv, linear_proj, linear_fc1 or linear_fc2")
-            if not LoRAPolicy(self.dim, targets=(pattern,)).modules():
-                raise ConfigError(f"--lora-target-modules {pattern}: matches none of {', '.join(LORA_MODULES)} "
-                                  f"(short names {', '.join(LORA_DEFAULT_TARGETS)}; wildcards allowed; "
-                                  "'all-linear' for all four)")
 
     @classmethod
     def from_flags(cls, dim, alpha, dropout, targets, expert_adapters) -> "LoRAPolicy | None":
         """None without ``--lora-dim`` (full fine-tuning); else the checked policy."""
         if dim is None:
             return None
-        expanded: list[str] = []
-        for t in targets or LORA_DEFAULT_TARGETS:
-            expanded += LORA_ALIASES.get(t, (t,))
         policy = cls(dim=dim, alpha=float(alpha), dropout=dropout or 0.0,
-                     targets=tuple(expanded), expert_adapters=expert_adapters or "per-expert")
+                     targets=tuple(targets or LORA_DEFAULT_TARGETS), expert_adapters=expert_adapters or "per-expert")
         policy.check()
         return policy

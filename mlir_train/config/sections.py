@@ -12,8 +12,10 @@ import dataclasses
 import math
 from typing import ClassVar
 
-from mlir_train.config.fields import OneOrList, flag, switch
-from mlir_train.config.policies import LoadBalancing, LoRAPolicy, RecomputePolicy, RouterConfig
+from mlir_train.config.fields import flag, switch
+from mlir_train.config.moe_flags import MoEFlags
+from mlir_train.config.parallel_flags import ParallelFlags
+from mlir_train.config.policies import LoRAPolicy, RecomputePolicy
 from mlir_train.runtime.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
@@ -237,10 +239,10 @@ class TrainingFlags:
     lora_dropout: float = flag("--lora-dropout", default=0.0, type=float, help="only 0 is supported")
     lora_target_modules: tuple[str, ...] | None = flag(
         "--lora-target-modules", nargs="+", metavar="PATTERN",
-        help="the layers LoRA adapts, Megatron's names with wildcards: linear_qkv, linear_proj, linear_fc1, "
-             "linear_fc2 (default: all four: attention, dense MLPs and routed experts; never the router), full "
-             "names self_attention.linear_qkv, mlp.linear_fc1, mlp.experts.linear_fc1 ... ('*experts*' only the "
-             "experts), or all-linear")
+        help="the layers LoRA adapts: Megatron's module names of the model's linear layers (its family's parameter "
+             "table lists them), short (the last component: every module of that name) or full, with wildcards "
+             "('*experts*' only the routed experts); default all-linear: attention, dense MLPs and routed experts, "
+             "never the router")
     lora_expert_adapters: str = flag(
         "--lora-expert-adapters", default="per-expert", choices=["per-expert", "shared"],
         help="per-expert: every routed expert its own adapter; shared: one adapter for all experts of a layer")
@@ -286,150 +288,6 @@ class TrainingFlags:
     def remat(self) -> str:
         """The recompute granularity: "none" | "full" | "selective"."""
         return self.recompute.kind
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEFlags:
-    GROUP: ClassVar[str] = "moe"
-    moe_router_load_balancing_type: str | list = flag(
-        "--moe-router-load-balancing-type", default="aux_loss", nargs="+", action=OneOrList,
-        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
-        help="one type, or a list combined with one --moe-aux-loss-coeff each; sinkhorn (S-BASE, alone, no aux "
-             "loss) balances the top-k choice by Sinkhorn in training (default: aux_loss)")
-    moe_aux_loss_coeff: float | list = flag("--moe-aux-loss-coeff", default=0.0, type=float, nargs="+", action=OneOrList,
-                                            help="one coefficient, or one per --moe-router-load-balancing-type "
-                                                 "(default: 0.0)")
-    moe_z_loss_coeff: float | None = flag("--moe-z-loss-coeff", type=float)
-    moe_router_score_function: str = flag("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
-    moe_router_pre_softmax: bool | None = flag(
-        "--moe-router-pre-softmax", action="store_true",
-        help="softmax before the top-k, weights not renormalised (default: from --model-name's norm_topk_prob: "
-             "Qwen3-MoE renormalises, which is Megatron's default)")
-    moe_router_topk_scaling_factor: float | None = flag("--moe-router-topk-scaling-factor", type=float,
-                                                        help="multiply the top-k routing weights by this")
-    moe_router_num_groups: int | None = flag("--moe-router-num-groups", type=int,
-                                             help="expert groups for group-limited (device-limited) routing")
-    moe_router_group_topk: int | None = flag("--moe-router-group-topk", type=int,
-                                             help="groups each token may route to (with --moe-router-num-groups)")
-    moe_router_topk_limited_devices: int | None = flag(
-        "--moe-router-topk-limited-devices", type=int,
-        help="deprecated Megatron spelling of --moe-router-group-topk N with --moe-router-num-groups = "
-             "--expert-model-parallel-size")
-    moe_router_enable_expert_bias: bool = switch(
-        "--moe-router-enable-expert-bias",
-        help="aux-loss-free balancing (DeepSeek-V3): a per-expert bias, updated from each step's load, picks the "
-             "experts (needs --moe-router-score-function sigmoid)")
-    moe_router_bias_update_rate: float = flag("--moe-router-bias-update-rate", default=1e-3, type=float)
-    moe_router_dtype: str | None = flag("--moe-router-dtype", choices=["fp32", "fp64"],
-                                        help="the router's gating matmul, scores, top-k and statistics in fp32 "
-                                             "(default) or fp64 (CPU/GPU; not on TPU)")
-    moe_per_layer_logging: bool = switch(
-        "--moe-per-layer-logging", help="also log each MoE layer's aux / z losses to TensorBoard (moe/<name>_layer_<i>)")
-    moe_expert_capacity_factor: float | None = flag(
-        "--moe-expert-capacity-factor", type=float,
-        help="tokens per expert = factor * tokens * topk / experts (default: no dropping)")
-    moe_token_drop_policy: str = flag("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
-    moe_pad_expert_input_to_capacity: bool = switch(
-        "--moe-pad-expert-input-to-capacity",
-        help="needs --moe-expert-capacity-factor; our capacity buffers are always padded to capacity, so "
-             "it changes nothing else (as in Megatron, where it only pads)")
-
-    def load_balancing(self):
-        """The router losses and their coefficients (``mlir_train.config.policies.LoadBalancing``)."""
-        return LoadBalancing.from_flags(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff,
-                                        self.moe_z_loss_coeff)
-
-    def router(self, model_cfg, expert_parallel: int):
-        """The router's settings (``mlir_train.config.policies.RouterConfig``), checked as Megatron
-        checks them, or None for a dense model (its errors are ConfigErrors naming the flag)."""
-        if not model_cfg.is_moe:
-            return None
-        num_groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
-        if self.moe_router_topk_limited_devices:
-            if group_topk:
-                raise ConfigError("--moe-router-topk-limited-devices is the deprecated spelling of "
-                                  "--moe-router-group-topk with --moe-router-num-groups: give only the new flags")
-            # Megatron's translation: device-limited routing over the expert-parallel ranks.
-            num_groups, group_topk = expert_parallel, self.moe_router_topk_limited_devices
-        balancing = self.load_balancing()
-        router = RouterConfig(
-            score_function=self.moe_router_score_function, pre_softmax=self.moe_router_pre_softmax,
-            topk_scaling_factor=self.moe_router_topk_scaling_factor, num_groups=num_groups, group_topk=group_topk,
-            enable_expert_bias=self.moe_router_enable_expert_bias,
-            per_sequence_stats=balancing.per_sequence, sinkhorn=balancing.sinkhorn,
-            dtype=self.moe_router_dtype or "fp32",
-        )
-        router.check(model_cfg.num_experts, model_cfg.top_k, model_cfg.norm_topk_prob)
-        return router
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelFlags:
-    GROUP: ClassVar[str] = "model-parallel"
-    tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", default=1, type=int)
-    pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", default=1, type=int)
-    expert_model_parallel_size: int = flag("--expert-model-parallel-size", default=1, type=int)
-    expert_tensor_parallel_size: int | None = flag(
-        "--expert-tensor-parallel-size", type=int,
-        help="the routed experts' width split over its own ranks, independent of TP (Megatron's MoE parallel "
-             "folding: e.g. attention TP4, experts ETP1 x EP8 on the same 8 ranks) (default: "
-             "--tensor-model-parallel-size)")
-    context_parallel_size: int = flag(
-        "--context-parallel-size", default=1, type=int,
-        help="split each row's sequence over N ranks (Megatron's load-balanced 2N-chunk layout; K/V all-gathered "
-             "in attention); --seq-length must be divisible by 2N (and by N x TP with --sequence-parallel)")
-    sequence_parallel: bool = switch("--sequence-parallel")
-    use_distributed_optimizer: bool = switch("--use-distributed-optimizer",
-                                             help="shard optimizer state over data-parallel ranks (ZeRO-1)")
-    use_torch_fsdp2: bool = switch(
-        "--use-torch-fsdp2", help="FSDP: shard the parameters too over the data-parallel ranks, gathered for "
-                                  "compute (same as --data-parallel-sharding-strategy optim_grads_params)")
-    data_parallel_sharding_strategy: str = flag(
-        "--data-parallel-sharding-strategy", default="no_shard",
-        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
-        help="Megatron-FSDP's ZeRO stage: optim / optim_grads shard the optimizer state "
-             "(= --use-distributed-optimizer), optim_grads_params the parameters too (FSDP)")
-    use_megatron_fsdp: bool = switch(
-        "--use-megatron-fsdp", "--use-custom-fsdp",
-        help="accepted for Megatron-FSDP scripts; the sharding follows --data-parallel-sharding-strategy")
-    num_layers_per_virtual_pipeline_stage: int | None = flag("--num-layers-per-virtual-pipeline-stage", type=int)
-    num_virtual_stages_per_pipeline_rank: int | None = flag(
-        "--num-virtual-stages-per-pipeline-rank", type=int,
-        help="interleaved 1F1B with this many model chunks per stage (the other spelling of "
-             "--num-layers-per-virtual-pipeline-stage = layers / (PP x this))")
-    decoder_first_pipeline_num_layers: int | None = flag("--decoder-first-pipeline-num-layers", type=int)
-    decoder_last_pipeline_num_layers: int | None = flag("--decoder-last-pipeline-num-layers", type=int)
-    pipeline_schedule: str | None = flag(
-        "--pipeline-schedule", group="mlir-train", choices=["1f1b", "gpipe", "circular"],
-        help="with --pipeline-model-parallel-size > 1: 1f1b (default, as Megatron; interleaved with "
-             "--num-layers-per-virtual-pipeline-stage; activations of at most ~2 x stages micro-batches), "
-             "gpipe, or circular (needs --num-layers-per-virtual-pipeline-stage; both keep every "
-             "micro-batch's activations)")
-
-    def layers_per_virtual_stage(self, num_layers: int) -> int | None:
-        """Layers per virtual pipeline stage, from either of Megatron's two spellings."""
-        v, per = self.num_virtual_stages_per_pipeline_rank, self.num_layers_per_virtual_pipeline_stage
-        if v is None:
-            return per
-        if per is not None:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
-                              "are mutually exclusive (as in Megatron): give one")
-        pp = self.pipeline_model_parallel_size
-        if v < 1 or num_layers % (pp * v):
-            raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {v}: the {num_layers} layers do not split into "
-                              f"{pp} stages x {v} chunks of equal size")
-        if self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers:
-            raise ConfigError("--num-virtual-stages-per-pipeline-rank with uneven stages (--decoder-first/last-"
-                              "pipeline-num-layers) is not implemented; drop one of them")
-        return None if v == 1 else num_layers // (pp * v)
-
-    @property
-    def fsdp(self) -> bool:
-        return self.use_torch_fsdp2 or self.data_parallel_sharding_strategy == "optim_grads_params"
-
-    @property
-    def distributed_optimizer(self) -> bool:
-        return self.use_distributed_optimizer or self.data_parallel_sharding_strategy in ("optim", "optim_grads")
 
 
 @dataclasses.dataclass(frozen=True)

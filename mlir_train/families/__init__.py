@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from flax import nnx
@@ -21,6 +22,7 @@ from flax import nnx
 from mlir_train.config.models import ModelConfig
 from mlir_train.families import qwen3
 from mlir_train.families.family import Family
+from mlir_train.families.table import Table
 from mlir_train.model import transformer
 from mlir_train.model.options import ModelOptions
 from mlir_train.runtime.errors import CheckpointError, ConfigError
@@ -30,7 +32,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 )}
 
 __all__ = ["FAMILIES", "Family", "build_model", "family_of", "from_flags", "from_hf_config", "from_hf_dir",
-           "from_saved", "get_model_config", "init_model", "known_models", "model_class"]
+           "from_megatron", "from_saved", "get_model_config", "init_model", "known_models", "model_class"]
 
 
 def family_of(cfg: ModelConfig) -> Family:
@@ -61,6 +63,21 @@ def from_hf_config(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
     types = ", ".join(repr(t) for f in FAMILIES.values() for t in f.hf_model_types)
     raise CheckpointError(f"HF model_type {model_type!r} is not a model mlir-train trains (model_type {types}); "
                           "give the directory of one of those")
+
+
+def from_megatron(args: dict[str, Any], *, name: str, vocab_size: int,
+                  has_tensor: Callable[[Table, str], bool]) -> ModelConfig:
+    """Our config of a Megatron checkpoint's ``args``, by the first family whose mapping takes
+    them (``has_tensor(table, name)``: whether the checkpoint holds that global tensor, spelled as
+    the family's table spells it); raises the first family's :class:`CheckpointError` if none does."""
+    errors = []
+    for f in FAMILIES.values():
+        try:
+            return f.from_megatron(args, name=name, vocab_size=vocab_size,
+                                   has_tensor=lambda tensor, table=f.params: has_tensor(table, tensor))
+        except CheckpointError as e:
+            errors.append(e)
+    raise errors[0]
 
 
 def from_hf_dir(path: str) -> ModelConfig:

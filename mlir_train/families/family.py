@@ -8,13 +8,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mlir_train.config.models import ModelConfig
+from mlir_train.families.table import Table
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One model family: its config class, its named sizes (``--model-name``), the HF
-    ``model_type`` values its configs carry and their mapping both ways, and its causal LM
-    (built as ``model(cfg, rngs=..., options=ModelOptions(...))``)."""
+    ``model_type`` values its configs carry and their mapping both ways, its causal LM (built as
+    ``model(cfg, rngs=..., options=ModelOptions(...))``), its parameter table (every parameter's
+    HF, Megatron and LoRA names: :mod:`mlir_train.families.table`) and the mapping of Megatron's
+    arguments to its configs, both ways."""
 
     name: str
     config: type[ModelConfig]
@@ -23,3 +26,7 @@ class Family:
     from_hf: Callable[[dict[str, Any], str | None], ModelConfig]   # (config.json as a dict, name) -> config
     to_hf: Callable[[ModelConfig], dict[str, Any]]                 # config -> config.json fields
     model: Callable[..., Any]                                     # the nnx causal LM class
+    params: Table
+    # (Megatron's args as a dict, name=, vocab_size=, has_tensor=) -> config; CheckpointError if not this family's
+    from_megatron: Callable[..., ModelConfig]
+    to_megatron: Callable[[ModelConfig], dict[str, Any]]        # config -> the args Megatron builds it from

@@ -101,14 +101,14 @@ class Attention(nnx.Module):
         self.o_proj = param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), out_std, dtype)
         self.q_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", dtype)
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", dtype)
-        # LoRA (``lora``, a LoRAPolicy): Megatron's linear_qkv is our q/k/v projections, each with
-        # its own adapter as peft's q_proj/k_proj/v_proj; linear_proj is o_proj.
+        # LoRA (``lora``: the Adapters of this module): q/k/v each carry their own adapter (peft's
+        # on the HF model's separate projections; Megatron's fused projection is the three).
         qkv = lambda heads, axis: lambda: LoRA(rngs, (d,), ("embed",), (heads, h), (axis, "head_dim"), lora.dim,
                                                lora.scaling, dtype=dtype)
-        self.q_lora = maybe(lora, "self_attention.linear_qkv", qkv(n, "q_heads"))
-        self.k_lora = maybe(lora, "self_attention.linear_qkv", qkv(k, "kv_heads"))
-        self.v_lora = maybe(lora, "self_attention.linear_qkv", qkv(k, "kv_heads"))
-        self.o_lora = maybe(lora, "self_attention.linear_proj", lambda: LoRA(
+        self.q_lora = maybe(lora, "q_proj", qkv(n, "q_heads"))
+        self.k_lora = maybe(lora, "k_proj", qkv(k, "kv_heads"))
+        self.v_lora = maybe(lora, "v_proj", qkv(k, "kv_heads"))
+        self.o_lora = maybe(lora, "o_proj", lambda: LoRA(
             rngs, (n, h), ("q_heads", "head_dim"), (d,), ("embed",), lora.dim, lora.scaling, dtype=dtype))
         self.num_kv_heads = k
         self.head_dim = h
@@ -162,12 +162,12 @@ class MLP(nnx.Module):
         self.gate_proj = param(rngs, (hidden, width), ("embed", "mlp"), std, dtype)
         self.up_proj = param(rngs, (hidden, width), ("embed", "mlp"), std, dtype)
         self.down_proj = param(rngs, (width, hidden), ("mlp", "embed"), out_std, dtype)
-        # LoRA: Megatron's fused linear_fc1 is gate and up, each with its own adapter (peft's
-        # gate_proj / up_proj on the HF model); linear_fc2 is down.
+        # LoRA: gate and up each carry their own adapter (peft's on the HF model's separate
+        # projections; Megatron's fused first layer is the two).
         fc1 = lambda: LoRA(rngs, (hidden,), ("embed",), (width,), ("mlp",), lora.dim, lora.scaling, dtype=dtype)
-        self.gate_lora = maybe(lora, "mlp.linear_fc1", fc1)
-        self.up_lora = maybe(lora, "mlp.linear_fc1", fc1)
-        self.down_lora = maybe(lora, "mlp.linear_fc2", lambda: LoRA(
+        self.gate_lora = maybe(lora, "gate_proj", fc1)
+        self.up_lora = maybe(lora, "up_proj", fc1)
+        self.down_lora = maybe(lora, "down_proj", lambda: LoRA(
             rngs, (width,), ("mlp",), (hidden,), ("embed",), lora.dim, lora.scaling, dtype=dtype))
 
     def __call__(self, x_BTD: jax.Array, norm=None, recompute_norm: bool = False) -> jax.Array:

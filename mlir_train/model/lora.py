@@ -21,6 +21,7 @@ from frozen by type (:func:`trained_part`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -80,10 +81,36 @@ def trained_part(model: nnx.Module) -> dict:
     return nnx.to_pure_dict(nnx.state(model, LoRAParam))
 
 
-def maybe(policy, module: str, make) -> LoRA | None:
-    """``make()`` when ``policy`` (a :class:`~mlir_train.config.policies.LoRAPolicy` or None)
-    adapts ``module`` (one of ``policies.LORA_MODULES``), else None."""
-    return make() if policy is not None and policy.adapts(module) else None
+@dataclasses.dataclass(frozen=True)
+class Adapters:
+    """The adapters of one module: their rank, scaling and expert adapters (a
+    :class:`~mlir_train.config.policies.LoRAPolicy`'s) and which of its weights take one, by
+    their paths under the module (the family's table resolves the policy's Megatron names into
+    them: :meth:`mlir_train.families.table.Table.lora_weights`)."""
+
+    dim: int
+    scaling: float
+    expert_adapters: str
+    weights: frozenset[tuple[str, ...]]
+
+    @classmethod
+    def of(cls, policy, weights) -> "Adapters | None":
+        """``policy``'s adapters on ``weights`` (None without a policy: a plain model)."""
+        if policy is None:
+            return None
+        return cls(policy.dim, policy.scaling, policy.expert_adapters, frozenset(map(tuple, weights)))
+
+    def under(self, name: str) -> "Adapters":
+        """The adapters of the submodule ``name``."""
+        return dataclasses.replace(self, weights=frozenset(w[1:] for w in self.weights if w[:1] == (name,)))
+
+    def adapts(self, weight: str) -> bool:
+        return (weight,) in self.weights
+
+
+def maybe(adapters: Adapters | None, weight: str, make) -> LoRA | None:
+    """``make()`` when ``adapters`` adapt the module's weight ``weight``, else None."""
+    return make() if adapters is not None and adapters.adapts(weight) else None
 
 
 def adapted(x: jax.Array, y: jax.Array, adapter: LoRA | None) -> jax.Array:

@@ -12,8 +12,7 @@ import dataclasses
 import time
 from typing import Any
 
-import jax
-
+from mlir_train.checkpoint import sources
 from mlir_train.runtime import log
 from mlir_train.run.job import Job
 
@@ -80,16 +79,10 @@ def _finish(job: Job, state, iteration: int, stopped: str | None) -> RunResult:
     if not stopped and not (t.eval_interval and t.train_iters % t.eval_interval == 0):
         h.evaluate(t.train_iters, job.trainer.weights(state))
     if not stopped and ck.save_hf:
-        from mlir_train.checkpoint.hf import save_pretrained
-
-        save_pretrained(job.trainer.export_model(state), ck.save_hf)
+        sources.HFModel.write(ck.save_hf, job.trainer, state)
         log.info(f"wrote the HF model to {ck.save_hf}" + (" (base + LoRA adapters merged)" if job.trainer.lora else ""))
     if not stopped and ck.save_peft:
-        from mlir_train.checkpoint.peft import save_adapters
-
-        tr = job.trainer
-        save_adapters(ck.save_peft, jax.device_get(state["params"]), policy=tr.lora, stack_kinds=tr.stack_kinds,
-                      num_experts=tr.model_cfg.num_experts, base=job.lora_base)
+        sources.PeftAdapters.write(ck.save_peft, job.trainer, state, base=job.lora_base)
         log.info(f"wrote the LoRA adapters to {ck.save_peft} (HF PEFT format)")
     h.writer.close()
     history = h.logger.history

@@ -22,6 +22,7 @@ from mlir_train.config.flags import RunConfig
 from mlir_train.config.models import ModelConfig
 from mlir_train.config.policies import RouterConfig
 from mlir_train.config.sections import ParallelFlags, TrainingFlags
+from mlir_train.families import family_of
 from mlir_train.model import ModelOptions, kernel_options
 from mlir_train.runtime import log
 from mlir_train.runtime.platform_setup import platform_name
@@ -240,6 +241,11 @@ def _model_options(cfg: RunConfig, model_cfg: ModelConfig, parallel: Layout, sch
     policy, router (Megatron's checks, before anything compiles; balancing per micro-batch) and
     EP buffers. Refuses a kernel choice this platform or layout cannot run."""
     _check_recompute(cfg.training.recompute, model_cfg, schedule)
+    lora = cfg.training.lora
+    if lora is not None:  # the patterns against the model's own modules (its family's parameter table)
+        problem = family_of(model_cfg).params.check_lora_targets(lora.patterns())
+        if problem:
+            raise ConfigError(f"--lora-target-modules {problem}")
     m, extras = cfg.moe, cfg.extras
     router = m.router(model_cfg, parallel.expert)
     if router is not None and router.dtype == "fp64" and platform == "tpu":
@@ -255,7 +261,7 @@ def _model_options(cfg: RunConfig, model_cfg: ModelConfig, parallel: Layout, sch
     if model_cfg.is_moe and backend in ("mosaic", "tokamax") and m.moe_expert_capacity_factor is not None:
         raise ConfigError(f"--moe-gemm-backend {backend} runs the dropless block kernels; with "
                           "--moe-expert-capacity-factor use --moe-gemm-backend padded (or auto)")
-    options = ModelOptions(remat=cfg.training.recompute, lora=cfg.training.lora)
+    options = ModelOptions(remat=cfg.training.recompute, lora=lora)
     if model_cfg.is_moe:
         if not extras.moe_ep_buffer_factor > 0:
             raise ConfigError(f"--moe-ep-buffer-factor must be positive, got {extras.moe_ep_buffer_factor}")

@@ -247,6 +247,41 @@ def test_unknown_tensors_and_missing_layers_are_errors(mcore_small, tmp_path):
         jax.block_until_ready(params)
 
 
+def _redo_dist(src, dst, edit):
+    """A copy of a torch_dist checkpoint with its tensors passed through ``edit`` (dict -> dict),
+    written back as a plain torch DCP (what our reader reads of Megatron's)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    shutil.copytree(src, dst)
+    it, flat = os.path.join(dst, "iter_0000010"), os.path.join(dst, "flat.pt")
+    dcp_to_torch_save(it, flat)
+    torch.save(edit(torch.load(flat, weights_only=False)), flat)
+    for f in os.listdir(it):
+        if f.endswith(".distcp") or f == ".metadata":
+            os.remove(os.path.join(it, f))
+    torch_save_to_dcp(flat, it)
+    os.remove(flat)
+
+
+def test_torch_dist_planted_and_missing_tensors_are_named(mcore_small, tmp_path):
+    """Completeness in torch_dist: a tensor no parameter reads (a shared expert's), and a stacked
+    tensor a parameter needs that is gone, are each named."""
+    import torch
+
+    src = os.path.join(mcore_small, "torch_dist")
+    _redo_dist(src, str(tmp_path / "extra"),
+               lambda sd: sd | {"decoder.layers.mlp.shared_experts.linear_fc1.weight": torch.zeros(4, 8, 64)})
+    with pytest.raises(mc.MegatronCheckpointError, match=r"tensor decoder\.layers\.mlp\.shared_experts\.linear_fc1\.weight "
+                                                         r"\(4, 8, 64\) .*has no counterpart in the model"):
+        _load(str(tmp_path / "extra"))
+    _redo_dist(src, str(tmp_path / "gone"),
+               lambda sd: {k: v for k, v in sd.items() if k != "decoder.layers.self_attention.q_layernorm.weight"})
+    with pytest.raises(mc.MegatronCheckpointError, match=r"no tensor decoder\.layers\.self_attention\.q_layernorm\.weight"):
+        _, _, _, params = _load(str(tmp_path / "gone"))
+        jax.block_until_ready(params)
+
+
 def test_reads_megatron_pickles_without_megatron(mcore_small, tmp_path, monkeypatch):
     """Some checkpoints pickle Megatron classes (``MCoreMetadata`` into ``.metadata``, enums in
     ``args``): they unpickle as stubs, with Megatron not importable at all."""

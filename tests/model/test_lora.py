@@ -22,6 +22,7 @@ from mlir_train.checkpoint.hf import load_pretrained
 from mlir_train.checkpoint.peft import load_adapters, save_adapters, to_peft
 from mlir_train.config.policies import LoRAPolicy
 from mlir_train.families.qwen3 import Qwen3
+from mlir_train.families.qwen3.params import TABLE
 from mlir_train.model import ModelOptions, losses
 from mlir_train.model.lora import LoRAParam
 from mlir_train.runtime.errors import ConfigError
@@ -72,7 +73,7 @@ def _adapters(model) -> dict:
 
 def _peft_model(hf_model, model, policy, tmp_path):
     out = str(tmp_path / "adapter")
-    save_adapters(out, _adapters(model), policy=policy, stack_kinds=model.stack_kinds,
+    save_adapters(out, _adapters(model), policy=policy, table=TABLE, stack_kinds=model.stack_kinds,
                   num_experts=model.cfg.num_experts)
     # peft wraps the model's layers in place: give it a copy of the module-scoped fixture's.
     return peft.PeftModel.from_pretrained(copy.deepcopy(hf_model), out, is_trainable=True).eval(), out
@@ -126,9 +127,9 @@ def test_forward_and_adapter_grads_match_peft(hf_models, name, policy, tmp_path)
                 g = g.reshape(e, -1, g.shape[-1]).sum(0) if "lora_A" in k else g.reshape(g.shape[0], -1, e).sum(-1)
                 expert_sum[k] = g
         ref_grads.update(expert_sum)
-        got = to_peft(grads, ours.stack_kinds, 1)  # the shared adapter's gradient as one "expert"
+        got = to_peft(grads, TABLE, ours.stack_kinds, 1)  # the shared adapter's gradient as one "expert"
     else:
-        got = to_peft(grads, ours.stack_kinds, ours.cfg.num_experts)
+        got = to_peft(grads, TABLE, ours.stack_kinds, ours.cfg.num_experts)
     assert set(got) == set(ref_grads), sorted(set(got) ^ set(ref_grads))[:4]
     for k, g in got.items():
         ref = ref_grads[k]
@@ -141,23 +142,29 @@ def test_peft_directory_reads_back(hf_models, tmp_path):
     hf_model, path = hf_models["moe"]
     ours = _lora_model(path, policy, seed=5)
     out = str(tmp_path / "adapter")
-    save_adapters(out, _adapters(ours), policy=policy, stack_kinds=ours.stack_kinds, num_experts=ours.cfg.num_experts)
+    save_adapters(out, _adapters(ours), policy=policy, table=TABLE, stack_kinds=ours.stack_kinds,
+                  num_experts=ours.cfg.num_experts)
     like = _adapters(ours)
-    back = load_adapters(out, like, ours.stack_kinds, ours.cfg.num_experts)
+    back = load_adapters(out, like, TABLE, ours.stack_kinds, ours.cfg.num_experts)
     for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(like)[0], jax.tree.leaves(back)):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(p))
 
 
 def test_policy_patterns_and_refusals():
-    assert LoRAPolicy(4).modules() == ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                                       "mlp.linear_fc2", "mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
-    assert LoRAPolicy(4, targets=("*experts*",)).modules() == ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
-    assert LoRAPolicy(4, targets=("mlp.linear_fc?",)).modules() == ("mlp.linear_fc1", "mlp.linear_fc2")
+    """The patterns select the family's modules (its parameter table's Megatron names); a pattern
+    that selects none is refused naming the flag where the model is known (train.build.resolve)."""
+    modules = TABLE.lora_modules()
+    assert LoRAPolicy(4).modules(modules) == ("self_attention.linear_qkv", "self_attention.linear_proj",
+                                              "mlp.linear_fc1", "mlp.linear_fc2", "mlp.experts.linear_fc1",
+                                              "mlp.experts.linear_fc2")
+    assert LoRAPolicy(4, targets=("*experts*",)).modules(modules) == ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
+    assert LoRAPolicy(4, targets=("mlp.linear_fc?",)).modules(modules) == ("mlp.linear_fc1", "mlp.linear_fc2")
     assert LoRAPolicy.from_flags(8, 16, 0.0, ["all-linear"], "shared").scaling == 2.0
     assert LoRAPolicy.from_flags(None, 16, 0.0, None, "shared") is None
     for args, flag in (((0, 32, 0.0, None, "per-expert"), "--lora-dim 0"),
-                       ((4, 32, 0.1, None, "per-expert"), "--lora-dropout 0.1"),
-                       ((4, 32, 0.0, ["router"], "per-expert"), "--lora-target-modules router"),
-                       ((4, 32, 0.0, ["linear_fc3"], "per-expert"), "--lora-target-modules linear_fc3")):
+                       ((4, 32, 0.1, None, "per-expert"), "--lora-dropout 0.1")):
         with pytest.raises(ConfigError, match=flag):
             LoRAPolicy.from_flags(*args)
+    assert TABLE.check_lora_targets(["router"]).startswith("router: the MoE router takes no adapter")
+    assert TABLE.check_lora_targets(["linear_fc3"]).startswith("linear_fc3: matches none of")
+    assert TABLE.check_lora_targets(LoRAPolicy(4, targets=("linear_qkv", "*experts*", "all-linear")).patterns()) is None

@@ -14,10 +14,10 @@ from mlir_train.checkpoint.megatron.find import (
 )
 from mlir_train.checkpoint.megatron.load import layer_stacks, load_params
 from mlir_train.checkpoint.megatron.read import MegatronCheckpoint, MegatronCheckpointError
-from mlir_train.checkpoint.megatron.save import megatron_args, save_legacy
+from mlir_train.checkpoint.megatron.save import megatron_args, save_legacy, save_params
 
 __all__ = [
     "TRACKER", "MegatronCheckpoint", "MegatronCheckpointError", "find", "identify",
     "is_megatron_dir", "layer_stacks", "load_params", "looks_like_megatron", "megatron_args", "model_config",
-    "padded_vocab", "resume_notes", "save_legacy", "unpadded_vocab",
+    "padded_vocab", "resume_notes", "save_legacy", "save_params", "unpadded_vocab",
 ]

@@ -12,12 +12,14 @@ import os
 import re
 from typing import Any
 
+from mlir_train import families
 from mlir_train.checkpoint import integrity
-from mlir_train.checkpoint.megatron.load import open_source
+from mlir_train.checkpoint.megatron.source import open_source
 from mlir_train.checkpoint.megatron.read import (
     RANK_DIR, DistReader, MegatronCheckpoint, MegatronCheckpointError, listing, torch_load)
 from mlir_train.config.sections import padded_vocab_size
 from mlir_train.config.models import ModelConfig
+from mlir_train.runtime.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SUPPORTED_DIST_BACKENDS = {("torch_dist", 1)}
@@ -163,66 +165,25 @@ def identify(path: str) -> str | None:
 def model_config(ckpt: MegatronCheckpoint, *, name: str, vocab_size: int | None = None,
                  fallback: ModelConfig | None = None) -> ModelConfig:
     """Our model config from the checkpoint's ``args`` (``fallback``, e.g. the --model-name
-    config, when it has none). ``vocab_size`` is the vocabulary to strip the padding back to
-    (default: Megatron's ``--vocab-size`` if set, else the padded size)."""
+    config, when it has none), by the model family whose Megatron mapping takes them.
+    ``vocab_size`` is the vocabulary to strip the padding back to (default: Megatron's
+    ``--vocab-size`` if set, else the padded size)."""
     a = ckpt.args
     if not a:
         if fallback is None:
             raise MegatronCheckpointError(f"{ckpt.describe()} stores no 'args'; give --model-name (and overrides) so "
                                           "its shape is known")
         return fallback if vocab_size is None else fallback.replace(vocab_size=vocab_size)
-    where = ckpt.describe()
-
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise MegatronCheckpointError(f"{where}: {what}; only Qwen3 / Qwen3-MoE models are supported")
-
-    need(a.get("normalization", "RMSNorm") == "RMSNorm", f"normalization={a.get('normalization')!r}")
-    need(bool(a.get("swiglu", True)), "swiglu is off")
-    need(not a.get("add_bias_linear", False) and not a.get("add_qkv_bias", False), "linear biases are on")
-    need(a.get("position_embedding_type", "rope") == "rope", f"position_embedding_type={a.get('position_embedding_type')!r}")
-    need(float(a.get("rotary_percent", 1.0) or 1.0) == 1.0, f"rotary_percent={a.get('rotary_percent')}")
-    need(not a.get("rotary_interleaved", False), "rotary_interleaved is on")
-    need(bool(a.get("qk_layernorm", True)), "qk_layernorm is off")
-    need(not a.get("moe_shared_expert_intermediate_size"), "it has shared experts")
-    need(a.get("moe_router_score_function", "softmax") == "softmax",
-         f"moe_router_score_function={a.get('moe_router_score_function')!r}")
-    need(not a.get("mtp_num_layers"), "it has multi-token-prediction layers")
-    heads = int(a["num_attention_heads"])
-    groups = int(a["num_query_groups"]) if a.get("group_query_attention") and a.get("num_query_groups") else heads
-    hidden = int(a["hidden_size"])
-    layers = int(a["num_layers"])
-    experts = int(a.get("num_experts") or 0)
-    kinds: list[int]
-    freq = a.get("moe_layer_freq", 1)
-    if not experts:
-        kinds = [0] * layers
-    elif isinstance(freq, int):
-        kinds = [1 if i % freq == 0 else 0 for i in range(layers)]
-    else:
-        kinds = [int(x) for x in freq]
-    padded = a.get("padded_vocab_size")
-    vocab = vocab_size or a.get("vocab_size") or padded
+    vocab = vocab_size or a.get("vocab_size") or a.get("padded_vocab_size")
     if vocab is None:
-        raise MegatronCheckpointError(f"{where}: its args hold no padded_vocab_size; pass the vocabulary size")
-    return ModelConfig(
-        name=name, vocab_size=int(vocab), hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=groups, head_dim=int(a.get("kv_channels") or hidden // heads),
-        intermediate_size=int(a.get("ffn_hidden_size") or 0), num_experts=experts,
-        moe_intermediate_size=int(a.get("moe_ffn_hidden_size") or a.get("ffn_hidden_size") or 0) if experts else 0,
-        top_k=int(a.get("moe_router_topk") or 0) if experts else 0,
-        # top-k of the logits then softmax over the k (pre_softmax off) = HF's renormalised top-k
-        norm_topk_prob=bool(experts) and not a.get("moe_router_pre_softmax", False),
-        mlp_only_layers=tuple(i for i, k in enumerate(kinds) if not k) if experts else (),
-        rope_theta=float(a.get("rotary_base") or 10000),
-        rope_scaling_factor=float(a.get("rotary_seq_len_interpolation_factor") or 1.0),
-        rms_norm_eps=float(a.get("norm_epsilon") or 1e-5),
-        # Megatron's default ties them; an args namespace without the flag: look for the LM head
-        tie_word_embeddings=(not a["untie_embeddings_and_output_weights"]) if "untie_embeddings_and_output_weights" in a
-        else not open_source(ckpt).has_output_layer(),
-        max_position_embeddings=int(a.get("max_position_embeddings") or a.get("seq_length") or 4096),
-        init_std=float(a.get("init_method_std") or 0.02),
-    )
+        raise MegatronCheckpointError(f"{ckpt.describe()}: its args hold no padded_vocab_size; pass the vocabulary size")
+    try:
+        return families.from_megatron(a, name=name, vocab_size=int(vocab),
+                                      has_tensor=lambda table, tensor: open_source(ckpt, table).has(tensor))
+    except MegatronCheckpointError:
+        raise
+    except CheckpointError as e:
+        raise MegatronCheckpointError(f"{ckpt.describe()}: {e}") from None
 
 
 def padded_vocab(ckpt: MegatronCheckpoint) -> int | None:

@@ -11,42 +11,66 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mlir_train.checkpoint import integrity
+from mlir_train import families
+from mlir_train.checkpoint import complete, integrity
+from mlir_train.checkpoint.megatron import ranks
+from mlir_train.checkpoint.megatron.load import leaves
 from mlir_train.checkpoint.megatron.find import TRACKER
 from mlir_train.checkpoint.megatron.read import MegatronCheckpointError, import_torch
 from mlir_train.config.sections import padded_vocab_size
 from mlir_train.config.models import ModelConfig
+from mlir_train.families.table import VOCAB, Param, Table
+from mlir_train.model.transformer import layer_stacks
 
 if TYPE_CHECKING:
     from sharding.layout import Layout
 
 
+def save_params(params: dict, cfg: ModelConfig, dst: str, layout: Layout, *, make_vocab_size_divisible_by: int = 128,
+                iteration: int | None = None, dtype: str | None = None) -> list[str]:
+    """Our parameters (a tree like ``nnx.to_pure_dict`` of the model, any sharding) as a Megatron
+    legacy checkpoint in ``layout`` (:func:`save_legacy`), read to the host one layer (one
+    expert) at a time; ``dtype``: torch's name of the files' dtype (default float32)."""
+    import jax
+
+    if os.path.isdir(dst) and os.listdir(dst):
+        raise MegatronCheckpointError(f"{dst} is not empty; give an empty or new directory")
+    stacks = layer_stacks(cfg)  # (first layer, count, kind) per stack, as the model builds them
+    flat = dict(leaves(params))
+    for bound in families.family_of(cfg).params.bind(flat, stacks, f"{dst}: "):
+        if bound.row.megatron is None:
+            complete.drop(dst, bound.name, bound.row.state, jax.device_get(flat[bound.path]), "Megatron",
+                          MegatronCheckpointError)
+
+    def leaf_of(tree, path):
+        for part in path:
+            tree = tree[part]
+        return tree
+
+    def layer_array(path, l: int, e: int | None):
+        si = next(i for i, (first, n, _) in enumerate(stacks) if first <= l < first + n)
+        x = leaf_of(params["layers"][si], path)[l - stacks[si][0]]
+        return np.asarray(jax.device_get(x if e is None else x[e]), np.float32)
+
+    def global_array(path):
+        return np.asarray(jax.device_get(leaf_of(params, path)), np.float32)
+
+    return save_legacy(layer_array, global_array, cfg, dst, layout, iteration=iteration,
+                       dtype=None if dtype is None else getattr(import_torch(), dtype),
+                       make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+
+
 def megatron_args(cfg: ModelConfig, layout: Layout, padded: int, *,
                   make_vocab_size_divisible_by: int = 128) -> dict[str, Any]:
-    """The Megatron arguments a loader of the written checkpoint reads (names as Megatron-LM's)."""
-    kinds = cfg.moe_layers()
-    return dict(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size or None,
-        num_attention_heads=cfg.num_heads, group_query_attention=cfg.num_kv_heads != cfg.num_heads,
-        num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
-        num_experts=cfg.num_experts or None, moe_ffn_hidden_size=cfg.moe_intermediate_size or None,
-        moe_router_topk=cfg.top_k or 2, moe_router_pre_softmax=not cfg.norm_topk_prob,
-        moe_layer_freq=[int(k) for k in kinds] if cfg.is_moe and not all(kinds) else 1,
-        moe_router_score_function="softmax", moe_shared_expert_intermediate_size=None,
-        normalization="RMSNorm", norm_epsilon=cfg.rms_norm_eps, qk_layernorm=True, swiglu=True,
-        add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope", add_position_embedding=False,
-        rotary_base=int(cfg.rope_theta),
-        rotary_percent=1.0, rotary_interleaved=False,
-        rotary_seq_len_interpolation_factor=None if cfg.rope_scaling_factor == 1.0 else cfg.rope_scaling_factor,
-        max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=padded, vocab_size=cfg.vocab_size,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, init_method_std=cfg.init_std,
+    """The Megatron arguments a loader of the written checkpoint reads (names as Megatron-LM's):
+    the model's (its family's mapping), then the vocabulary padding and the layout."""
+    return families.family_of(cfg).to_megatron(cfg) | dict(
+        padded_vocab_size=padded, vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
         expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.etp,
         virtual_pipeline_model_parallel_size=None, context_parallel_size=1, ckpt_format="torch",
@@ -57,9 +81,8 @@ def megatron_args(cfg: ModelConfig, layout: Layout, padded: int, *,
 def save_legacy(layer_array, global_array, cfg: ModelConfig, dst: str, layout: Layout, *,
                 make_vocab_size_divisible_by: int = 128, iteration: int | None = None, dtype=None) -> list[str]:
     """Write ``cfg``'s weights as a Megatron legacy ``torch`` checkpoint in ``layout`` under ``dst``
-    (``release`` unless ``iteration``). ``layer_array(leaf, l, e)`` / ``global_array(leaf)`` give
-    our arrays (e.g. ``"attn/q_proj"`` ``[D, N, H]``) for one layer (expert) / global parameter on
-    the host. Files are written one at a time, each from only the layers and experts it holds,
+    (``release`` unless ``iteration``). ``layer_array(path, l, e)`` / ``global_array(path)`` give
+    our arrays (by a table row's path) for one layer (expert) / global parameter on the host. Files are written one at a time, each from only the layers and experts it holds,
     with Megatron's local-spec names (``local_experts.<j>``). Returns the files written."""
     import argparse
 
@@ -67,8 +90,8 @@ def save_legacy(layer_array, global_array, cfg: ModelConfig, dst: str, layout: L
     _check_layout(cfg, layout)
     padded = padded_vocab_size(cfg.vocab_size, make_vocab_size_divisible_by, layout.tensor)
     torch_dtype = dtype or torch.float32
-    ranks = _RankWriter(layer_array, global_array, cfg, layout, padded,
-                        lambda a: torch.from_numpy(np.array(a, dtype=np.float32)).to(torch_dtype))
+    writer = _RankWriter(layer_array, global_array, families.family_of(cfg).params, cfg, layout, padded,
+                         lambda a: torch.from_numpy(np.array(a, dtype=np.float32)).to(torch_dtype))
     sub = "release" if iteration is None else f"iter_{iteration:07d}"
     args = megatron_args(cfg, layout, padded, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     ns = argparse.Namespace(**args, iteration=iteration or 0)
@@ -76,7 +99,7 @@ def save_legacy(layer_array, global_array, cfg: ModelConfig, dst: str, layout: L
     for p in range(layout.pipeline):
         for t in range(layout.tensor):
             for e_rank in range(layout.expert):
-                sd = ranks.state_dict(p, t, e_rank)
+                sd = writer.state_dict(p, t, e_rank)
                 path = os.path.join(dst, sub, _rank_dir(layout, t, p, e_rank), "model_optim_rng.pt")
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 torch.save({"args": ns, "checkpoint_version": 3.0, "iteration": iteration or 0, "model": sd}, path)
@@ -119,85 +142,66 @@ def _rank_dir(layout: Layout, t: int, p: int, e_rank: int) -> str:
             + (f"_{e_rank:03d}" if layout.expert > 1 else ""))
 
 
-def _part(w: np.ndarray, i: int, n: int, axis: int = 0) -> np.ndarray:
-    """Rank ``i``'s part of ``w`` split ``n`` ways along ``axis``."""
-    return np.split(w, n, axis=axis)[i]
-
-
-def _qkv_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """Megatron's ``linear_qkv`` ``[(K*(G+2))*H, D]`` from our ``[D, N, H]`` / ``[D, K, H]``: per query
-    group, its G query heads, then its key head, then its value head."""
-    d, n, h = q.shape
-    g = n // cfg.num_kv_heads
-    return np.concatenate([q.transpose(1, 2, 0).reshape(cfg.num_kv_heads, g, h, d),
-                           k.transpose(1, 2, 0)[:, None], v.transpose(1, 2, 0)[:, None]], axis=1).reshape(-1, d)
-
-
 @dataclasses.dataclass(frozen=True)
 class _RankWriter:
-    """The ``model`` state dict of one legacy rank file, built from our host arrays."""
+    """The ``model`` state dict of one legacy rank file, built from our host arrays by the
+    family's parameter table: each Megatron tensor joined from the parameters it holds, the
+    rank's piece of it (:mod:`~mlir_train.checkpoint.megatron.ranks`) under its first (local
+    spec) spelling, routed experts under SequentialMLP's ``local_experts.<j>``."""
 
-    layer_array: Callable[[str, int, int | None], np.ndarray]
-    global_array: Callable[[str], np.ndarray]
+    layer_array: Callable[[tuple[str, ...], int, int | None], np.ndarray]  # (path in a layer, layer, expert)
+    global_array: Callable[[tuple[str, ...]], np.ndarray]
+    table: Table
     cfg: ModelConfig
     layout: Layout
     padded: int                                # the padded vocabulary
     to_torch: Callable[[np.ndarray], Any]      # to a torch tensor of the export dtype
 
+    def _groups(self, kind) -> list[Param]:
+        """One row per Megatron tensor of a layer of ``kind`` (None: global): its first part's."""
+        rows = [r for r in self.table.layer_rows(kind) if r.megatron is not None and r.megatron.part == 0]
+        return [r for r in rows if kind is not None or not (self.cfg.tie_word_embeddings and r.tied_to)]
+
+    def _tensor(self, row: Param, kind, l: int | None, e: int | None) -> np.ndarray:
+        mt = row.megatron
+        ours = (lambda path: self.global_array(path)) if l is None else (lambda path: self.layer_array(path, l, e))
+        w = mt.codec.join([ours(r.path) for r in self.table.parts(row, mt, kind, "megatron")])
+        if mt.split == VOCAB and self.padded > w.shape[0]:  # Megatron pads with zero rows, never used
+            w = np.concatenate([w, np.zeros((self.padded - w.shape[0], *w.shape[1:]), w.dtype)])
+        return w
+
     def state_dict(self, p: int, t: int, e_rank: int) -> dict[str, Any]:
         """Pipeline rank ``p``, tensor rank ``t``, expert rank ``e_rank``'s tensors, local names."""
-        tp, t_ = self.layout.tensor, self.to_torch
+        tp, last = self.layout.tensor, self.layout.pipeline - 1
         sd: dict[str, Any] = {}
-        if p == 0:
-            sd["embedding.word_embeddings.weight"] = t_(_part(self._pad_rows(self.global_array("embed")), t, tp))
+        for row in self._groups(None):
+            if p == (0 if row.megatron.stage == "first" else last):
+                _put(sd, row.megatron.name, row.megatron,
+                     self.to_torch(ranks.piece(self._tensor(row, None, None, None), row.megatron.split, t, tp)))
         per_stage = self.cfg.num_layers // self.layout.pipeline
+        kinds = self.cfg.layer_kinds()
         for i in range(per_stage):
-            l, pre = p * per_stage + i, f"decoder.layers.{i}."
-            sd.update(self._attention(pre, l, t))
-            sd.update(self._mlp(pre, l, t, e_rank))
-        if p == self.layout.pipeline - 1:
-            sd["decoder.final_layernorm.weight"] = t_(self.global_array("final_norm/scale"))
-            if not self.cfg.tie_word_embeddings:
-                sd["output_layer.weight"] = t_(_part(self._pad_rows(self.global_array("lm_head").T), t, tp))
-        # Megatron's linear layers keep an (empty) extra state; strict loads expect the keys.
-        sd.update({k[: -len("weight")] + "_extra_state": None for k in list(sd)
-                   if re.search(r"(linear_\w+|output_layer)\.weight$", k)})
+            l = p * per_stage + i
+            for row in self._groups(kinds[l]):
+                sd.update(self._layer(row, kinds[l], l, f"{self.table.megatron_layers}{i}.", t, e_rank))
         return sd
 
-    def _pad_rows(self, w: np.ndarray) -> np.ndarray:
-        """Megatron pads the vocabulary with zero rows (never looked up, never predicted)."""
-        padded = self.padded
-        return np.concatenate([w, np.zeros((padded - w.shape[0], w.shape[1]), w.dtype)]) if padded > w.shape[0] else w
-
-    def _attention(self, pre: str, l: int, t: int) -> dict[str, Any]:
-        a, t_, tp = self.layer_array, self.to_torch, self.layout.tensor
-        q, k, v = (a(f"attn/{w}_proj", l, None) for w in "qkv")
-        d, n, h = q.shape
-        return {
-            pre + "input_layernorm.weight": t_(a("input_norm/scale", l, None)),
-            pre + "self_attention.linear_qkv.weight": t_(_part(_qkv_rows(q, k, v, self.cfg), t, tp)),
-            pre + "self_attention.linear_proj.weight": t_(_part(a("attn/o_proj", l, None).reshape(n * h, d).T, t, tp,
-                                                                axis=1)),
-            pre + "self_attention.q_layernorm.weight": t_(a("attn/q_norm/scale", l, None)),
-            pre + "self_attention.k_layernorm.weight": t_(a("attn/k_norm/scale", l, None)),
-        }
-
-    def _mlp(self, pre: str, l: int, t: int, e_rank: int) -> dict[str, Any]:
-        a, t_, tp = self.layer_array, self.to_torch, self.layout.tensor
-        sd = {pre + "pre_mlp_layernorm.weight": t_(a("post_attn_norm/scale", l, None))}
-        if not self.cfg.layer_is_moe(l):
-            gate, up, down = (a(f"mlp/{w}", l, None) for w in ("gate_proj", "up_proj", "down_proj"))
-            # [gate_t; up_t]: the rank's part of each half
-            sd[pre + "mlp.linear_fc1.weight"] = t_(np.concatenate([_part(gate.T, t, tp), _part(up.T, t, tp)]))
-            sd[pre + "mlp.linear_fc2.weight"] = t_(_part(down.T, t, tp, axis=1))
+    def _layer(self, row: Param, kind, l: int, pre: str, t: int, e_rank: int) -> dict[str, Any]:
+        mt, sd = row.megatron, {}
+        if mt.experts is None:
+            _put(sd, pre + mt.name, mt, self.to_torch(ranks.piece(self._tensor(row, kind, l, None), mt.split, t,
+                                                                  self.layout.tensor)))
             return sd
-        sd[pre + "mlp.router.weight"] = t_(a("mlp/router", l, None).T)
         etp = self.layout.etp
         x = t % etp  # the file of dense TP rank t holds expert-tensor rank t % ETP
         local_e = self.cfg.num_experts // self.layout.expert
         for j in range(local_e):
-            gate, up, down = (a(f"mlp/{w}", l, e_rank * local_e + j) for w in ("gate_proj", "up_proj", "down_proj"))
-            sd[pre + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = t_(np.concatenate(
-                [_part(gate.T, x, etp), _part(up.T, x, etp)]))
-            sd[pre + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = t_(_part(down.T, x, etp, axis=1))
+            w = ranks.piece(self._tensor(row, kind, l, e_rank * local_e + j), mt.split, x, etp)
+            _put(sd, pre + mt.experts.sequential.format(j=j), mt, self.to_torch(w))
         return sd
+
+
+def _put(sd: dict[str, Any], name: str, mt, value) -> None:
+    sd[name] = value
+    if mt.linear:  # Megatron's linear layers keep an (empty) extra state; strict loads expect the keys
+        sd[name[: -len("weight")] + "_extra_state"] = None

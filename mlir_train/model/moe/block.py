@@ -116,13 +116,14 @@ class MoE(nnx.Module):
         self.gate_proj = param(rngs, (e, d, f), ("exp", "embed", "moe_mlp"), cfg.init_std, dtype)
         self.up_proj = param(rngs, (e, d, f), ("exp", "embed", "moe_mlp"), cfg.init_std, dtype)
         self.down_proj = param(rngs, (e, f, d), ("exp", "moe_mlp", "embed"), out_std, dtype)
-        # LoRA on the routed experts (mlir_train.model.lora): linear_fc1 is gate and up with one A
-        # (HF's fused gate_up_proj, as peft adapts it) and a B each; per-expert adapters carry the
-        # experts' "exp" axis (split with them under EP), a shared one has none.
+        # LoRA on the routed experts (mlir_train.model.lora): gate and up share one adapter, one A
+        # and a B each (peft's on HF's fused gate and up parameter), the adapter of gate_proj;
+        # per-expert adapters carry the experts' "exp" axis (split with them under EP), a shared
+        # one has none.
         experts = (e, "exp") if lora is not None and lora.expert_adapters == "per-expert" else None
-        self.fc1_lora = maybe(lora, "mlp.experts.linear_fc1", lambda: LoRA(
+        self.fc1_lora = maybe(lora, "gate_proj", lambda: LoRA(
             rngs, (d,), ("embed",), (2, f), (None, "moe_mlp"), lora.dim, lora.scaling, experts=experts, dtype=dtype))
-        self.fc2_lora = maybe(lora, "mlp.experts.linear_fc2", lambda: LoRA(
+        self.fc2_lora = maybe(lora, "down_proj", lambda: LoRA(
             rngs, (f,), ("moe_mlp",), (d,), ("embed",), lora.dim, lora.scaling, experts=experts, dtype=dtype))
         self.num_experts = e
         self.top_k = cfg.top_k

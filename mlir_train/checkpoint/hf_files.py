@@ -1,0 +1,130 @@
+"""HF directories' files: memory-mapped safetensors reads (one file or sharded with
+``model.safetensors.index.json``) and sharded writes with their index, as
+``transformers``' ``save_pretrained`` lays them out. What the tensors mean is the family's
+parameter table's business (:mod:`mlir_train.checkpoint.hf`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from mlir_train.checkpoint import complete
+from mlir_train.runtime.errors import CheckpointError
+
+
+class Files:
+    """Lazy, memory-mapped access to the tensors of an HF checkpoint directory."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+            weight_map = None
+        self.handles = {}
+        self.where: dict[str, str] = {}
+        for file in files:
+            full = os.path.join(path, file)
+            if not os.path.exists(full):
+                raise CheckpointError(f"{index}: lists {file}, which does not exist in {path}")
+            handle = safe_open(full, framework="np")
+            self.handles[file] = handle
+            for name in handle.keys():
+                self.where[name] = file
+        if weight_map is not None:
+            missing = [n for n, f in weight_map.items() if n not in self.where]
+            if missing:
+                raise CheckpointError(f"{index}: tensor {missing[0]} is listed but not found in {weight_map[missing[0]]}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def check(self, name: str, want: tuple[int, ...]) -> None:
+        """``name`` is there with shape ``want``, or an error naming it."""
+        if name not in self:
+            complete.check(self.path, missing={name: f"(expected shape {tuple(want)})"})
+        got = self.shape(name)
+        if got != tuple(want):
+            raise CheckpointError(f"{self.location(name)}: tensor {name} has shape {got}, expected {tuple(want)}")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...] | int | None = None) -> np.ndarray:
+        handle = self.handles[self.where[name]]
+        if index is None:
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[index]
+
+    def location(self, name: str) -> str:
+        return os.path.join(self.path, self.where[name])
+
+
+def to_numpy(x: jax.Array) -> np.ndarray:
+    """Gather one parameter to host (one tensor at a time, never the whole model)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+class ShardWriter:
+    def __init__(self, path: str, max_bytes: int, save_file, enabled: bool):
+        self.path, self.max_bytes, self.save_file, self.enabled = path, max_bytes, save_file, enabled
+        self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes = 0
+        self.files: list[dict[str, np.ndarray]] = []
+        self.weight_map: dict[str, int] = {}
+        self.written: list[str] = []
+        if enabled:
+            os.makedirs(path, exist_ok=True)
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        if not self.enabled:
+            return
+        if self.pending and self.pending_bytes + arr.nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = np.ascontiguousarray(arr)
+        self.pending_bytes += arr.nbytes
+
+    def _flush(self) -> None:
+        name = f"model-{len(self.written) + 1:05d}.safetensors"
+        self.save_file(self.pending, os.path.join(self.path, name), metadata={"format": "pt"})
+        for k in self.pending:
+            self.weight_map[k] = len(self.written)
+        self.written.append(name)
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.pending or not self.written:
+            self._flush()
+        if len(self.written) == 1:
+            os.replace(os.path.join(self.path, self.written[0]), os.path.join(self.path, "model.safetensors"))
+            return
+        total = len(self.written)
+        final = [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+        for old, new in zip(self.written, final):
+            os.replace(os.path.join(self.path, old), os.path.join(self.path, new))
+        index = {"metadata": {}, "weight_map": {k: final[i] for k, i in sorted(self.weight_map.items())}}
+        with open(os.path.join(self.path, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
