@@ -217,7 +217,8 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
     from safetensors.numpy import save_file
 
     cfg = model.cfg
-    table = families.family_of(cfg).params
+    family = families.family_of(cfg)
+    table = family.params
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     out_dtype = None if dtype is None else _np_dtype(dtype)
     host = lambda x: to_numpy(x) if out_dtype is None else to_numpy(x).astype(out_dtype)
@@ -232,7 +233,7 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
     complete.check(path, unwritten=["/".join(map(str, p)) for p in set(flat) - written])
     if jax.process_index() == 0:
         saved_dtype = str(out_dtype or next(iter(flat.values())).get_value().dtype)
-        hf_cfg = families.family_of(cfg).to_hf(cfg) | {"dtype": "bfloat16" if "bfloat16" in saved_dtype else saved_dtype}
+        hf_cfg = family.to_hf(cfg) | {"dtype": "bfloat16" if "bfloat16" in saved_dtype else saved_dtype}
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
     writer.close()
