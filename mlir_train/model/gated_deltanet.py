@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 L2NORM_EPS = 1e-6  # HF l2norm (= the FLA library's), fixed inside torch_*_gated_delta_rule
@@ -139,10 +140,7 @@ def causal_conv1d(x_BTE: jax.Array, w_WE: jax.Array, segment_ids_BT: jax.Array |
         y = y + jnp.where(same, xx[:, i:i + t], 0.0) * w[i]
     if activation:
         y = jax.nn.silu(y)
-    last = (run_ext[:, -(width - 1):] == run_BT[:, -1:])[expand] if width > 1 else None
-    final = xx[:, xx.shape[1] - (width - 1):]
-    if last is not None:
-        final = jnp.where(last, final, 0.0)
+    final = jnp.where((run_ext[:, t:] == run_BT[:, -1:])[expand], xx[:, t:], 0.0)  # xx's last W - 1
     return y.astype(x_BTE.dtype), final.astype(x_BTE.dtype)
 
 
@@ -211,9 +209,10 @@ def chunk_gated_delta_rule(q_BTGK: jax.Array, k_BTGK: jax.Array, v_BTHV: jax.Arr
     ``chunk_gated_delta_rule``), packing-correct. Same arguments and results as
     :func:`recurrent_gated_delta_rule`; ``T`` need not be a multiple of the chunk.
 
-    Within a chunk, with ``G_i`` the cumulative log decay from the chunk start to position ``i``,
-    ``same_ij`` "i and j in the same run" and ``carry_i`` "i's run is the one the state arrived
-    in" (for the first chunk: the row's first run, which starts from the initial state):
+    Within a chunk, with ``same_ij`` "i and j in the same run", ``G_i`` the log decay summed
+    over ``i``'s run from its first token in the chunk up to ``i``, and ``carry_i`` "i's run is
+    the one the state arrived in" (for the first chunk: the row's first run, which starts from
+    the initial state):
 
         A     = strict_lower(beta_i k_i.k_j exp(G_i - G_j) same_ij)           the UT system
         u, w  = (I + A)^-1 [beta v,  beta k exp(G) carry]                     one triangular solve
@@ -255,17 +254,16 @@ def chunk_gated_delta_rule(q_BTGK: jax.Array, k_BTGK: jax.Array, v_BTHV: jax.Arr
 
     prev_run_BN = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), run_BNC[:, :-1, -1]], axis=1)
     carry_BNC = run_BNC == prev_run_BN[:, :, None]
-    same_BNCC = run_BNC[:, :, :, None] == run_BNC[:, :, None, :]
-    lower_CC = jnp.tril(jnp.ones((c, c), bool))
+    causal_same_BNCC = (run_BNC[:, :, :, None] == run_BNC[:, :, None, :]) & jnp.tril(jnp.ones((c, c), bool))
     strict_CC = jnp.tril(jnp.ones((c, c), bool), -1)
 
     # The cumulative decay from the start of each token's run within the chunk (a masked sum, not
     # a cumsum minus an offset: that would cancel other documents' decays only up to rounding, and
     # leave them a rounding-sized gradient from this one).
-    cum_BHNC = jnp.einsum("bnij,bhnj->bhni", (same_BNCC & lower_CC).astype(jnp.float32), g_BHNC,
+    cum_BHNC = jnp.einsum("bnij,bhnj->bhni", causal_same_BNCC.astype(jnp.float32), g_BHNC,
                           precision=jax.lax.Precision.HIGHEST)
     diff_BHNCC = cum_BHNC[..., :, None] - cum_BHNC[..., None, :]
-    decay_BHNCC = jnp.exp(jnp.where((same_BNCC & lower_CC)[:, None], diff_BHNCC, -jnp.inf))
+    decay_BHNCC = jnp.exp(jnp.where(causal_same_BNCC[:, None], diff_BHNCC, -jnp.inf))
 
     kk_BHNCC = jnp.einsum("bhnik,bhnjk->bhnij", k_BHNCK, k_BHNCK, precision=precision)
     a_BHNCC = jnp.where(strict_CC, kk_BHNCC * decay_BHNCC, 0.0) * beta_BHNC[..., :, None]
@@ -293,8 +291,8 @@ def chunk_gated_delta_rule(q_BTGK: jax.Array, k_BTGK: jax.Array, v_BTHV: jax.Arr
     s0 = jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state_BHKV is None else initial_state_BHKV.astype(jnp.float32)
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u_BHNCV, w_BHNCK, qread_BHNCK, attn_BHNCC, kwrite_BHNCK, keep_BHN))
     s_final, o_NBHCV = jax.lax.scan(step, s0, xs, unroll=unroll)
-    o_BTHV = jnp.moveaxis(o_NBHCV, 0, 2)  # [B, H, N, C, V]
-    o_BTHV = jnp.moveaxis(o_BTHV, 1, 3).reshape(b, n * c, h, vd)[:, :t]
+    o_BNCHV = jnp.moveaxis(o_NBHCV, (0, 1, 2), (1, 0, 3))
+    o_BTHV = o_BNCHV.reshape(b, n * c, h, vd)[:, :t]
     valid = _not_padding(segment_ids_BT)
     if valid is not None:
         o_BTHV = jnp.where(valid[:, :, None, None], o_BTHV, 0.0)
@@ -402,10 +400,9 @@ def fuse_qwen3_next_projections(in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, nu
 
 
 def _concat(parts, axis=0):
-    if all(isinstance(p, jax.Array) for p in parts):
-        return jnp.concatenate(parts, axis=axis)
-    import numpy as np
-    return np.concatenate([np.asarray(p) for p in parts], axis=axis)
+    """numpy stays numpy (an importer streams host arrays; nothing lands on a device)."""
+    xp = jnp if any(isinstance(p, jax.Array) for p in parts) else np
+    return xp.concatenate(parts, axis=axis)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,10 +432,12 @@ class GatedDeltaNet(nnx.Module):
 
     Parameters are stored per head so that heads split cleanly (HF's fused ``in_proj_qkv`` and
     ``conv1d`` are the q | k | v sections concatenated; its conv weight ``[2GK + HV, 1, W]``
-    splits the same way). Logical axes: ``embed`` for D, ``gdn_key_heads`` for G,
-    ``gdn_heads`` for H, ``gdn_key_dim``/``gdn_value_dim`` for K/V, ``conv_width`` for W (the
-    two head axes need rules in sharding/rules.py before this layer is sharded; a key head and
-    its ``H // G`` value heads must land on the same tensor rank).
+    splits the same way). Logical axes: ``embed`` for D, ``head_dim`` for K and V, none for W,
+    and two new ones, ``gdn_key_heads`` for G and ``gdn_heads`` for H, which need rules in
+    sharding/rules.py before the layer is sharded (both over the tensor axis: a key head and
+    its ``H // G`` value heads must land on the same rank, which a contiguous split of both
+    gives when the tensor size divides G; the attention's ``kv_heads`` rule, replicated when
+    the tensor size exceeds the attention's KV heads, would be the wrong one to reuse).
     """
 
     def __init__(self, hidden: int, num_key_heads: int, num_value_heads: int, key_dim: int, value_dim: int,
@@ -446,22 +445,30 @@ class GatedDeltaNet(nnx.Module):
                  out_std: float | None = None, dtype=jnp.float32):
         d, g, h, k, v, w = hidden, num_key_heads, num_value_heads, key_dim, value_dim, conv_width
         out_std = std if out_std is None else out_std
-        self.wq_DGK = _normal(rngs, (d, g, k), ("embed", "gdn_key_heads", "gdn_key_dim"), std, dtype)
-        self.wk_DGK = _normal(rngs, (d, g, k), ("embed", "gdn_key_heads", "gdn_key_dim"), std, dtype)
-        self.wv_DHV = _normal(rngs, (d, h, v), ("embed", "gdn_heads", "gdn_value_dim"), std, dtype)
-        self.wz_DHV = _normal(rngs, (d, h, v), ("embed", "gdn_heads", "gdn_value_dim"), std, dtype)
+        self.wq_DGK = _normal(rngs, (d, g, k), ("embed", "gdn_key_heads", "head_dim"), std, dtype)
+        self.wk_DGK = _normal(rngs, (d, g, k), ("embed", "gdn_key_heads", "head_dim"), std, dtype)
+        self.wv_DHV = _normal(rngs, (d, h, v), ("embed", "gdn_heads", "head_dim"), std, dtype)
+        self.wz_DHV = _normal(rngs, (d, h, v), ("embed", "gdn_heads", "head_dim"), std, dtype)
         self.wb_DH = _normal(rngs, (d, h), ("embed", "gdn_heads"), std, dtype)
         self.wa_DH = _normal(rngs, (d, h), ("embed", "gdn_heads"), std, dtype)
-        self.conv_q_WGK = _normal(rngs, (w, g, k), ("conv_width", "gdn_key_heads", "gdn_key_dim"), std, dtype)
-        self.conv_k_WGK = _normal(rngs, (w, g, k), ("conv_width", "gdn_key_heads", "gdn_key_dim"), std, dtype)
-        self.conv_v_WHV = _normal(rngs, (w, h, v), ("conv_width", "gdn_heads", "gdn_value_dim"), std, dtype)
+        self.conv_q_WGK = _normal(rngs, (w, g, k), (None, "gdn_key_heads", "head_dim"), std, dtype)
+        self.conv_k_WGK = _normal(rngs, (w, g, k), (None, "gdn_key_heads", "head_dim"), std, dtype)
+        self.conv_v_WHV = _normal(rngs, (w, h, v), (None, "gdn_heads", "head_dim"), std, dtype)
         # HF init: dt_bias ones, A = U(0.01, 16) (A_log = log A), gated-norm weight ones.
         self.dt_bias_H = nnx.Param(jnp.ones((h,), dtype), logical_axes=("gdn_heads",))
         self.a_log_H = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32, 0.01, 16.0)).astype(dtype),
                                  logical_axes=("gdn_heads",))
-        self.norm_V = nnx.Param(jnp.ones((v,), dtype), logical_axes=("gdn_value_dim",))
-        self.wout_HVD = _normal(rngs, (h, v, d), ("gdn_heads", "gdn_value_dim", "embed"), out_std, dtype)
+        self.norm_V = nnx.Param(jnp.ones((v,), dtype), logical_axes=("head_dim",))
+        self.wout_HVD = _normal(rngs, (h, v, d), ("gdn_heads", "head_dim", "embed"), out_std, dtype)
         self.eps = eps
+
+    def zero_state(self, batch: int, dtype=jnp.float32) -> GatedDeltaNetState:
+        """The state a row that starts a document begins from (``dtype``: the activations', for
+        the conv windows; the recurrent state is float32)."""
+        w, g, k = self.conv_q_WGK.shape
+        h, v = self.conv_v_WHV.shape[1:]
+        return GatedDeltaNetState(jnp.zeros((batch, w - 1, g, k), dtype), jnp.zeros((batch, w - 1, g, k), dtype),
+                                  jnp.zeros((batch, w - 1, h, v), dtype), jnp.zeros((batch, h, k, v), jnp.float32))
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None,
                  state: GatedDeltaNetState | None = None, *, chunk_size: int = 64,

@@ -315,9 +315,9 @@ HF_KW = dict(hidden_size=D, linear_num_key_heads=G, linear_num_value_heads=H, li
 def hf_layer(cls, config, seed):
     torch.manual_seed(seed)
     layer = cls(config, 0)
-    with torch.no_grad():  # every parameter random, so that a misplaced one shows
+    with torch.no_grad():  # every parameter random (weights at 1/sqrt(fan-in)), so that a misplaced one shows
         for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.ndim > 1 else 1.0))
+            p.copy_(torch.randn_like(p) / (p.shape[-1] ** 0.5 if p.ndim > 1 else 1.0))
         layer.A_log.copy_(torch.empty(H).uniform_(0.01, 2.0).log())
         layer.norm.weight.add_(1.0)
     return layer
@@ -351,8 +351,8 @@ def numpy_sd(module, grads=False):
 
 
 @functools.cache
-def layer_forward():
-    return jax.jit(lambda layer, x, seg: layer(x, seg)[0])
+def layer_with_state():
+    return jax.jit(lambda layer, x, seg, state: layer(x, seg, state))
 
 
 def test_layer_equals_hf_qwen3_5():
@@ -360,7 +360,8 @@ def test_layer_equals_hf_qwen3_5():
     x = np.random.default_rng(10).standard_normal((2, 70, D)).astype(np.float32)
     with torch.no_grad():
         want = hf(torch.from_numpy(x)).numpy()
-    got = layer_forward()(our_layer(numpy_sd(hf)), x, None)
+    layer = our_layer(numpy_sd(hf))
+    got, _ = layer_with_state()(layer, x, np.ones((2, 70), np.int32), layer.zero_state(2))
     close("layer vs HF Qwen3_5GatedDeltaNet", got, want, 2e-6, relative=True)
 
 
@@ -372,11 +373,30 @@ def test_layer_equals_hf_qwen3_next_through_the_fused_projection_split():
     x = np.random.default_rng(12).standard_normal((2, 70, D)).astype(np.float32)
     with torch.no_grad():
         want = hf(torch.from_numpy(x)).numpy()
-    got = layer_forward()(our_layer(sd), x, None)
+    layer = our_layer(sd)
+    got, _ = layer_with_state()(layer, x, np.ones((2, 70), np.int32), layer.zero_state(2))
     close("layer vs HF Qwen3NextGatedDeltaNet (fused in_proj_qkvz/ba split)", got, want, 2e-6, relative=True)
     qkvz, ba = gdn.fuse_qwen3_next_projections(qkv, z, b, a, G, H, K, V)
     hf_sd = numpy_sd(hf)
     assert np.array_equal(qkvz, hf_sd["in_proj_qkvz.weight"]) and np.array_equal(ba, hf_sd["in_proj_ba.weight"])
+
+
+def test_layer_state_carries_across_a_split():
+    """The layer's state (conv windows and recurrent state) passed from the first half of a row
+    to the second gives the whole row: row 0 is split inside a document, row 1 at a document
+    start (where the state is not passed on)."""
+    layer = our_layer(numpy_sd(hf_layer(modeling_qwen3_5.Qwen3_5GatedDeltaNet, Qwen3_5TextConfig(**HF_KW), 15)))
+    x = np.random.default_rng(16).standard_normal((2, 70, D)).astype(np.float32)
+    seg = np.array([[1] * 20 + [2] * 50, [1] * 35 + [2] * 35], np.int32)
+    run = layer_with_state()
+    y, state = run(layer, x, seg, layer.zero_state(2))
+    y1, state1 = run(layer, x[:, :35], seg[:, :35], layer.zero_state(2))
+    keep = _continues(seg, 35)
+    state1 = gdn.GatedDeltaNetState(*(s * keep.reshape((2,) + (1,) * (s.ndim - 1)) for s in state1))
+    y2, state2 = run(layer, x[:, 35:], seg[:, 35:], state1)
+    close("layer split at 35: outputs", np.concatenate([y1, y2], axis=1), y, 2e-6, relative=True)
+    for name, got, want in zip(gdn.GatedDeltaNetState._fields, state2, state):
+        close(f"layer split at 35: final {name}", got, want, 2e-6, relative=True)
 
 
 def test_packed_layer_equals_hf_layer_per_document():
