@@ -49,6 +49,12 @@ class Source:
     def iteration(self) -> int:
         return 0
 
+    @property
+    def hf_origin(self) -> str | None:
+        """The HF directory the weights came from (its untouched tensors and files go into HF
+        exports: :mod:`mlir_train.checkpoint.carry`); None: none."""
+        return None if self.meta is None else self.meta.get("hf_origin")
+
     def describe(self) -> str:
         return "random initialisation"
 
@@ -82,6 +88,10 @@ class HFModel(Source):
 
     kind: ClassVar[str] = "hf"
 
+    @property
+    def hf_origin(self) -> str | None:
+        return os.path.abspath(self.path)
+
     def describe(self) -> str:
         return f"{self.path}/config.json"
 
@@ -99,13 +109,16 @@ class HFModel(Source):
         return target.state_from_params(self._weights(target))["params"]
 
     @staticmethod
-    def write(dst: str, target: Target, state: dict[str, Any], *, dtype: str | None = None) -> None:
-        """The plain model of ``state`` (under LoRA the adapters merged in) as an HF directory."""
+    def write(dst: str, target: Target, state: dict[str, Any], *, dtype: str | None = None,
+              carry_from: str | None = None) -> None:
+        """The plain model of ``state`` (under LoRA the adapters merged in) as an HF directory,
+        with what the HF directory ``carry_from`` holds beside the model's weights."""
         import jax.numpy as jnp
 
         from mlir_train.checkpoint.hf import save_pretrained
 
-        save_pretrained(target.export_model(state), dst, dtype=None if dtype is None else jnp.dtype(dtype))
+        save_pretrained(target.export_model(state), dst, dtype=None if dtype is None else jnp.dtype(dtype),
+                        carry_from=carry_from)
 
     def _weights(self, target: Target, options=None) -> dict[str, Any]:
         """The safetensors read shard by shard straight into the target's mesh and rules."""
@@ -170,10 +183,11 @@ class Ours(Source):
         return state["params"]
 
     @staticmethod
-    def write(dst: str, target: Target, state: dict[str, Any], *, converted_from: str) -> None:
+    def write(dst: str, target: Target, state: dict[str, Any], *, converted_from: str,
+              hf_origin: str | None = None) -> None:
         """``state``'s weights alone as a checkpoint at iteration 0 (``--load`` then starts from
         them with a fresh optimizer); ``dst`` must hold no checkpoint yet."""
-        orbax.save_weights(dst, target.model_cfg, state["params"], converted_from=converted_from)
+        orbax.save_weights(dst, target.model_cfg, state["params"], converted_from=converted_from, hf_origin=hf_origin)
 
 
 @dataclasses.dataclass(frozen=True)
