@@ -273,15 +273,18 @@ class PeftAdapters(Source):
         return f"{self.path} (PEFT adapters)"
 
     @staticmethod
-    def write(dst: str, target: Target, state: dict[str, Any], *, base: str | None = None) -> None:
-        """A LoRA run's adapters as a PEFT directory for the HF model at ``base``."""
+    def write(dst: str, target: Target, state: dict[str, Any], *, base: str | None = None,
+              layout: str = "per-expert") -> None:
+        """A LoRA run's adapters as a PEFT directory for the HF model at ``base``, the routed
+        experts' adapters in ``layout`` (``--lora-export-format``)."""
         import jax
 
         from mlir_train.checkpoint import peft
 
         cfg = target.model_cfg
         peft.save_adapters(dst, jax.device_get(state["params"]), policy=target.lora, table=families.family_of(cfg).params,
-                           stack_kinds=target.stack_kinds, num_experts=cfg.num_experts, base=base)
+                           stack_kinds=target.stack_kinds, num_experts=cfg.num_experts, base=base, layout=layout,
+                           weights=state["base"], mlp_only_layers=cfg.mlp_only_layers)
 
     def recorded_base(self) -> str | None:
         from mlir_train.checkpoint import peft
@@ -470,7 +473,7 @@ def lora_initial_state(target: Target, base_target: Target, cfg: RunConfig, load
 
         log.info(f"loading LoRA adapters from {adapters.describe()} (optimizer fresh, iteration 0)")
         host = peft.load_adapters(adapters.path, target.param_shapes, families.family_of(target.model_cfg).params,
-                                  target.stack_kinds, target.model_cfg.num_experts)
+                                  target.stack_kinds, target.model_cfg.num_experts, policy=target.lora)
         state = target.state_with_base(jax.tree.map(lambda x: np.asarray(x, np.float32), host), state["base"])
     elif adapters is not None:
         ck = cfg.checkpoint

@@ -169,15 +169,31 @@ class Megatron:
 
 @dataclasses.dataclass(frozen=True)
 class LoRATarget:
-    """The adapter of a row's weight: ``module`` Megatron's name (what ``--lora-target-modules``
-    matches, short name its last component), ``peft`` HF's module peft adapts (under the HF
-    layer prefix) or, with ``parameter``, the fused parameter peft's ``target_parameters``
-    adapts, ``adapter`` our adapter's name beside the weight."""
+    """The adapter of a row's weight. ``module``: Megatron's name (what ``--lora-target-modules``
+    matches, short name its last component); ``adapter``: our adapter's name beside the weight;
+    ``peft``: the HF module a PEFT adapter of the weight sits on, under the HF layer prefix, one per
+    expert for a routed expert's weight (``{e}``): the layout serving engines read (vLLM's
+    Qwen3-MoE LoRA takes routed experts only as ``mlp.experts.<e>.<proj>``). ``part``: the
+    weight's slice of the adapter's B when one adapter updates several weights (the experts' fc1:
+    gate 0, up 1, sharing one A). ``fused``: an expert weight's fused HF parameter, which PEFT's
+    ``target_parameters`` adapts (the layout of transformers 5 + peft, ``--lora-export-format
+    fused``)."""
 
     module: str
     peft: str
     adapter: str
-    parameter: bool = False
+    part: int = 0
+    fused: str | None = None
+
+    @property
+    def expert(self) -> bool:
+        """A routed expert's weight: one PEFT module per expert."""
+        return "{e}" in self.peft
+
+    @property
+    def short(self) -> str:
+        """PEFT's short name of the module (``target_modules``): its last component."""
+        return self.peft.rsplit(".", 1)[-1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -169,11 +169,11 @@ def test_peft_planted_and_missing_tensors_are_named(tmp_path):
     save_file(tensors | {extra: np.zeros((4, 128), np.float32)}, weights)
     with pytest.raises(CheckpointError, match=r"tensor base_model\.model\.model\.layers\.1\.mlp\.shared_expert\.up_proj"
                                               r"\.lora_A\.weight has no counterpart in the model"):
-        peft.load_adapters(out, like, TABLE, model.stack_kinds, 8)
+        peft.load_adapters(out, like, TABLE, model.stack_kinds, 8, policy)
     gone = "base_model.model.model.layers.2.self_attn.o_proj.lora_B.weight"
     save_file({k: v for k, v in tensors.items() if k != gone}, weights)
     with pytest.raises(CheckpointError, match=rf"missing tensor {gone.replace('.', '[.]')}; the adapter does not match"):
-        peft.load_adapters(out, like, TABLE, model.stack_kinds, 8)
+        peft.load_adapters(out, like, TABLE, model.stack_kinds, 8, policy)
 
 
 # ----- ours --------------------------------------------------------------------------------------------
