@@ -171,6 +171,9 @@ def gpu_vs_xla(cfg, device, options, batch_np, trainer_for, table: Table, steps:
     """Two steps of ``cfg`` with ``options`` (the GPU kernels) against the XLA path on ``device``."""
     xla = kernel_options(platform_name(device), is_moe=True, moe_backend="padded",
                          attention_backend="xla", base=options)
+    if xla == options:  # a CPU rehearsal: the CPU's own paths (the GPU's, interpreted, need --code-paths gpu)
+        return table.add("gpu-vs-xla", f"{options.moe_impl} experts + {options.attention_impl} attention",
+                         "the XLA paths already: nothing to compare on this platform", "-")
     runs = [_run_steps(trainer_for(cfg, device, o), batch_np, steps) for o in (options, xla)]
     (init, final, metrics, paths), (_, xfinal, xmetrics, _) = runs
     tol = TOLERANCES["bfloat16"]

@@ -1,7 +1,7 @@
 """Every GPU kernel backend on one H200: error against float32, determinism, TFLOP/s, one table.
 
     python benchmarks/gpu_kernels_h200.py                  # the GPU machine: under six minutes
-    python benchmarks/gpu_kernels_h200.py --cpu-smoke      # tiny shapes on CPU, the kernels interpreted
+    python benchmarks/gpu_kernels_h200.py --cpu-rehearsal  # tiny shapes on one CPU device, the kernels interpreted
 
 At Qwen3-30B-A3B's shapes, per device, forward + backward (``jax.vjp``: the output and every
 input's gradient for a random cotangent), bf16 operands:
