@@ -31,7 +31,7 @@ import numpy as np
 
 from mlir_train.checkpoint import sources
 from mlir_train.config.flags import RunConfig
-from mlir_train.config.sections import ExtraFlags
+from mlir_train.config.sections import section_fields
 from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokenizer
 from mlir_train.planner.code_paths import PATH_ROWS, CodePaths
 from mlir_train.run.shrink import Shrunk, shrink
@@ -107,7 +107,6 @@ def model_config(cfg: RunConfig, tokenizer_size: int):
 
 def reference_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` on one device with the platform's plain kernels: no TP, PP, EP, CP, SP, ZeRO or FSDP."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ExtraFlags)}
     return cfg.replace(
         parallel=dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
                       expert_tensor_parallel_size=None, context_parallel_size=1, sequence_parallel=False,
@@ -115,7 +114,24 @@ def reference_config(cfg: RunConfig) -> RunConfig:
                       data_parallel_sharding_strategy="no_shard", num_layers_per_virtual_pipeline_stage=None,
                       num_virtual_stages_per_pipeline_rank=None, decoder_first_pipeline_num_layers=None,
                       decoder_last_pipeline_num_layers=None, pipeline_schedule=None),
-        extras={k: defaults[k] for k in KERNEL_FLAGS if k in defaults})
+    ).replace(**kernel_defaults())
+
+
+def kernel_defaults() -> dict[str, dict[str, Any]]:
+    """Section -> {field: default} of the :data:`KERNEL_FLAGS` this build's flags have, wherever they live."""
+    out: dict[str, dict[str, Any]] = {}
+    for section, _, f, _ in section_fields():
+        if f.name in KERNEL_FLAGS:
+            out.setdefault(section, {})[f.name] = f.default
+    return out
+
+
+def code_paths_of(cfg: RunConfig) -> str:
+    """The run's ``--code-paths`` ("default" where this build's flags have none)."""
+    for section, _, f, _ in section_fields():
+        if f.name == "code_paths":
+            return str(getattr(getattr(cfg, section), f.name))
+    return "default (this build has no --code-paths)"
 
 
 def precision_config(cfg: RunConfig, precision: str) -> tuple[RunConfig, list[str]]:
@@ -275,7 +291,7 @@ def report(c: Certificate) -> list[str]:
     or ``FAIL ...``."""
     lay, ref, tol, model = c.layout, c.reference, c.tolerance, c.shrunk.model
     layout = describe_layout(lay.run)
-    code_paths = getattr(lay.run.config.extras, "code_paths", None) or "default"
+    code_paths = code_paths_of(lay.run.config)
     out = [f"layout: {layout} on {lay.run.parallel.device_count()} CPU devices, against one CPU device; "
            f"{len(lay.metrics)} iteration(s) on the same batches; --code-paths {code_paths}"]
     if c.shrunk.model_changes:

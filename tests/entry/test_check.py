@@ -14,6 +14,7 @@ from mlir_train import check
 from mlir_train.config import cli
 from mlir_train.families import get_model_config
 from mlir_train.planner.code_paths import CodePaths
+from mlir_train.run.certify import code_paths_of
 from mlir_train.run.shrink import shrink, shrunk_kinds
 
 
@@ -111,3 +112,17 @@ def test_code_paths_name_a_kernel_and_whether_it_is_interpreted():
     paths = CodePaths.of(jaxpr)
     assert paths.attention().startswith("kernel docs_flash_fwd_q"), paths.attention()
     assert "(interpreted)" in paths.kernels() and paths.dispatch().startswith("none")
+
+
+def test_code_paths_is_passed_through_or_refused_by_name(cache, capsys):
+    """``--code-paths gpu`` goes to sft's flags when sft has it (issue 35 item 2); until then it is one
+    error line naming it, exit 2, not argparse's unknown flag."""
+    if check.CODE_PATHS in cli.ALL_FLAGS:
+        _, cfg, _ = check.parse(_argv(cache, "--code-paths", "gpu"))
+        assert code_paths_of(cfg) == "gpu"
+        return
+    with pytest.raises(SystemExit) as e:
+        check.main(_argv(cache, "--code-paths", "gpu"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("mlir-train: error: --code-paths: this mlir-train's sft has no such flag yet"), err
