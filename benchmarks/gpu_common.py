@@ -26,8 +26,25 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+_SET_UP: list = []  # the setup() made, once it has run
+
+
+def require_setup() -> None:
+    """For a module the scripts import after :func:`setup`: refuse to go on (and import jax) before it."""
+    if not _SET_UP:
+        raise RuntimeError("gpu_common.setup(sys.argv) must run before this module is imported: it sets the "
+                           "platform before jax starts")
+
+
 def setup(argv: list[str]):
-    """(whether this is a CPU rehearsal, the platform setup); call before jax is imported."""
+    """(whether this is a CPU rehearsal, the platform setup); call before jax is imported. Once per
+    process: a second call (gpu_h200.py importing gpu_kernels_h200.py) returns the first's."""
+    if not _SET_UP:
+        _SET_UP.append(_setup(argv))
+    return _SET_UP[0]
+
+
+def _setup(argv: list[str]):
     if REHEARSAL in argv:
         return True, configure_platform("cpu", cpu_devices=1)
     if "--compile-only" in argv:

@@ -13,15 +13,19 @@ import tempfile
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import gpu_common
 
-from mlir_train.model import kernel_options
-from mlir_train.planner.code_paths import CodePaths
-from mlir_train.planner.targets import DEVICE_KINDS
-from mlir_train.runtime.platform_setup import platform_name
-from mlir_train.run.certify import TOLERANCES, relative_difference, worst_difference
+gpu_common.require_setup()  # the platform is the importing script's (gpu_common.setup), set before jax starts
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlir_train.model import kernel_options  # noqa: E402
+from mlir_train.planner.code_paths import CodePaths  # noqa: E402
+from mlir_train.planner.targets import DEVICE_KINDS  # noqa: E402
+from mlir_train.runtime.platform_setup import platform_name  # noqa: E402
+from mlir_train.run.certify import TOLERANCES, relative_difference, worst_difference  # noqa: E402
 
 PHASES = ("device", "train", "self-check", "gpu-vs-xla", "kernels")
 GIB = 2**30

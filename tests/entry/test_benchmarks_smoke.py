@@ -78,6 +78,24 @@ def test_gpu_h200_cpu_rehearsal():
     assert "| self-check |  | skipped: --skip | - |" in out
 
 
+def test_gpu_h200_cpu_rehearsal_checks():
+    """gpu_h200.py's check phases on CPU: the start-up self-check of every GPU kernel at the run's widths
+    (interpreted), and the GPU-path-vs-XLA-path step comparison (ragged_dot experts standing in), with
+    the kernels read from the program."""
+    proc = _h200("gpu_h200.py", "--cpu-rehearsal", "--skip", "train", "kernels", timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for kernel in ("flash attention \\(Pallas-Triton mha\\)", "MoE expert matmuls \\(mosaic-interpret block kernels\\)",
+                   "document-skipping flash attention"):
+        assert re.search(rf"^\| self-check \| {kernel}.* at T 128, D 64, F 64 \| max relative error .* \| ok \|$",
+                         out, re.MULTILINE), (kernel, out)
+    row = re.search(r"^\| gpu-vs-xla \| 2 layers, 2 steps, ragged experts \+ xla attention against padded experts "
+                    r"\+ XLA attention \| lm loss (\S+), grad norm (\S+), .* \| ok \|$", out, re.MULTILINE)
+    assert row and float(row.group(1)) < 1e-3, out
+    assert re.search(r"^\| gpu-vs-xla \| the GPU program's kernels \(read from it\) \| XLA ragged_dot x\d+", out,
+                     re.MULTILINE), out
+
+
 @pytest.mark.slow  # every phase: the kernels interpreted (minutes on 2 cores)
 def test_gpu_h200_cpu_rehearsal_every_phase():
     proc = _h200("gpu_h200.py", "--cpu-rehearsal", timeout=900)
