@@ -96,6 +96,32 @@ def test_gpu_h200_cpu_rehearsal_checks():
                      re.MULTILINE), out
 
 
+TARGET_CONFIG = """
+import gpu_common
+gpu_common.setup(["--compile-only"])
+from mlir_train.planner.targets import DEVICE_KINDS, compile_only_devices
+import gpu_h200_checks as checks
+text = checks.target_config_text(compile_only_devices("h200", 1)[0])
+assert checks._fields(text) == checks._fields(DEVICE_KINDS["h200"].target_config()), text
+print(sorted(checks._fields(text)))
+"""
+
+
+def test_gpu_h200_reads_the_target_config_xla_compiles_for():
+    """The device phase's reading of XLA:GPU's GpuTargetConfigProto from a compile's dump, on a
+    deviceless H200 (whose description is the planner's h200.txtpb: every key field read back)."""
+    from mlir_train.planner.targets import gpu_compiler_missing
+
+    if gpu_compiler_missing():
+        pytest.skip(f"deviceless XLA:GPU: {gpu_compiler_missing()}")
+    env = _one_device_unoptimised_env()
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "benchmarks"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", TARGET_CONFIG], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "'core_count'" in proc.stdout and "'device_memory_size'" in proc.stdout, proc.stdout
+
+
 @pytest.mark.slow  # every phase: the kernels interpreted (minutes on 2 cores)
 def test_gpu_h200_cpu_rehearsal_every_phase():
     proc = _h200("gpu_h200.py", "--cpu-rehearsal", timeout=900)
