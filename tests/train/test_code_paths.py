@@ -1,0 +1,58 @@
+"""``--code-paths gpu``: the GPU program's own code paths, whole steps on CPU (issue 35 item 2).
+
+On CPU devices the flag builds the model a GPU run gets (the dropless grouped EP exchange on the
+ragged all-to-all's typed stand-in, the Mosaic-GPU block kernels and the flash attention kernel)
+with the kernels in the Pallas / Mosaic-GPU interpreters, tiled for compute capability 9.0.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mlir_train.config import cli
+from mlir_train.families import get_model_config, init_model
+from mlir_train.model import kernel_options
+from mlir_train.model.attention import flash_block_sizes
+from mlir_train.model.moe import dispatch
+from mlir_train.runtime.errors import ConfigError
+from mlir_train.train.build import resolve
+
+BASE = ["--micro-batch-size", "1", "--seq-length", "64"]
+
+
+def test_flag_is_listed_parsed_and_reaches_every_layer(capsys):
+    """--help lists it; auto by default; gpu on CPU builds every layer on the GPU paths with the
+    kernels interpreted and Hopper's tiles."""
+    with pytest.raises(SystemExit):
+        cli.parse(["--help"])
+    assert "--code-paths {auto,gpu}" in capsys.readouterr().out
+    model = get_model_config("qwen3-moe-tiny", moe_intermediate_size=128)
+    assert cli.parse(BASE).extras.code_paths == "auto"
+    auto = resolve(cli.parse(BASE), model, num_devices=1, platform="cpu").options
+    assert (auto.attention_impl, auto.moe_impl, auto.kernel_interpret) == ("xla", "padded", False)
+    options = resolve(cli.parse(BASE + ["--code-paths", "gpu"]), model, num_devices=1, platform="cpu").options
+    assert (options.attention_impl, options.moe_impl, options.moe_kernels) == ("flash", "grouped", "mosaic-interpret")
+    assert options.kernel_interpret and options.compute_capability == "9.0"
+    assert options.ragged_all_to_all is dispatch.ragged_all_to_all_dense
+    built = nnx.eval_shape(lambda: init_model(model, options=options))
+    for layer in built.layers:
+        assert layer.attn.interpret and layer.attn.compute_capability == "9.0"
+        assert layer.mlp.plan.block_kernels.name == "mosaic-interpret"
+        assert layer.mlp.plan.ragged_all_to_all is dispatch.ragged_all_to_all_dense
+    # Hopper's backward tiles, as a GPU run at this length takes them.
+    assert flash_block_sizes(64, options.compute_capability).block_q_dkv == 64
+    assert flash_block_sizes(64, None).block_q_dkv == 32
+    # On a GPU the flag is the platform's own program.
+    assert kernel_options("gpu", is_moe=True, code_paths="gpu") == kernel_options("gpu", is_moe=True)
+
+
+def test_flag_is_refused_where_it_cannot_apply():
+    model = get_model_config("qwen3-moe-tiny", moe_intermediate_size=128)
+    with pytest.raises(ConfigError, match="--code-paths gpu .* compiles for tpu"):
+        resolve(cli.parse(BASE + ["--code-paths", "gpu"]), model, num_devices=1, platform="tpu")
+    for flag in ("--attention-kernel", "--moe-gemm-backend"):
+        with pytest.raises(ConfigError, match=f"{flag} tokamax does not run under --code-paths gpu"):
+            resolve(cli.parse(BASE + ["--code-paths", "gpu", flag, "tokamax"]), model, num_devices=1, platform="cpu")
+    with pytest.raises(SystemExit):
+        cli.parse(BASE + ["--code-paths", "tpu"])
