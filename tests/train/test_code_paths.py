@@ -56,3 +56,25 @@ def test_flag_is_refused_where_it_cannot_apply():
             resolve(cli.parse(BASE + ["--code-paths", "gpu", flag, "tokamax"]), model, num_devices=1, platform="cpu")
     with pytest.raises(SystemExit):
         cli.parse(BASE + ["--code-paths", "tpu"])
+
+
+def _gpu_paths_step(layout):
+    """One train step of the tiny MoE model with ``--code-paths gpu``'s options on ``layout``."""
+    from helpers import MODELS, train_one_step
+
+    options = kernel_options("cpu", is_moe=True, code_paths="gpu")
+    return train_one_step(MODELS["moe"], layout, options)
+
+
+@pytest.mark.slow  # ~107 s on 2 cores: the interpreters
+def test_ep2_whole_step_on_gpu_paths_equals_one_device():
+    """EP2 on two devices: the grouped exchange on the stand-in, the Mosaic-GPU kernels and the
+    flash kernel interpreted (in a region manual over both devices); equals one device on the
+    same paths."""
+    from helpers import assert_step_matches
+    from sharding.layout import Layout
+
+    got = _gpu_paths_step(Layout(expert=2, num_devices=2))
+    ref = _gpu_paths_step(None)
+    assert "all-to-all" in got.hlo and "custom-call" in got.hlo
+    assert_step_matches(got, ref, moe=True)
