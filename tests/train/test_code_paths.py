@@ -78,3 +78,19 @@ def test_ep2_whole_step_on_gpu_paths_equals_one_device():
     ref = _gpu_paths_step(None)
     assert "all-to-all" in got.hlo and "custom-call" in got.hlo
     assert_step_matches(got, ref, moe=True)
+
+
+def test_tests_compile_with_the_gpu_xla_flags():
+    """conftest sets the project's GPU XLA flags too (XLA:CPU ignores them), so the in-process
+    deviceless XLA:GPU compiles are those a GPU run gets."""
+    import os
+
+    from mlir_train.runtime import platform_setup
+
+    setup = platform_setup.current()
+    assert setup is not None and setup.platform == "cpu"
+    ours = {f"--{k}" for k in platform_setup.GPU_XLA_FLAGS}
+    named = {f.split("=", 1)[0] for f in setup.applied + setup.kept + setup.skipped}
+    assert ours <= named
+    flags = os.environ["XLA_FLAGS"]
+    assert all(f in flags for f in ours - set(setup.skipped))
