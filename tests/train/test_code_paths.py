@@ -94,3 +94,15 @@ def test_tests_compile_with_the_gpu_xla_flags():
     assert ours <= named
     flags = os.environ["XLA_FLAGS"]
     assert all(f in flags for f in ours - set(setup.skipped))
+
+
+def test_dense_tp2_sp_whole_step_on_gpu_paths_equals_one_device():
+    """TP2 + SP over 8 devices with the flash kernel interpreted (Hopper tiles): one step
+    equals one device on the same paths (~40 s on 2 cores)."""
+    from helpers import MODELS, assert_step_matches, train_one_step
+    from sharding.layout import Layout
+
+    options = kernel_options("cpu", is_moe=False, code_paths="gpu")
+    assert (options.attention_impl, options.kernel_interpret, options.compute_capability) == ("flash", True, "9.0")
+    got = train_one_step(MODELS["dense"], Layout(tensor=2, sequence_parallel=True, num_devices=8), options)
+    assert_step_matches(got, train_one_step(MODELS["dense"], None, options), moe=False)
