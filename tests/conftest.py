@@ -6,8 +6,9 @@ from mlir_train.runtime.platform_setup import configure_platform
 
 # As every entry point does, first: fake CPU devices and the XLA:CPU workaround (its
 # all-reduce-promotion pass aborts on bf16 EP steps), JAX_PLATFORMS=cpu so an installed GPU
-# plugin (for the deviceless XLA:GPU tests) stays asleep.
-configure_platform("cpu", cpu_devices=8)
+# plugin (for the deviceless XLA:GPU tests) stays asleep; and the project's GPU XLA flags, so that
+# the in-process deviceless XLA:GPU compiles are those a GPU run gets (XLA:CPU ignores them).
+configure_platform("cpu", cpu_devices=8, gpu_flags=True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -370,6 +370,14 @@ class ExtraFlags:
              "'ep overflow rows'. Nothing is dropped (unlike Megatron's --moe-expert-capacity-factor, which "
              "this does not touch); F >= EP never overflows on the GPU ragged/grouped exchange, F >= experts/topk "
              "on the padded one")
+    code_paths: str = flag(
+        "--code-paths", default="auto", choices=("auto", "gpu"),
+        help="which platform's program the step runs: auto (the devices' own); gpu on CPU devices: the GPU "
+             "program's code paths, whole: the dropless ragged/grouped EP exchange (overflow rounds included; "
+             "the ragged all-to-all by a dense stand-in typed as the real op), the GPU kernels in the "
+             "Pallas / Mosaic-GPU interpreters with the tiles chosen for compute capability 9.0 (H100/H200). "
+             "Slow: for checks on CPU of what a GPU would run (the xla_gpu_* XLA flags mean nothing to "
+             "XLA:CPU and are not set). On GPUs gpu is auto; refused on TPUs")
     attention_kernel: str = flag("--attention-kernel", default="auto",
                                  choices=("auto", "tokamax", "pallas-mha", "mlir", "xla"),
                                  help="attention: mlir (our Pallas-Triton flash attention, mlir_train.model.kernels.docs_flash: "

@@ -10,6 +10,7 @@ activations are annotated with :func:`sharding.constrain`. Nothing here names a 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -85,10 +86,14 @@ class Attention(nnx.Module):
     builds the right one)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32, impl: str = "xla",
-                 recompute_core_attn: bool = False, lora=None):
+                 recompute_core_attn: bool = False, lora=None, interpret: bool = False,
+                 compute_capability: str | None = None):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention implementation {impl!r}; choose one of {ATTENTION_IMPLS}")
         self.impl = impl
+        # The flash kernels in Pallas' interpreter (--code-paths gpu on CPU), tiled for this
+        # compute capability (None: the devices').
+        self.interpret, self.compute_capability = interpret, compute_capability
         # megatron-core's "core_attn" recompute: softmax(q k^T) v from the roped q, k and v.
         # Both implementations already keep only their output and log-sum-exp (FlashAttention's
         # residuals), so this drops those and runs the attention forward once more.
@@ -137,11 +142,14 @@ class Attention(nnx.Module):
 
         b, t, n, h = q_BTNH.shape
         if self.impl == "flash":
-            o_BTNH = checkpointed(flash_attention, self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
+            o_BTNH = checkpointed(functools.partial(flash_attention, interpret=self.interpret,
+                                                    compute_capability=self.compute_capability),
+                                  self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
         elif self.impl == "tokamax":
             o_BTNH = checkpointed(kernel_attention, self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
         elif self.impl == "docs-flash":
-            o_BTNH = checkpointed(docs_flash_attention, self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
+            o_BTNH = checkpointed(functools.partial(docs_flash_attention, interpret=self.interpret),
+                                  self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)
         elif mesh_axes_of("act_seq")[1] > 1:  # mask: the segment ids (Qwen3.layer_context)
             o_BTNH = checkpointed(lambda q, k, v, seg: context_parallel_attention(q, k, v, seg, sequence_order(t)),
                                   self.recompute_core_attn)(q_BTNH, k_BTKH, v_BTKH, mask)

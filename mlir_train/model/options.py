@@ -29,7 +29,10 @@ class ModelOptions:
     ours, "tokamax"), ``moe_block_loop`` the dropless blocked experts' loop form (None: by size),
     ``capacity_factor`` / ``drop_policy`` Megatron's token dropping, ``ep_buffer_factor`` the EP
     exchange's buffer size, ``ragged_all_to_all`` the collective the ragged EP dispatch uses
-    (None: the platform's). ``remat``: what the backward recomputes. ``router``: the MoE router's
+    (None: the platform's). ``kernel_interpret``: the GPU kernels (flash attention, the MoE block
+    kernels) run in the Pallas / Mosaic-GPU interpreters (``--code-paths gpu`` on CPU);
+    ``compute_capability`` the CUDA capability their tiles are chosen for ("9.0"; None: the
+    devices'). ``remat``: what the backward recomputes. ``router``: the MoE router's
     settings (None: megatron-core's defaults). ``lora``: the adapters (None: a plain model)."""
 
     param_dtype: Any = jnp.float32
@@ -42,6 +45,8 @@ class ModelOptions:
     drop_policy: str = "probs"
     ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR
     ragged_all_to_all: Callable | None = None
+    kernel_interpret: bool = False
+    compute_capability: str | None = None
     remat: RecomputePolicy = RecomputePolicy()
     router: RouterConfig | None = None
     lora: LoRAPolicy | None = None

@@ -183,13 +183,15 @@ def detect_platform(env: os._Environ | dict | None = None) -> tuple[str, str]:
 
 
 def configure_platform(platform: str | None = None, *, cpu_devices: int | None = None,
-                       compile_only: bool = False) -> PlatformSetup:
+                       compile_only: bool = False, gpu_flags: bool = False) -> PlatformSetup:
     """Decide the platform and set ``XLA_FLAGS`` / the environment for it; call before jax starts.
 
     ``platform`` forces one (``"cpu"`` for the tests and the planner); None detects it
     (:func:`detect_platform`). ``cpu_devices`` is the fake CPU device count (default 8).
     ``compile_only`` (the planner): CPU host, plus the GPU flags for deviceless XLA:GPU compiles
-    and no LLVM optimisation. The first call decides for the process: later calls return its result.
+    and no LLVM optimisation. ``gpu_flags``: the GPU flags too, on any platform (the tests: their
+    in-process deviceless XLA:GPU compiles get what a GPU run gets; XLA:CPU ignores them).
+    The first call decides for the process: later calls return its result.
     """
     global _CURRENT
     if _CURRENT is not None:
@@ -203,7 +205,8 @@ def configure_platform(platform: str | None = None, *, cpu_devices: int | None =
             _CURRENT = PlatformSetup(jax.default_backend(), "a JAX backend had already started; "
                                      "XLA_FLAGS left as they were", compile_only=compile_only)
             return _CURRENT
-    _CURRENT = apply_platform_settings(os.environ, platform, cpu_devices=cpu_devices, compile_only=compile_only)
+    _CURRENT = apply_platform_settings(os.environ, platform, cpu_devices=cpu_devices, compile_only=compile_only,
+                                       gpu_flags=gpu_flags)
     if _CURRENT.platform == "cpu" and "cuda" in _installed_plugins():
         _quiet_plugin_discovery()
     return _CURRENT
@@ -262,7 +265,7 @@ def drop_driverless_noise(text: str) -> str:
 
 
 def apply_platform_settings(env, platform: str | None = None, *, cpu_devices: int | None = None,
-                            compile_only: bool = False) -> PlatformSetup:
+                            compile_only: bool = False, gpu_flags: bool = False) -> PlatformSetup:
     """The work of :func:`configure_platform` on an environment mapping (``os.environ`` or a
     dict, for tests): decide the platform, add our settings the user has not set, say which."""
     if compile_only:
@@ -279,7 +282,7 @@ def apply_platform_settings(env, platform: str | None = None, *, cpu_devices: in
         env.setdefault("JAX_PLATFORMS", "cpu")  # an installed GPU plugin stays asleep
         wanted["xla_force_host_platform_device_count"] = str(cpu_devices or DEFAULT_CPU_DEVICES)
         wanted.update(CPU_XLA_FLAGS)
-    if platform == "gpu" or compile_only:
+    if platform == "gpu" or compile_only or gpu_flags:
         wanted.update(GPU_XLA_FLAGS)
     if platform == "gpu":
         env_wanted.update(GPU_ENV)

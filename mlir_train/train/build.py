@@ -258,6 +258,9 @@ def _model_options(cfg: RunConfig, model_cfg: ModelConfig, parallel: Layout, sch
                  "block at a time), not the flash kernel, which cannot mask the load-balanced chunks by their "
                  "original positions")
     backend = extras.moe_gemm_backend
+    if extras.code_paths == "gpu" and platform == "cpu":
+        log.info("--code-paths gpu: the GPU program's dispatch and kernels, interpreted on CPU (slow); the "
+                 "xla_gpu_* XLA flags mean nothing to XLA:CPU and are not set")
     if model_cfg.is_moe and backend in ("mosaic", "tokamax") and m.moe_expert_capacity_factor is not None:
         raise ConfigError(f"--moe-gemm-backend {backend} runs the dropless block kernels; with "
                           "--moe-expert-capacity-factor use --moe-gemm-backend padded (or auto)")
@@ -270,7 +273,8 @@ def _model_options(cfg: RunConfig, model_cfg: ModelConfig, parallel: Layout, sch
             ep_buffer_factor=extras.moe_ep_buffer_factor), model_cfg, cfg.training.micro_batch_size)
     try:
         return kernel_options(platform, is_moe=model_cfg.is_moe, context_parallel=parallel.context,
-                              moe_backend=backend, attention_backend=extras.attention_kernel, base=options)
+                              moe_backend=backend, attention_backend=extras.attention_kernel, base=options,
+                              code_paths=extras.code_paths)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -28,7 +28,8 @@ class DecoderLayer(nnx.Module):
         out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, rngs, out_std, dtype, impl=o.attention_impl,
-                              recompute_core_attn=recompute.recomputes("core_attn"), lora=attn_lora)
+                              recompute_core_attn=recompute.recomputes("core_attn"), lora=attn_lora,
+                              interpret=o.kernel_interpret, compute_capability=o.compute_capability)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.is_moe = moe
         # megatron-core's "moe" (the whole MoE layer) and "mlp" (a dense layer's MLP) modules.

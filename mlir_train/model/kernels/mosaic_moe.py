@@ -31,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from mlir_train.model.kernels.blocks import BlockKernels, common_vma
 
@@ -199,11 +200,62 @@ def mosaic_block_kernels(interpret=None) -> BlockKernels:
     # A Pallas call's result is typed invariant over every manual mesh axis: give it the
     # variance of its operands, as any other op's result would have.
     def matmul(lhs_RK, rhs_EKN, expert_N, used, first_block_E, num_blocks_E):
-        out = named(block_matmul, lhs_RK, rhs_EKN, expert_N, used, interpret=interpret)
+        kernel = lambda *a: named(block_matmul, *a, interpret=interpret)
+        out = _interpretable(kernel, interpret)(lhs_RK, rhs_EKN, expert_N, used)
         return common_vma(out, lhs_RK, rhs_EKN)[0]
 
     def matmul_t(lhs_KR, rhs_RN, expert_N, used, first_block_E, num_blocks_E):
-        out = named(block_matmul_t, lhs_KR, rhs_RN, first_block_E, num_blocks_E, interpret=interpret)
+        kernel = lambda *a: named(block_matmul_t, *a, interpret=interpret)
+        out = _interpretable(kernel, interpret)(lhs_KR, rhs_RN, first_block_E, num_blocks_E)
         return common_vma(out, lhs_KR, rhs_RN)[0]
 
     return BlockKernels("mosaic" if interpret is None else "mosaic-interpret", BLOCK_ROWS, matmul, matmul_t)
+
+
+def interpret_params():
+    """Parameters that run the kernels in the Mosaic-GPU interpreter (jax 0.10.2 spells them
+    only privately)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _interpretable(kernel, interpret):
+    """``kernel`` as it runs: on a GPU as it is; in the interpreter (``interpret`` given) inside a
+    region manual over every mesh axis the caller's region is not, because the interpreter's
+    callbacks are accepted only there (the MoE regions are manual over the token axes only).
+    The operands are whole on those axes there (the same on each rank of them), and so is the
+    result; the kernel itself is the GPU's."""
+    if interpret is None:
+        return kernel
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel
+    _interpret_on_many_devices()
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    if not auto:
+        return kernel
+    return jax.shard_map(kernel, in_specs=P(), out_specs=P(), axis_names=auto, check_vma=False)
+
+
+def _interpret_on_many_devices():
+    """jax 0.10.2's Mosaic-GPU interpreter ends each simulated device's kernel by asserting that
+    no barrier is allocated in the memory every device shares, while the other devices may still
+    be inside theirs: with more than about 4 devices it fails at random ("Barrier remains
+    allocated"). The assertion is its own consistency check (each barrier's use is still checked
+    when it is freed); skip it when the interpreter runs on several devices."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    interpret_pallas_call.gpu_callbacks = _GpuCallbacksWithoutGlobalAssert(interpret_pallas_call.gpu_callbacks)
+
+
+class _GpuCallbacksWithoutGlobalAssert:
+    """The interpreter's callbacks module with ``call_assert_no_barriers_allocated`` a no-op."""
+
+    def __init__(self, module):
+        self._module = getattr(module, "_module", module)
+
+    def __getattr__(self, name):
+        if name == "call_assert_no_barriers_allocated":
+            return lambda token: token
+        return getattr(self._module, name)

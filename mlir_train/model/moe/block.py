@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlir_train.model.kernels.blocks import BlockKernels, xla_block_kernels
-from mlir_train.model.kernels.mosaic_moe import BLOCK_ROWS as GPU_BLOCK_ROWS, mosaic_block_kernels
+from mlir_train.model.kernels.mosaic_moe import BLOCK_ROWS as GPU_BLOCK_ROWS, interpret_params, mosaic_block_kernels
 from mlir_train.model.kernels.tokamax_ops import tokamax_block_kernels
 from mlir_train.model.layers import param
 from mlir_train.model.lora import LoRA, expert_delta, maybe
@@ -78,7 +78,8 @@ class MoE(nnx.Module):
     CPU). ``block_loop`` forces the dropless blocked experts' loop (True) or batched form
     (False); None picks by size. ``block_kernels`` are ``impl="grouped"``'s matmuls: by default
     (or "mosaic") our Mosaic-GPU kernels when ``platform`` is "gpu", else the ``ragged_dot``
-    reference; "tokamax" tokamax's kernels (:mod:`mlir_train.model.kernels.tokamax_ops`)."""
+    reference; "tokamax" tokamax's kernels (:mod:`mlir_train.model.kernels.tokamax_ops`);
+    "mosaic-interpret" ours in the Mosaic-GPU interpreter (``--code-paths gpu`` on CPU)."""
 
     def __init__(
         self,
@@ -104,6 +105,8 @@ class MoE(nnx.Module):
             ragged_all_to_all = ragged_collective_for(platform)
         if impl == "grouped" and block_kernels == "tokamax":  # --moe-gemm-backend tokamax
             block_kernels = tokamax_block_kernels(GPU_BLOCK_ROWS)
+        elif impl == "grouped" and block_kernels == "mosaic-interpret":  # --code-paths gpu on CPU
+            block_kernels = mosaic_block_kernels(interpret_params())
         elif impl == "grouped" and block_kernels in (None, "mosaic"):
             block_kernels = mosaic_block_kernels() if platform == "gpu" else xla_block_kernels(GPU_BLOCK_ROWS)
         self.plan = ExpertsPlan(

@@ -87,11 +87,17 @@ def ragged_collective_for(platform: str) -> Callable | None:
 
 
 def ragged_all_to_all_dense(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
-    """``jax.lax.ragged_all_to_all``'s documented semantics from a dense ``all_to_all``.
+    """``jax.lax.ragged_all_to_all``'s documented semantics from a dense ``all_to_all``, typed as
+    the real op types its result: like ``output``, the buffer the slices land in (its varying
+    manual axes; JAX_NOTES 2026-12-02). The real op accepts a buffer typed as the same on every
+    rank and then sums its gradient over the ranks (the receive-buffer bug of stop 30); this
+    stand-in refuses it (:func:`check_receive_buffer`), so a CPU test of the dispatcher catches
+    what only a GPU run would have shown.
 
     Every slice is padded to the operand's full length, so this moves N times the operand:
-    a reference for tests of the ragged dispatcher's bookkeeping on CPU, not a fast path.
+    the ragged exchange on CPU (tests, ``--code-paths gpu``), not a fast path.
     """
+    check_receive_buffer(operand, output, (input_offsets, send_sizes, output_offsets, recv_sizes), axis_name)
     n, length = input_offsets.shape[0], operand.shape[0]
     j_L = jnp.arange(length)
     rows_NL = input_offsets[:, None] + j_L
@@ -100,7 +106,28 @@ def ragged_all_to_all_dense(operand, output, input_offsets, send_sizes, output_o
     recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
     offsets_N = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
     dest_NL = jnp.where(j_L < recv_sizes[:, None], offsets_N[:, None] + j_L, output.shape[0])
-    return output.at[dest_NL].set(recv, mode="drop")
+    result = output.at[dest_NL].set(recv, mode="drop")
+    assert varying_axes(result) == varying_axes(output), (varying_axes(result), varying_axes(output))
+    return result
+
+
+def check_receive_buffer(operand, output, ints, axis_name) -> None:
+    """Refuse (ValueError) a ragged all-to-all's ``output`` buffer whose varying manual axes do
+    not cover the operand's, the offsets' and sizes' and the exchange's own axes: the real op
+    would type what each rank receives as the same on every rank, and its gradient would then be
+    summed over the ranks. Outside a checked manual region nothing is typed, nothing refused."""
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    needed = set().union(varying_axes(operand), *(varying_axes(i) for i in ints))
+    if varying_axes(operand):  # inside a checked region: the exchange varies over its own axes
+        needed |= set(axes)
+    missing = sorted(needed - set(varying_axes(output)))
+    if missing:
+        raise ValueError(
+            f"ragged_all_to_all: the output buffer is typed as the same on the manual mesh axes {missing}, where "
+            f"the rows that land in it vary (operand varying over {sorted(varying_axes(operand))}, exchange over "
+            f"{list(axes)}); jax.lax.ragged_all_to_all types its result like the buffer, so its gradient would be "
+            f"summed over those ranks. Make the buffer varying first: jax.lax.pcast(buffer, {tuple(missing)}, "
+            "to='varying') (model.moe.exchange.ragged_into_zeros does)")
 
 
 def sort_assignments(plan: ExpertsPlan, weights_SK, experts_SK):

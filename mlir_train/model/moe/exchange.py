@@ -167,14 +167,21 @@ def ragged_into_zeros(ragged_a2a, operand, rows, input_offsets, send_sizes, outp
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _into_zeros(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes):
-    rows, shape, dtype, vma = shapes
+    rows, shape, dtype, _ = shapes
     # The result takes the output buffer's type (jax 0.10.2's rule): mark the fresh zeros varying
     # as the rows that land in them are, or the region would treat what each rank receives as
     # the same on every rank (and the experts' custom VJP would sum its gradient over the ranks).
-    output = jnp.zeros((rows,) + tuple(shape[1:]), dtype)
-    if vma:
-        output = jax.lax.pcast(output, vma, to="varying")
-    return ragged_a2a(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
+    ints = (input_offsets, send_sizes, output_offsets, recv_sizes)
+    output = _varying_zeros((rows,) + tuple(shape[1:]), dtype, operand, *ints)
+    return ragged_a2a(operand, output, *ints, axis_name=axis_name)
+
+
+def _varying_zeros(shape, dtype, *like):
+    """Zeros typed varying over every manual axis any of ``like`` varies over: a receive buffer
+    typed as the rows and offsets that fill it (``ragged_all_to_all_dense`` refuses less)."""
+    zeros = jnp.zeros(shape, dtype)
+    vma = tuple(sorted(set().union(*(varying_axes(x) for x in like))))
+    return jax.lax.pcast(zeros, vma, to="varying") if vma else zeros
 
 
 def _into_zeros_fwd(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes):
@@ -191,9 +198,8 @@ def _into_zeros_bwd(ragged_a2a, shapes, axis_name, res, ct):
     def a2a(v):
         return jax.lax.all_to_all(v, axis_name, 0, 0, tiled=True)
 
-    zero = jnp.zeros(shape, dtype)
-    operand_ct = ragged_a2a(ct, zero, a2a(output_offsets), recv_sizes, a2a(input_offsets), send_sizes,
-                            axis_name=axis_name)
+    ints = (a2a(output_offsets), recv_sizes, a2a(input_offsets), send_sizes)
+    operand_ct = ragged_a2a(ct, _varying_zeros(shape, dtype, ct, *ints), *ints, axis_name=axis_name)
     # The operand's cotangent has the operand's type: varying over the manual axes it varies over.
     missing = tuple(a for a in vma if a not in varying_axes(operand_ct))
     if missing:
