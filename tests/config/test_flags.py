@@ -135,7 +135,18 @@ def test_untie_embeddings_gives_a_separate_lm_head():
 def test_tokenizer_model_is_the_tokenizer_path():
     assert cli.parse(["--tokenizer-model", "/tok"]).data.tokenizer_path == "/tok"
     assert cli.parse(["--tokenizer-model", "/tok", "--hf-tokenizer-path", "/hf"]).data.tokenizer_path == "/hf"
-    flags.require(cli.parse(["--tokenizer-model", "/tok"]), "--hf-tokenizer-path")  # satisfied by its alias
+    flags.require(cli.parse(["--tokenizer-model", "/tok"]), ("--hf-tokenizer-path",))  # satisfied by its alias
+
+
+def test_missing_required_flags_are_named_in_one_error():
+    """Every required flag a run lacks in one error, with the demo to start from instead."""
+    with pytest.raises(ConfigError) as e:
+        flags.require(cli.parse(["--lora-dim", "8"]))
+    assert str(e.value).startswith("missing --model-name --data-path --hf-tokenizer-path --seq-length "
+                                   "--micro-batch-size --train-iters --lr (required)")
+    assert "--config demo" in str(e.value)
+    flags.require(cli.parse(["--config", "demo", "--lora-dim", "8"]))  # the demo has them all
+    assert flags.missing_required(cli.parse(["--load", "/ck"]), ("--model-name",)) == []
 
 
 def _metrics(loss: float) -> dict:
