@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from mlir_train.checkpoint import complete
+from mlir_train.checkpoint.hf_files import usual_mode
 from mlir_train.families.table import LoRATarget, Table
 from mlir_train.runtime.errors import CheckpointError
 
@@ -204,6 +205,7 @@ def save_adapters(path: str, adapters: dict, *, policy, table: Table, stack_kind
     linear = sorted({t.peft for t in targets if not t.parameter})
     params = [r.lora.peft.rsplit(".", 1)[1] for r in table.rows if r.lora in targets and r.lora.parameter]
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, WEIGHTS_NAME))
+    usual_mode(os.path.join(path, WEIGHTS_NAME))
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
         json.dump(peft_config(policy, table, linear, list(dict.fromkeys(params)), base), f, indent=2)
 
@@ -213,8 +215,30 @@ def is_adapter_dir(path: str) -> bool:
 
 
 def read_adapter_config(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, CONFIG_NAME)) as f:
-        return json.load(f)
+    where = os.path.join(path, CONFIG_NAME)
+    try:
+        with open(where) as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: cannot read it ({e}): the adapter directory is damaged or not PEFT's; "
+                              "write it again (--save-peft)") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{where}: a JSON {type(cfg).__name__}, expected PEFT's LoraConfig object")
+    return cfg
+
+
+def check_adapter_config(path: str, policy) -> None:
+    """The adapters' ``adapter_config.json`` agrees with the run's LoRA flags: the rank and the
+    alpha (their scale ``alpha / r``, which would be applied silently otherwise) and no scale
+    rule of peft's we do not apply. The targets are checked tensor by tensor when read."""
+    cfg, where = read_adapter_config(path), os.path.join(path, CONFIG_NAME)
+    for key, flag, mine in (("r", "--lora-dim", policy.dim), ("lora_alpha", "--lora-alpha", policy.alpha)):
+        if key in cfg and float(cfg[key]) != float(mine):
+            raise CheckpointError(f"{where}: {key} {cfg[key]} but {flag} {mine:g}: give {flag} {cfg[key]} (the "
+                                  "adapters were trained with it)")
+    if cfg.get("use_rslora"):
+        raise CheckpointError(f"{where}: use_rslora scales the adapters by alpha / sqrt(r), which is not "
+                              "implemented here (alpha / r)")
 
 
 def load_adapters(path: str, like: dict, table: Table, stack_kinds, num_experts: int) -> dict:
@@ -229,5 +253,10 @@ def load_adapters(path: str, like: dict, table: Table, stack_kinds, num_experts:
         raise CheckpointError(f"{path}: only plain LoRA adapters are read (no DoRA, no bias)")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise CheckpointError(f"{path}: per-module ranks or alphas (rank_pattern / alpha_pattern) are not read")
-    tensors = {re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", k): v for k, v in load_file(where).items()}
+    try:
+        stored = load_file(where)
+    except Exception as e:  # noqa: BLE001 - safetensors' errors: a truncated or damaged file
+        raise CheckpointError(f"{where}: cannot read the adapter weights ({e}): the file is truncated or damaged; "
+                              "write it again (--save-peft)") from None
+    tensors = {re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", k): v for k, v in stored.items()}
     return from_peft(tensors, like, table, stack_kinds, num_experts, where)

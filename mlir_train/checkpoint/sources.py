@@ -417,6 +417,8 @@ def check_lora_resume(cfg: RunConfig, source: Source) -> None:
     """A LoRA checkpoint resumes only as the LoRA run it was (same rank, alpha, targets, expert adapters)."""
     saved = (source.meta or {}).get("lora")
     policy = cfg.training.lora
+    if isinstance(source, PeftAdapters):
+        _check_peft_resume(source, policy)
     if saved is None:
         return
     if policy is None:
@@ -431,6 +433,18 @@ def check_lora_resume(cfg: RunConfig, source: Source) -> None:
                       ("expert_adapters", "--lora-expert-adapters")):
         if (not same_targets) if key == "targets" else mine[key] != saved[key]:
             raise ConfigError(f"{flag} {mine[key]} differs from the checkpoint {source.describe()}'s {saved[key]}")
+
+
+def _check_peft_resume(source: "PeftAdapters", policy) -> None:
+    """PEFT adapters continue only as a LoRA run whose flags agree with their adapter_config.json."""
+    from mlir_train.checkpoint import peft
+
+    if policy is None:
+        saved = peft.read_adapter_config(source.path)
+        raise ConfigError(f"--load {source.path} holds PEFT adapters (r {saved.get('r')}, lora_alpha "
+                          f"{saved.get('lora_alpha')}): add --lora-dim {saved.get('r')} --lora-alpha "
+                          f"{saved.get('lora_alpha')} to continue them, with their base as --pretrained-checkpoint")
+    peft.check_adapter_config(source.path, policy)
 
 
 def lora_initial_state(target: Target, base_target: Target, cfg: RunConfig, loader, base: Source, adapters: Source | None):
