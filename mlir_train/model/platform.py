@@ -19,6 +19,7 @@ from mlir_train.model.options import ModelOptions
 MOE_BACKENDS = ("auto", "mosaic", "tokamax", "padded")
 ATTENTION_BACKENDS = {"auto": None, "tokamax": "tokamax", "pallas-mha": "flash", "mlir": "docs-flash", "xla": "xla"}
 GPU_ONLY = {"mosaic", "tokamax", "pallas-mha", "mlir"}
+OFF_GPU = {"--attention-kernel": "xla", "--moe-gemm-backend": "padded"}  # each flag's own choice for any platform
 
 
 def kernel_options(platform: str, *, is_moe: bool, context_parallel: int = 1, moe_backend: str = "auto",
@@ -42,7 +43,7 @@ def kernel_options(platform: str, *, is_moe: bool, context_parallel: int = 1, mo
     for flag, choice in (("--attention-kernel", attention_backend), ("--moe-gemm-backend", moe_backend)):
         if choice in GPU_ONLY and platform != "gpu":
             raise ValueError(f"{flag} {choice}: a GPU kernel, and this run compiles for {platform}; "
-                             f"use {flag} auto (or xla / padded)")
+                             f"use {flag} auto or {flag} {OFF_GPU[flag]}")
     if context_parallel > 1:
         if attention_backend not in ("auto", "xla"):
             raise ValueError(f"--attention-kernel {attention_backend} does not run with --context-parallel-size "
