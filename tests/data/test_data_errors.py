@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -249,3 +250,16 @@ def test_cli_summary(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         preprocess.main(["--data-path", str(path), "--seq-lenght", "64"])
     assert exc.value.code == 2 and "--seq-length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("index, template", [(0, "alpaca"), (1, "qwen3"), (2, "qwen3")])
+def test_readme_example_records_train(tok, tmp_path, index, template):
+    """README's example record of each format is read, rendered and trained (alpaca, ShareGPT,
+    OpenAI messages), each kept with loss tokens, in a file of its own."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("One record of each format")[1].split("```json\n")[1].split("```")[0]
+    records = block.strip().splitlines()
+    assert len(records) == 3
+    path = write_jsonl(tmp_path / f"r{index}.jsonl", [records[index]] * 2)
+    data = build(tok, tmp_path, path, chat_template=template, packing=False)
+    assert data.stats.records_kept == 2 and sum(data.stats.loss_tokens.values()) > 0
