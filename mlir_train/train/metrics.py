@@ -159,9 +159,11 @@ class ExchangeRounds:
     needed rounds beyond the first (rows past the ``--moe-ep-buffer-factor`` buffers, computed
     exactly), how many rounds a MoE layer took on average and so what they cost: each further
     round is one more pass of the exchange and the local experts over a buffer of the first
-    round's size. A warning only when that adds :data:`WARN_AT` or more to that work."""
+    round's size. A warning only when a pass took :data:`WARN_AT` further rounds or more on average:
+    below that the rounds cost about the compute a buffer large enough for one round would (rounds
+    x factor x the routed rows either way) and only their latency is extra."""
 
-    WARN_AT = 0.25
+    WARN_AT = 1.0
 
     def __init__(self, layer_passes: int, buffer_factor: float | None):
         self.layer_passes, self.buffer_factor = layer_passes, buffer_factor  # MoE layers x micro-batches

@@ -54,6 +54,44 @@ def _megatron_dir(root, name, latest, rank_file: bytes | None):
     return path
 
 
+def _newcomer_cases(tmp, write, save_file):
+    """Issue 36's classes: output paths, LoRA targets, kernel refusals, chat data, dataset configs."""
+    def chat(name, *messages):
+        return write(name, json.dumps({"messages": list(messages)}) + "\n")
+
+    user, done = {"role": "user", "content": "q"}, {"role": "assistant", "content": "done"}
+    call = {"type": "function", "function": {"name": "f", "arguments": "{city: Rome"}}
+    return [
+        # every output path checked at start-up, named by its flag (never a traceback after training)
+        ("save-peft-under-file", ["--lora-dim", "4", "--save-peft", os.path.join(save_file, "p")], "--save-peft"),
+        ("save-hf-under-file", ["--save-hf", os.path.join(save_file, "hf")], "--save-hf"),
+        ("save-hf-is-file", ["--save-hf", save_file], "--save-hf"),
+        ("tensorboard-under-file", ["--tensorboard-dir", os.path.join(save_file, "tb")], "--tensorboard-dir"),
+        # LoRA targets of the family that no layer of this model has (all its MLPs are MoE)
+        ("lora-no-layer", ["--lora-dim", "4", "--lora-target-modules", "mlp.linear_fc1"], "no layer of"),
+        # refusals suggest choices that exist
+        ("attention-gpu-kernel", ["--attention-kernel", "mlir"], "use --attention-kernel auto or --attention-kernel xla"),
+        ("moe-gpu-kernel", ["--moe-gemm-backend", "mosaic"], "use --moe-gemm-backend auto or --moe-gemm-backend padded"),
+        # chat data
+        ("kwargs-missing-file", ["--chat-template", "qwen3", "--chat-template-kwargs", os.path.join(tmp, "kw.json")],
+         "kw.json': no such file"),
+        ("kwargs-bad-json-file", ["--chat-template", "qwen3", "--chat-template-kwargs", write("kw_bad.json", "{1")],
+         "kw_bad.json: not a JSON object"),
+        ("tool-args-not-json", ["--chat-template", "qwen3", "--data-path", chat(
+            "tools.jsonl", user, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "ok"}, done)],
+         "tools.jsonl:1"),
+        ("thinking-only", ["--chat-template", "qwen3", "--data-path", chat(
+            "think.jsonl", user, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\n"})],
+         "think.jsonl:1"),
+        ("dataset-config-file-name", ["--sft-dataset-config", write("dataset_info.json", json.dumps(
+            {"alpaca_tasks": {"file_name": "missing.json", "formatting": "alpaca"}}))], "file_name 'missing.json'"),
+        ("dataset-config-unknown-key", ["--sft-dataset-config", write("dataset_info2.json", json.dumps(
+            {"alpaca_tasks": {"formatting": "alpaca", "ranking": True}}))], "['ranking']"),
+        ("config-demo-typo", ["--config", "demoo"], "--config demo is the no-argument job"),
+    ]
+
+
 def _corpus(tmp):
     """(case id, argv, what the error line must name)."""
     os.makedirs(tmp, exist_ok=True)
@@ -113,35 +151,7 @@ def _corpus(tmp):
         # --save targets
         ("save-is-file", ["--save", save_file, "--save-interval", "1"], "a_file"),
         ("save-under-file", ["--save", os.path.join(save_file, "ckpt"), "--save-interval", "1"], "a_file"),
-        # every output path checked at start-up, named by its flag (never a traceback after training)
-        ("save-peft-under-file", ["--lora-dim", "4", "--save-peft", os.path.join(save_file, "p")], "--save-peft"),
-        ("save-hf-under-file", ["--save-hf", os.path.join(save_file, "hf")], "--save-hf"),
-        ("save-hf-is-file", ["--save-hf", save_file], "--save-hf"),
-        ("tensorboard-under-file", ["--tensorboard-dir", os.path.join(save_file, "tb")], "--tensorboard-dir"),
-        # LoRA targets of the family that no layer of this model has (all its MLPs are MoE)
-        ("lora-no-layer", ["--lora-dim", "4", "--lora-target-modules", "mlp.linear_fc1"], "no layer of"),
-        # refusals suggest choices that exist
-        ("attention-gpu-kernel", ["--attention-kernel", "mlir"], "use --attention-kernel auto or --attention-kernel xla"),
-        ("moe-gpu-kernel", ["--moe-gemm-backend", "mosaic"], "use --moe-gemm-backend auto or --moe-gemm-backend padded"),
-        # chat data
-        ("kwargs-missing-file", ["--chat-template", "qwen3", "--chat-template-kwargs", os.path.join(tmp, "kw.json")],
-         "kw.json': no such file"),
-        ("kwargs-bad-json-file", ["--chat-template", "qwen3", "--chat-template-kwargs", write("kw_bad.json", "{1")],
-         "kw_bad.json: not a JSON object"),
-        ("tool-args-not-json", ["--chat-template", "qwen3", "--data-path", write("tools.jsonl", json.dumps(
-            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "f", "arguments": "{city: Rome"}}]},
-                {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "done"}]}) + "\n")],
-         "tools.jsonl:1"),
-        ("thinking-only", ["--chat-template", "qwen3", "--data-path", write("think.jsonl", json.dumps(
-            {"messages": [{"role": "user", "content": "q"},
-                          {"role": "assistant", "content": "<think>\nhmm\n</think>\n\n"}]}) + "\n")],
-         "think.jsonl:1"),
-        ("dataset-config-file-name", ["--sft-dataset-config", write("dataset_info.json", json.dumps(
-            {"alpaca_tasks": {"file_name": "missing.json", "formatting": "alpaca"}}))], "file_name 'missing.json'"),
-        ("dataset-config-unknown-key", ["--sft-dataset-config", write("dataset_info2.json", json.dumps(
-            {"alpaca_tasks": {"formatting": "alpaca", "ranking": True}}))], "['ranking']"),
-        ("config-demo-typo", ["--config", "demoo"], "--config demo is the no-argument job"),
+        *_newcomer_cases(tmp, write, save_file),
     ]
 
 

@@ -264,7 +264,8 @@ def test_buffer_factor_flag_reaches_the_block_and_overflow_reaches_the_log():
 @pytest.mark.parametrize("further, level", [(0.0, None), (1.0, "info"), (8.0, "warning")])
 def test_exchange_rounds_are_reported_once_and_warned_only_when_costly(further, level, capsys):
     """Two MoE layers x two micro-batches = 4 layer passes a step, over 4 steps: 1 further round
-    in all is 6% more exchange work (an info line), 8 in each step 200% (a warning naming the flag)."""
+    in all is 6% more exchange work (an info line), 8 in each step 200%: every pass ran the exchange
+    three times on average (a warning naming the flag)."""
     from mlir_train.train.metrics import ExchangeRounds
 
     rounds = ExchangeRounds(layer_passes=4, buffer_factor=1.0)
