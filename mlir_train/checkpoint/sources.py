@@ -460,7 +460,8 @@ def lora_initial_state(target: Target, base_target: Target, cfg: RunConfig, load
     if isinstance(base, Scratch):
         saved = (adapters.meta or {}).get("lora") if adapters is not None else None
         base_seed = saved["base"]["seed"] if saved else seed  # the seed that drew the base the adapters trained on
-        log.info(f"LoRA on a randomly initialised base (seed {base_seed})")
+        log.info(f"LoRA on a randomly initialised base (seed {base_seed}): adapters learn little there; --load a "
+                 "trained model (CPU_SMOKE=1 bash examples/qwen3_30b_a3b_lora.sh adapts the demo's)")
         state = target.init_state(base_seed)
     else:
         log.info(f"LoRA base: {base.describe()}")

@@ -183,8 +183,8 @@ class ExchangeRounds:
         extra = self.further / (self.steps * self.layer_passes)
         text = (f"MoE exchange: {self.steps_with_rounds} of {self.steps} steps needed rounds beyond the first "
                 f"({int(self.rows)} rows past the --moe-ep-buffer-factor {self.buffer_factor:g} buffers, exact): "
-                f"{1 + extra:.2f} rounds per MoE layer pass on average, {100 * extra:.0f}% more exchange and "
-                "expert work than one round")
+                f"{1 + extra:.2f} rounds per MoE layer pass on average: {100 * extra:.0f}% more exchange latency, "
+                "about the compute a buffer large enough for one round would take")
         if extra >= self.WARN_AT:
             log.warning(text + "; a larger --moe-ep-buffer-factor takes fewer rounds for more buffer memory")
         else:
