@@ -261,5 +261,27 @@ def test_readme_example_records_train(tok, tmp_path, index, template):
     records = block.strip().splitlines()
     assert len(records) == 3
     path = write_jsonl(tmp_path / f"r{index}.jsonl", [records[index]] * 2)
-    data = build(tok, tmp_path, path, chat_template=template, packing=False)
+    data = build(tok, tmp_path, path, chat_template=template, packing=False, seq_length=512)
     assert data.stats.records_kept == 2 and sum(data.stats.loss_tokens.values()) > 0
+
+
+def test_too_long_records_are_named_with_the_seq_length_that_keeps_them(tok, tmp_path):
+    """Documents over a row, counted by what became of them: the first few records (file:line)
+    and the --seq-length that keeps them all, in the summary and in the no-usable-records error."""
+    long = {"instruction": "Say hi.", "input": "", "output": "hi " * 60}
+    long_prompt = {"instruction": "Say hi. " * 40, "input": "", "output": "hi"}
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, long, GOOD, long, long_prompt])
+    cut = build(tok, tmp_path, path, seq_length=48, packing=False)
+    n = cut.stats.too_long["truncated"]["seq_length"]
+    assert cut.stats.too_long["truncated"]["records"] == [f"{path}:2", f"{path}:4"] and n > 48
+    assert "truncated      2 documents" in cut.stats.summary()
+    assert f": {path}:2, {path}:4 (--seq-length {n} keeps them whole)" in cut.stats.summary()
+    m = cut.stats.too_long["response truncated away"]["seq_length"]
+    assert f"{'response truncated away':<28} 1: {path}:5 (--seq-length {m} keeps them)" in cut.stats.summary()
+    dropped = build(tok, tmp_path, path, seq_length=48, packing=False, drop_long=True)
+    assert dropped.stats.dropped == {"longer than seq_length": 3}
+    assert (f"{'longer than seq_length':<28} 3: {path}:2, {path}:4, {path}:5 (--seq-length {max(n, m)} keeps them)"
+            in dropped.stats.summary())
+    only_long = write_jsonl(tmp_path / "long.jsonl", [long])
+    with pytest.raises(DataError, match=rf"no usable records .*; --seq-length {n} keeps them$"):
+        build(tok, tmp_path, only_long, seq_length=48, packing=False, drop_long=True)
