@@ -174,6 +174,17 @@ def test_tensorboard_log_interval_writes_every_n_iterations(tmp_path, capsys):
     assert sum(l.startswith(" iteration ") for l in capsys.readouterr().out.splitlines()) == 6  # the console still every --log-interval
 
 
+def test_the_first_logged_loss_is_the_first_console_lines(tmp_path, capsys):
+    """--log-interval 5: the run's closing line quotes iteration 5's loss, the first one shown."""
+    writer, logger = _logger(tmp_path, log_interval=5)
+    for it in range(1, 7):
+        logger.record(it, _metrics(2.0 - it * 0.1))
+    writer.close()
+    assert logger.first_logged == (5, pytest.approx(1.5))
+    assert [l.split("|")[0].strip() for l in capsys.readouterr().out.splitlines() if l.startswith(" iteration ")] == [
+        "iteration        5/       6", "iteration        6/       6"]
+
+
 def test_wandb_save_dir_is_wandbs_directory(tmp_path, monkeypatch):
     seen = {}
 
