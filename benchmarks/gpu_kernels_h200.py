@@ -1,7 +1,7 @@
 """Every GPU kernel backend on one H200: error against float32, determinism, TFLOP/s, one table.
 
     python benchmarks/gpu_kernels_h200.py                  # the GPU machine: under six minutes
-    python benchmarks/gpu_kernels_h200.py --cpu-smoke      # tiny shapes on CPU, the kernels interpreted
+    python benchmarks/gpu_kernels_h200.py --cpu-rehearsal  # tiny shapes on one CPU device, the kernels interpreted
 
 At Qwen3-30B-A3B's shapes, per device, forward + backward (``jax.vjp``: the output and every
 input's gradient for a random cotangent), bf16 operands:
@@ -13,8 +13,10 @@ input's gradient for a random cotangent), bf16 operands:
   tokamax imports, ``jax.lax.ragged_dot`` (XLA), and the capacity-padded ``[E, C, D]`` einsum
   (C = the largest group, rounded up to 8). Reference: the padded einsum in float32 at HIGHEST.
 * Attention (causal, 4 rows of 2048 tokens, 32 query / 4 kv heads of 128): the Pallas-Triton
-  mha kernel (``layers.flash_attention``), ``tokamax.dot_product_attention`` if tokamax imports,
-  and XLA's ``layers.masked_attention``. Reference: ``masked_attention`` in float32 at HIGHEST.
+  mha kernel (``attention.flash_attention``), our document-skipping Pallas-Triton kernel
+  (``attention.docs_flash_attention``, ``--attention-kernel mlir``; one document per row here),
+  ``tokamax.dot_product_attention`` if tokamax imports, and XLA's ``attention.masked_attention``.
+  Reference: ``masked_attention`` in float32 at HIGHEST.
 
 For each: the max abs and relative (over the reference's max abs) error of the forward output
 and the worst of the gradients; whether ten repeats are bit-identical; the median fwd+bwd time and
@@ -37,10 +39,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlir_train.runtime.platform_setup import configure_platform  # noqa: E402  (imports no jax)
+import gpu_common  # noqa: E402  (imports no jax)
 
-SMOKE = "--cpu-smoke" in sys.argv
-SETUP = configure_platform("cpu", cpu_devices=1) if SMOKE else configure_platform()
+SMOKE, SETUP = gpu_common.setup(sys.argv)  # SMOKE: a CPU rehearsal
+DEVICE = None if SMOKE else gpu_common.the_gpu()  # no GPU: one error line, exit status 2
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -188,12 +190,18 @@ def moe_inputs(case: MoECase, seed=0):
 def attention_backends():
     from mlir_train.model.attention import flash_attention
 
+    from mlir_train.model.attention import docs_flash_attention
+
     def pallas(q, k, v):
         return flash_attention(q, k, v, jnp.ones(q.shape[:2], jnp.int32), interpret=SMOKE)
 
+    def docs(q, k, v):
+        return docs_flash_attention(q, k, v, jnp.ones(q.shape[:2], jnp.int32), interpret=SMOKE)
+
     tokamax, why = _tokamax()
     tk = (lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True)) if tokamax else None
-    return [("pallas mha", pallas, None), ("tokamax dot_product_attention", tk, why), ("xla masked", xla_attention, None)]
+    return [("pallas mha", pallas, None), ("mlir docs-flash", docs, None), ("tokamax dot_product_attention", tk, why),
+            ("xla masked", xla_attention, None)]
 
 
 def xla_attention(q, k, v):
@@ -271,31 +279,16 @@ def reference_of(fn, args, ct):
         return jax.block_until_ready(fwd_bwd(fn)(args, ct))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, Pallas/Mosaic interpreters")
-    p.add_argument("--repeats", type=int, default=None, help="bit-identical repeats (default 10; smoke 2)")
-    p.add_argument("--min-time", type=float, default=None, help="seconds of timed calls per backend (default 1)")
-    p.add_argument("--budget-s", type=float, default=300.0, help="skip what is left after this many seconds")
-    args = p.parse_args(argv)
-    started = time.perf_counter()
-    repeats = args.repeats or (2 if SMOKE else 10)
-    min_time = args.min_time if args.min_time is not None else (0.0 if SMOKE else 1.0)
-    tokamax, _ = _tokamax()
-    dev = jax.devices()[0]
-    print(f"jax {jax.__version__}, {dev.platform} {dev.device_kind}, tokamax "
-          f"{getattr(tokamax, '__version__', '?') if tokamax else 'absent'}; {SETUP.describe()}", flush=True)
-    if dev.platform != "gpu" and not SMOKE:
-        print(f"no GPU ({dev.platform}): run this on the H200, or --cpu-smoke here")
-        return 2
-
-    rows = []  # (case, backend, result dict or None, note)
+def kernel_rows(budget_s: float, started: float, repeats: int, min_time: float) -> list:
+    """Every (case, backend) of this platform's cases: ``(case, backend, result dict or None, note)``;
+    what is left once ``budget_s`` seconds since ``started`` are spent is skipped, and said so."""
+    rows = []
 
     def run(case, name, fn, why, inputs, ref, flops):
         if fn is None:
             rows.append((case, name, None, f"skipped: {why}"))
-        elif time.perf_counter() - started > args.budget_s:
-            rows.append((case, name, None, f"skipped: --budget-s {args.budget_s:.0f} spent"))
+        elif time.perf_counter() - started > budget_s:
+            rows.append((case, name, None, f"skipped: --budget-s {budget_s:.0f} spent"))
         else:
             try:
                 rows.append((case, name, measure(fn, *inputs, ref, flops, repeats, min_time), ""))
@@ -319,7 +312,24 @@ def main(argv=None) -> int:
         for name, fn, why in attention_backends():
             run(case, name, fn, why, (qkv, do), ref, case.flops())
         del ref
+    return rows
 
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(gpu_common.REHEARSAL, action="store_true", help=gpu_common.REHEARSAL_HELP)
+    p.add_argument("--repeats", type=int, default=None, help="bit-identical repeats (default 10; rehearsal 2)")
+    p.add_argument("--min-time", type=float, default=None, help="seconds of timed calls per backend (default 1)")
+    p.add_argument("--budget-s", type=float, default=300.0, help="skip what is left after this many seconds")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    dev = DEVICE or jax.devices()[0]
+    tokamax, _ = _tokamax()
+    print(f"jax {jax.__version__}, {dev.platform} {dev.device_kind}, tokamax "
+          f"{getattr(tokamax, '__version__', '?') if tokamax else 'absent'}; {SETUP.describe()}"
+          + ("; CPU REHEARSAL: no figure below is a GPU's" if SMOKE else ""), flush=True)
+    rows = kernel_rows(args.budget_s, started, args.repeats or (2 if SMOKE else 10),
+                       args.min_time if args.min_time is not None else (0.0 if SMOKE else 1.0))
     print()
     _print_table(rows)
     print(f"\ntotal {time.perf_counter() - started:.0f}s (bf16 operands; errors against float32 at HIGHEST; "

@@ -7,7 +7,7 @@ family and logger) < ``config`` (flags, model registry, policies) and the rest o
 folder per model family and the registry) < ``train``'s step
 (trainer, optimizer, schedule, pipeline, hooks, build) < ``checkpoint`` < ``run`` (the job and
 its loop) and ``planner`` < the entry points (``sft``, ``plan``,
-``convert``, ``preprocess``). A module may import its own package and anything on a lower
+``convert``, ``preprocess``, ``check``). A module may import its own package and anything on a lower
 floor, never a higher one.
 """
 
@@ -33,6 +33,7 @@ FLOORS = [  # (module prefix, floor): the longest matching prefix decides
     ("mlir_train.checkpoint", 6),
     ("mlir_train.run", 7), ("mlir_train.planner", 7),
     ("mlir_train.sft", 8), ("mlir_train.plan", 8), ("mlir_train.convert", 8), ("mlir_train.preprocess", 8),
+    ("mlir_train.check", 8),
 ]
 
 
@@ -116,7 +117,7 @@ def test_a_trainer_comes_only_from_the_builder():
     assert direct == []
 
 
-@pytest.mark.parametrize("entry", ["sft", "plan", "convert", "preprocess"])
+@pytest.mark.parametrize("entry", ["sft", "plan", "convert", "preprocess", "check"])
 def test_entry_points_stay_where_users_call_them(entry):
     """``python -m mlir_train.<entry> --help`` works (the move kept every command line)."""
     proc = subprocess.run([sys.executable, "-m", f"mlir_train.{entry}", "--help"], capture_output=True, text=True,

@@ -37,11 +37,12 @@ import numpy as np
 from flax import nnx
 
 from mlir_train import families
-from mlir_train.checkpoint import complete, shards
+from mlir_train.checkpoint import carry, complete, shards
 from mlir_train.checkpoint.hf_files import Files, ShardWriter, to_numpy
 from mlir_train.config.models import ModelConfig
 from mlir_train.families.table import EXPERT, Bound, Ext, Table
 from mlir_train.model import CausalLM, ModelOptions
+from mlir_train.runtime import log
 from mlir_train.runtime.errors import CheckpointError
 from sharding import Rules
 from sharding.logical import logical_to_spec
@@ -119,9 +120,12 @@ def _layers(bound: Bound) -> list[int | None]:
     return [None] if bound.first is None else list(range(bound.first, bound.first + bound.count))
 
 
-def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict, cfg: ModelConfig) -> list[_Tensors | Bound]:
+def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict,
+          cfg: ModelConfig) -> tuple[list[_Tensors | Bound], dict[str, str | None]]:
     """Every parameter bound to its tensors (or, for training state the format has no place
-    for, to none); then the completeness check: no tensor of the file left unread."""
+    for, to none); and the tensors no parameter reads, carried (:func:`carry.unused`: name -> the
+    family's pattern it matches, None if unknown), after the completeness check on those the
+    family spells as its own."""
     shapes = {path: tuple(var.shape) for path, var in flat.items()}
     plan, read = [], set()
     for bound in table.bind(flat, abstract.stack_kinds, f"{files.path}: "):
@@ -136,8 +140,7 @@ def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict, cfg: Model
         plan.append(tensors)
     tied = {x.name for r in table.rows if r.tied_to and r.tied_to in shapes and r.path not in shapes for x in r.hf}
     unread = {n: str(files.shape(n)) for n in files.names() if n not in read | tied and not IGNORED.search(n)}
-    complete.check(files.path, unread=unread, hint="; is it a checkpoint of this model (its config.json)?")
-    return plan
+    return plan, carry.unused(files.path, table, unread)
 
 
 def _sharding_for(mesh, rules):
@@ -183,7 +186,9 @@ def load_pretrained(path: str, *, dtype=jnp.bfloat16, mesh: jax.sharding.Mesh | 
         rules = DATA_PARALLEL
     sharding_for = _sharding_for(mesh, rules)
     # Every tensor located and checked before any is read: a bad checkpoint fails fast and clearly.
-    plan = _plan(files, families.family_of(cfg).params, abstract, flat, cfg)
+    table = families.family_of(cfg).params
+    plan, carried = _plan(files, table, abstract, flat, cfg)
+    carry.say(path, table, carried, "read past; HF exports of this model copy them untouched")
     new_flat = {}
     for item in plan:
         if isinstance(item, Bound):  # training state with no HF tensor (the router's expert bias): zero
@@ -208,10 +213,14 @@ def _shard_reader(files: Files, tensors: _Tensors, shape, np_dtype) -> shards.Ca
 
 
 # ----- writing -----------------------------------------------------------------------------------
-def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: int = 2 * 1024**3) -> None:
+def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: int = 2 * 1024**3,
+                    carry_from: str | None = None) -> None:
     """Write ``model`` as an HF directory (config.json + sharded safetensors + index).
 
     ``dtype`` (e.g. ``jnp.bfloat16``) converts on the way out; default keeps each param's dtype.
+    ``carry_from``: the HF directory the model came from, whose tensors the model does not use
+    are copied byte for byte, whose config.json fields are kept under ours and whose other files
+    (generation config, tokenizer) are copied (:mod:`mlir_train.checkpoint.carry`).
     In a multi-process run every process must call this; only process 0 writes.
     """
     from safetensors.numpy import save_file
@@ -231,12 +240,39 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
         elif bound.path not in written:
             written |= _write(writer, table, bound, flat, host)
     complete.check(path, unwritten=["/".join(map(str, p)) for p in set(flat) - written])
+    source = _carry(writer, table, carry_from)
     if jax.process_index() == 0:
         saved_dtype = str(out_dtype or next(iter(flat.values())).get_value().dtype)
         hf_cfg = family.to_hf(cfg) | {"dtype": "bfloat16" if "bfloat16" in saved_dtype else saved_dtype}
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf_cfg, f, indent=2)
+            json.dump(hf_cfg if source is None else carry.config_fields(source, hf_cfg), f, indent=2)
     writer.close()
+    if source is not None and jax.process_index() == 0:
+        copied = carry.side_files(source, path)
+        log.info(f"{path}: config.json keeps {source}'s fields"
+                 + (f"; copied {', '.join(copied)}" if copied else ""))
+
+
+def _carry(writer: ShardWriter, table: Table, source: str | None) -> str | None:
+    """Copy, as stored, the tensors of the HF directory ``source`` the model does not use;
+    returns ``source`` (None: nothing to carry from)."""
+    if source is None:
+        return None
+    if os.path.realpath(source) == os.path.realpath(writer.path):
+        raise CheckpointError(f"{writer.path} is the HF directory the model was read from: export to another one")
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        log.warning(f"{writer.path}: {source}, the HF directory the model came from, is gone: the tensors it held "
+                    "beside the model's (if any) are not in the export")
+        return None
+    files = Files(source)
+    # What the load read past (carry.unused): the family's declared tensors and those it spells
+    # as none of its own (a tensor it does spell was read, or the load failed).
+    carried = {n: table.carried_pattern(n) for n in files.names()
+               if not IGNORED.search(n) and (table.carried_pattern(n) or not table.spells(n))}
+    for name in sorted(carried):
+        writer.add_raw(name, files.raw(name))
+    carry.say(writer.path, table, carried, f"copied byte for byte from {source}")
+    return source
 
 
 def _write(writer: ShardWriter, table: Table, bound: Bound, flat: dict, host) -> set[tuple]:

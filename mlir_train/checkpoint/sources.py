@@ -49,6 +49,12 @@ class Source:
     def iteration(self) -> int:
         return 0
 
+    @property
+    def hf_origin(self) -> str | None:
+        """The HF directory the weights came from (its untouched tensors and files go into HF
+        exports: :mod:`mlir_train.checkpoint.carry`); None: none."""
+        return None if self.meta is None else self.meta.get("hf_origin")
+
     def describe(self) -> str:
         return "random initialisation"
 
@@ -82,6 +88,10 @@ class HFModel(Source):
 
     kind: ClassVar[str] = "hf"
 
+    @property
+    def hf_origin(self) -> str | None:
+        return os.path.abspath(self.path)
+
     def describe(self) -> str:
         return f"{self.path}/config.json"
 
@@ -99,13 +109,16 @@ class HFModel(Source):
         return target.state_from_params(self._weights(target))["params"]
 
     @staticmethod
-    def write(dst: str, target: Target, state: dict[str, Any], *, dtype: str | None = None) -> None:
-        """The plain model of ``state`` (under LoRA the adapters merged in) as an HF directory."""
+    def write(dst: str, target: Target, state: dict[str, Any], *, dtype: str | None = None,
+              carry_from: str | None = None) -> None:
+        """The plain model of ``state`` (under LoRA the adapters merged in) as an HF directory,
+        with what the HF directory ``carry_from`` holds beside the model's weights."""
         import jax.numpy as jnp
 
         from mlir_train.checkpoint.hf import save_pretrained
 
-        save_pretrained(target.export_model(state), dst, dtype=None if dtype is None else jnp.dtype(dtype))
+        save_pretrained(target.export_model(state), dst, dtype=None if dtype is None else jnp.dtype(dtype),
+                        carry_from=carry_from)
 
     def _weights(self, target: Target, options=None) -> dict[str, Any]:
         """The safetensors read shard by shard straight into the target's mesh and rules."""
@@ -170,10 +183,11 @@ class Ours(Source):
         return state["params"]
 
     @staticmethod
-    def write(dst: str, target: Target, state: dict[str, Any], *, converted_from: str) -> None:
+    def write(dst: str, target: Target, state: dict[str, Any], *, converted_from: str,
+              hf_origin: str | None = None) -> None:
         """``state``'s weights alone as a checkpoint at iteration 0 (``--load`` then starts from
         them with a fresh optimizer); ``dst`` must hold no checkpoint yet."""
-        orbax.save_weights(dst, target.model_cfg, state["params"], converted_from=converted_from)
+        orbax.save_weights(dst, target.model_cfg, state["params"], converted_from=converted_from, hf_origin=hf_origin)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,15 +273,18 @@ class PeftAdapters(Source):
         return f"{self.path} (PEFT adapters)"
 
     @staticmethod
-    def write(dst: str, target: Target, state: dict[str, Any], *, base: str | None = None) -> None:
-        """A LoRA run's adapters as a PEFT directory for the HF model at ``base``."""
+    def write(dst: str, target: Target, state: dict[str, Any], *, base: str | None = None,
+              layout: str = "per-expert") -> None:
+        """A LoRA run's adapters as a PEFT directory for the HF model at ``base``, the routed
+        experts' adapters in ``layout`` (``--lora-export-format``)."""
         import jax
 
         from mlir_train.checkpoint import peft
 
         cfg = target.model_cfg
         peft.save_adapters(dst, jax.device_get(state["params"]), policy=target.lora, table=families.family_of(cfg).params,
-                           stack_kinds=target.stack_kinds, num_experts=cfg.num_experts, base=base)
+                           stack_kinds=target.stack_kinds, num_experts=cfg.num_experts, base=base, layout=layout,
+                           weights=state["base"], mlp_only_layers=cfg.mlp_only_layers)
 
     def recorded_base(self) -> str | None:
         from mlir_train.checkpoint import peft
@@ -436,15 +453,16 @@ def check_lora_resume(cfg: RunConfig, source: Source) -> None:
 
 
 def _check_peft_resume(source: "PeftAdapters", policy) -> None:
-    """PEFT adapters continue only as a LoRA run whose flags agree with their adapter_config.json."""
+    """PEFT adapters continue only as a LoRA run whose flags agree with their adapter_config.json
+    (checked here, before any state is built, by :func:`peft.check_config`)."""
     from mlir_train.checkpoint import peft
 
+    saved = peft.read_adapter_config(source.path)
     if policy is None:
-        saved = peft.read_adapter_config(source.path)
         raise ConfigError(f"--load {source.path} holds PEFT adapters (r {saved.get('r')}, lora_alpha "
                           f"{saved.get('lora_alpha')}): add --lora-dim {saved.get('r')} --lora-alpha "
                           f"{saved.get('lora_alpha')} to continue them, with their base as --pretrained-checkpoint")
-    peft.check_adapter_config(source.path, policy)
+    peft.check_config(saved, policy, os.path.join(source.path, peft.CONFIG_NAME))
 
 
 def lora_initial_state(target: Target, base_target: Target, cfg: RunConfig, loader, base: Source, adapters: Source | None):
@@ -471,7 +489,7 @@ def lora_initial_state(target: Target, base_target: Target, cfg: RunConfig, load
 
         log.info(f"loading LoRA adapters from {adapters.describe()} (optimizer fresh, iteration 0)")
         host = peft.load_adapters(adapters.path, target.param_shapes, families.family_of(target.model_cfg).params,
-                                  target.stack_kinds, target.model_cfg.num_experts)
+                                  target.stack_kinds, target.model_cfg.num_experts, policy=target.lora)
         state = target.state_with_base(jax.tree.map(lambda x: np.asarray(x, np.float32), host), state["base"])
     elif adapters is not None:
         ck = cfg.checkpoint

@@ -40,6 +40,7 @@ is kept as the user wrote it, and reported as kept):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import glob
@@ -220,12 +221,7 @@ def _quiet_plugin_discovery() -> None:
     redirected, then pass on every captured line except :data:`_DRIVERLESS_NOISE`. Registration
     is jax's own, done once per process; should its private entry point move, plain discovery
     happens later as before, and only the noise comes back."""
-    import tempfile
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
+    with quiet_driverless_noise():
         try:
             import jax  # noqa: F401 - its import loads the plugin's libraries
             from jax._src import xla_bridge
@@ -233,14 +229,30 @@ def _quiet_plugin_discovery() -> None:
             getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
         except Exception:  # noqa: BLE001 - discovery then happens at first use, as without us
             pass
+
+
+@contextlib.contextmanager
+def quiet_driverless_noise():
+    """File descriptor 2 captured while the block runs (what C++ libraries print too); then every
+    captured line except :data:`_DRIVERLESS_NOISE` is passed on to stderr, unless the block sets
+    the yielded dict's ``"pass_on"`` to False (it reports the failure its own way)."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        control = {"pass_on": True}
+        try:
+            yield control
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
-        captured.seek(0)
-        kept = drop_driverless_noise(captured.read().decode(errors="replace"))
-    if kept:
-        sys.stderr.write(kept)
+            captured.seek(0)
+            kept = drop_driverless_noise(captured.read().decode(errors="replace"))
+            if kept and control["pass_on"]:
+                sys.stderr.write(kept)
 
 
 def drop_driverless_noise(text: str) -> str:

@@ -81,6 +81,15 @@ class Trainer(StateLayout):
         with jax.set_mesh(self.mesh), use_rules(self.rules), compile_target(self.mesh):
             return step.lower(state_shapes, batch_shapes)
 
+    def trace_train_step(self, state_shapes, batch_shapes):
+        """The traced train step and its lowering: ``traced.jaxpr`` is the program as JAX built it
+        (which ops, kernels and collectives it runs, and where in our code each came from:
+        :mod:`mlir_train.planner.code_paths`), ``lowered.compile()`` what XLA runs."""
+        step = self._jitted_train_step()
+        with jax.set_mesh(self.mesh), use_rules(self.rules), compile_target(self.mesh):
+            traced = step.trace(state_shapes, batch_shapes)
+            return traced, traced.lower()
+
     def eval_step(self, params, batch):
         """``params``: :meth:`weights` of a state. Summed token loss and loss-token count, forward only, of a ``[micro, rows, seq]`` batch
         (as :meth:`train_step` takes; Megatron's evaluation iteration is one global batch in

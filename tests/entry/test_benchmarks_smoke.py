@@ -39,19 +39,95 @@ def _one_device_unoptimised_env() -> dict:
     return env
 
 
-def test_gpu_h200_smoke():
-    """gpu_h200.py's whole path (AOT compile + memory check, bf16 steps, tokens/s, MFU line) at tiny sizes on CPU.
+def _h200(script: str, *args: str, env: dict | None = None, timeout: float = 180):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], cwd=ROOT,
+                          env=env or _one_device_unoptimised_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script", ["gpu_h200.py", "gpu_kernels_h200.py"])
+@pytest.mark.parametrize("platforms", ["cpu", None])
+def test_h200_scripts_refuse_to_run_without_a_gpu(script, platforms):
+    """No GPU (none here; or JAX_PLATFORMS naming another platform): one error line and exit status 2,
+    never a run on CPU devices."""
+    env = _one_device_unoptimised_env()
+    env.pop("JAX_PLATFORMS", None)
+    if platforms:
+        env["JAX_PLATFORMS"] = platforms
+    proc = _h200(script, env=env, timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert len(err) == 1 and err[0].startswith("mlir-train: error: ") and "--cpu-rehearsal" in err[0], err
+
+
+def test_gpu_h200_cpu_rehearsal():
+    """gpu_h200.py's device and train phases (AOT compile + memory check, bf16 steps, tokens/s, MFU,
+    the peak-memory row) at tiny sizes on one CPU device, said to be a rehearsal, ending in its table.
 
     Its steps are only run, not timed for a figure, so LLVM's optimisation of the CPU code is skipped: that
     halves the compile, which is most of this test's time.
     """
-    env = _one_device_unoptimised_env()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_h200.py"), "--smoke"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = _h200("gpu_h200.py", "--cpu-rehearsal", "--skip", "self-check", "gpu-vs-xla", "kernels")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "qwen3-30b-a3b-shaped stack: 2 layers" in proc.stdout and "bf16 compute" in proc.stdout
-    assert re.search(r"^memory per device: .* GiB", proc.stdout, re.MULTILINE), proc.stdout
-    assert re.search(r"^result: [\d,]+ tokens/s/device, \d+\.\d+ TFLOP/s/device, MFU n/a", proc.stdout, re.MULTILINE), proc.stdout
+    out = proc.stdout
+    assert "qwen3-30b-a3b-shaped stack: 2 layers" in out and "bf16 compute" in out and "CPU REHEARSAL" in out
+    assert re.search(r"^memory per device: .* GiB", out, re.MULTILINE), out
+    assert re.search(r"^result: [\d,]+ tokens/s/device, \d+\.\d+ TFLOP/s/device, MFU n/a", out, re.MULTILINE), out
+    assert "| phase | what | figure | verdict |" in out
+    assert re.search(r"^\| train \| 2 layers, .* tokens/s, .* \| ok \|$", out, re.MULTILINE), out
+    assert re.search(r"^\| memory \| measured peak vs compiled \| no memory_stats on cpu", out, re.MULTILINE), out
+    assert "| self-check |  | skipped: --skip | - |" in out
+
+
+def test_gpu_h200_cpu_rehearsal_checks():
+    """gpu_h200.py's check phases on CPU: the start-up self-check of every GPU kernel at the run's widths
+    (interpreted), and the GPU-path-vs-XLA-path step comparison (ragged_dot experts standing in), with
+    the kernels read from the program."""
+    proc = _h200("gpu_h200.py", "--cpu-rehearsal", "--skip", "train", "kernels", timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for kernel in ("flash attention \\(Pallas-Triton mha\\)", "MoE expert matmuls \\(mosaic-interpret block kernels\\)",
+                   "document-skipping flash attention"):
+        assert re.search(rf"^\| self-check \| {kernel}.* at T 128, D 64, F 64 \| max relative error .* \| ok \|$",
+                         out, re.MULTILINE), (kernel, out)
+    row = re.search(r"^\| gpu-vs-xla \| 2 layers, 2 steps, ragged experts \+ xla attention against padded experts "
+                    r"\+ XLA attention \| lm loss (\S+), grad norm (\S+), .* \| ok \|$", out, re.MULTILINE)
+    assert row and float(row.group(1)) < 1e-3, out
+    assert re.search(r"^\| gpu-vs-xla \| the GPU program's kernels \(read from it\) \| XLA ragged_dot x\d+", out,
+                     re.MULTILINE), out
+
+
+TARGET_CONFIG = """
+import gpu_common
+gpu_common.setup(["--compile-only"])
+from mlir_train.planner.targets import DEVICE_KINDS, compile_only_devices
+import gpu_h200_checks as checks
+text = checks.target_config_text(compile_only_devices("h200", 1)[0])
+assert checks._fields(text) == checks._fields(DEVICE_KINDS["h200"].target_config()), text
+print(sorted(checks._fields(text)))
+"""
+
+
+def test_gpu_h200_reads_the_target_config_xla_compiles_for():
+    """The device phase's reading of XLA:GPU's GpuTargetConfigProto from a compile's dump, on a
+    deviceless H200 (whose description is the planner's h200.txtpb: every key field read back)."""
+    from mlir_train.planner.targets import gpu_compiler_missing
+
+    if gpu_compiler_missing():
+        pytest.skip(f"deviceless XLA:GPU: {gpu_compiler_missing()}")
+    env = _one_device_unoptimised_env()
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "benchmarks"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", TARGET_CONFIG], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "'core_count'" in proc.stdout and "'device_memory_size'" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow  # every phase: the kernels interpreted (minutes on 2 cores)
+def test_gpu_h200_cpu_rehearsal_every_phase():
+    proc = _h200("gpu_h200.py", "--cpu-rehearsal", timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for phase in ("device", "train", "memory", "self-check", "gpu-vs-xla", "kernels"):
+        assert re.search(rf"^\| {phase} \| ", proc.stdout, re.MULTILINE), (phase, proc.stdout)
 
 
 @pytest.mark.slow  # ~20 s; runs HF torch training beside ours
@@ -106,16 +182,15 @@ def test_gpu_compiled_benchmark_quick():  # ~30 s of CPU per layout; deviceless 
     assert "all-to-all" in out
 
 
-def test_gpu_kernels_h200_cpu_smoke():
+def test_gpu_kernels_h200_cpu_rehearsal():
     """gpu_kernels_h200.py's whole path at tiny shapes on CPU (~15 s): every backend row (the Mosaic and
     Pallas kernels in their interpreters), within bf16 error of the float32 reference, repeats bit-identical."""
-    env = _one_device_unoptimised_env()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_kernels_h200.py"), "--cpu-smoke"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = _h200("gpu_kernels_h200.py", "--cpu-rehearsal")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
+    assert "CPU REHEARSAL" in out
     assert "| case | backend | fwd max abs | fwd rel | bwd max abs | bwd rel | bit-identical | fwd+bwd ms | TFLOP/s |" in out
-    backends = ["mosaic blocks", "xla ragged_dot", "padded einsum", "pallas mha", "xla masked"]
+    backends = ["mosaic blocks", "xla ragged_dot", "padded einsum", "pallas mha", "mlir docs-flash", "xla masked"]
     try:
         import tokamax  # noqa: F401
         backends += ["tokamax ragged_dot", "tokamax dot_product_attention"]

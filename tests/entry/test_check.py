@@ -1,0 +1,128 @@
+"""``python -m mlir_train.check``, the layout certificate: a small layout passes (exit 0, ``PASS``), a
+planted bug in the expert-parallel dispatcher fails (exit 1, ``FAIL``), bad input is one
+``mlir-train: error:`` line and exit 2; the shrinking keeps the layout's features; the code
+paths are read from the program (a Pallas kernel by name, interpreted)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mlir_train import check
+from mlir_train.config import cli
+from mlir_train.families import get_model_config
+from mlir_train.planner.code_paths import CodePaths
+from mlir_train.run.certify import code_paths_of
+from mlir_train.run.shrink import shrink, shrunk_kinds
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("check") / "cache")
+
+
+def _argv(cache, *extra):
+    """A small TP2 EP2 SP layout (DP4 on the 8 test devices) of a 2-layer MoE model, 2 iterations."""
+    return ["--model-name", "qwen3-moe-tiny", "--num-layers", "2", "--seq-length", "64", "--micro-batch-size", "1",
+            "--global-batch-size", "8", "--lr", "1e-3", "--moe-aux-loss-coeff", "1e-2", "--data-cache-path", cache,
+            "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--sequence-parallel",
+            "--check-iters", "2", *extra]
+
+
+def test_a_small_layout_passes(cache, capsys):
+    assert check.main(_argv(cache)) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("PASS TP2 PP1 EP2 ETP2 CP1 DP4 SP: trains as one device over 2 iteration(s) (float32")
+    text = "\n".join(out)
+    assert "MoE dispatch    layout:     padded: all_to_all x" in text  # read from the program, not the flags
+    assert "one device: none (no expert-parallel exchange)" in text
+    assert "compiled, per step: " in text and "all-to-all" in text
+    assert "initial weights: identical" in text
+    rows = [line for line in out if line[:1].isdigit()]
+    assert len(rows) == 2, text
+
+
+def _rolled_experts(swiglu_experts):
+    """The padded EP path with each rank's tokens run by the next local expert: a mis-sharded
+    expert weight, as a wrong rule or dispatcher would give."""
+    def run(x_ECD, wg, wu, wd, recompute_act=False):
+        return swiglu_experts(x_ECD, jnp.roll(wg, 1, axis=0), jnp.roll(wu, 1, axis=0), jnp.roll(wd, 1, axis=0),
+                              recompute_act=recompute_act)
+    return run
+
+
+def test_a_planted_dispatcher_bug_fails(cache, capsys, monkeypatch):
+    from mlir_train.model.moe import parallel
+
+    monkeypatch.setattr(parallel, "swiglu_experts", _rolled_experts(parallel.swiglu_experts))
+    assert check.main(_argv(cache)) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("FAIL TP2 PP1 EP2 ETP2 CP1 DP4 SP: iteration 1: lm loss differs by "), last
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
+    (["--check-iters", "0"], "--check-iters 0"),
+    (["--check-precision", "fp8"], "--check-precision"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_bad_input_is_one_error_line_and_exit_2(cache, capsys, extra, names):
+    with pytest.raises(SystemExit) as e:
+        check.main(_argv(cache, *extra))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mlir-train: error: ") and names in err[0], err
+
+
+def test_a_large_model_shrinks_to_the_same_layout_and_features():
+    cfg = cli.parse(["--model-name", "qwen3-30b-a3b", "--tensor-model-parallel-size", "2",
+                     "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--sequence-parallel",
+                     "--num-layers-per-virtual-pipeline-stage", "4", "--moe-router-num-groups", "4",
+                     "--moe-router-group-topk", "2", "--seq-length", "4096", "--micro-batch-size", "1",
+                     "--global-batch-size", "128", "--lora-dim", "8"])
+    model = get_model_config("qwen3-30b-a3b", vocab_size=151936).with_moe_layers((False,) * 3 + (True,) * 45)
+    small = shrink(cfg, model, num_devices=8)
+    m, p = small.model, small.cfg.parallel
+    assert m.family == model.family and m.top_k == 8 and m.head_dim == 128
+    assert m.num_heads % 2 == 0 and m.num_kv_heads % 2 == 0 and m.num_heads > m.num_kv_heads  # split by TP, GQA kept
+    assert m.num_experts % 4 == 0 and 2 * (m.num_experts // 4) >= m.top_k  # EP2, 4 groups, group top-2 reach top-8
+    assert m.num_layers == 4 and p.num_layers_per_virtual_pipeline_stage == 1  # 2 stages x 2 chunks, interleaved
+    assert m.moe_layers() == (False, True, True, True)  # the dense layers first, as in the model
+    assert m.vocab_size < model.vocab_size and small.fold_vocab == m.vocab_size
+    assert small.cfg.data.seq_length == 128 and small.cfg.training.global_batch_size == 8  # 4 micro-batches x DP2
+    assert small.cfg.training.lora_dim == 8 and m.num_params() < 5e7
+    assert any(c.startswith("num_experts 128 -> ") for c in small.model_changes), small.model_changes
+
+
+def test_layer_patterns_keep_their_kinds():
+    assert shrunk_kinds((0,) * 3 + (1,) * 45, 4) == (0, 1, 1, 1)
+    assert shrunk_kinds((0, 1) * 24, 4) == (0, 1, 0, 1)  # more runs than layers: the first layers
+    assert shrunk_kinds((1,) * 10 + (0,) * 2 + (1,) * 10, 4) == (1, 1, 0, 1)  # the spare layer to the first long run
+
+
+def test_code_paths_name_a_kernel_and_whether_it_is_interpreted():
+    from mlir_train.model.attention import docs_flash_attention
+
+    q = jnp.zeros((1, 64, 4, 32), jnp.float32)
+    k = jnp.zeros((1, 64, 2, 32), jnp.float32)
+    seg = jnp.asarray(np.ones((1, 64), np.int32))
+    jaxpr = jax.make_jaxpr(lambda q, k, v: docs_flash_attention(q, k, v, seg, interpret=True))(q, k, k)
+    paths = CodePaths.of(jaxpr)
+    assert paths.attention().startswith("kernel docs_flash_fwd_q"), paths.attention()
+    assert "(interpreted)" in paths.kernels() and paths.dispatch().startswith("none")
+
+
+def test_code_paths_is_passed_through_or_refused_by_name(cache, capsys):
+    """``--code-paths gpu`` goes to sft's flags when sft has it (issue 35 item 2); until then it is one
+    error line naming it, exit 2, not argparse's unknown flag."""
+    if check.CODE_PATHS in cli.ALL_FLAGS:
+        _, cfg, _ = check.parse(_argv(cache, "--code-paths", "gpu"))
+        assert code_paths_of(cfg) == "gpu"
+        return
+    with pytest.raises(SystemExit) as e:
+        check.main(_argv(cache, "--code-paths", "gpu"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("mlir-train: error: --code-paths: this mlir-train's sft has no such flag yet"), err
