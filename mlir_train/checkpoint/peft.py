@@ -156,6 +156,19 @@ def check_config(cfg: dict[str, Any], policy, where: str) -> None:
                                   f"{cfg[key]:g} to continue these adapters")
 
 
+def check_continue(path: str, policy) -> None:
+    """``--load`` of a PEFT directory: a LoRA run whose flags agree with its adapter_config.json
+    (:func:`check_config`), or one error saying which flags continue it."""
+    from mlir_train.runtime.errors import ConfigError
+
+    cfg = read_adapter_config(path)
+    if policy is None:
+        raise ConfigError(f"--load {path} holds PEFT adapters (r {cfg.get('r')}, lora_alpha {cfg.get('lora_alpha')}): "
+                          f"add --lora-dim {cfg.get('r')} --lora-alpha {cfg.get('lora_alpha')} to continue them, with "
+                          "their base as --pretrained-checkpoint")
+    check_config(cfg, policy, os.path.join(path, CONFIG_NAME))
+
+
 def load_adapters(path: str, like: dict, table: Table, stack_kinds, num_experts: int, policy) -> dict:
     """A PEFT adapter directory, either layout -> our adapters shaped like ``like`` (host
     arrays), its config checked against ``policy`` (the run's LoRA flags)."""

@@ -435,7 +435,8 @@ def check_lora_resume(cfg: RunConfig, source: Source) -> None:
     saved = (source.meta or {}).get("lora")
     policy = cfg.training.lora
     if isinstance(source, PeftAdapters):
-        _check_peft_resume(source, policy)
+        from mlir_train.checkpoint import peft
+        peft.check_continue(source.path, policy)  # before any state is built
     if saved is None:
         return
     if policy is None:
@@ -450,19 +451,6 @@ def check_lora_resume(cfg: RunConfig, source: Source) -> None:
                       ("expert_adapters", "--lora-expert-adapters")):
         if (not same_targets) if key == "targets" else mine[key] != saved[key]:
             raise ConfigError(f"{flag} {mine[key]} differs from the checkpoint {source.describe()}'s {saved[key]}")
-
-
-def _check_peft_resume(source: "PeftAdapters", policy) -> None:
-    """PEFT adapters continue only as a LoRA run whose flags agree with their adapter_config.json
-    (checked here, before any state is built, by :func:`peft.check_config`)."""
-    from mlir_train.checkpoint import peft
-
-    saved = peft.read_adapter_config(source.path)
-    if policy is None:
-        raise ConfigError(f"--load {source.path} holds PEFT adapters (r {saved.get('r')}, lora_alpha "
-                          f"{saved.get('lora_alpha')}): add --lora-dim {saved.get('r')} --lora-alpha "
-                          f"{saved.get('lora_alpha')} to continue them, with their base as --pretrained-checkpoint")
-    peft.check_config(saved, policy, os.path.join(source.path, peft.CONFIG_NAME))
 
 
 def lora_initial_state(target: Target, base_target: Target, cfg: RunConfig, loader, base: Source, adapters: Source | None):
