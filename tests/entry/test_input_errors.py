@@ -104,10 +104,8 @@ def _corpus(tmp):
     llama = _hf_dir(tmp, "llama", dict(QWEN3_MOE_TINY, model_type="llama"))
     bad_json = _hf_dir(tmp, "badjson", '{"model_type": "qwen3_moe",')
     no_weights = _hf_dir(tmp, "noweights", QWEN3_MOE_TINY)
-    bad_tok = os.path.join(tmp, "badtok")
-    os.makedirs(bad_tok, exist_ok=True)
-    with open(os.path.join(bad_tok, "tokenizer.json"), "w") as f:
-        f.write("not json")
+    os.makedirs(os.path.join(tmp, "badtok"), exist_ok=True)
+    bad_tok = os.path.dirname(write(os.path.join("badtok", "tokenizer.json"), "not json"))
     deepspeed = os.path.join(tmp, "deepspeed", "global_step5")
     os.makedirs(deepspeed)
     with open(os.path.join(tmp, "deepspeed", "latest"), "w") as f:
