@@ -9,12 +9,12 @@ set -x
 MODEL_NAME=qwen3-30b-a3b; TOPK=8; SEQ_LENGTH=2048; GLOBAL_BATCH=128; TRAIN_ITERS=50; PP=2; PRECISION=--bf16
 if [ -n "${CPU_SMOKE:-}" ]; then
     # Same flags, sized for a laptop CPU: tiny model, bundled data and tokenizer, 8 fake devices,
-    # fresh weights, float32, no pipeline split.
+    # fresh weights (or SMOKE_BASE's: the LoRA example's trained base), float32, no pipeline split.
     ASSETS=$(python -c "import mlir_train.data.config as c; print(c.ASSETS)")
     MODEL_NAME=qwen3-moe-tiny; TOPK=2; SEQ_LENGTH=128; GLOBAL_BATCH=8; TRAIN_ITERS=${SMOKE_ITERS:-4}; PP=1; PRECISION=
     SMOKE_DIR=${SMOKE_DIR:-$(mktemp -d)}
     DATA_PATH="$ASSETS/alpaca_tasks.json"; TOKENIZER_PATH="$ASSETS/tokenizer"
-    DATA_CACHE_PATH="$SMOKE_DIR/cache"; CHECKPOINT_LOAD_PATH=""; CHECKPOINT_SAVE_PATH="$SMOKE_DIR/save"
+    DATA_CACHE_PATH="$SMOKE_DIR/cache"; CHECKPOINT_LOAD_PATH="${SMOKE_BASE:-}"; CHECKPOINT_SAVE_PATH="$SMOKE_DIR/save"
     TENSORBOARD_PATH="$SMOKE_DIR/tb"
     unset XLA_FLAGS
 fi

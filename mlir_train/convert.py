@@ -48,6 +48,25 @@ def _trainer(model_cfg):
     return build_trainer(model_cfg, layout=validate(Layout(distributed_optimizer=True), model_dims(model_cfg)))
 
 
+def _refuse_adapters(src) -> None:
+    """LoRA adapters are no model to convert: say what SRC holds and how to get a model or a PEFT
+    directory out of it."""
+    from mlir_train.runtime.errors import CheckpointError
+
+    lora = (src.meta or {}).get("lora")
+    if src.kind == "peft":
+        raise CheckpointError(
+            f"SRC {src.path} is a PEFT adapter directory (LoRA adapters, not a model): load it on its base with peft "
+            "(PeftModel.from_pretrained), or merge it into an HF model with python -m mlir_train.sft --load "
+            f"{src.path} --pretrained-checkpoint BASE <its LoRA flags> --train-iters 0 --save-hf DIR")
+    if lora is not None:
+        raise CheckpointError(
+            f"SRC {src.path} holds LoRA adapters (rank {lora['dim']}, alpha {lora['alpha']:g}) of the base "
+            f"{lora['base']['path'] or 'drawn by seed ' + str(lora['base']['seed'])}, not a model: run its training "
+            f"command with --load {src.path} --train-iters {src.iteration} (nothing more to train) and --save-hf DIR "
+            "for the merged model, or --save-peft DIR for the adapters in PEFT format")
+
+
 def convert(args) -> str:
     """One conversion: SRC detected once (:func:`mlir_train.checkpoint.sources.detect`), its
     weights read through a data-parallel trainer and written by the target format's source
@@ -57,6 +76,7 @@ def convert(args) -> str:
     from sharding.layout import Layout
 
     src = sources.detect(args.src, step=args.step, exit_on_missing=True, flag="SRC")
+    _refuse_adapters(src)
     to = args.to or DEFAULT_TARGET[src.kind]
     if (src.kind, to) in SAME_FORMAT:
         raise CheckpointError(SAME_FORMAT[src.kind, to].format(src=args.src))

@@ -7,9 +7,10 @@
 
 Takes exactly the flags of ``python -m mlir_train.sft`` (the training script's whole command line
 can be passed; only the data and SFT flags matter), so both build and find the same cache.
-Without --data-path / --hf-tokenizer-path / --seq-length it uses the bundled alpaca tasks and
-tokenizer at 2048 tokens. Bad input prints one ``mlir-train: error:`` line and exits with status 2,
-as every entry point does (:mod:`mlir_train.runtime.errors`).
+--data-path, --hf-tokenizer-path and --seq-length are required; ``--config demo`` (also what no
+arguments mean) gives the demo's: the bundled alpaca tasks and tokenizer. The bundled files are
+never used in place of a flag the user left out. Bad input prints one ``mlir-train: error:`` line
+and exits with status 2, as every entry point does (:mod:`mlir_train.runtime.errors`).
 """
 
 from __future__ import annotations
@@ -17,23 +18,21 @@ from __future__ import annotations
 import sys
 import time
 
-from mlir_train.config import cli
+from mlir_train.config import cli, demo, flags
 from mlir_train.runtime import errors, platform_setup
 
 
 def main(argv: list[str] | None = None) -> int:
-    run_cfg = cli.parse(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run_cfg = cli.parse(argv or ["--config", demo.NAME])
     platform_setup.configure_platform(cpu_devices=run_cfg.extras.cpu_devices)  # before jax starts
     from mlir_train.data import build_datasets
-    from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER, DataConfig
+    from mlir_train.data.config import DataConfig
 
-    d = run_cfg.data
-    run_cfg = run_cfg.replace(data=dict(data_path=d.data_path or (DEFAULT_DATA,),
-                                        hf_tokenizer_path=d.tokenizer_path or DEFAULT_TOKENIZER,
-                                        seq_length=d.seq_length or 2048))
-    cfg = DataConfig.from_flags(run_cfg.data, run_cfg.training.seed)
-    start = time.perf_counter()
     try:
+        flags.require(run_cfg, ("--data-path", "--hf-tokenizer-path", "--seq-length"), entry="preprocess")
+        cfg = DataConfig.from_flags(run_cfg.data, run_cfg.training.seed)
+        start = time.perf_counter()
         data = build_datasets(cfg)
     except errors.user_errors() as e:
         return errors.report(e)

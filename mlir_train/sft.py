@@ -4,8 +4,9 @@ Reads top to bottom: flags -> the job (:func:`mlir_train.run.job.build_job`: the
 point, the model, the trainer, the data, the state and the loop's hooks) -> the loop
 (:func:`mlir_train.run.loop.train`) -> one typed result (:class:`~mlir_train.run.loop.RunResult`).
 Any error the user can act on ends the run with one line and exit status 2. With no arguments it
-fine-tunes ``qwen3-moe-tiny`` on the bundled alpaca-format tasks and tokenizer on 8 fake CPU
-devices and shows the loss falling.
+runs ``--config demo`` (:mod:`mlir_train.config.demo`): it fine-tunes ``qwen3-moe-tiny`` on the
+bundled alpaca-format tasks and tokenizer on 8 fake CPU devices and shows the loss falling; flags
+after ``--config demo`` change that job.
 """
 
 from __future__ import annotations
@@ -15,40 +16,27 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from mlir_train.config import cli
+from mlir_train.config import cli, demo
 from mlir_train.config.flags import RunConfig, require
-from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
 from mlir_train.runtime import distributed, log, platform_setup
 from mlir_train.runtime.errors import exit_on_user_error
 
 if TYPE_CHECKING:
     from mlir_train.run.loop import RunResult
 
-DEFAULT_ARGV = [
-    "--model-name", "qwen3-moe-tiny",
-    "--tokenizer-type", "HFTokenizer", "--hf-tokenizer-path", DEFAULT_TOKENIZER,
-    "--data-path", DEFAULT_DATA, "--split", "98,2,0",
-    "--chat-template", "alpaca", "--packing-sft-data", "--sft-num-preprocess-workers", "2",
-    "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "16",
-    "--train-iters", "40", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "4",
-    "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
-    "--moe-aux-loss-coeff", "1e-2",
-    "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
-    "--eval-interval", "20", "--eval-iters", "4", "--log-interval", "1",
-]
+DEFAULT_ARGV = ["--config", demo.NAME]  # the no-argument job (mlir_train.config.demo)
 
 
 def main(argv: list[str] | None = None) -> RunResult:
     launched = time.perf_counter()  # --exit-duration-in-mins counts from here, as Megatron's from its start
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = cli.parse(argv or DEFAULT_ARGV)
     if not argv:
-        log.info("no arguments given; running the embedded default SFT "
-                 "(qwen3-moe-tiny on the bundled alpaca tasks, 8 fake CPU devices).")
+        log.info(demo.INTRO)
+    cfg = cli.parse(argv or DEFAULT_ARGV)
     if cfg.ignored_flags:
         log.info(f"ignoring flags that mean nothing under JAX/XLA: {' '.join(cfg.ignored_flags)}")
     with exit_on_user_error():
-        require(cfg, "--train-iters", "--lr", "--seq-length", "--micro-batch-size", "--data-path", "--hf-tokenizer-path")
+        require(cfg)
         platform_setup.configure_platform(cpu_devices=cfg.extras.cpu_devices)
         processes = distributed.initialize_from_env(cpu_devices=cfg.extras.cpu_devices)  # before any device use
         try:

@@ -6,7 +6,10 @@
 (arithmetic, sums with worked steps, sorting/reversing words, unit conversion, counting, ...).
 ``tokenizer/``: a ByteLevel BPE tokenizer trained on that data with the ``tokenizers`` library,
 saved as an HF tokenizer directory with ``<|endoftext|>`` (eos, pad), ``<|im_start|>``,
-``<|im_end|>`` and a ChatML ``chat_template``.
+``<|im_end|>`` and a ChatML ``chat_template``, plus the other added tokens of Qwen3's official
+tokenizer in its order (``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``,
+``<tool_response>``, ... with its special / not-special flags), after the trained vocabulary so
+that every earlier token id stays as it was.
 
 ``generate_records`` is also used by ``benchmarks/preprocess.py`` for a 52k-record file.
 """
@@ -23,6 +26,13 @@ ASSETS = os.path.join(ROOT, "mlir_train", "assets")
 NUM_RECORDS = 3000
 VOCAB_SIZE = 1536
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The rest of Qwen3's added tokens (tokenizer_config.json of Qwen/Qwen3-8B: ids 151646-151668),
+# in its order: its special ones, then the ones it adds as plain (not special) tokens.
+QWEN3_SPECIAL = ["<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                 "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                 "<|video_pad|>"]
+QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+               "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -133,7 +143,7 @@ def generate_records(num_records: int, seed: int = 0) -> list[dict]:
 
 
 def train_tokenizer(records: list[dict], out_dir: str) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     import sys
@@ -155,9 +165,11 @@ def train_tokenizer(records: list[dict], out_dir: str) -> None:
         sample = Sample((Turn(r["instruction"], r["output"], r["input"]),))
         texts.append(render(sample, chatml if i % 4 == 0 else alpaca)[0])
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN3_SPECIAL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED])
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], model_max_length=32768)
+        additional_special_tokens=SPECIAL_TOKENS[1:] + QWEN3_SPECIAL, model_max_length=32768)
     wrapped.chat_template = CHAT_TEMPLATE
     wrapped.save_pretrained(out_dir)
 
@@ -171,7 +183,8 @@ def main() -> None:
     with open(os.path.join(args.out, "alpaca_tasks.json"), "w") as f:
         f.write("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n]\n")
     train_tokenizer(records, os.path.join(args.out, "tokenizer"))
-    print(f"wrote {len(records)} records and a {VOCAB_SIZE}-token tokenizer to {args.out}")
+    print(f"wrote {len(records)} records and a {VOCAB_SIZE}-token tokenizer (+ {len(QWEN3_SPECIAL + QWEN3_ADDED)} "
+          f"added tokens) to {args.out}")
 
 
 if __name__ == "__main__":

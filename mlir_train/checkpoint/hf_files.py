@@ -135,6 +135,14 @@ def to_numpy(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def usual_mode(path: str) -> None:
+    """Give a written file the mode ``open()`` would (0644 under umask 022): safetensors writes
+    0600, which other users of a shared model directory could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 class ShardWriter:
     def __init__(self, path: str, max_bytes: int, save_file, enabled: bool):
         self.path, self.max_bytes, self.save_file, self.enabled = path, max_bytes, save_file, enabled
@@ -176,6 +184,7 @@ class ShardWriter:
     def _flush(self) -> None:
         name = f"model-{len(self.written) + 1:05d}.safetensors"
         self.save_file(self.pending, os.path.join(self.path, name), metadata={"format": "pt"})
+        usual_mode(os.path.join(self.path, name))
         for k in self.pending:
             self.weight_map[k] = len(self.written)
         self.written.append(name)

@@ -5,9 +5,11 @@ committed with its checksums, and restores one into any sharded target
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import json
+import logging
 import os
 import shutil
 import time
@@ -164,6 +166,24 @@ class _HashedRestore(ocp.args.StandardRestore):
     """Registered for completeness: restores go through a read-only manager's plain handler."""
 
 
+class _ReadOnlyNotice(logging.Filter):
+    """Orbax's "Given directory is read only" warning: our read-only managers only read (a
+    restore, ``convert``, ``--load``), and the directory is not read-only at all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _quiet_read_only():
+    absl_logger, notice = logging.getLogger("absl"), _ReadOnlyNotice()
+    absl_logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(notice)
+
+
 class CheckpointManager:
     """A thin wrapper over ``orbax.checkpoint.CheckpointManager`` for the trainer's state dict.
 
@@ -191,9 +211,11 @@ class CheckpointManager:
         # Always Orbax's asynchronous checkpointer (its post-finalization callback writes the
         # manifest inside the commit); ``async_save=False`` waits for each save in save().
         async_options = None if read_only else ocp.AsyncOptions(post_finalization_callback=self._commit_manifest)
-        self._mgr = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=not read_only, create=not read_only,
-            read_only=read_only, cleanup_tmp_directories=not read_only, async_options=async_options))
+        with _quiet_read_only():
+            self._mgr = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, enable_async_checkpointing=not read_only, create=not read_only,
+                read_only=read_only, cleanup_tmp_directories=not read_only, async_options=async_options,
+                **({"save_interval_steps": 0} if read_only else {})))
 
     @property
     def last_manifest_seconds(self) -> float | None:

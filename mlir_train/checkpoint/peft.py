@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from mlir_train.checkpoint.hf_files import usual_mode
 from mlir_train.checkpoint.peft_tensors import PREFIX, adapters_of, from_peft, layout_of, to_peft, zero_targets
 from mlir_train.families.table import Table
 from mlir_train.runtime import log
@@ -84,6 +85,7 @@ def save_adapters(path: str, adapters: dict, *, policy, table: Table, stack_kind
              for r in zero_targets(table, adapters["layers"][i], s.kind)}
     targets = [r.lora for r in table.rows if r.lora in found or r.lora in zeros]
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, WEIGHTS_NAME))
+    usual_mode(os.path.join(path, WEIGHTS_NAME))
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
         json.dump(peft_config(policy, table, list(dict.fromkeys(targets)), layout, base), f, indent=2)
     _say_what_serves(path, policy, table, stack_kinds, found, zeros, layout, len(tensors), mlp_only_layers)
@@ -120,8 +122,16 @@ def is_adapter_dir(path: str) -> bool:
 
 
 def read_adapter_config(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, CONFIG_NAME)) as f:
-        return json.load(f)
+    where = os.path.join(path, CONFIG_NAME)
+    try:
+        with open(where) as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: cannot read it ({e}): the adapter directory is damaged or not PEFT's; "
+                              "write it again (--save-peft)") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{where}: a JSON {type(cfg).__name__}, expected PEFT's LoraConfig object")
+    return cfg
 
 
 def check_config(cfg: dict[str, Any], policy, where: str) -> None:
@@ -146,17 +156,39 @@ def check_config(cfg: dict[str, Any], policy, where: str) -> None:
                                   f"{cfg[key]:g} to continue these adapters")
 
 
+def check_continue(path: str, policy) -> None:
+    """``--load`` of a PEFT directory: a LoRA run whose flags agree with its adapter_config.json
+    (:func:`check_config`), or one error saying which flags continue it."""
+    from mlir_train.runtime.errors import ConfigError
+
+    cfg = read_adapter_config(path)
+    if policy is None:
+        raise ConfigError(f"--load {path} holds PEFT adapters (r {cfg.get('r')}, lora_alpha {cfg.get('lora_alpha')}): "
+                          f"add --lora-dim {cfg.get('r')} --lora-alpha {cfg.get('lora_alpha')} to continue them, with "
+                          "their base as --pretrained-checkpoint")
+    check_config(cfg, policy, os.path.join(path, CONFIG_NAME))
+
+
 def load_adapters(path: str, like: dict, table: Table, stack_kinds, num_experts: int, policy) -> dict:
     """A PEFT adapter directory, either layout -> our adapters shaped like ``like`` (host
     arrays), its config checked against ``policy`` (the run's LoRA flags)."""
-    from safetensors.numpy import load_file
-
     where = os.path.join(path, WEIGHTS_NAME)
     if not is_adapter_dir(path):
         raise CheckpointError(f"{path}: not a PEFT adapter directory ({CONFIG_NAME} + {WEIGHTS_NAME})")
     cfg = read_adapter_config(path)
     check_config(cfg, policy, os.path.join(path, CONFIG_NAME))
-    tensors = {re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", k): v for k, v in load_file(where).items()}
+    tensors = {re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", k): v for k, v in _read_weights(where).items()}
     layout = layout_of(cfg, tensors, table, where)
     shared = policy is not None and policy.expert_adapters == "shared"
     return from_peft(tensors, like, table, stack_kinds, num_experts, where, shared=shared, layout=layout)
+
+
+def _read_weights(where: str) -> dict:
+    """``adapter_model.safetensors``, or one error saying it is truncated or damaged."""
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(where)
+    except Exception as e:  # noqa: BLE001 - safetensors' errors: a truncated or damaged file
+        raise CheckpointError(f"{where}: cannot read the adapter weights ({e}): the file is truncated or damaged; "
+                              "write it again (--save-peft)") from None

@@ -134,8 +134,10 @@ def claim_save_dir(directory: str, *, resume_step: int | None = None) -> integri
             lock = integrity.SaveLock.acquire(os.path.abspath(directory))
             if resume_step is not None:
                 _set_aside_newer(os.path.abspath(directory), resume_step)
-        except (integrity.SaveLockError, OSError) as e:
+        except integrity.SaveLockError as e:
             error = e
+        except OSError as e:  # named by the flag, not by the lock file inside
+            error = f"--save {directory}: cannot write there ({e.strerror}); give a directory this job can write"
     if not distributed.from_process_0(error is None):
         if lock is not None:
             lock.release()

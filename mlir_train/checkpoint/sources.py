@@ -434,6 +434,9 @@ def check_lora_resume(cfg: RunConfig, source: Source) -> None:
     """A LoRA checkpoint resumes only as the LoRA run it was (same rank, alpha, targets, expert adapters)."""
     saved = (source.meta or {}).get("lora")
     policy = cfg.training.lora
+    if isinstance(source, PeftAdapters):
+        from mlir_train.checkpoint import peft
+        peft.check_continue(source.path, policy)  # before any state is built
     if saved is None:
         return
     if policy is None:
@@ -463,7 +466,8 @@ def lora_initial_state(target: Target, base_target: Target, cfg: RunConfig, load
     if isinstance(base, Scratch):
         saved = (adapters.meta or {}).get("lora") if adapters is not None else None
         base_seed = saved["base"]["seed"] if saved else seed  # the seed that drew the base the adapters trained on
-        log.info(f"LoRA on a randomly initialised base (seed {base_seed})")
+        log.info(f"LoRA on a randomly initialised base (seed {base_seed}): adapters learn little there; --load a "
+                 "trained model (CPU_SMOKE=1 bash examples/qwen3_30b_a3b_lora.sh adapts the demo's)")
         state = target.init_state(base_seed)
     else:
         log.info(f"LoRA base: {base.describe()}")

@@ -14,6 +14,10 @@ implement: exit 2 naming the flag). Anything else is an error naming the closest
 
 ``--config FILE`` (YAML or JSON) holds flags as keys, with dashes or underscores, optionally
 nested one level under group names (``training: {lr: 1e-5}``); the command line wins over it.
+``--config demo`` is the no-argument job's flags (:mod:`mlir_train.config.demo`), changed the same
+way: ``--config demo --lora-dim 8`` is a LoRA run of the demo. A flag on the command line also
+replaces the file's flag it cannot run with (``--lr-warmup-fraction`` the file's
+``--lr-warmup-iters``, ``--fp16`` its ``--bf16``).
 
 This module imports no jax, so entry points may use it first.
 """
@@ -22,13 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Iterable, Sequence
 
+from mlir_train.config import demo
 from mlir_train.config.fields import GROUP_TITLES, SEED_GROUPS
 from mlir_train.config.flag_table import (ARCH_IMPLIED_FLAGS, FP8_WHY, NOOP_FLAG_GROUPS, NOOP_FLAGS, NOT_IMPLEMENTED_FLAGS,
                                           is_low_precision_flag)
-from mlir_train.config.flags import RunConfig, build
+from mlir_train.config.flags import REQUIRED, RunConfig, build
 from mlir_train.config.sections import section_fields
 from mlir_train.runtime.errors import ConfigError
 
@@ -101,6 +107,11 @@ def _arity(nargs: int | str):
     return {0: 0, 1: None}.get(nargs, nargs)
 
 
+def _literal(text: str) -> str:
+    """Help text shown as written: argparse reads ``%`` as a format specifier (``1%``)."""
+    return text.replace("%", "%%")
+
+
 def _add_ignored(group, flag: str, nargs: int, allowed=None, help_text=None) -> None:
     group.add_argument(
         flag,
@@ -108,8 +119,16 @@ def _add_ignored(group, flag: str, nargs: int, allowed=None, help_text=None) -> 
         nargs=_arity(nargs),
         allowed=allowed,
         metavar="VALUE" if nargs else None,
-        help=help_text or "ignored under JAX",
+        help=_literal(help_text or "ignored under JAX"),
     )
+
+
+def _field_help(flag: str, text: str | None) -> str | None:
+    """A field's help, literal, with what :data:`~mlir_train.config.flags.REQUIRED` says of it."""
+    text = None if text is None else _literal(text)
+    if flag in REQUIRED:
+        return f"{text} ({REQUIRED[flag]})" if text else REQUIRED[flag]
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = {name: p.add_argument_group(title) for name, title in GROUP_TITLES.items()}
     for _, cls, field, fl in section_fields():
         kwargs = dict(fl.kwargs)
+        kwargs["help"] = _field_help(fl.name, kwargs.get("help"))
         if kwargs.get("action") not in ("store_true", "store_false"):
             kwargs.setdefault("default", field.default)
         else:
@@ -137,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_ignored(groups[NOOP_FLAG_GROUPS.get(flag, "ignored")], flag, nargs, help_text=f"no effect: {why}")
     for flag, (nargs, why) in NOT_IMPLEMENTED_FLAGS.items():
         groups["refused"].add_argument(flag, action=_RefusedAction, nargs=_arity(nargs), why=why,
-                                       metavar="VALUE" if nargs else None, help=f"refused: {why}")
+                                       metavar="VALUE" if nargs else None, help=_literal(f"refused: {why}"))
     for action in p._actions:
         if action.help is None and not _hidden_default(action):
             action.help = "default: %(default)s"
@@ -291,6 +311,38 @@ def flag_value(argv: Sequence[str], flag: str) -> str | None:
     return value
 
 
+# A flag on the command line replaces the --config flags it cannot run together with.
+_REPLACES = {"--lr-warmup-fraction": ("--lr-warmup-iters",), "--lr-warmup-iters": ("--lr-warmup-fraction",),
+             "--fp16": ("--bf16",), "--bf16": ("--fp16",)}
+
+
+def _config_argv(parser: argparse.ArgumentParser, name: str) -> list[str]:
+    """``--config NAME``'s flags: the demo's (``--config demo``), or a file's."""
+    if name == demo.NAME:
+        return list(demo.FLAGS)
+    try:
+        loaded = _load_config_file(name)
+    except ConfigError as e:
+        hint = "" if os.path.exists(name) else f" (--config {demo.NAME} is the no-argument job's flags)"
+        parser.error(f"{e}{hint}")
+    return _config_to_argv(parser, loaded, name)
+
+
+def _replaced_by(argv: Sequence[str]) -> set[str]:
+    return {old for tok in argv for old in _REPLACES.get(tok.split("=", 1)[0], ())}
+
+
+def _without(argv: list[str], flags: set[str]) -> list[str]:
+    """``argv`` less ``flags`` and their values (the tokens up to the next ``--flag``)."""
+    out, dropping = [], False
+    for tok in argv:
+        if tok.startswith("--"):
+            dropping = tok.split("=", 1)[0] in flags
+        if not dropping:
+            out.append(tok)
+    return out
+
+
 def _check_unknown(parser: argparse.ArgumentParser, extras: list[str], where: str = "") -> None:
     if not extras:
         return
@@ -313,11 +365,7 @@ def parse(argv: Sequence[str] | None = None) -> RunConfig:
     file_argv: list[str] = []
     config_path = flag_value(argv, "--config")
     if config_path is not None:
-        try:
-            loaded = _load_config_file(config_path)
-        except ConfigError as e:
-            parser.error(str(e))
-        file_argv = _config_to_argv(parser, loaded, config_path)
+        file_argv = _without(_config_argv(parser, config_path), _replaced_by(argv))
         # Parse the file's flags alone first so a bad value is reported against the file.
         parser.error_context = f"--config {config_path}: "
         _, extras = parser.parse_known_args(file_argv)

@@ -141,11 +141,30 @@ def _show(value: Any) -> str:
     return "" if value is True else str(value)
 
 
-def require(cfg: RunConfig, *flags: str) -> None:
+# The flags a training run cannot do without (what --help says of each); --config demo gives them all.
+REQUIRED = {
+    "--model-name": "required unless --load or --pretrained-checkpoint holds the model",
+    "--data-path": "required", "--hf-tokenizer-path": "required, or Megatron's --tokenizer-model",
+    "--seq-length": "required", "--micro-batch-size": "required", "--train-iters": "required", "--lr": "required",
+}
+
+
+def missing_required(cfg: RunConfig, flags=REQUIRED) -> list[str]:
+    """The :data:`REQUIRED` flags (of ``flags``) the configuration lacks, in their order."""
     names = _flag_names()
+    given = {"--hf-tokenizer-path": cfg.data.tokenizer_path,
+             "--model-name": cfg.model.model_name or cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint}
+    missing = []
     for flag_name in flags:
         section, field = names[flag_name]
-        if getattr(getattr(cfg, section), field) is None:
-            if flag_name == "--hf-tokenizer-path" and cfg.data.tokenizer_model:
-                continue
-            raise ConfigError(f"{flag_name} is required")
+        if given.get(flag_name, getattr(getattr(cfg, section), field)) is None:
+            missing.append(flag_name)
+    return missing
+
+
+def require(cfg: RunConfig, flags=REQUIRED, entry: str = "sft") -> None:
+    """Every required flag, or one error naming all that are missing and where to start instead."""
+    missing = missing_required(cfg, flags)
+    if missing:
+        raise ConfigError(f"missing {' '.join(missing)} (required); or start from the demo and change what you "
+                          f"need: python -m mlir_train.{entry} --config demo <your flags>")

@@ -27,8 +27,7 @@ class ModelFlags:
     GROUP: ClassVar[str] = "model"
     model_name: str | None = flag("--model-name",
                                   help="registry name (qwen3-30b-a3b, qwen3-moe-tiny, ...) or a path to an HF "
-                                       "config.json / model directory (default: the --load checkpoint's own model, "
-                                       "else qwen3-moe-tiny)")
+                                       "config.json / model directory (default: the --load checkpoint's own model)")
     rotary_base: int | None = flag("--rotary-base", type=int, help="RoPE theta (default: from --model-name)")
     rotary_seq_len_interpolation_factor: int | None = flag(
         "--rotary-seq-len-interpolation-factor", type=int,
@@ -102,14 +101,13 @@ def padded_vocab_size(tokenizer_size: int, divisible_by: int, tensor_parallel: i
 class DataFlags:
     GROUP: ClassVar[str] = "data"
     tokenizer_type: str | None = flag("--tokenizer-type", choices=["HFTokenizer", "HuggingFaceTokenizer"],
-                                      help="only Hugging Face tokenizers (default: the bundled tokenizer)")
+                                      help="only Hugging Face tokenizers")
     hf_tokenizer_path: str | None = flag("--hf-tokenizer-path", help="HF tokenizer directory (AIAK)")
     tokenizer_model: str | None = flag(
         "--tokenizer-model", help="Megatron's spelling of the HF tokenizer directory (HuggingFaceTokenizer); "
                                   "used when --hf-tokenizer-path is not given")
     data_path: tuple[str, ...] | None = flag(
-        "--data-path", nargs="+", help="data files; Megatron blend syntax 'W1 PATH1 W2 PATH2 ...' allowed "
-                                       "(default: the bundled alpaca data)")
+        "--data-path", nargs="+", help="data files; Megatron blend syntax 'W1 PATH1 W2 PATH2 ...' allowed")
     split: str = flag("--split", default="969, 30, 1", help="train,valid,test proportions (Megatron's fallback default)")
     data_cache_path: str | None = flag("--data-cache-path", help="where tokenized/packed data is cached")
     seq_length: int | None = flag("--seq-length", type=int, group="training", help="tokens per sample row")

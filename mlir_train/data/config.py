@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
-DEFAULT_DATA = os.path.join(ASSETS, "alpaca_tasks.json")
-DEFAULT_TOKENIZER = os.path.join(ASSETS, "tokenizer")
+from mlir_train.config.demo import ASSETS, DEFAULT_DATA, DEFAULT_TOKENIZER  # noqa: F401 - the bundled files
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,6 +92,9 @@ class DataStats:
     # masked; and loss positions per role (system, user, tool, assistant, reasoning).
     masking: dict[str, int] = dataclasses.field(default_factory=dict)
     loss_tokens_by_role: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Documents longer than a row, by what became of them ("truncated" or the drop reason): the
+    # first few records ("file:line") and the --seq-length that keeps every one of them whole.
+    too_long: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def fill_ratio(self, split: str = "train") -> float:
         capacity = self.rows[split] * self.seq_length
@@ -110,15 +113,25 @@ class DataStats:
         d["bad_record_examples"] = tuple(d.get("bad_record_examples", ()))
         return cls(**d)
 
+    def _too_long(self, what: str, keeps: str) -> str:
+        """``: file:3, file:8, ... (--seq-length N keeps them)`` for documents over a row."""
+        entry = self.too_long.get(what)
+        if not entry:
+            return ""
+        count = self.truncated if what == "truncated" else self.dropped[what]
+        more = ", ..." if len(entry["records"]) < count else ""
+        return f": {', '.join(entry['records'])}{more} (--seq-length {entry['seq_length']} {keeps})"
+
     def summary(self) -> str:
         dropped = sum(self.dropped.values())
-        reasons = "".join(f"\n  {reason:<28} {count}"
+        reasons = "".join(f"\n  {reason:<28} {count}{self._too_long(reason, 'keeps them')}"
                           for reason, count in sorted(self.dropped.items()))
         layout = "packed" if self.packing else "one sample per row"
         lines = [
             f"records read   {self.records_read}",
             f"records kept   {self.records_kept}",
-            f"truncated      {self.truncated} documents ({self.truncated_tokens} tokens cut)",
+            f"truncated      {self.truncated} documents ({self.truncated_tokens} tokens cut)"
+            + self._too_long("truncated", "keeps them whole"),
             f"dropped        {dropped}{reasons}",
             f"rows of {self.seq_length} tokens ({layout}):",
         ]

@@ -48,6 +48,24 @@ class Chunk:
     bad_examples: list[str]
     masking: dict[str, int] = dataclasses.field(default_factory=dict)  # see MASKING_COUNTS
     role_loss: dict[str, int] = dataclasses.field(default_factory=dict)  # role -> loss positions
+    # Documents longer than a row, by what became of them ("truncated" or a drop reason): the
+    # first few records and the --seq-length that keeps them all whole.
+    too_long: dict[str, dict] = dataclasses.field(default_factory=dict)
+
+
+def note_too_long(too_long: dict[str, dict], what: str, where: str, positions: int) -> None:
+    """Count a document of ``positions`` positions at ``where`` under ``what`` in ``too_long``."""
+    entry = too_long.setdefault(what, {"records": [], "seq_length": 0})
+    if len(entry["records"]) < MAX_BAD_EXAMPLES:
+        entry["records"].append(where)
+    entry["seq_length"] = max(entry["seq_length"], positions)
+
+
+def merge_too_long(into: dict[str, dict], other: dict[str, dict]) -> None:
+    for what, entry in other.items():
+        mine = into.setdefault(what, {"records": [], "seq_length": 0})
+        mine["records"] += entry["records"][:MAX_BAD_EXAMPLES - len(mine["records"])]
+        mine["seq_length"] = max(mine["seq_length"], entry["seq_length"])
 
 
 def add_count(counts: dict[str, int], key: str, n: int = 1) -> None:
@@ -79,7 +97,7 @@ def tokenize_records(records: list[RawRecord], job: TokenizeJob, tokenizer) -> C
     dropped: dict[str, int] = {}
     bad_examples: list[str] = []
     rendered = _render_records(records, job, dropped, bad_examples)
-    encodings = (tokenizer.encode_batch([r.text for r, _ in rendered], add_special_tokens=False)
+    encodings = (tokenizer.encode_batch([r.text for r, _, _ in rendered], add_special_tokens=False)
                  if rendered else [])
     limit = job.seq_length + 1  # a row holds n - 1 positions of an n-token document
     eod_ids = np.asarray(job.eod_mask_ids, np.int64)
@@ -87,21 +105,26 @@ def tokenize_records(records: list[RawRecord], job: TokenizeJob, tokenizer) -> C
     truncated = truncated_tokens = 0
     masking: dict[str, int] = {}
     role_loss: dict[str, int] = {}
-    for encoding, (out, has_tools) in zip(encodings, rendered):
+    too_long: dict[str, dict] = {}
+    for encoding, (out, has_tools, where) in zip(encodings, rendered):
         ids = np.asarray(encoding.ids, np.int64)
         loss, eod_masked = _loss_flags(ids, encoding, out, job.train_on_prompt, eod_ids)
         n = len(ids)
         if n > limit:
             if job.drop_long:
                 add_count(dropped, "longer than seq_length")
+                note_too_long(too_long, "longer than seq_length", where, n - 1)
                 continue
             ids, loss = ids[:limit], loss[:limit]
         if n < 2 or not loss[1:].any():
             add_count(dropped, "response truncated away" if n > limit else "no loss tokens")
+            if n > limit:
+                note_too_long(too_long, "response truncated away", where, n - 1)
             continue
         if n > limit:
             truncated += 1
             truncated_tokens += n - limit
+            note_too_long(too_long, "truncated", where, n - 1)
         _add_role_loss(role_loss, encoding, out, ids, loss)
         add_count(masking, "records with tools", int(has_tools))
         add_count(masking, "empty think blocks skipped", out.empty_think_skipped)
@@ -116,12 +139,12 @@ def tokenize_records(records: list[RawRecord], job: TokenizeJob, tokenizer) -> C
         loss=np.concatenate(loss_parts) if loss_parts else np.zeros(0, np.uint8),
         lengths=np.asarray(lengths, np.int64),
         truncated=truncated, truncated_tokens=truncated_tokens, dropped=dropped,
-        bad_examples=bad_examples, masking=masking, role_loss=role_loss)
+        bad_examples=bad_examples, masking=masking, role_loss=role_loss, too_long=too_long)
 
 
 def _render_records(records: list[RawRecord], job: TokenizeJob, dropped: dict[str, int],
-                    bad_examples: list[str]) -> list[tuple[Rendered, bool]]:
-    """Each good record rendered by the template, with whether it has tools; with ``skip_bad``
+                    bad_examples: list[str]) -> list[tuple[Rendered, bool, str]]:
+    """Each good record rendered by the template, with whether it has tools and where it is; with ``skip_bad``
     a bad record is counted in ``dropped`` by reason and its message kept in ``bad_examples``
     (the first few)."""
     rendered = []
@@ -130,7 +153,7 @@ def _render_records(records: list[RawRecord], job: TokenizeJob, dropped: dict[st
         if sample is None:
             continue
         try:
-            rendered.append((render_full(sample, job.spec, record.where), bool(sample.tools)))
+            rendered.append((render_full(sample, job.spec, record.where), bool(sample.tools), record.where))
         except DataError as e:
             if not job.skip_bad:
                 raise

@@ -24,15 +24,15 @@ import numpy as np
 
 from mlir_train.data.config import DataConfig
 from mlir_train.data.dataset import SPLITS, DataStats, SFTDataset, SFTDatasets
-from mlir_train.data.encode import MASKING_COUNTS, MAX_BAD_EXAMPLES, TokenizeJob, add_count, tokenize_all
+from mlir_train.data.encode import MASKING_COUNTS, MAX_BAD_EXAMPLES, TokenizeJob, add_count, merge_too_long, tokenize_all
 from mlir_train.data.packing import one_per_row, pack_best_fit
-from mlir_train.data.records import (DataError, DatasetFormat, format_for, load_dataset_config,
-                                     parse_data_path, parse_split, read_raw_records, resolve_format,
-                                     usable)
+from mlir_train.data.dataset_config import format_for, load_dataset_config, usable
+from mlir_train.data.records import (DataError, DatasetFormat, parse_data_path, parse_split, read_raw_records,
+                                     resolve_format)
 from mlir_train.data.templates import TemplateSpec, make_spec, parse_template_kwargs
 from mlir_train.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint
 
-CACHE_VERSION = 2  # 2: masking and per-role loss counts in the stats
+CACHE_VERSION = 3  # 2: masking and per-role loss counts in the stats; 3: the too-long records
 
 
 def cache_key(cfg: DataConfig, sources, formats: list[DatasetFormat], spec: TemplateSpec,
@@ -74,8 +74,8 @@ def dataset_formats(cfg: DataConfig, sources, named_formats) -> list[DatasetForm
     if unknown:
         raise DataError(f"--sft-dataset {' '.join(unknown)}: not in {cfg.dataset_config} "
                         f"(it has {sorted(named_formats)})")
-    return [usable(named_formats[names[0] if len(names) == 1 else names[i]], cfg.dataset_config)
-            for i in range(len(sources))]
+    return [usable(named_formats[names[0] if len(names) == 1 else names[i]], cfg.dataset_config, source.path)
+            for i, source in enumerate(sources)]
 
 
 def _split_bounds(n: int, fractions) -> list[tuple[int, int]]:
@@ -138,6 +138,7 @@ class _Documents:
     bad_examples: list[str]
     masking: dict[str, int]  # what masking did (MASKING_COUNTS)
     role_loss: dict[str, int]  # role -> loss positions of the kept documents
+    too_long: dict[str, dict]  # documents over a row: the first few records, the --seq-length keeping them
 
 
 def _masking_flags(cfg: DataConfig) -> str:
@@ -159,6 +160,7 @@ def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Do
     source_info = []
     masking = dict.fromkeys(MASKING_COUNTS[:-1] if not cfg.eod_mask_loss else MASKING_COUNTS, 0)
     role_loss: dict[str, int] = {}
+    too_long: dict[str, dict] = {}
     next_doc = 0
     eod_ids = tuple(sorted({i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id)
                             if i is not None})) if cfg.eod_mask_loss else ()
@@ -187,6 +189,7 @@ def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Do
                 add_count(masking, key, count)
             for key, count in chunk.role_loss.items():
                 add_count(role_loss, key, count)
+            merge_too_long(too_long, chunk.too_long)
         kept = sum(len(c.lengths) for c in chunks)
         no_loss = sum(c.dropped.get("no loss tokens", 0) for c in chunks)
         if records and not kept and no_loss:
@@ -204,7 +207,7 @@ def _tokenize_sources(cfg: DataConfig, tokenizer, sources, formats, spec) -> _Do
         lengths=np.concatenate(length_parts) if length_parts else np.zeros(0, np.int64),
         per_source_docs=per_source_docs, source_info=source_info, records_read=records_read, truncated=truncated,
         truncated_tokens=truncated_tokens, dropped=dropped, bad_examples=bad_examples,
-        masking=masking, role_loss=role_loss)
+        masking=masking, role_loss=role_loss, too_long=too_long)
 
 
 def _pack(positions: np.ndarray, split_ids: np.ndarray, cfg: DataConfig):
@@ -261,8 +264,10 @@ def _build(cfg: DataConfig, tokenizer, sources, formats, spec, out_dir: str) -> 
     docs = _tokenize_sources(cfg, tokenizer, sources, formats, spec)
     lengths = docs.lengths
     if not len(lengths):
+        longest = max((e["seq_length"] for e in docs.too_long.values()), default=0)
         raise DataError(f"--data-path {' '.join(s.path for s in sources)}: no usable records "
-                        f"(dropped: {docs.dropped or 'none'})")
+                        f"(dropped: {docs.dropped or 'none'})"
+                        + (f"; --seq-length {longest} keeps them" if longest > cfg.seq_length else ""))
     doc_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     positions = lengths - 1  # positions a document takes in a row
     row_arrays, rows, split_tokens, split_loss = _split_blend_pack(cfg, fractions, sources, docs, doc_offsets, positions)
@@ -273,7 +278,7 @@ def _build(cfg: DataConfig, tokenizer, sources, formats, spec, out_dir: str) -> 
         rows=rows, tokens=split_tokens, loss_tokens=split_loss, seq_length=cfg.seq_length,
         packing=cfg.packing, sources=tuple(docs.source_info),
         bad_record_examples=tuple(docs.bad_examples), masking=docs.masking,
-        loss_tokens_by_role=docs.role_loss)
+        loss_tokens_by_role=docs.role_loss, too_long=docs.too_long)
     for name, array in arrays.items():
         np.save(os.path.join(out_dir, f"{name}.npy"), array)
     meta = dict(version=CACHE_VERSION, pad_id=pad_id(tokenizer), stats=stats.as_dict(),

@@ -90,6 +90,8 @@ class DatasetFormat:
     template_kwargs: str = "chat_template_kwargs"  # per-record template options
     name: str = ""  # the --sft-dataset-config entry, for errors
     unsupported: tuple[str, ...] = ()  # config column/tag names we cannot honour (an error if used)
+    unread_keys: tuple[str, ...] = ()  # config entry keys we do not read (an error if used)
+    file_name: str | None = None  # LLaMA-Factory's file_name: must be the --data-path file
 
 
 FORMATS = ("alpaca", "sharegpt", "openai")
@@ -175,71 +177,6 @@ def parse_split(split: str) -> tuple[float, float, float]:
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)
     return tuple(w / total for w in weights)
-
-
-# ------------------------------------------------------------------------ dataset config
-
-def load_dataset_config(path: str | None) -> dict[str, DatasetFormat]:
-    """``--sft-dataset-config``: ``{name: {format|formatting, columns: {...}, tags: {...}}}``.
-
-    JSON or YAML. A data file uses the entry named by its path, file name or file stem.
-    """
-    if path is None:
-        return {}
-    if not os.path.isfile(path):
-        raise DataError(f"--sft-dataset-config: {path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        if path.endswith((".yaml", ".yml")):
-            import yaml
-            raw = yaml.safe_load(text) or {}
-        else:
-            raw = json.loads(text)
-    except Exception as e:  # noqa: BLE001 - any parser error is the same user error
-        raise DataError(f"{path}: cannot parse the dataset config: {e}") from None
-    if not isinstance(raw, dict):
-        raise DataError(f"{path}: expected a mapping of dataset name -> description")
-    field_names = {f.name for f in dataclasses.fields(DatasetFormat)} - {"name", "unsupported"}
-    formats = {}
-    for name, desc in raw.items():
-        if not isinstance(desc, dict):
-            raise DataError(f"{path}: dataset {name!r}: expected a mapping with 'format', "
-                            f"'columns', 'tags'")
-        formatting = desc.get("format") or desc.get("formatting") or "alpaca"
-        if formatting not in FORMATS:
-            raise DataError(f"{path}: dataset {name!r}: unknown format {formatting!r}; expected "
-                            f"one of {FORMATS}")
-        names = {**(desc.get("columns") or {}), **(desc.get("tags") or {})}
-        # Names we do not know (LoongForge's multimodal 'images', 'videos', ...) make the entry
-        # unusable, not the file: a shared config may describe datasets this run does not read.
-        unknown = tuple(sorted(set(names) - field_names))
-        formats[name] = DatasetFormat(formatting=formatting, name=str(name), unsupported=unknown,
-                                      **{k: v for k, v in names.items()
-                                         if v is not None and k in field_names})
-    return formats
-
-
-def format_for(path: str, formats: dict[str, DatasetFormat], config_path: str | None
-               ) -> DatasetFormat:
-    if not formats:
-        return DatasetFormat()
-    base = os.path.basename(path)
-    for key in (path, base, os.path.splitext(base)[0]):
-        if key in formats:
-            return usable(formats[key], config_path)
-    raise DataError(f"{config_path}: no entry for data file {path}: expected a dataset named "
-                    f"{os.path.splitext(base)[0]!r} (have {sorted(formats)})")
-
-
-def usable(fmt: DatasetFormat, config_path: str | None) -> DatasetFormat:
-    """``fmt``, unless its config entry names columns or tags we cannot honour."""
-    if fmt.unsupported:
-        field_names = {f.name for f in dataclasses.fields(DatasetFormat)}
-        raise DataError(f"{config_path}: dataset {fmt.name!r}: unknown column/tag names "
-                        f"{list(fmt.unsupported)} (text-only SFT); expected some of "
-                        f"{sorted(field_names - {'formatting', 'name', 'unsupported'})}")
-    return fmt
 
 
 # ------------------------------------------------------------------------------ reading
@@ -348,8 +285,24 @@ def _tool_calls(value: Any, at: str) -> tuple[ToolCall, ...]:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
             raise DataError(f"{at}: tool call {i}: expected an object with a string 'name' and "
                             f"'arguments'", reason="bad tool call")
-        calls.append(ToolCall(call["name"], call.get("arguments", {})))
+        calls.append(ToolCall(call["name"], _arguments(call.get("arguments", {}), f"{at}: tool call {i}")))
     return tuple(calls)
+
+
+def _arguments(value: Any, at: str) -> Any:
+    """A tool call's arguments: a JSON object, or (OpenAI's form) a string holding one, which
+    is rendered verbatim; anything else would teach the model calls no tool parser reads."""
+    parsed = value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{at}: 'arguments' is not JSON ({e.msg}): expected a JSON object, or a string "
+                            "holding one", reason="bad tool call") from None
+    if not isinstance(parsed, dict):
+        raise DataError(f"{at}: 'arguments' is a JSON {type(parsed).__name__}: expected a JSON object "
+                        "(name -> value)", reason="bad tool call")
+    return value
 
 
 def _json_field(value: dict, key: str, kind: type, where: str, reason: str):
@@ -462,6 +415,10 @@ def _assistant_message(message: dict, role: str, previous: str | None, fmt: Data
         raise DataError(f"{at}: assistant turn with neither content nor reasoning "
                         f"(nor tool calls): expected non-empty text",
                         reason="empty assistant turn")
+    answer = content.split("</think>")[-1] if reasoning is None else content
+    if not (answer.strip() or calls):
+        raise DataError(f"{at}: assistant turn with reasoning only: no answer after the thinking and no tool "
+                        "calls; expected the answer in its content", reason="thinking only")
     return Message("assistant", content, reasoning, calls)
 
 

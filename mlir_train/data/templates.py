@@ -74,14 +74,17 @@ def parse_template_kwargs(text: str | dict | None, what: str = "--chat-template-
         return {}
     if isinstance(text, dict):
         return dict(text)
-    raw = text
-    if not text.lstrip().startswith("{") and os.path.isfile(text):
+    raw, where = text, f"{what} {text!r}"
+    if not text.lstrip().startswith("{"):  # a file's path (JSON objects start with "{")
+        if not os.path.isfile(text):
+            raise DataError(f"{where}: no such file, nor a JSON object; expected a file holding one, or the object "
+                            "itself, e.g. '{\"enable_thinking\": false}'")
         with open(text, encoding="utf-8") as f:
-            raw = f.read()
+            raw, where = f.read(), f"{what} {text}"
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise DataError(f"{what} {text!r}: not a JSON object ({e.msg}); expected e.g. "
+        raise DataError(f"{where}: not a JSON object ({e.msg}, line {e.lineno}); expected e.g. "
                         f"'{{\"enable_thinking\": false}}' or a file holding one") from None
     if not isinstance(value, dict):
         raise DataError(f"{what} {text!r}: expected a JSON object, e.g. "

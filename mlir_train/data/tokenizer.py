@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 
 from mlir_train.data.records import DataError
 
 TOKENIZER_TYPES = ("HFTokenizer",)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+class _NoTorchNotice(logging.Filter):
+    """transformers' "PyTorch was not found" advice on import: we use its tokenizers only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "PyTorch was not found" not in str(record.msg)
+
+
+def quiet_transformers_import() -> None:
+    """Before the first ``import transformers``: drop its advice that PyTorch is missing (the
+    ``transformers`` logger is the one it logs with; a filter added now stays when it configures it)."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchNotice) for f in logger.filters):
+        logger.addFilter(_NoTorchNotice())
 
 
 def load_tokenizer(cfg_or_path, tokenizer_type: str = "HFTokenizer"):
@@ -30,6 +46,7 @@ def load_tokenizer(cfg_or_path, tokenizer_type: str = "HFTokenizer"):
     if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
         raise DataError(f"--hf-tokenizer-path {path}: no tokenizer files; expected one of "
                         f"{_TOKENIZER_FILES}")
+    quiet_transformers_import()
     from transformers import AutoTokenizer
 
     try:

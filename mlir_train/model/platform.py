@@ -23,6 +23,7 @@ GPU_ONLY = {"mosaic", "tokamax", "pallas-mha", "mlir"}
 # this compute capability (Hopper: H100, H200).
 CODE_PATHS = ("auto", "gpu")
 GPU_CODE_PATHS_CAPABILITY = "9.0"
+OFF_GPU = {"--attention-kernel": "xla", "--moe-gemm-backend": "padded"}  # each flag's own choice for any platform
 
 
 def kernel_options(platform: str, *, is_moe: bool, context_parallel: int = 1, moe_backend: str = "auto",
@@ -59,7 +60,8 @@ def kernel_options(platform: str, *, is_moe: bool, context_parallel: int = 1, mo
     for flag, choice in (("--attention-kernel", attention_backend), ("--moe-gemm-backend", moe_backend)):
         if choice in GPU_ONLY and platform != "gpu":
             raise ValueError(f"{flag} {choice}: a GPU kernel, and this run compiles for {platform}; "
-                             f"use {flag} auto (or xla / padded)")
+                             f"use {flag} auto or {flag} {OFF_GPU[flag]}"
+                             + (" (or --code-paths gpu: the GPU kernels interpreted on CPU)" if platform == "cpu" else ""))
     if context_parallel > 1:
         if attention_backend not in ("auto", "xla"):
             raise ValueError(f"--attention-kernel {attention_backend} does not run with --context-parallel-size "

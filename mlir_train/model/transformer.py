@@ -25,7 +25,8 @@ names to arrays with a leading MoE-layer axis: ``tokens_per_expert [L, E]`` (rou
 and sum), ``num_tokens [L]``, ``z_loss_sum [L]``, ``dropped_tokens [L]`` (and per-document
 sums for ``seq_aux_loss``), all excluding padding tokens (segment id 0), and
 ``ep_overflow_rows [L]`` (rows, padding included, that overflowed the expert-parallel exchange
-buffer into a further round; :mod:`mlir_train.model.moe.parallel`); see
+buffer into a further round) and ``ep_further_rounds [L]`` (the rounds after the first, the
+most of any rank; :mod:`mlir_train.model.moe.parallel`); see
 ``mlir_train.model.moe.router`` for their definitions and ``mlir_train.model.losses`` for the aux / z
 losses formed from them.
 """

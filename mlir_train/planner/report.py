@@ -137,7 +137,9 @@ def _compiled_lines(plan: Plan) -> list[str]:
               f"    {temp_label:<46s} {_gib(plan.compiled_temp_bytes)}",
               f"    {'needed (args + unaliased outputs + temp)':<46s} {_gib(plan.compiled_needed_bytes)}"]
     more = f" (costliest branch of {plan.conditionals} conditionals)" if plan.conditionals else ""
-    lines.append(f"    collectives{more}: {format_collectives(plan.collectives)}")
+    buffers = ("; buffer sizes: a ragged-all-to-all's are its receive buffers, not the rows it moves"
+               if "ragged-all-to-all" in (plan.collectives or {}) else "")
+    lines.append(f"    collectives{more}{buffers}: {format_collectives(plan.collectives)}")
     if plan.conditionals:
         lines.append(f"    collectives (cheapest branches): {format_collectives(plan.collectives_cheapest)}")
     if plan.flop_ratio is not None:
@@ -168,9 +170,9 @@ def _audit_lines(plan: Plan) -> list[str]:
                      f"model FLOPs with its recompute), {plan.executed_flop_ratio_average:.2f}x its average device "
                      f"({plan.megatron_executed_flops / plan.num_devices:.3e})")
     if plan.comm_comparison:
-        lines.append(f"  communication per device per step: compiled vs Megatron's analytic volume "
+        lines.append(f"  communication TRAFFIC per device per step: compiled vs Megatron's analytic volume "
                      f"(mlir_train.planner.comm; Megatron's busiest stage, {plan.megatron_stage}; "
-                     "ragged all-to-all at its traffic, not its buffer):")
+                     "all-to-all includes the ragged ones at the rows they move, not their buffers):")
         for row in plan.comm_comparison:
             ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "(Megatron: none)"
             lines.append(f"    {row['kind']:<15s} compiled {gib(row['compiled_bytes']):>11s}  Megatron "
@@ -179,7 +181,8 @@ def _audit_lines(plan: Plan) -> list[str]:
             lines.append("    (compiled: a balanced routing, the overflow rounds' no-overflow branch; every overflow "
                          "round taken: " + format_collectives(plan.collective_traffic_bound) + ")")
     if plan.collectives_by_axes:
-        lines.append("  compiled collectives by mesh axes (executions overlapped with compute / with matmuls):")
+        lines.append("  compiled collectives by mesh axes, buffer sizes (executions overlapped with compute / with "
+                     "matmuls):")
         for row in plan.collectives_by_axes:
             if row["bytes"] >= 2**20:
                 lines.append(f"    {row['kind']:<19s} {row['axes']:<24s} {row['count']:6d}x {gib(row['bytes']):>11s}  "
@@ -200,10 +203,25 @@ def _audit_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def step_time_line(plan: Plan, assumed_mfu: float) -> str:
+    """The one step time a plan leads with (the figure ``--search`` ranks by) and where it comes from."""
+    if plan.compiled_for_target and plan.compiled_step_time_s is not None:
+        peak = plan.compiled_matmul_flops / plan.compiled_step_time_s / assumed_mfu / 1e12
+        branch = " (every overflow round taken)" if plan.conditionals else ""
+        return (f"  step time {plan.compiled_step_time_s:.2f}s, {plan.compiled_tokens_per_s:,.0f} tokens/s: the compiled "
+                f"program's matmul FLOPs{branch} at {assumed_mfu:.0%} of the {peak:.0f} TFLOP/s peak (--assumed-mfu); "
+                "the roofline and Megatron-FLOPs times below are cross-checks")
+    if plan.step_time_s is not None:
+        return (f"  step time {plan.step_time_s:.2f}s, {plan.tokens_per_s:,.0f} tokens/s: Megatron's model FLOPs at "
+                f"{assumed_mfu:.0%} of peak (--assumed-mfu), an estimate: no program was compiled for this target")
+    return "  step time: unknown peak for this device; pass --peak-tflops"
+
+
 def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
     lines = [f"layout {plan.name}"]
     if plan.error:
         return lines[0] + f"\n  NOT PLANNED: {plan.error}"
+    lines.append(step_time_line(plan, assumed_mfu))
     on_target = plan.compiled_for_target
     if plan.compiled_argument_bytes is not None:
         lines += _compiled_lines(plan)
@@ -231,14 +249,9 @@ def format_plan(plan: Plan, kind: str, assumed_mfu: float) -> str:
                         "tensors the step must hold" if on_target else
                         "XLA:CPU's float32 copies of bf16 operands and CPU scheduling; the estimate decides") + ")")
     lines.append(f"  FLOPs per step (model): {plan.flops_per_step:.3e}")
-    if plan.step_time_s is not None:
-        line = f"  at MFU {assumed_mfu:.0%}: step {plan.step_time_s:.2f}s, {plan.tokens_per_s:,.0f} tokens/s (Megatron's FLOPs)"
-        if plan.compiled_step_time_s is not None:
-            line += (f"; compiled matmul FLOPs at {assumed_mfu:.0%} of peak: step {plan.compiled_step_time_s:.2f}s, "
-                     f"{plan.compiled_tokens_per_s:,.0f} tokens/s")
-        lines.append(line)
-    else:
-        lines.append("  step time: unknown peak for this device; pass --peak-tflops")
+    if plan.step_time_s is not None and plan.compiled_for_target and plan.compiled_step_time_s is not None:
+        lines.append(f"  cross-check: Megatron's model FLOPs at MFU {assumed_mfu:.0%}: step {plan.step_time_s:.2f}s, "
+                     f"{plan.tokens_per_s:,.0f} tokens/s")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     source = (f"compiled by {plan.compiler}" if plan.verdict_from == "compiled"
               else "analytic estimate" + (f"; {plan.compiler_note}" if plan.compiler_note else ""))

@@ -25,12 +25,12 @@ from mlir_train.checkpoint import saver, sources
 from mlir_train.config.flags import RunConfig
 from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokenizer
 from mlir_train.model import flops as flops_lib
-from mlir_train.runtime import distributed, log
+from mlir_train.runtime import distributed, log, paths
 from mlir_train.runtime.errors import ConfigError
 from mlir_train.train import exits, kernel_check
 from mlir_train.train.build import Run, resolve
 from mlir_train.train.evaluation import Evaluator
-from mlir_train.train.metrics import MetricsWriter, StepLogger, Timers
+from mlir_train.train.metrics import ExchangeRounds, MetricsWriter, StepLogger, Timers
 
 
 @dataclasses.dataclass
@@ -64,6 +64,10 @@ class Job:
 def build_job(cfg: RunConfig, launched: float) -> Job:
     """``cfg`` as a job ready to train (``launched``: when the process started, for
     ``--exit-duration-in-mins``). Raises the :mod:`mlir_train.runtime.errors` family."""
+    ck, lg = cfg.checkpoint, cfg.logging
+    paths.check_output_dirs({"--save": ck.save, "--save-hf": ck.save_hf, "--save-peft": ck.save_peft,
+                             "--tensorboard-dir": lg.tensorboard_dir, "--wandb-save-dir": lg.wandb_save_dir or None,
+                             "--data-cache-path": cfg.data.data_cache_path})
     tokenizer = load_tokenizer(cfg.data.tokenizer_path)
     start = _starting_point(cfg, len(tokenizer))
     cfg, model_cfg = start.cfg, start.model
@@ -163,7 +167,8 @@ def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokeniz
         peak_tflops=flops_lib.device_peak_tflops("bf16" if run.compute_dtype != "float32" else "fp32",
                                                  cfg.extras.peak_tflops),
         log_timers=lg.log_timers_to_tensorboard, timers=timers, model_cfg=model_cfg,
-        per_layer_router=cfg.moe.moe_per_layer_logging)
+        per_layer_router=cfg.moe.moe_per_layer_logging,
+        exchange=ExchangeRounds(sum(model_cfg.moe_layers()) * run.num_micro_batches, cfg.extras.moe_ep_buffer_factor))
     evaluate = Evaluator(trainer, data.valid if data.valid.num_rows else None, global_batch_size=gbs,
                          eval_iters=t.eval_iters, seed=cfg.training.seed, split=cfg.data.split, process_index=pid,
                          process_count=jax.process_count(), logger=logger, timers=timers)

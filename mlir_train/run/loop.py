@@ -93,7 +93,8 @@ def _finish(job: Job, state, iteration: int, stopped: str | None) -> RunResult:
     elif not history["lm loss"]:
         log.info(f"nothing to train: the checkpoint is at iteration {job.start_iteration} >= --train-iters")
     else:
-        first, last = history["lm loss"][0][1], history["lm loss"][-1][1]
-        log.info(f"done. lm loss {first:.4f} -> {last:.4f} over {t.train_iters} iterations; "
+        h.logger.exchange.report()
+        (first_it, first), (last_it, last) = h.logger.first_logged or history["lm loss"][0], history["lm loss"][-1]
+        log.info(f"done. lm loss {first:.4f} (iteration {first_it}) -> {last:.4f} (iteration {last_it}); "
                  f"logs and metrics.jsonl in {h.log_dir}")
     return RunResult(history, h.log_dir, state, job.trainer, job.tokenizer, stopped)

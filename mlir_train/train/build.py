@@ -234,6 +234,18 @@ def _check_recompute(recompute, model_cfg: ModelConfig, schedule: Schedule | Non
                  "no MoE layers")
 
 
+def _check_lora_layers(lora, model_cfg: ModelConfig) -> None:
+    """Every target the user named adapts some layer of this model, not only of its family (a
+    dense MLP's fc1 in a model whose layers are all MoE would train nothing: grad norm 0)."""
+    table, kinds = family_of(model_cfg).params, set(model_cfg.layer_kinds())
+    present = {r.lora.module for kind in kinds for r in table.layer_rows(kind) if r.lora is not None}
+    for target in lora.targets:
+        one = dataclasses.replace(lora, targets=(target,))
+        if not any(table.lora_weights(one, kind) for kind in kinds):
+            raise ConfigError(f"--lora-target-modules {target}: no layer of {model_cfg.name} has it (its layers "
+                              f"have {', '.join(m for m in table.lora_modules() if m in present)}); adapt those")
+
+
 def _model_options(cfg: RunConfig, model_cfg: ModelConfig, parallel: Layout, schedule: Schedule | None,
                    platform: str) -> ModelOptions:
     """How the model is built to run: the platform's kernels (attention, MoE experts), the
@@ -246,6 +258,7 @@ def _model_options(cfg: RunConfig, model_cfg: ModelConfig, parallel: Layout, sch
         problem = family_of(model_cfg).params.check_lora_targets(lora.patterns())
         if problem:
             raise ConfigError(f"--lora-target-modules {problem}")
+        _check_lora_layers(lora, model_cfg)
     m, extras = cfg.moe, cfg.extras
     router = m.router(model_cfg, parallel.expert)
     if router is not None and router.dtype == "fp64" and platform == "tpu":

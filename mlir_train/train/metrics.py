@@ -102,15 +102,17 @@ ROUTER_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_
 def router_scalars(m: dict[str, Any], model_cfg, *, per_layer: bool = False) -> dict[str, float]:
     """A step's MoE router numbers under Megatron's tag names: each load-balancing loss in use
     and the z-loss (times their coefficients, averaged over the MoE layers), dropped tokens, the
-    expert-parallel exchange's overflow rows, and
+    expert-parallel exchange's overflow rows and further rounds, and
     with ``per_layer`` (``--moe-per-layer-logging``) Megatron's ``moe/<name>_layer_<i>`` for each
     MoE layer ``i`` (its decoder-layer index): the raw, coefficient-free value averaged over the
     step's micro-batches (the step's ``"<name> per layer"`` arrays), as Megatron's tracker logs it."""
     out = {name: float(m[name]) for name in ROUTER_LOSSES if name in m}
     out["dropped tokens"] = float(m["dropped_tokens"])
     # Dropless rows that overflowed the expert-parallel exchange buffer (--moe-ep-buffer-factor)
-    # and went in a further round: computed exactly, counted so the factor can be sized.
+    # and went in further rounds: computed exactly, counted so the factor can be sized
+    # (ExchangeRounds reports them once, at the end of the run).
     out["ep overflow rows"] = float(m["ep_overflow_rows"])
+    out["ep further rounds"] = float(m.get("ep_further_rounds", 0.0))
     if per_layer:
         moe_layers = [i for i, is_moe in enumerate(model_cfg.moe_layers()) if is_moe]
         for name in ROUTER_LOSSES:
@@ -136,8 +138,6 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
             parts.append(f"{name}: {m[name]:.6E}")
     if m.get("z_loss"):
         parts.append(f"z_loss: {m['z_loss']:.6E}")
-    if m.get("ep overflow rows"):  # the EP exchange's buffers were too small this step (computed exactly)
-        parts.append(f"ep overflow rows: {int(m['ep overflow rows'])}")
     parts += [
         f"loss scale: {m['loss-scale']:.1f}",
         f"grad norm: {m['grad-norm']:.3f}",
@@ -154,6 +154,43 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
 
 
 
+class ExchangeRounds:
+    """The dropless MoE exchange's rounds over a run, reported once at its end: how many steps
+    needed rounds beyond the first (rows past the ``--moe-ep-buffer-factor`` buffers, computed
+    exactly), how many rounds a MoE layer took on average and so what they cost: each further
+    round is one more pass of the exchange and the local experts over a buffer of the first
+    round's size. A warning only when a pass took :data:`WARN_AT` further rounds or more on average:
+    below that the rounds cost about the compute a buffer large enough for one round would (rounds
+    x factor x the routed rows either way) and only their latency is extra."""
+
+    WARN_AT = 1.0
+
+    def __init__(self, layer_passes: int, buffer_factor: float | None):
+        self.layer_passes, self.buffer_factor = layer_passes, buffer_factor  # MoE layers x micro-batches
+        self.steps = self.steps_with_rounds = 0
+        self.further = self.rows = 0.0
+
+    def add(self, scalars: dict[str, float]) -> None:
+        if "ep further rounds" in scalars:
+            self.steps += 1
+            self.steps_with_rounds += scalars["ep further rounds"] > 0
+            self.further += scalars["ep further rounds"]
+            self.rows += scalars["ep overflow rows"]
+
+    def report(self) -> None:
+        if not self.steps_with_rounds or not self.layer_passes:
+            return
+        extra = self.further / (self.steps * self.layer_passes)
+        text = (f"MoE exchange: {self.steps_with_rounds} of {self.steps} steps needed rounds beyond the first "
+                f"({int(self.rows)} rows past the --moe-ep-buffer-factor {self.buffer_factor:g} buffers, exact): "
+                f"{1 + extra:.2f} rounds per MoE layer pass on average: {100 * extra:.0f}% more exchange latency, "
+                "about the compute a buffer large enough for one round would take")
+        if extra >= self.WARN_AT:
+            log.warning(text + "; a larger --moe-ep-buffer-factor takes fewer rounds for more buffer memory")
+        else:
+            log.info(text)
+
+
 class StepLogger:
     """The loop's logging hook. ``record(iteration, metrics)`` turns one step's device metrics
     (read by the host only when asked, one step late) into Megatron's console line every
@@ -163,7 +200,7 @@ class StepLogger:
     def __init__(self, writer: MetricsWriter, *, train_iters: int, log_interval: int, tensorboard_log_interval: int,
                  check_nan: bool, global_batch_size: int, seq_length: int, lr_at, flops_per_step: float,
                  num_devices: int, peak_tflops: float | None, log_timers: bool, timers: "Timers",
-                 model_cfg=None, per_layer_router: bool = False):
+                 model_cfg=None, per_layer_router: bool = False, exchange: ExchangeRounds | None = None):
         self.writer, self.train_iters, self.lr_at = writer, train_iters, lr_at
         self.model_cfg, self.per_layer_router = model_cfg, per_layer_router  # --moe-per-layer-logging
         self.log_interval, self.tb_interval = log_interval, max(1, tensorboard_log_interval)
@@ -171,6 +208,8 @@ class StepLogger:
         self.flops_per_step, self.num_devices, self.peak = flops_per_step, num_devices, peak_tflops
         self.log_timers, self.timers = log_timers, timers
         self.history: dict[str, list] = {"lm loss": [], "valid": []}
+        self.first_logged: tuple[int, float] | None = None  # (iteration, lm loss) of the first console line
+        self.exchange = exchange or ExchangeRounds(0, None)
         self.skipped = 0
         self.pending = None  # (iteration, device metrics): read one step late so the host never stalls the device
         self.last_done = self.start_time = time.perf_counter()
@@ -224,6 +263,7 @@ class StepLogger:
         if "load_balancing_loss" in m:
             scalars |= router_scalars(m, self.model_cfg, per_layer=self.per_layer_router)
             arrays["expert-load"] = np.asarray(m["tokens_per_expert"]).sum(axis=0)
+            self.exchange.add(scalars)
         if self.log_timers:
             totals = self.timers.pop_all()
             scalars |= {f"timers/{k}": totals.get(k, 0.0) for k in ("data-wait", "step-dispatch", "eval")}
@@ -232,6 +272,7 @@ class StepLogger:
             done = iteration - (self.first_iteration or 0)
             eta = (time.perf_counter() - self.start_time) / max(done, 1) * (self.train_iters - iteration)
             print(console_line(iteration, self.train_iters, scalars, eta), flush=True)
+            self.first_logged = self.first_logged or (iteration, lm_loss)
         if iteration % self.tb_interval == 0 or last:
             self.writer.write(iteration, scalars, arrays)
 

@@ -71,7 +71,8 @@ class LRSchedule:
         if self.warmup_steps >= self.decay_steps:
             raise ValueError(
                 f"warmup ({self.warmup_steps / self.samples_per_iter:g} iterations) must be shorter "
-                f"than --lr-decay-iters ({self.decay_steps / self.samples_per_iter:g})"
+                f"than --lr-decay-iters ({self.decay_steps / self.samples_per_iter:g}; default --train-iters): give "
+                "a smaller --lr-warmup-iters (or --lr-warmup-fraction) or more iterations"
             )
         if self.decay_style == "WSD":
             if self.wsd_decay_steps is None:

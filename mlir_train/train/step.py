@@ -45,6 +45,7 @@ from flax import nnx
 from mlir_train.config import policies
 from mlir_train.config.models import ModelConfig
 from mlir_train.model import losses, tree
+from mlir_train.model.moe.dispatch import COUNTS as DISPATCH_COUNTS
 from mlir_train.model.moe.router import updated_expert_bias
 from mlir_train.train import pipeline
 from mlir_train.train.optim import LossScaler, global_norm, select_tree
@@ -134,8 +135,7 @@ class Step:
                 num_micro_batches=self.cfg.num_micro_batches, loss_tokens=mb.get(losses.ROUTER_LOSS_TOKENS))
             objective = objective + router_objective
             aux.update(router_layers=per_layer, tokens_per_expert=stats["tokens_per_expert"],
-                       dropped_tokens=jnp.sum(stats["dropped_tokens"]),
-                       ep_overflow_rows=jnp.sum(stats["ep_overflow_rows"]))
+                       **{name: jnp.sum(stats[name]) for name in DISPATCH_COUNTS})
             if global_counts is not None:
                 aux["global_counts"] = counts
         return objective * scale, aux
@@ -277,8 +277,7 @@ class Step:
             if name in layers:
                 metrics[name] = lb.coeff(kind) * jnp.mean(layers[name])
         metrics["tokens_per_expert"] = jnp.sum(aux["tokens_per_expert"], axis=0)  # [L_moe, E]
-        metrics["dropped_tokens"] = jnp.sum(aux["dropped_tokens"])
-        metrics["ep_overflow_rows"] = jnp.sum(aux["ep_overflow_rows"])
+        metrics |= {name: jnp.sum(aux[name]) for name in DISPATCH_COUNTS}
         return metrics
 
     # ----- evaluation ---------------------------------------------------------------------------

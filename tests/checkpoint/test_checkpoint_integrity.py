@@ -394,3 +394,19 @@ def test_two_processes_follow_process_0_on_verification_and_the_lock(two_steps, 
     assert "CORRUPT" in outs[0][0] and "CORRUPT" not in outs[1][0]  # the warning: process 0 prints
     assert "lock refused: --save" in outs[0][0] and "is in use by job job-A" in outs[0][0]
     assert "could not take the directory (see its log)" in outs[1][0]
+
+
+def test_an_unwritable_save_dir_is_named_by_its_flag(tmp_path, monkeypatch):
+    """An OSError taking the lock (a read-only directory: root cannot make one here) names
+    --save and the directory, not the .lock file inside it."""
+    from mlir_train.checkpoint import saver
+    from mlir_train.runtime.errors import CheckpointError
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", os.path.join(path, ".lock"))
+
+    monkeypatch.setattr(integrity.SaveLock, "acquire", staticmethod(refuse))
+    with pytest.raises(CheckpointError) as e:
+        saver.claim_save_dir(str(tmp_path / "ro"))
+    assert str(e.value) == (f"--save {tmp_path / 'ro'}: cannot write there (Permission denied); give a directory "
+                            "this job can write")

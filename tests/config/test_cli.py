@@ -285,6 +285,32 @@ def test_help_groups_flags_like_the_seed(capsys):
     positions = [out.index(t + ":") for t in titles]
     assert positions == sorted(positions)
     assert "--global-batch-size" in out[positions[3]:positions[4]]
+    # No argparse internals, a literal %, and the required flags marked.
+    assert "{'" not in out and "about 1% step-time gain" in out
+    assert re.search(r"--lr LR\s+(.|\n)*?\(required\)", out) and "bundled" not in out
+
+
+def test_config_demo_is_the_no_argument_job_and_flags_change_it():
+    """--config demo: the no-argument job's flags; a flag after it changes that one flag, and a
+    flag the demo's cannot run with (--lr-warmup-fraction for its --lr-warmup-iters) replaces it."""
+    from mlir_train import sft
+    from mlir_train.config import demo
+
+    assert sft.DEFAULT_ARGV == ["--config", "demo"]
+    base = cli.parse(["--config", "demo"])
+    lora = cli.parse(["--config", "demo", "--lora-dim", "8"])
+    assert lora.training.lora is not None and lora.training.lora.dim == 8
+    assert lora.replace(training={"lora_dim": None}) == base
+    assert base.data.data_path == (demo.DEFAULT_DATA,) and base.model.model_name == "qwen3-moe-tiny"
+    warm = cli.parse(["--config", "demo", "--lr-warmup-fraction", "0.1"])
+    assert warm.training.lr_warmup_fraction == 0.1
+    assert "change it by adding flags" in demo.INTRO and "--config demo --lora-dim 8" in demo.INTRO
+
+
+def test_config_that_is_no_file_points_at_the_demo(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(["--config", str(tmp_path / "demo.yaml")])
+    assert e.value.code == 2 and "--config demo is the no-argument job's flags" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

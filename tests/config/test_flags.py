@@ -135,7 +135,18 @@ def test_untie_embeddings_gives_a_separate_lm_head():
 def test_tokenizer_model_is_the_tokenizer_path():
     assert cli.parse(["--tokenizer-model", "/tok"]).data.tokenizer_path == "/tok"
     assert cli.parse(["--tokenizer-model", "/tok", "--hf-tokenizer-path", "/hf"]).data.tokenizer_path == "/hf"
-    flags.require(cli.parse(["--tokenizer-model", "/tok"]), "--hf-tokenizer-path")  # satisfied by its alias
+    flags.require(cli.parse(["--tokenizer-model", "/tok"]), ("--hf-tokenizer-path",))  # satisfied by its alias
+
+
+def test_missing_required_flags_are_named_in_one_error():
+    """Every required flag a run lacks in one error, with the demo to start from instead."""
+    with pytest.raises(ConfigError) as e:
+        flags.require(cli.parse(["--lora-dim", "8"]))
+    assert str(e.value).startswith("missing --model-name --data-path --hf-tokenizer-path --seq-length "
+                                   "--micro-batch-size --train-iters --lr (required)")
+    assert "--config demo" in str(e.value)
+    flags.require(cli.parse(["--config", "demo", "--lora-dim", "8"]))  # the demo has them all
+    assert flags.missing_required(cli.parse(["--load", "/ck"]), ("--model-name",)) == []
 
 
 def _metrics(loss: float) -> dict:
@@ -161,6 +172,17 @@ def test_tensorboard_log_interval_writes_every_n_iterations(tmp_path, capsys):
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [r["iteration"] for r in lines] == [4, 6]  # every 4th, and the last
     assert sum(l.startswith(" iteration ") for l in capsys.readouterr().out.splitlines()) == 6  # the console still every --log-interval
+
+
+def test_the_first_logged_loss_is_the_first_console_lines(tmp_path, capsys):
+    """--log-interval 5: the run's closing line quotes iteration 5's loss, the first one shown."""
+    writer, logger = _logger(tmp_path, log_interval=5)
+    for it in range(1, 7):
+        logger.record(it, _metrics(2.0 - it * 0.1))
+    writer.close()
+    assert logger.first_logged == (5, pytest.approx(1.5))
+    assert [l.split("|")[0].strip() for l in capsys.readouterr().out.splitlines() if l.startswith(" iteration ")] == [
+        "iteration        5/       6", "iteration        6/       6"]
 
 
 def test_wandb_save_dir_is_wandbs_directory(tmp_path, monkeypatch):

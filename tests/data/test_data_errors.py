@@ -3,11 +3,13 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from mlir_train import preprocess
 from mlir_train.data import DataError, build_datasets, default_data_config, load_tokenizer
+from mlir_train.data.config import DEFAULT_TOKENIZER
 
 GOOD = {"instruction": "Say hi.", "input": "", "output": "hi"}
 
@@ -157,9 +159,11 @@ def test_sharegpt_function_call_and_observation_are_a_tool_call_and_its_response
 
 def test_bad_chat_template_kwargs(tok, tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [_m("user"), _m("assistant")]}])
-    with pytest.raises(DataError, match="--chat-template-kwargs 'enable_thinking': not a JSON "
-                                        "object"):
+    # A missing file is named as one, not misread as bad JSON; bad JSON says where.
+    with pytest.raises(DataError, match="--chat-template-kwargs 'enable_thinking': no such file, nor a JSON object"):
         build(tok, tmp_path, path, chat_template="qwen3", chat_template_kwargs="enable_thinking")
+    with pytest.raises(DataError, match=r"--chat-template-kwargs '\{enable': not a JSON object \(.*line 1\)"):
+        build(tok, tmp_path, path, chat_template="qwen3", chat_template_kwargs="{enable")
     with pytest.raises(DataError, match="'thinking_budget' is not a kwarg of the qwen3 template"):
         build(tok, tmp_path, path, chat_template="qwen3",
               chat_template_kwargs='{"thinking_budget": 3}')
@@ -210,20 +214,31 @@ def test_missing_tokenizer_directory_and_data_file(tmp_path):
 def test_cli_prints_the_error_and_exits_nonzero(tmp_path, capsys):
     """One line, status 2: the one error family of every entry point (mlir_train.runtime.errors)."""
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"instruction": "x"}])
-    code = preprocess.main(["--data-path", str(path), "--data-cache-path", str(tmp_path)])
+    code = preprocess.main(["--data-path", str(path), "--data-cache-path", str(tmp_path),
+                            "--hf-tokenizer-path", DEFAULT_TOKENIZER, "--seq-length", "64"])
     assert code == 2
     assert capsys.readouterr().err.strip() == (
         f"mlir-train: error: {path}:2: missing field 'output': expected a string")
     result = subprocess.run(
         [sys.executable, "-m", "mlir_train.preprocess", "--hf-tokenizer-path",
-         str(tmp_path / "nope")], capture_output=True, text=True)
+         str(tmp_path / "nope"), "--data-path", str(path), "--seq-length", "64"], capture_output=True, text=True)
     assert result.returncode == 2 and "no such directory" in result.stderr
+
+
+def test_preprocess_never_fills_in_the_bundled_files(tmp_path, capsys):
+    """Data of one's own without a tokenizer (or a sequence length) is one error naming every
+    missing flag and the demo to start from, never the bundled tokenizer at a default length."""
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD])
+    code = preprocess.main(["--data-path", str(path), "--data-cache-path", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("error:") == 1
+    assert "missing --hf-tokenizer-path --seq-length (required)" in err and "--config demo" in err
 
 
 def test_cli_summary(tmp_path, capsys):
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 5)
-    code = preprocess.main(["--data-path", str(path), "--data-cache-path", str(tmp_path),
-                            "--seq-length", "64", "--packing-sft-data", "--micro-batch-size", "1"])
+    code = preprocess.main(["--data-path", str(path), "--data-cache-path", str(tmp_path), "--hf-tokenizer-path",
+                            DEFAULT_TOKENIZER, "--seq-length", "64", "--packing-sft-data", "--micro-batch-size", "1"])
     out = capsys.readouterr()
     assert code == 0
     for field in ("records read   5", "records kept   5", "truncated", "dropped", "rows",
@@ -235,3 +250,38 @@ def test_cli_summary(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         preprocess.main(["--data-path", str(path), "--seq-lenght", "64"])
     assert exc.value.code == 2 and "--seq-length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("index, template", [(0, "alpaca"), (1, "qwen3"), (2, "qwen3")])
+def test_readme_example_records_train(tok, tmp_path, index, template):
+    """README's example record of each format is read, rendered and trained (alpaca, ShareGPT,
+    OpenAI messages), each kept with loss tokens, in a file of its own."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("One record of each format")[1].split("```json\n")[1].split("```")[0]
+    records = block.strip().splitlines()
+    assert len(records) == 3
+    path = write_jsonl(tmp_path / f"r{index}.jsonl", [records[index]] * 2)
+    data = build(tok, tmp_path, path, chat_template=template, packing=False, seq_length=512)
+    assert data.stats.records_kept == 2 and sum(data.stats.loss_tokens.values()) > 0
+
+
+def test_too_long_records_are_named_with_the_seq_length_that_keeps_them(tok, tmp_path):
+    """Documents over a row, counted by what became of them: the first few records (file:line)
+    and the --seq-length that keeps them all, in the summary and in the no-usable-records error."""
+    long = {"instruction": "Say hi.", "input": "", "output": "hi " * 60}
+    long_prompt = {"instruction": "Say hi. " * 40, "input": "", "output": "hi"}
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, long, GOOD, long, long_prompt])
+    cut = build(tok, tmp_path, path, seq_length=48, packing=False)
+    n = cut.stats.too_long["truncated"]["seq_length"]
+    assert cut.stats.too_long["truncated"]["records"] == [f"{path}:2", f"{path}:4"] and n > 48
+    assert "truncated      2 documents" in cut.stats.summary()
+    assert f": {path}:2, {path}:4 (--seq-length {n} keeps them whole)" in cut.stats.summary()
+    m = cut.stats.too_long["response truncated away"]["seq_length"]
+    assert f"{'response truncated away':<28} 1: {path}:5 (--seq-length {m} keeps them)" in cut.stats.summary()
+    dropped = build(tok, tmp_path, path, seq_length=48, packing=False, drop_long=True)
+    assert dropped.stats.dropped == {"longer than seq_length": 3}
+    assert (f"{'longer than seq_length':<28} 3: {path}:2, {path}:4, {path}:5 (--seq-length {max(n, m)} keeps them)"
+            in dropped.stats.summary())
+    only_long = write_jsonl(tmp_path / "long.jsonl", [long])
+    with pytest.raises(DataError, match=rf"no usable records .*; --seq-length {n} keeps them$"):
+        build(tok, tmp_path, only_long, seq_length=48, packing=False, drop_long=True)

@@ -6,6 +6,7 @@ import pytest
 
 from mlir_train.config import cli
 from mlir_train.data import DataConfig, DataError, build_datasets, default_data_config, load_tokenizer
+from mlir_train.data.config import DEFAULT_TOKENIZER
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def test_preprocess_takes_a_loongforge_qwen3_command_line(tmp_path, capsys):
     config.write_text(json.dumps({"openai": {"format": "openai"}}))
     code = preprocess.main([
         "--data-path", chat, "--data-cache-path", str(tmp_path / "cache"), "--seq-length", "512",
-        "--chat-template", "qwen3-hf", "--sft-dataset-config", str(config), "--sft-dataset", "openai",
+        "--hf-tokenizer-path", DEFAULT_TOKENIZER, "--chat-template", "qwen3-hf", "--sft-dataset-config", str(config), "--sft-dataset", "openai",
         "--history-mask-loss", "--chat-template-kwargs", '{"enable_thinking": true}',
         "--eod-mask-loss", "--sft-data-mix-strategy", "concat", "--packing-sft-data",
         "--packing-buffer-size", "2", "--enable-discard-sample", "--use-fixed-seq-lengths",

@@ -5,6 +5,7 @@ the data summary says about them."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,21 +236,32 @@ def test_every_option_is_in_the_cache_key(tok, tmp_path):
 
 
 def test_a_file_without_loss_tokens_is_an_error_naming_it(tok, tmp_path):
-    """Reasoning-only answers under --reasoning-loss none, with <|im_end|> as the eos that
-    --eod-mask-loss takes out: nothing is left to learn in the file."""
+    """Answers that are end-of-document tokens only, with <|im_end|> as the eos: --eod-mask-loss
+    takes out every loss token, and nothing is left to learn in the file."""
     directory = tmp_path / "tok_im_end"
     shutil.copytree(tok.name_or_path, directory)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config["eos_token"] = "<|im_end|>"
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     im_end_eos = load_tokenizer(str(directory))
-    records = [{"messages": [msg("user", "q"), msg("assistant", "", reasoning_content="r")]}] * 2
+    records = [{"messages": [msg("user", "q"), msg("assistant", "<|endoftext|>", reasoning_content="r")]}] * 2
     with pytest.raises(DataError, match=r"chat\.jsonl: masking leaves no loss tokens in any of "
                                         r"its records \(2 with none under --eod-mask-loss "
                                         r"--reasoning-loss none\)"):
         build(im_end_eos, tmp_path, records, eod_mask_loss=True, reasoning_loss="none")
     data = build(im_end_eos, tmp_path, records, eod_mask_loss=True)  # the reasoning is trained
-    assert data.stats.masking["eod tokens masked"] == 2
+    assert data.stats.masking["eod tokens masked"] == 4
+
+
+@pytest.mark.parametrize("answer", [dict(content="", reasoning_content="r"), dict(content="<think>\nr\n</think>\n\n")])
+def test_a_final_turn_that_only_thinks_is_a_bad_record(tok, tmp_path, answer):
+    """Thinking and no answer (a cut-off generation) would teach the model to stop after it
+    thinks: an error naming the record, or under --sft-skip-bad-records one dropped and counted."""
+    records = [{"messages": [msg("user", "q"), msg("assistant", **answer)]}, record(sorted(CONVERSATIONS)[0])]
+    with pytest.raises(DataError, match=r"chat\.jsonl:1: messages\[1\]: assistant turn with reasoning only"):
+        build(tok, tmp_path, records)
+    data = build(tok, tmp_path, records, skip_bad_records=True)
+    assert data.stats.dropped == {"thinking only": 1} and data.stats.records_kept == 1
 
 
 def test_worker_processes_give_the_same_documents_and_counts(tok, tmp_path):
@@ -260,3 +272,20 @@ def test_worker_processes_give_the_same_documents_and_counts(tok, tmp_path):
     assert one.stats.loss_tokens_by_role == two.stats.loss_tokens_by_role
     assert [document(one, r)[0] for r in range(len(records))] == \
         [document(two, r)[0] for r in range(len(records))]
+
+
+def test_the_bundled_tokenizer_has_qwen3s_added_tokens(tok):
+    """Qwen3's added tokens (<think>, <tool_call>, ...) are single tokens after the trained
+    vocabulary, so the qwen3 template's markup is one id each and earlier ids never move."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_assets", Path(__file__).parents[2] / "scripts" / "make_assets.py")
+    assets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(assets)
+    QWEN3_SPECIAL, QWEN3_ADDED, SPECIAL_TOKENS, VOCAB_SIZE = (assets.QWEN3_SPECIAL, assets.QWEN3_ADDED,
+                                                              assets.SPECIAL_TOKENS, assets.VOCAB_SIZE)
+    for i, token in enumerate(QWEN3_SPECIAL + QWEN3_ADDED):
+        assert tok.convert_tokens_to_ids(token) == VOCAB_SIZE + i
+        assert tok(f"a{token}b", add_special_tokens=False)["input_ids"][1] == VOCAB_SIZE + i
+    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2]
+    assert set(QWEN3_SPECIAL) <= set(tok.all_special_tokens) and "<think>" not in tok.all_special_tokens

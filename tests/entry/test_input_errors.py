@@ -54,6 +54,44 @@ def _megatron_dir(root, name, latest, rank_file: bytes | None):
     return path
 
 
+def _newcomer_cases(tmp, write, save_file):
+    """Issue 36's classes: output paths, LoRA targets, kernel refusals, chat data, dataset configs."""
+    def chat(name, *messages):
+        return write(name, json.dumps({"messages": list(messages)}) + "\n")
+
+    user, done = {"role": "user", "content": "q"}, {"role": "assistant", "content": "done"}
+    call = {"type": "function", "function": {"name": "f", "arguments": "{city: Rome"}}
+    return [
+        # every output path checked at start-up, named by its flag (never a traceback after training)
+        ("save-peft-under-file", ["--lora-dim", "4", "--save-peft", os.path.join(save_file, "p")], "--save-peft"),
+        ("save-hf-under-file", ["--save-hf", os.path.join(save_file, "hf")], "--save-hf"),
+        ("save-hf-is-file", ["--save-hf", save_file], "--save-hf"),
+        ("tensorboard-under-file", ["--tensorboard-dir", os.path.join(save_file, "tb")], "--tensorboard-dir"),
+        # LoRA targets of the family that no layer of this model has (all its MLPs are MoE)
+        ("lora-no-layer", ["--lora-dim", "4", "--lora-target-modules", "mlp.linear_fc1"], "no layer of"),
+        # refusals suggest choices that exist
+        ("attention-gpu-kernel", ["--attention-kernel", "mlir"], "use --attention-kernel auto or --attention-kernel xla"),
+        ("moe-gpu-kernel", ["--moe-gemm-backend", "mosaic"], "use --moe-gemm-backend auto or --moe-gemm-backend padded"),
+        # chat data
+        ("kwargs-missing-file", ["--chat-template", "qwen3", "--chat-template-kwargs", os.path.join(tmp, "kw.json")],
+         "kw.json': no such file"),
+        ("kwargs-bad-json-file", ["--chat-template", "qwen3", "--chat-template-kwargs", write("kw_bad.json", "{1")],
+         "kw_bad.json: not a JSON object"),
+        ("tool-args-not-json", ["--chat-template", "qwen3", "--data-path", chat(
+            "tools.jsonl", user, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "ok"}, done)],
+         "tools.jsonl:1"),
+        ("thinking-only", ["--chat-template", "qwen3", "--data-path", chat(
+            "think.jsonl", user, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\n"})],
+         "think.jsonl:1"),
+        ("dataset-config-file-name", ["--sft-dataset-config", write("dataset_info.json", json.dumps(
+            {"alpaca_tasks": {"file_name": "missing.json", "formatting": "alpaca"}}))], "file_name 'missing.json'"),
+        ("dataset-config-unknown-key", ["--sft-dataset-config", write("dataset_info2.json", json.dumps(
+            {"alpaca_tasks": {"formatting": "alpaca", "ranking": True}}))], "['ranking']"),
+        ("config-demo-typo", ["--config", "demoo"], "--config demo is the no-argument job"),
+    ]
+
+
 def _corpus(tmp):
     """(case id, argv, what the error line must name)."""
     os.makedirs(tmp, exist_ok=True)
@@ -66,10 +104,8 @@ def _corpus(tmp):
     llama = _hf_dir(tmp, "llama", dict(QWEN3_MOE_TINY, model_type="llama"))
     bad_json = _hf_dir(tmp, "badjson", '{"model_type": "qwen3_moe",')
     no_weights = _hf_dir(tmp, "noweights", QWEN3_MOE_TINY)
-    bad_tok = os.path.join(tmp, "badtok")
-    os.makedirs(bad_tok, exist_ok=True)
-    with open(os.path.join(bad_tok, "tokenizer.json"), "w") as f:
-        f.write("not json")
+    os.makedirs(os.path.join(tmp, "badtok"), exist_ok=True)
+    bad_tok = os.path.dirname(write(os.path.join("badtok", "tokenizer.json"), "not json"))
     deepspeed = os.path.join(tmp, "deepspeed", "global_step5")
     os.makedirs(deepspeed)
     with open(os.path.join(tmp, "deepspeed", "latest"), "w") as f:
@@ -113,6 +149,7 @@ def _corpus(tmp):
         # --save targets
         ("save-is-file", ["--save", save_file, "--save-interval", "1"], "a_file"),
         ("save-under-file", ["--save", os.path.join(save_file, "ckpt"), "--save-interval", "1"], "a_file"),
+        *_newcomer_cases(tmp, write, save_file),
     ]
 
 
@@ -189,6 +226,14 @@ def test_bad_checkpoints_of_ours_are_one_line_exit_2(our_checkpoint, capsys, tmp
         f.write(b"\xff" * 16)
     cases.append(("corrupt", ["--load", damaged, "--ckpt-step", step], "damaged"))
     _check_all(tmp, cases, capsys)
+
+
+def test_missing_required_flags_are_one_line_naming_them_all(capsys):
+    """Flags without the demo's: every missing required flag in one line, and the demo to start from."""
+    code, err = _run_in_process(["--lora-dim", "8", "--lr", "1e-3"], capsys)
+    _check("missing-required", code, err, "missing --model-name --data-path --hf-tokenizer-path --seq-length "
+                                          "--micro-batch-size --train-iters (required)")
+    assert "python -m mlir_train.sft --config demo" in err
 
 
 @pytest.mark.parametrize("case", ["fp8", "hf-llama", "data-missing"])

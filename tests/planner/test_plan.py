@@ -176,3 +176,22 @@ def test_lora_flags_plan_the_adapters_on_a_frozen_base(tmp_path):
     assert plan["frozen_base_bytes"] > 20 * plan["master_bytes"]
     counted = plan["master_bytes"] + plan["optimizer_bytes"] + plan["frozen_base_bytes"] + plan["batch_bytes"]
     assert plan["compiled_argument_bytes"] == counted + 4  # + the int32 iteration
+
+
+def test_a_plan_leads_with_one_step_time_and_says_where_it_comes_from():
+    """One step time first: the compiled program's matmul FLOPs at the assumed MFU when a program
+    was compiled for the target, else Megatron's model FLOPs, labelled as an estimate."""
+    from types import SimpleNamespace
+
+    from mlir_train.planner.report import step_time_line
+
+    compiled = SimpleNamespace(compiled_for_target=True, compiled_step_time_s=2.0, compiled_matmul_flops=4e15,
+                               compiled_tokens_per_s=1000.0, conditionals=1, step_time_s=1.5, tokens_per_s=1300.0)
+    line = step_time_line(compiled, 0.4)
+    assert line.startswith("  step time 2.00s, 1,000 tokens/s: the compiled program's matmul FLOPs (every overflow "
+                           "round taken) at 40% of the 5000 TFLOP/s peak") and "cross-checks" in line
+    estimate = SimpleNamespace(compiled_for_target=False, compiled_step_time_s=None, step_time_s=1.5,
+                               tokens_per_s=1300.0)
+    assert "Megatron's model FLOPs at 40% of peak (--assumed-mfu), an estimate" in step_time_line(estimate, 0.4)
+    assert "--peak-tflops" in step_time_line(SimpleNamespace(compiled_for_target=False, compiled_step_time_s=None,
+                                                             step_time_s=None), 0.4)

@@ -62,3 +62,25 @@ def test_every_benchmark_sets_the_platform_before_jax(script):
     # require_setup: a module of theirs, which refuses to be imported before it.
     assert any(call in before for call in ("configure_platform(", 'os.environ.setdefault("JAX_PLATFORMS"',
                                            "gpu_common.setup(", "gpu_common.require_setup(")), script
+
+
+def test_orbax_read_only_and_pytorch_notices_are_filtered(caplog):
+    """Orbax's "Given directory is read only" (our read-only managers only read: convert, resume,
+    --load) and transformers' "PyTorch was not found" (we use its tokenizers only) are dropped;
+    their loggers' other lines pass."""
+    import logging
+
+    from mlir_train.checkpoint.manager import _quiet_read_only
+    from mlir_train.data.tokenizer import quiet_transformers_import
+
+    absl = logging.getLogger("absl")
+    with caplog.at_level(logging.INFO), _quiet_read_only():
+        absl.warning("Given directory is read only=/ck")
+        absl.warning("something else")
+    absl.warning("Given directory is read only=/ck after")  # only while a read-only manager is made
+    quiet_transformers_import()
+    quiet_transformers_import()  # once, however often called
+    logging.getLogger("transformers").warning("PyTorch was not found. Models won't be available")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["something else", "Given directory is read only=/ck after"]
+    assert len(logging.getLogger("transformers").filters) == 1

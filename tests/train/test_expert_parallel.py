@@ -74,7 +74,7 @@ def test_expert_parallel_model_equals_one_device(name, reference):
     assert set(stats) == set(ref_stats)
     for key in ref_stats:  # global-batch router stats, not per-rank ones
         assert stats[key].shape == ref_stats[key].shape, key
-        if key == "ep_overflow_rows":  # rows of the exchange's later rounds: none on one device
+        if key in ("ep_overflow_rows", "ep_further_rounds"):  # the exchange's later rounds: none on one device
             assert float(ref_stats[key].sum()) == 0 and float(stats[key].sum()) >= 0
             continue
         np.testing.assert_allclose(np.asarray(stats[key]), np.asarray(ref_stats[key]), rtol=1e-5, atol=1e-5, err_msg=key)
@@ -215,6 +215,7 @@ def test_overflow_rounds_are_exact_and_counted(name, impl):
     expected = _expected_overflow(block, cfg, impl)
     assert expected > 0
     assert float(stats["ep_overflow_rows"]) == expected
+    assert float(stats["ep_further_rounds"]) >= 1  # the same on every rank: the most any took
     assert float(stats["dropped_tokens"]) == 0
     assert "conditional" in hlo  # the further rounds are a branch, taken only on overflow
 
@@ -228,18 +229,19 @@ def test_balanced_routing_takes_one_round():
     (_, (y, stats)), _ = run_moe_block(block, x, valid, cfg)
     (_, (ref_y, _)), _ = run_moe_block(moe_block(impl="dense"), x, valid)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5, rtol=1e-5)
-    assert float(stats["ep_overflow_rows"]) == 0
+    assert float(stats["ep_overflow_rows"]) == 0 and float(stats["ep_further_rounds"]) == 0
 
 
 def test_buffer_factor_flag_reaches_the_block_and_overflow_reaches_the_log():
     """--moe-ep-buffer-factor: parsed, refused when not positive (one ConfigError naming it),
-    given to every MoE block; a step's overflow rows are on the console line and in the
-    logged scalars."""
+    given to every MoE block; a step's overflow rows and further rounds are in the logged
+    scalars, never on the console line: the run reports the rounds once, at its end, and warns
+    only when they cost real time."""
     from mlir_train.config import cli
     from mlir_train.families import get_model_config
     from mlir_train.runtime.errors import ConfigError
     from mlir_train.train.build import resolve
-    from mlir_train.train.metrics import console_line, router_scalars
+    from mlir_train.train.metrics import ExchangeRounds, console_line, router_scalars
 
     base = ["--micro-batch-size", "1", "--seq-length", "16"]
     model = get_model_config("qwen3-moe-tiny")
@@ -251,13 +253,32 @@ def test_buffer_factor_flag_reaches_the_block_and_overflow_reaches_the_log():
     with pytest.raises(ConfigError, match="--moe-ep-buffer-factor must be positive"):
         resolve(cli.parse(base + ["--moe-ep-buffer-factor", "0"]), model, num_devices=1, platform="cpu")
 
-    m = {"load_balancing_loss": 0.01, "dropped_tokens": 0.0, "ep_overflow_rows": 12.0}
+    m = {"load_balancing_loss": 0.01, "dropped_tokens": 0.0, "ep_overflow_rows": 12.0, "ep_further_rounds": 1.0}
     scalars = router_scalars(m, model)
-    assert scalars["ep overflow rows"] == 12.0
+    assert scalars["ep overflow rows"] == 12.0 and scalars["ep further rounds"] == 1.0
     step = {"consumed samples": 8, "iteration-time": 0.1, "learning-rate": 1e-4, "batch-size": 8, "lm loss": 2.0,
             "loss-scale": 1.0, "grad-norm": 1.0, "skipped iterations": 0, "tokens-per-sec": 1.0, "throughput": 1.0}
-    assert "ep overflow rows: 12 |" in console_line(1, 10, step | scalars, None)
-    assert "ep overflow rows" not in console_line(1, 10, step | scalars | {"ep overflow rows": 0.0}, None)
+    assert "ep " not in console_line(1, 10, step | scalars, None)
+
+
+@pytest.mark.parametrize("further, level", [(0.0, None), (1.0, "info"), (8.0, "warning")])
+def test_exchange_rounds_are_reported_once_and_warned_only_when_costly(further, level, capsys):
+    """Two MoE layers x two micro-batches = 4 layer passes a step, over 4 steps: 1 further round
+    in all is 6% more exchange work (an info line), 8 in each step 200%: every pass ran the exchange
+    three times on average (a warning naming the flag)."""
+    from mlir_train.train.metrics import ExchangeRounds
+
+    rounds = ExchangeRounds(layer_passes=4, buffer_factor=1.0)
+    for i in range(4):
+        rounds.add({"ep overflow rows": 5.0 if further else 0.0,
+                    "ep further rounds": further if (i == 0 or further > 1) else 0.0})
+    rounds.report()
+    out = capsys.readouterr().out
+    if level is None:
+        assert out == ""
+        return
+    assert out.count("\n") == 1 and "MoE exchange" in out and "--moe-ep-buffer-factor 1 buffers" in out
+    assert ("WARNING:" in out) == ("a larger --moe-ep-buffer-factor" in out) == (level == "warning")
 
 
 def test_pipelined_step_with_overflow_rounds_equals_one_device():

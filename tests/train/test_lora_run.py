@@ -155,6 +155,64 @@ def test_continue_from_peft_directory(runs):
                                         ([*LORA, "--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias")])
 def test_lora_flags_are_refused_by_name(tmp_path, capsys, extra, flag):
     with pytest.raises(SystemExit) as e:
-        sft.main(_argv(tmp_path, "x", *extra))
+        sft.main(_argv(tmp_path, "x", "--model-name", "qwen3-moe-tiny", *extra))
     assert e.value.code == 2
     assert f"error: {flag}" in capsys.readouterr().err
+
+
+def _peft_copy(tmp, name):
+    import shutil
+
+    path = tmp / name
+    shutil.copytree(tmp / "peft", path)
+    return path
+
+
+def _one_line_exit_2(capsys, argv, *names):
+    with pytest.raises(SystemExit) as e:
+        sft.main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert e.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    for name in names:
+        assert name in lines[0], lines[0]
+
+
+def test_peft_adapters_that_disagree_or_are_damaged_are_one_line(runs, capsys):
+    """A PEFT directory whose adapter_config.json disagrees with the flags (it would be silently
+    rescaled), read without LoRA flags, or with a damaged config or weights file: one line each."""
+    tmp, _, _ = runs
+    load = lambda path, *extra: _argv(tmp, "bad", "--load", str(path), "--train-iters", "1", "--lr-warmup-iters", "0",  # noqa: E731
+                                       *extra)
+    peft_dir = tmp / "peft"
+    _one_line_exit_2(capsys, load(peft_dir, "--lora-dim", "4", "--lora-alpha", "8"),
+                     "lora_alpha 16", "give --lora-alpha 16")
+    _one_line_exit_2(capsys, load(peft_dir, "--lora-dim", "8", "--lora-alpha", "16"), "r 4", "--lora-dim")
+    _one_line_exit_2(capsys, load(peft_dir), "holds PEFT adapters", "--lora-dim 4 --lora-alpha 16")
+    bad_config = _peft_copy(tmp, "peft_bad_config")
+    (bad_config / "adapter_config.json").write_text('{"r": 4, "lora_alpha"')
+    _one_line_exit_2(capsys, load(bad_config, *LORA), "adapter_config.json: cannot read it")
+    truncated = _peft_copy(tmp, "peft_truncated")
+    weights = truncated / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    _one_line_exit_2(capsys, load(truncated, *LORA), "adapter_model.safetensors", "truncated or damaged")
+
+
+def test_convert_of_lora_adapters_says_what_they_are(runs, capsys):
+    from mlir_train import convert
+
+    tmp, _, _ = runs
+    assert convert.main([str(tmp / "ck"), str(tmp / "conv1")]) == 2
+    err = capsys.readouterr().err
+    assert "holds LoRA adapters (rank 4, alpha 16)" in err and "--save-hf DIR" in err and "--save-peft DIR" in err
+    assert convert.main([str(tmp / "peft"), str(tmp / "conv2")]) == 2
+    assert "is a PEFT adapter directory" in capsys.readouterr().err
+
+
+def test_written_weights_get_the_usual_mode(runs):
+    """safetensors writes 0600; the files a run writes get the umask's mode like the JSON beside them."""
+    tmp, _, _ = runs
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [tmp / "peft" / "adapter_model.safetensors", *(tmp / "merged").glob("*.safetensors")]:
+        assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask, path

@@ -144,7 +144,7 @@ def test_per_layer_logging_tags_are_megatrons():
     m = {"load_balancing_loss": 0.02, "z_loss": 0.001, "dropped_tokens": 0.0, "ep_overflow_rows": 3.0,
          "load_balancing_loss per layer": np.array([1.5, 2.5]), "z_loss per layer": np.array([3.0, 4.0])}
     assert router_scalars(m, cfg) == {"load_balancing_loss": 0.02, "z_loss": 0.001, "dropped tokens": 0.0,
-                                      "ep overflow rows": 3.0}
+                                      "ep overflow rows": 3.0, "ep further rounds": 0.0}
     tags = router_scalars(m, cfg, per_layer=True)
     assert tags["moe/load_balancing_loss_layer_1"] == 1.5 and tags["moe/load_balancing_loss_layer_2"] == 2.5
     assert tags["moe/z_loss_layer_2"] == 4.0 and "moe/z_loss_layer_0" not in tags

@@ -53,7 +53,7 @@ from mlir_train.model.kernels.tokamax_ops import tokamax_block_kernels
 from mlir_train.model.layers import param
 from mlir_train.model.lora import LoRA, expert_delta, maybe
 from mlir_train.model.moe.dispatch import (
-    DEFAULT_EP_BUFFER_FACTOR, DEFAULT_MOE_IMPL, MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for,
+    COUNTS, DEFAULT_EP_BUFFER_FACTOR, DEFAULT_MOE_IMPL, MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for,
 )
 from mlir_train.model.moe.experts import swiglu_down
 from mlir_train.model.moe.parallel import run_experts
@@ -186,12 +186,12 @@ class MoE(nnx.Module):
         weights_SK = weights_SK.astype(x_SD.dtype)
         if self.impl == "dense":
             # The reference stays plain under every layout; XLA partitions it as it likes.
-            y_SD, counts = self._dense(x_SD, weights_SK, experts_SK), jnp.zeros((2,), jnp.float32)
+            y_SD, counts = self._dense(x_SD, weights_SK, experts_SK), jnp.zeros((len(COUNTS),), jnp.float32)
         else:
             y_SD, counts = run_experts(self.plan, x_SD, weights_SK, experts_SK, valid_S, self._weights(x_SD.dtype))
         # Assignments dropped by a capacity, and dropless rows that overflowed the expert-parallel
-        # exchange buffer into a further round (computed exactly, but counted: --moe-ep-buffer-factor).
-        stats["dropped_tokens"], stats["ep_overflow_rows"] = counts[0], counts[1]
+        # exchange buffer into further rounds (computed exactly, but counted: --moe-ep-buffer-factor).
+        stats.update({name: counts[i] for i, name in enumerate(COUNTS)})
         return y_SD.reshape(b, t, d), stats
 
     def _weights(self, dt):

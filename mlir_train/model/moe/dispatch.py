@@ -157,8 +157,8 @@ def constrained_swiglu(recompute_act: bool = False):
 def local_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weights, experts_fn=None):
     """The experts on this rank's tokens, all experts here (one device, or each data rank
     of a pure data-parallel layout). ``experts_fn(buf, *weights)`` runs the padded ``[E, C, D]``
-    buffer (default: the plain batched SwiGLU). ``(y_SD, [dropped assignments, overflow rows])``."""
-    none = jnp.zeros((2,), jnp.float32)
+    buffer (default: the plain batched SwiGLU). ``(y_SD, counts)``: :data:`COUNTS`."""
+    none = jnp.zeros((len(COUNTS),), jnp.float32)
     if plan.dropless_dispatch == "ragged":
         return ragged(plan, x_SD, weights_SK, experts_SK, weights), none
     if plan.dropless_dispatch == "grouped":
@@ -246,7 +246,7 @@ def grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights):
 
 def dispatch_padded(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, global_max, weights):
     """Scatter assignments into an ``[E, C, D]`` buffer, run ``experts_fn(buf, *weights)`` on it,
-    combine. ``(y_SD, [dropped assignments, overflow rows])``.
+    combine. ``(y_SD, counts)``: :data:`COUNTS`.
 
     ``experts_fn`` maps the buffer to the experts' outputs in the same layout: the local
     batched matmul, or all-to-all -> local experts -> all-to-all under expert parallelism.
@@ -288,13 +288,24 @@ def dispatch_padded(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, ex
         keep_A = slot_A < capacity
         dropped = jnp.sum((~keep_A) & valid_S[token_A].astype(bool)).astype(jnp.float32)
         y_AD = one_round(capacity)(0, (x_SD, *weights), ints)
-        return combine(y_AD, keep_A), jnp.stack([dropped, jnp.zeros((), jnp.float32)])
+        return combine(y_AD, keep_A), jnp.stack([dropped, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)])
     # Dropless: an expert receives at most one assignment per token, so C = S never overflows.
     capacity = min(s, round_up(max(1, math.ceil(plan.ep_buffer_factor * s * k / e)), 8))
     n_rounds = -(-global_max(jnp.max(group_sizes_E).astype(jnp.int32)) // capacity)
     y_AD = in_rounds(one_round(capacity), (x_SD, *weights), ints, n_rounds, -(-s // capacity))
     overflow = jnp.sum(slot_A >= capacity).astype(jnp.float32)
-    return combine(y_AD, 1), jnp.stack([jnp.zeros((), jnp.float32), overflow])
+    return combine(y_AD, 1), jnp.stack([jnp.zeros((), jnp.float32), overflow, further_rounds(n_rounds)])
+
+
+# What a dispatcher counts, in this order: assignments a capacity dropped, dropless rows past the
+# first round's buffer, and the rounds after the first (the same on every rank that exchanges;
+# summed over ranks like the others, then the most of any rank: ``parallel.reduce_counts``).
+COUNTS = ("dropped_tokens", "ep_overflow_rows", "ep_further_rounds")
+
+
+def further_rounds(n_rounds) -> jax.Array:
+    """The rounds a dropless exchange took after its first (each costs what the first did)."""
+    return jnp.maximum(n_rounds - 1, 0).astype(jnp.float32)
 
 
 # The overflow rounds' conditionals are traced under this name: the planner's HLO reader

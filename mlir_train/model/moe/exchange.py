@@ -17,7 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mlir_train.model.moe.dispatch import ExpertsPlan, block_grouping, in_rounds, round_up, sort_assignments
+from mlir_train.model.moe.dispatch import (ExpertsPlan, block_grouping, further_rounds, in_rounds, round_up,
+                                           sort_assignments)
 from mlir_train.model.moe.experts import grouped_experts, swiglu_down
 from sharding import varying_axes
 
@@ -72,7 +73,7 @@ def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 
     """The dropless ragged exchange in rounds (:func:`in_rounds`) through a receive buffer of
     :func:`exchange_capacity` rows: ``recv_layout(r_sizes_RL) -> (buffer rows, out offsets
     [src, local expert], extra)`` places a round's slices in it, ``experts(buf, extra, weights)``
-    runs the local experts there. ``(y_SD, [0, overflow rows])``."""
+    runs the local experts there. ``(y_SD, [0, overflow rows, further rounds])`` (``dispatch.COUNTS``)."""
     s, k = experts_SK.shape
     e = plan.num_experts
     el = e // ep
@@ -101,7 +102,7 @@ def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 
     y_AD = in_rounds(one_round, (x_SD[token_A], *weights), ex, n_rounds, max_rounds)
     overflow = jnp.maximum(received - rows, 0).astype(jnp.float32)
     y_SD = jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
-    return y_SD, jnp.stack([jnp.zeros((), jnp.float32), overflow])
+    return y_SD, jnp.stack([jnp.zeros((), jnp.float32), overflow, further_rounds(n_rounds)])
 
 
 def ep_ragged(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree=lambda n: n):

@@ -35,7 +35,8 @@ experts, runs its L = E / EP local experts, and sends the results back; the comb
   through the same buffer, and so on (:func:`~mlir_train.model.moe.dispatch.in_rounds`; the
   round count is a ``pmax`` over the ranks so all take the same branch), so nothing is dropped
   and no buffer is sized for the worst routing; the rows past the first round are counted
-  (``ep_overflow_rows``, logged as "ep overflow rows"). Memory and compute per rank: E*C*D for
+  (``ep_overflow_rows``) and so are the rounds after the first (``ep_further_rounds``, the most
+  of any rank), which the run reports once at its end. Memory and compute per rank: E*C*D for
   each of the send and receive buffers and an expert matmul over E*C rows, i.e. the factor x
   the routed work (S_r*K rows) per round, and the all-to-all moves the padding too.
 * Capacity (``capacity_factor`` set): C = ceil(capacity_factor * S_r*K/E) per rank, so each
@@ -184,8 +185,8 @@ def data_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weig
         else:  # dropless: the same whichever rank sorts the rows, so gather the tokens first
             experts = _gather_rows(lambda x_SD, *a: moe_dispatch.local_experts(plan, x_SD, *a, weights), w_axes)
         experts = _tensor_manual(plan, tp_axes, experts)
-        y_SD, dropped = experts(x_SD, weights_SK, experts_SK, valid_S)
-        return y_SD, (jax.lax.psum(dropped, axes) if axes else dropped)
+        y_SD, counts = experts(x_SD, weights_SK, experts_SK, valid_S)
+        return y_SD, _count_over(counts, axes, ())
 
     tokens = ("act_tokens", None)
     w_in, w_out = (None, None, "moe_mlp"), (None, "moe_mlp", None)
@@ -275,19 +276,24 @@ def _ep_padded(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weights
         out = out_LCD.reshape(el, ep, c, d).swapaxes(0, 1).reshape(e, c, d)
         return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
 
-    y_SD, dropped = moe_dispatch.dispatch_padded(
+    y_SD, counts = moe_dispatch.dispatch_padded(
         plan, x_SD, weights_SK, experts_SK, valid_S, experts_fn, lambda n: jax.lax.pmax(n, manual_axes), weights
     )
-    return y_SD, jax.lax.psum(dropped, manual_axes)
+    return y_SD, _count_over(counts, manual_axes, ())
 
 
 def _count_over(counts, axes, same_axes):
-    """A per-rank count summed over the ranks of ``axes``, counted once over ``same_axes``
-    (ranks that hold the same rows: tensor ranks, or expert-tensor ranks after the gather)."""
+    """A rank's counts (``dispatch.COUNTS``) over the ranks of ``axes``: the dropped and overflow
+    rows summed, counted once over ``same_axes`` (ranks that hold the same rows: tensor ranks, or
+    expert-tensor ranks after the gather); the further rounds, which every rank waits for, the
+    most any rank took."""
+    rows, rounds = counts[:2], counts[2:]
     distinct = tuple(a for a in axes if a not in same_axes)
-    counts = jax.lax.psum(counts, distinct) if distinct else counts
-    same = tuple(a for a in same_axes if a in varying_axes(counts))
-    return jax.lax.pmax(counts, same) if same else counts
+    rows = jax.lax.psum(rows, distinct) if distinct else rows
+    same = tuple(a for a in same_axes if a in varying_axes(rows))
+    rows = jax.lax.pmax(rows, same) if same else rows
+    everywhere = tuple(a for a in axes if a in varying_axes(rounds))
+    return jnp.concatenate([rows, jax.lax.pmax(rounds, everywhere) if everywhere else rounds])
 
 
 def _varying(arrays, axes):

@@ -15,6 +15,7 @@ from flax import nnx
 
 from mlir_train.config import policies
 from mlir_train.model import losses
+from mlir_train.model.moe.dispatch import COUNTS as DISPATCH_COUNTS
 from mlir_train.model.transformer import run_pieces, stack_pieces
 from mlir_train.train.pipeline.program import Segment, layer_order, stage_program, to_segments
 from sharding import logical_shard_map, mesh_axes_of
@@ -59,8 +60,7 @@ def router_terms(program, stats, active_r, keep, balancing, top_k, m, counts=Non
                                                  micro_index, num_micro_batches=m, loss_tokens=loss_tokens)
         objective = objective + obj
         sums.append(dict(layers=per_layer, tokens_per_expert=st["tokens_per_expert"],
-                         dropped_tokens=jnp.sum(st["dropped_tokens"]),
-                         ep_overflow_rows=jnp.sum(st["ep_overflow_rows"])))
+                         **{name: jnp.sum(st[name]) for name in DISPATCH_COUNTS}))
         new_counts.append(c)
     return objective, sums, (new_counts if counts is not None else None)
 
@@ -76,7 +76,7 @@ def zero_acc(program, r, setup, balancing, scalars):
         moe = [seg for seg in program if seg.is_moe]
         acc["moe"] = [dict(layers={k: jnp.zeros((r, seg.slots)) for k in _router_names(balancing)},
                            tokens_per_expert=jnp.zeros((r, seg.slots, setup.num_experts)),
-                           dropped_tokens=jnp.zeros(()), ep_overflow_rows=jnp.zeros(())) for seg in moe]
+                           **{name: jnp.zeros(()) for name in DISPATCH_COUNTS}) for seg in moe]
         if balancing.uses_global:
             acc["counts"] = [jnp.zeros((r, seg.slots, setup.num_experts)) for seg in moe]
     return acc
@@ -85,8 +85,7 @@ def zero_acc(program, r, setup, balancing, scalars):
 def add_sums(acc, sums, chunk):
     return [dict(layers={k: a["layers"][k].at[chunk].add(s["layers"][k]) for k in a["layers"]},
                  tokens_per_expert=a["tokens_per_expert"].at[chunk].add(s["tokens_per_expert"]),
-                 dropped_tokens=a["dropped_tokens"] + s["dropped_tokens"],
-                 ep_overflow_rows=a["ep_overflow_rows"] + s["ep_overflow_rows"]) for a, s in zip(acc, sums)]
+                 **{name: a[name] + s[name] for name in DISPATCH_COUNTS}) for a, s in zip(acc, sums)]
 
 
 def aux_out(acc, program, m, num_moe):
@@ -99,8 +98,7 @@ def aux_out(acc, program, m, num_moe):
         # non-pipelined step logs, and a leading axis of 1 stands for its micro-batch axis.
         aux.update(router_layers={k: (order(lambda s: s["layers"][k]) / m)[None] for k in moe[0]["layers"]},
                    tokens_per_expert=order(lambda s: s["tokens_per_expert"])[None],
-                   dropped_tokens=sum(jnp.sum(s["dropped_tokens"]) for s in moe),
-                   ep_overflow_rows=sum(jnp.sum(s["ep_overflow_rows"]) for s in moe))
+                   **{name: sum(jnp.sum(s[name]) for s in moe) for name in DISPATCH_COUNTS})
     return aux
 
 
