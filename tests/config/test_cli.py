@@ -292,7 +292,7 @@ def test_help_groups_flags_like_the_seed(capsys):
 
 def test_config_demo_is_the_no_argument_job_and_flags_change_it():
     """--config demo: the no-argument job's flags; a flag after it changes that one flag, and a
-    flag the demo's cannot run with (--lr-warmup-fraction for its --lr-warmup-iters) replaces it."""
+    flag the demo's cannot run with (--lr-warmup-iters for its --lr-warmup-fraction) replaces it."""
     from mlir_train import sft
     from mlir_train.config import demo
 
@@ -302,8 +302,10 @@ def test_config_demo_is_the_no_argument_job_and_flags_change_it():
     assert lora.training.lora is not None and lora.training.lora.dim == 8
     assert lora.replace(training={"lora_dim": None}) == base
     assert base.data.data_path == (demo.DEFAULT_DATA,) and base.model.model_name == "qwen3-moe-tiny"
-    warm = cli.parse(["--config", "demo", "--lr-warmup-fraction", "0.1"])
-    assert warm.training.lr_warmup_fraction == 0.1
+    warm = cli.parse(["--config", "demo", "--lr-warmup-iters", "3"])
+    assert warm.training.lr_warmup_iters == 3 and warm.training.lr_warmup_fraction is None
+    short = cli.parse(["--config", "demo", "--train-iters", "5"])  # the demo's warm-up scales with it
+    assert short.training.train_iters == 5 and short.training.lr_warmup_fraction == 0.2
     assert "change it by adding flags" in demo.INTRO and "--config demo --lora-dim 8" in demo.INTRO
 
 
