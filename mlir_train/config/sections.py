@@ -114,8 +114,10 @@ class DataFlags:
     data_cache_path: str | None = flag("--data-cache-path", help="where tokenized/packed data is cached")
     seq_length: int | None = flag("--seq-length", type=int, group="training", help="tokens per sample row")
     chat_template: str | None = flag("--chat-template", group="sft",
-                                     help="alpaca, qwen/chatml, qwen3 (Qwen3's official template: thinking, tools) or hf "
-                                          "(the tokenizer's jinja) (default: alpaca)")
+                                     help="alpaca, qwen/chatml, qwen3 (Qwen3's official template: thinking, tools), "
+                                          "qwen3_5 / qwen3_6 (Qwen3.5's / Qwen3.6's: XML tool calls), "
+                                          "hf (the tokenizer's jinja) or auto (the official template "
+                                          "the tokenizer directory carries, else hf) (default: alpaca)")
     sft_num_preprocess_workers: int | None = flag("--sft-num-preprocess-workers", type=int, group="sft",
                                                   help="processes for tokenizing the SFT data")
     packing_sft_data: bool = switch("--packing-sft-data", group="sft",
