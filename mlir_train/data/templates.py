@@ -157,7 +157,10 @@ def detect_template(tokenizer) -> str:
                         f"one: {', '.join(t for t in TEMPLATES if t not in ('hf', 'auto'))}")
     if "<function=" in jinja and "render_content" in jinja:  # Qwen3.5's XML tool calls
         return "qwen3_6" if "preserve_thinking" in jinja else "qwen3_5"
-    if '{\\"name\\": <function-name>' in jinja and "reasoning_content" in jinja:
+    # Qwen3's hybrid-thinking template; Qwen3-2507 / Qwen3-Next's (no enable_thinking switch) are
+    # not verified token for token here, so they fall to hf, which refuses what it cannot locate.
+    if ('{\\"name\\": <function-name>' in jinja and "reasoning_content" in jinja
+            and "enable_thinking" in jinja):
         return "qwen3"
     return "hf"
 

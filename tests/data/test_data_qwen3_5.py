@@ -148,8 +148,15 @@ def test_bad_tool_call_arguments_are_an_error_naming_the_record(tok, tmp_path, a
     assert data.train.num_rows == 1
 
 
-def test_auto_picks_the_template_from_the_tokenizer_directory(tok, official):
+def test_auto_picks_the_template_from_the_tokenizer_directory(tok, official, tmp_path):
     for name, tokenizer in official.items():
         assert make_spec("auto", tokenizer).name == name
+    # The jinja in tokenizer_config.json (older HF directories) instead of chat_template.jinja.
+    shutil.copytree(tok.name_or_path, tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").unlink()
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    config["chat_template"] = open(os.path.join(FIXTURES, JINJA["qwen3_5"])).read()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    assert make_spec("auto", load_tokenizer(str(tmp_path / "tok"))).name == "qwen3_5"
     assert make_spec("auto", tok).name == "hf"  # the bundled tokenizer's own (non-official) jinja
     assert make_spec("qwen3.5", tok).name == "qwen3_5"  # the model name's spelling
