@@ -160,3 +160,12 @@ def test_auto_picks_the_template_from_the_tokenizer_directory(tok, official, tmp
     assert make_spec("auto", load_tokenizer(str(tmp_path / "tok"))).name == "qwen3_5"
     assert make_spec("auto", tok).name == "hf"  # the bundled tokenizer's own (non-official) jinja
     assert make_spec("qwen3.5", tok).name == "qwen3_5"  # the model name's spelling
+
+
+def test_a_conversation_without_a_user_query_is_an_error_as_the_template_raises(tok, official,
+                                                                                 tmp_path):
+    messages = [msg("user", "<tool_response>\nsunny\n</tool_response>"), msg("assistant", "ok")]
+    with pytest.raises(Exception, match="No user query found"):
+        official["qwen3_5"].apply_chat_template(messages, tokenize=False)
+    with pytest.raises(DataError, match=r"chat\.jsonl:1: no user query \(only tool responses\)"):
+        build(tok, tmp_path, [{"messages": messages}], "qwen3_5")
