@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from mlir_train import families
 from mlir_train.checkpoint import orbax
 from mlir_train.checkpoint.target import Target
+from mlir_train.config.arch_flags import check_architecture_flags
 from mlir_train.config.flags import RunConfig
 from mlir_train.config.models import ModelConfig
 from mlir_train.runtime import log
@@ -360,7 +361,15 @@ def detect(load: str | None, *, step: int | None = None, exit_on_missing: bool =
 def run_model_config(cfg: RunConfig, source: Source, tokenizer_size: int) -> ModelConfig:
     """The run's model: the source's own config (HF config.json, our checkpoint's, or a Megatron
     checkpoint's args), which ``--model-name`` (if given) and the architecture overrides must
-    agree with; without a checkpoint, the named one with the vocabulary padded as Megatron pads it."""
+    agree with; without a checkpoint, the named one with the vocabulary padded as Megatron pads it.
+    The hybrid-architecture flags (``--attention-output-gate``, ``--linear-*``, ...) must say what
+    the model is (:func:`~mlir_train.config.arch_flags.check_architecture_flags`)."""
+    model_cfg = _run_model_config(cfg, source, tokenizer_size)
+    check_architecture_flags(cfg.model, model_cfg)
+    return model_cfg
+
+
+def _run_model_config(cfg: RunConfig, source: Source, tokenizer_size: int) -> ModelConfig:
     m = cfg.model
     model_cfg = source.own_model_config(cfg, tokenizer_size)
     if model_cfg is None:

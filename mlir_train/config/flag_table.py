@@ -85,7 +85,11 @@ NOOP_FLAGS: dict[str, tuple[int, str]] = {
     "--moe-router-padding-for-quantization": (0, "FP8/FP4 is not used here"),
     "--inference-fuse-tp-communication": (0, "inference only"),
     "--moe-pad-experts-for-cuda-graph-inference": (0, "inference (CUDA graphs) only"),
-    "--mtp-loss-scaling-factor": (1, "only with --mtp-num-layers, which is refused (Qwen3 has no MTP head)"),
+    "--mtp-loss-scaling-factor": (1, "only with --mtp-num-layers, which is refused (no MTP head is trained)"),
+    "--moe-shared-expert-overlap": (0, "Megatron overlaps the shared expert with the token dispatch on its own "
+                                       "streams; XLA schedules the shared expert's matmuls alongside the "
+                                       "collectives itself"),
+    "--cross-entropy-fusion-impl": (1, "kernel/fusion choice: XLA fuses and picks kernels itself"),
     # LoongForge's SFT data flags that mean nothing here
     "--use-fixed-seq-lengths": (0, "rows are always padded to --seq-length: XLA compiles one shape"),
     "--streaming-buffer-size": (1, "only with --sft-data-streaming, which is refused"),
@@ -149,13 +153,15 @@ NOT_IMPLEMENTED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--moe-latent-size": (1, "latent MoE projections are not part of Qwen3-MoE"),
     "--moe-router-force-load-balancing": (0, "Megatron's benchmarking mode (random router logits) is not "
                                              "implemented"),
-    "--moe-shared-expert-intermediate-size": (1, "Qwen3-MoE has no shared experts"),
-    "--moe-shared-expert-gate": (0, "Qwen3-MoE has no shared experts"),
-    "--moe-shared-expert-overlap": (0, "Qwen3-MoE has no shared experts"),
     "--moe-use-upcycling": (0, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
     "--moe-upcycling-granularity": (1, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
-    "--mtp-num-layers": (1, "multi-token prediction is not part of Qwen3"),
-    "--mtp-standalone": (0, "multi-token prediction is not part of Qwen3"),
+    "--mtp-num-layers": (1, "multi-token prediction is not trained here (Qwen3 has no MTP head; Qwen3.5 / "
+                            "Qwen3-Next's is not built): drop the flag"),
+    "--mtp-standalone": (0, "multi-token prediction is not trained here: drop the flag"),
+    "--config-file": (1, "LoongForge's model YAML is not read: name the model with --model-name (a registry name "
+                         "such as qwen3.5-35b-a3b, or the HF directory's config.json)"),
+    "--add-question-in-pretrain": (0, "LoongForge's pretraining data option: mlir-train trains on SFT records "
+                                      "(drop it; the SFT templates mask the prompt)"),
     # LoongForge's SFT data flags we do not implement
     **{f: ("+", "separate train/valid/test files (LoongForge's --train-data-path/--valid-data-path/"
                 "--test-data-path) are not implemented: use --data-path with --split, and --sft-dataset "
@@ -187,7 +193,6 @@ ARCH_IMPLIED_FLAGS: dict[str, tuple[int, tuple[str, ...] | None]] = {
     "--use-rotary-position-embeddings": (0, None),
     "--normalization": (1, ("RMSNorm",)),
     "--position-embedding-type": (1, ("rope",)),
-    "--rotary-percent": (1, ("1", "1.0")),
 }
 
 

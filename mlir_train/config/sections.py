@@ -62,6 +62,38 @@ class ModelFlags:
         help="which decoder layers are MoE: every N-th from layer 0, or a 0/1 list expression such as "
              "([0]*3+[1]*45) (default: from --model-name / the checkpoint)")
 
+    # Hybrid (Qwen3.5 / Qwen3-Next) architecture flags: checked against the model, never applied
+    # (mlir_train.config.arch_flags).
+    experimental_attention_variant: str | None = flag(
+        "--experimental-attention-variant", choices=["gated_delta_net"],
+        help="gated_delta_net: the model has gated-DeltaNet layers (checked against --model-name)")
+    linear_attention_freq: str | None = flag(
+        "--linear-attention-freq", metavar="N|LIST",
+        help="which layers are gated DeltaNet: N ((N-1) linear then one softmax-attention layer) or a 0/1 list "
+             "(1 = linear), as megatron-core reads it (checked against --model-name)")
+    linear_conv_kernel_dim: int | None = flag("--linear-conv-kernel-dim", type=int,
+                                              help="gated DeltaNet's causal conv width (checked against --model-name)")
+    linear_key_head_dim: int | None = flag("--linear-key-head-dim", type=int,
+                                           help="gated DeltaNet's key head dim (checked against --model-name)")
+    linear_value_head_dim: int | None = flag("--linear-value-head-dim", type=int,
+                                             help="gated DeltaNet's value head dim (checked against --model-name)")
+    linear_num_key_heads: int | None = flag("--linear-num-key-heads", type=int,
+                                            help="gated DeltaNet's key heads (checked against --model-name)")
+    linear_num_value_heads: int | None = flag("--linear-num-value-heads", type=int,
+                                              help="gated DeltaNet's value heads (checked against --model-name)")
+    attention_output_gate: bool = switch("--attention-output-gate",
+                                         help="the attention output is sigmoid-gated (checked against --model-name)")
+    apply_layernorm_1p: bool = switch("--apply-layernorm-1p",
+                                      help="zero-centred (1 + w) RMSNorm (checked against --model-name)")
+    rotary_percent: float | None = flag("--rotary-percent", type=float,
+                                        help="fraction of each head RoPE rotates (checked against --model-name: "
+                                             "1.0 for Qwen3, 0.25 for Qwen3.5 / Qwen3-Next)")
+    moe_shared_expert_intermediate_size: int | None = flag(
+        "--moe-shared-expert-intermediate-size", type=int, group="moe",
+        help="the shared expert's width (checked against --model-name; Qwen3-MoE has none)")
+    moe_shared_expert_gate: bool = switch("--moe-shared-expert-gate", group="moe",
+                                          help="the shared expert is sigmoid-gated (checked against --model-name)")
+
     DEFAULT_MODEL: ClassVar[str] = "qwen3-moe-tiny"  # --model-name when neither it nor a --load model names one
 
     def overrides(self) -> dict:
@@ -112,8 +144,10 @@ class DataFlags:
     data_cache_path: str | None = flag("--data-cache-path", help="where tokenized/packed data is cached")
     seq_length: int | None = flag("--seq-length", type=int, group="training", help="tokens per sample row")
     chat_template: str | None = flag("--chat-template", group="sft",
-                                     help="alpaca, qwen/chatml, qwen3 (Qwen3's official template: thinking, tools) or hf "
-                                          "(the tokenizer's jinja) (default: alpaca)")
+                                     help="alpaca, qwen/chatml, qwen3 (Qwen3's official template: thinking, tools), "
+                                          "qwen3_5 / qwen3_6 (Qwen3.5's / Qwen3.6's: XML tool calls), "
+                                          "hf (the tokenizer's jinja) or auto (the official template "
+                                          "the tokenizer directory carries, else hf) (default: alpaca)")
     sft_num_preprocess_workers: int | None = flag("--sft-num-preprocess-workers", type=int, group="sft",
                                                   help="processes for tokenizing the SFT data")
     packing_sft_data: bool = switch("--packing-sft-data", group="sft",

@@ -13,7 +13,7 @@ class DataConfig:
     data_path: tuple[str, ...]  # --data-path, incl. the blend syntax "w1 p1 w2 p2"
     tokenizer_path: str  # --hf-tokenizer-path
     tokenizer_type: str = "HFTokenizer"  # --tokenizer-type
-    chat_template: str = "alpaca"  # --chat-template: alpaca | qwen | chatml | qwen3 | hf
+    chat_template: str = "alpaca"  # --chat-template: one of templates.TEMPLATES
     seq_length: int = 2048  # --seq-length
     packing: bool = False  # --packing-sft-data
     num_workers: int = 1  # --sft-num-preprocess-workers

@@ -14,6 +14,9 @@
   ``nonempty`` (default: reasoning is trained, an empty think block never), ``all``, ``none``.
   ``enable_thinking: false`` (chat template kwargs) drops the final answer's reasoning, which
   leaves the empty think block in the prompt, as the template's generation prompt writes it.
+- ``qwen3_5`` / ``qwen3_6`` (also spelled ``qwen3.5`` / ``qwen3.6``): Qwen3.5's and Qwen3.6's
+  official template, XML tool calls (``mlir_train/data/qwen3_5.py`` says how it differs).
+- ``auto``: the template whose official jinja the tokenizer directory carries, else ``hf``.
 - ``hf``: the tokenizer's own jinja ``chat_template``; each assistant answer (its text after any
   ``</think>``) is located in the rendered text, and the end-of-turn special token right after
   each one is part of the loss. Tool calls cannot be located this way: use ``qwen3``.
@@ -35,11 +38,14 @@ import functools
 import json
 import os
 
+from mlir_train.data.qwen3_5 import KWARGS as QWEN3_5_KWARGS
+from mlir_train.data.qwen3_5 import add_user_or_tool, render_qwen3_5
 from mlir_train.data.records import DataError, Message, Sample
 
-TEMPLATES = ("alpaca", "qwen", "chatml", "qwen3", "hf")
-# LoongForge's names for the same templates.
-TEMPLATE_ALIASES = {"qwen3-hf": "qwen3"}
+TEMPLATES = ("alpaca", "qwen", "chatml", "qwen3", "qwen3_5", "qwen3_6", "hf", "auto")
+# LoongForge's names for the same templates, and the model names' spelling.
+TEMPLATE_ALIASES = {"qwen3-hf": "qwen3", "qwen3.5": "qwen3_5", "qwen3.6": "qwen3_6"}
+QWEN3_5_TEMPLATES = tuple(QWEN3_5_KWARGS)
 REASONING_LOSS = ("nonempty", "all", "none")
 QWEN3_KWARGS = {"enable_thinking": bool}
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -98,12 +104,13 @@ def _check_kwargs(name: str, kwargs: dict, what: str) -> None:
     if name in ("alpaca", "qwen", "chatml"):
         raise DataError(f"{what} {json.dumps(kwargs)}: the {name} template takes no kwargs; they "
                         f"are for --chat-template qwen3 or hf", reason="bad chat_template_kwargs")
-    if name == "qwen3":
+    if name == "qwen3" or name in QWEN3_5_TEMPLATES:
+        allowed = QWEN3_KWARGS if name == "qwen3" else QWEN3_5_KWARGS[name]
         for key, value in kwargs.items():
-            if key not in QWEN3_KWARGS:
-                raise DataError(f"{what}: {key!r} is not a kwarg of the qwen3 template; expected "
-                                f"{sorted(QWEN3_KWARGS)}", reason="bad chat_template_kwargs")
-            if not isinstance(value, QWEN3_KWARGS[key]):
+            if key not in allowed:
+                raise DataError(f"{what}: {key!r} is not a kwarg of the {name} template; expected "
+                                f"{sorted(allowed)}", reason="bad chat_template_kwargs")
+            if not isinstance(value, allowed[key]):
                 raise DataError(f"{what}: {key!r} is {json.dumps(value)}: expected true or false",
                                 reason="bad chat_template_kwargs")
 
@@ -113,6 +120,8 @@ def make_spec(name: str, tokenizer, *, history_mask: bool = False,
     name = TEMPLATE_ALIASES.get(name, name)
     if name not in TEMPLATES:
         raise DataError(f"--chat-template {name!r}: unknown template; expected one of {TEMPLATES}")
+    if name == "auto":
+        name = detect_template(tokenizer)
     if reasoning_loss not in REASONING_LOSS:
         raise DataError(f"--reasoning-loss {reasoning_loss!r}: expected one of {REASONING_LOSS}")
     kwargs = dict(kwargs or {})
@@ -124,7 +133,8 @@ def make_spec(name: str, tokenizer, *, history_mask: bool = False,
         raise DataError(f"tokenizer {tokenizer.name_or_path}: has no eos_token, which every "
                         f"template needs to end a response")
     vocab = tokenizer.get_vocab()
-    if name in ("qwen", "chatml", "qwen3") and not (IM_START in vocab and IM_END in vocab):
+    chatml = ("qwen", "chatml", "qwen3", *QWEN3_5_TEMPLATES)
+    if name in chatml and not (IM_START in vocab and IM_END in vocab):
         raise DataError(f"--chat-template {name}: tokenizer {tokenizer.name_or_path} has no "
                         f"{IM_START}/{IM_END} tokens; expected a ChatML (Qwen) tokenizer")
     if name == "hf":
@@ -135,9 +145,27 @@ def make_spec(name: str, tokenizer, *, history_mask: bool = False,
         ends = tuple(t for t in (*END_OF_TURN_TOKENS, eos) if t in vocab)
         return TemplateSpec(name, eos, tokenizer.bos_token, jinja, tuple(dict.fromkeys(ends)),
                             **options)
-    # Qwen3's template writes no bos token (Qwen tokenizers have none).
-    bos = None if name == "qwen3" else tokenizer.bos_token
+    # Qwen3's and Qwen3.5's templates write no bos token (Qwen tokenizers have none).
+    bos = None if name == "qwen3" or name in QWEN3_5_TEMPLATES else tokenizer.bos_token
     return TemplateSpec(name, eos, bos, **options)
+
+
+def detect_template(tokenizer) -> str:
+    """``--chat-template auto``: the template whose official jinja the tokenizer carries
+    (``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template``), else ``hf``."""
+    jinja = tokenizer.chat_template
+    if not isinstance(jinja, str) or not jinja:
+        raise DataError(f"--chat-template auto: tokenizer {tokenizer.name_or_path} has no "
+                        f"chat_template (chat_template.jinja or tokenizer_config.json); name "
+                        f"one: {', '.join(t for t in TEMPLATES if t not in ('hf', 'auto'))}")
+    if "<function=" in jinja and "render_content" in jinja:  # Qwen3.5's XML tool calls
+        return "qwen3_6" if "preserve_thinking" in jinja else "qwen3_5"
+    # Qwen3's hybrid-thinking template; Qwen3-2507 / Qwen3-Next's (no enable_thinking switch) are
+    # not verified token for token here, so they fall to hf, which refuses what it cannot locate.
+    if ('{\\"name\\": <function-name>' in jinja and "reasoning_content" in jinja
+            and "enable_thinking" in jinja):
+        return "qwen3"
+    return "hf"
 
 
 @dataclasses.dataclass
@@ -168,13 +196,17 @@ def render_full(sample: Sample, spec: TemplateSpec, where: str = "") -> Rendered
         kwargs.update(record_kwargs)
     if spec.name == "qwen3":
         out = _render_qwen3(sample, spec, kwargs)
+    elif spec.name in QWEN3_5_TEMPLATES:
+        out = _Builder()
+        render_qwen3_5(sample, spec, kwargs, where, conversation(sample), out)
     elif spec.name == "hf":
         out = _render_hf(sample, spec, where, kwargs)
     else:
         if sample.has_extras or not sample.turns:
             raise DataError(f"{where}: the record has tool calls, tool responses, tools or "
                             f"reasoning_content, which --chat-template {spec.name} cannot render; "
-                            f"use --chat-template qwen3", reason="needs the qwen3 template")
+                            f"use --chat-template qwen3 (or qwen3_5, qwen3_6)",
+                            reason="needs the qwen3 template")
         out = (_render_alpaca if spec.name == "alpaca" else _render_chatml)(sample, spec)
     if spec.history_mask:
         out.history_masked += out.mask_history()
@@ -299,15 +331,9 @@ def _render_qwen3(sample: Sample, spec: TemplateSpec, kwargs: dict) -> _Builder:
     thinking = kwargs.get("enable_thinking", True)
     for index, message in enumerate(messages):
         last = index == len(messages) - 1
-        if message.role == "user":
-            out.add(f"{IM_START}user\n{message.content}{IM_END}\n", "user")
-        elif message.role == "tool":
-            if index == 0 or messages[index - 1].role != "tool":
-                out.add(f"{IM_START}user", "tool")
-            out.add(f"\n<tool_response>\n{message.content}\n</tool_response>", "tool")
-            if last or messages[index + 1].role != "tool":
-                out.add(f"{IM_END}\n", "tool")
-        elif message.role == "assistant":
+        if add_user_or_tool(out, messages, index, message.content):
+            continue
+        if message.role == "assistant":
             out.turn = index
             _qwen3_assistant(out, message, spec, after_last_query=index > last_query, last=last,
                              thinking=thinking)

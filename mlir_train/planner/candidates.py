@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Any
 
+from mlir_train.config.arch_flags import check_architecture_flags
 from mlir_train.config.policies import RecomputePolicy
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ def candidate_layouts(run_cfg, num_devices: int) -> list[Candidate]:
     from mlir_train import families  # imports jax: not at the planner's start-up
 
     cfg = families.from_flags(run_cfg.model, None)
+    check_architecture_flags(run_cfg.model, cfg)
     etp = run_cfg.parallel.expert_tensor_parallel_size
     seq = run_cfg.data.seq_length or 0
     divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
