@@ -134,9 +134,8 @@ def test_loss_covers_think_blocks_answers_and_xml_tool_calls(tok, tmp_path):
 
 
 @pytest.mark.parametrize("arguments, match", [
-    ("{not json", r"message 1: tool call 0 \(get_weather\): arguments are not JSON"),
-    ('["Paris"]', r"message 1: tool call 0 \(get_weather\): arguments are list: expected a JSON "
-                  r"object")])
+    ("{not json", r"messages\[1\]: tool call 0: 'arguments' is not JSON"),
+    ('["Paris"]', r"messages\[1\]: tool call 0: 'arguments' is a JSON list: expected a JSON object")])
 def test_bad_tool_call_arguments_are_an_error_naming_the_record(tok, tmp_path, arguments, match):
     bad = {"messages": [msg("user", "Weather?"),
                         msg("assistant", None, tool_calls=[call("get_weather", arguments)]),
