@@ -154,7 +154,7 @@ def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokeniz
         peak_tflops=flops_lib.device_peak_tflops("bf16" if run.compute_dtype != "float32" else "fp32",
                                                  cfg.extras.peak_tflops),
         log_timers=lg.log_timers_to_tensorboard, timers=timers, model_cfg=model_cfg,
-        per_layer_router=cfg.moe.moe_per_layer_logging)
+        per_layer_router=cfg.moe.moe_per_layer_logging, expert_parallel=run.parallel.expert)
     evaluate = Evaluator(trainer, data.valid if data.valid.num_rows else None, global_batch_size=gbs,
                          eval_iters=t.eval_iters, seed=cfg.training.seed, split=cfg.data.split, process_index=pid,
                          process_count=jax.process_count(), logger=logger, timers=timers)
