@@ -94,6 +94,8 @@ def build_job(cfg: RunConfig, launched: float) -> Job:
         print(sharding_report(trainer))  # compute layout, fp32 master weights and optimizer state
     lora = None if cfg.training.lora is None else sources.lora_record(cfg.training.lora, start.base, cfg.training.seed)
     hooks = _hooks(cfg, run, trainer, data, loader, len(tokenizer), start.save_lock, launched, lora)
+    if jax.devices()[0].platform == "gpu":
+        _predict_step_time(cfg, run, trainer, state, hooks.logger)
     lora_base = lora["base"]["path"] if lora and lora["base"]["kind"] == "hf" else None
     return Job(cfg, run, start.source, trainer, tokenizer, loader, state, start.iteration, hooks, lora_base)
 
@@ -167,3 +169,33 @@ def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokeniz
     stop = exits.ExitConditions(exit_interval=t.exit_interval, exit_duration_in_mins=t.exit_duration_in_mins,
                                 launched=launched)
     return Hooks(log_dir, writer, timers, logger, evaluate, checkpointer, stop)
+
+
+def _predict_step_time(cfg: RunConfig, run: Run, trainer, state, logger: StepLogger) -> None:
+    """On a GPU: the planner's roofline of this run's own compiled step (one extra compile),
+    printed in the run's first lines and logged beside each measured step time."""
+    import jax.numpy as jnp
+
+    from mlir_train.data.dataset import BATCH_KEYS
+    from mlir_train.planner import hlo, predict
+
+    device = jax.devices()[0].device_kind
+    kind = predict.kind_of(device)
+    if kind is None:
+        log.info(f"no predicted step time: the planner has no XLA:GPU target for {device}")
+        return
+    m = run.num_micro_batches
+    batch = {k: jax.ShapeDtypeStruct((m, run.global_batch_size // m, run.seq_length),
+                                     jnp.float32 if k == "loss_mask" else jnp.int32, sharding=trainer.batch_sharding)
+             for k in BATCH_KEYS}
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    try:
+        step = hlo.audit_compiled(trainer.lower_train_step(shapes, batch).compile())
+    except Exception as e:  # the run itself compiles the step again; only the prediction is lost
+        log.info(f"no predicted step time: the step's audit failed ({str(e).splitlines()[0]})")
+        return
+    r, at = predict.predicted(step, kind, run.parallel, run.model, cfg.extras.moe_ep_buffer_factor,
+                              model_flops_per_device=logger.flops_per_step / jax.device_count(),
+                              tokens_per_step=run.global_batch_size * run.seq_length)
+    logger.predicted_step_s = r.step_s
+    log.info(predict.summary(r, at, f"{kind.name} x {jax.device_count()}, mesh {dict(trainer.mesh.shape)}"))

@@ -148,6 +148,10 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {int(m['consumed samples']):12d}",
         f"elapsed time per iteration (ms): {m['iteration-time'] * 1000:.1f}",
+    ]
+    if m.get("predicted-iteration-time") is not None:  # the planner's roofline for this layout (GPU runs)
+        parts.append(f"predicted (ms): {m['predicted-iteration-time'] * 1000:.1f}")
+    parts += [
         f"learning rate: {m['learning-rate']:.6E}",
         f"global batch size: {int(m['batch-size']):5d}",
         f"lm loss: {m['lm loss']:.6E}",
@@ -171,8 +175,6 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
     ]
     if "ep-load-max-over-mean" in m:
         parts.append(f"ep load max/mean: {m['ep-load-max-over-mean']:.3f}")
-    if m.get("predicted-iteration-time") is not None:  # the planner's roofline for this layout (GPU runs)
-        parts.append(f"predicted time per iteration (ms): {m['predicted-iteration-time'] * 1000:.1f}")
     parts += [f"TFLOP/s/device: {m['throughput']:.3f}"]
     if m.get("mfu") is not None:
         parts.append(f"MFU: {100 * m['mfu']:.1f}%")

@@ -268,6 +268,17 @@ def test_roofline_arithmetic_and_constants():
     assert ex == [("all-reduce", 2, 300.0)]
 
 
+def test_natural_routing_prices_the_busiest_ranks_experts_and_all_to_all():
+    """Issue 37: step time at a given ``ep-load-max-over-mean``: the experts' matmuls and the
+    exposed all-to-all scale by it (every rank waits for the busiest), nothing else does."""
+    k = roofline.device_constants(DEVICE_KINDS["h200"])
+    r = roofline.roofline(989e12 * 2, 4.8e12, [], k, model_flops_per_device=989e12, tokens_per_step=1000)
+    assert roofline.at_imbalance(r, 1.0, 989e12, 0.5, k) == pytest.approx(r.step_s) == pytest.approx(2.0)
+    # half the matmul work is experts: 1.5x -> 0.5 s more compute, and 0.25 s more all-to-all
+    assert roofline.at_imbalance(r, 1.5, 989e12, 0.5, k) == pytest.approx(2.75)
+    assert roofline.IMBALANCES[0] == 1.0
+
+
 @pytest.mark.skipif(__import__("tests.helpers", fromlist=["GPU_MISSING"]).GPU_MISSING is not None,
                     reason="needs the deviceless XLA:GPU compiler")
 def test_tp4_ep8_step_does_megatrons_three_passes_with_the_gpu_flags():

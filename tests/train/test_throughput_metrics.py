@@ -4,6 +4,7 @@ metrics.jsonl (TensorBoard gets the same scalars)."""
 import json
 
 import numpy as np
+import pytest
 
 from mlir_train.train.metrics import MetricsWriter, StepLogger, Timers, ep_load_max_over_mean, throughput_scalars
 
@@ -37,10 +38,17 @@ def test_every_logged_iteration_carries_them(tmp_path, capsys):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 3
     for r in rows:
-        assert r["supervised-tokens-per-sec"] * 16 == r["slot-tokens-per-sec"] * 10
-        assert r["supervised-tokens-per-sec-per-device"] * 2 == r["supervised-tokens-per-sec"]
+        assert r["supervised-tokens-per-sec"] * 16 == pytest.approx(r["slot-tokens-per-sec"] * 10)
+        assert r["supervised-tokens-per-sec-per-device"] * 2 == pytest.approx(r["supervised-tokens-per-sec"])
         assert "tokens-per-sec" not in r
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith(" iteration ")]
     assert len(lines) == 3
     assert all("supervised tokens/s:" in l and "slot tokens/s:" in l and
-               "predicted time per iteration (ms): 250.0" in l for l in lines)
+               "| predicted (ms): 250.0 |" in l and l.index("elapsed time") < l.index("predicted (ms)") for l in lines)
+
+
+def test_the_planner_knows_the_gpus_it_predicts_for():
+    from mlir_train.planner.predict import kind_of
+
+    assert kind_of("NVIDIA H200").name == "h200" and kind_of("NVIDIA H100 80GB HBM3").name == "h100"
+    assert kind_of("cpu") is None and kind_of("Kunlun P800") is None  # no XLA:GPU target: no prediction
