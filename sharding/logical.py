@@ -90,10 +90,13 @@ def logical_to_spec(
 
 
 def _current_mesh_axis_names() -> tuple[str, ...] | None:
+    """The mesh axes a constraint may name here: those not manual (inside a ``shard_map``
+    region an array is already the local part along its manual axes)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return None
-    return tuple(mesh.axis_names)
+    manual = jax.sharding.AxisType.Manual
+    return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != manual)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

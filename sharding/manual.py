@@ -16,6 +16,14 @@ different experts. The model asks for such a region in logical terms:
 Both read the rules installed by :func:`sharding.use_rules` and the mesh set with
 ``jax.set_mesh``; without them (or when an axis maps to nothing) the model keeps to its
 single-device code and never calls :func:`logical_shard_map`.
+
+Regions nest by what is already manual: the trainer runs a step's micro-batches in a region
+manual over the data axes (each data rank accumulating its own, unreduced weight gradients;
+:func:`data_axes_manual`), and a model region asking for axes that are manual already (the
+expert-parallel dispatch over the token axes) is manual over the others only, or, when none
+are left, is its body called as it is. :func:`mesh_axes_of` still names every axis (the
+collectives over them run the same either way); :func:`split_size` is what a shape inside the
+current region is still split by.
 """
 
 from __future__ import annotations
@@ -35,6 +43,14 @@ def _abstract_mesh():
     return None if mesh is None or mesh.empty else mesh
 
 
+def manual_now() -> frozenset[str]:
+    """The mesh axes that are manual where this is traced (inside ``shard_map`` regions)."""
+    mesh = _abstract_mesh()
+    if mesh is None:
+        return frozenset()
+    return frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == jax.sharding.AxisType.Manual)
+
+
 def mesh_axes_of(logical_name: str) -> tuple[tuple[str, ...], int]:
     """Mesh axes ``logical_name`` is split over under the active rules and mesh, and their size.
 
@@ -51,6 +67,27 @@ def mesh_axes_of(logical_name: str) -> tuple[tuple[str, ...], int]:
     sizes = dict(mesh.shape)
     axes = tuple(a for a in axes_tuple(table[logical_name]) if sizes.get(a, 1) > 1)
     return axes, math.prod(sizes[a] for a in axes)
+
+
+def split_size(logical_name: str) -> int:
+    """How many ways a dimension named ``logical_name`` is still split where this is traced:
+    the sizes of its mesh axes that are not manual here (an array inside a region manual over
+    some of them holds the local part along those already)."""
+    axes, _ = mesh_axes_of(logical_name)
+    manual = manual_now()
+    sizes = dict(_abstract_mesh().shape) if axes else {}
+    return math.prod(sizes[a] for a in axes if a not in manual)
+
+
+def manual_axes_of(logical_name: str) -> tuple[tuple[str, ...], int]:
+    """The mesh axes of ``logical_name`` that are manual where this is traced, and their size:
+    e.g. inside the trainer's data-manual region, the data ranks whose rows this rank does not
+    see (a statistic over all rows is the sum over these ranks)."""
+    axes, _ = mesh_axes_of(logical_name)
+    manual = manual_now()
+    sizes = dict(_abstract_mesh().shape) if axes else {}
+    inside = tuple(a for a in axes if a in manual)
+    return inside, math.prod(sizes[a] for a in inside)
 
 
 def _is_names(x: Any) -> bool:
@@ -77,23 +114,39 @@ def logical_shard_map(
 
     ``in_names`` has one entry per positional argument and ``out_names`` mirrors ``f``'s
     output; each leaf is a tuple of logical names (``None`` for an unsplit dimension, ``()``
-    for a replicated scalar), applied as a prefix to the matching array(s). A dimension whose
+    for a replicated scalar), or a ``PartitionSpec`` of mesh axes (what a spec of logical names
+    cannot say, e.g. a leading axis over only some of a logical axis's mesh axes), applied as a
+    prefix to the matching array(s). A dimension whose
     logical name maps only to non-manual mesh axes is whole inside ``f`` as far as ``f`` can
     tell (XLA may still split it over those axes). Must be called under active rules and a
-    mesh.
+    mesh. Axes already manual where this is traced (an enclosing region's) are left out: the
+    region is manual over the others, and with none left ``f`` itself is returned (its
+    arguments are already the local ones).
     """
     rules, mesh = active_rules(), _abstract_mesh()
     if rules is None or mesh is None:
         raise ValueError("logical_shard_map needs sharding rules (sharding.use_rules) and a mesh (jax.set_mesh)")
-    manual_axes = {a for name in manual for a in mesh_axes_of(name)[0]}
-    if not manual_axes:
+    wanted = {a for name in manual for a in mesh_axes_of(name)[0]}
+    if not wanted:
         raise ValueError(f"logical axes {tuple(manual)} map to no mesh axis of size > 1: nothing to make manual")
+    outer = wanted & manual_now()
+    manual_axes = wanted - outer
+    if not manual_axes:
+        return f
+    if outer:
+        # Nested in a region manual over some of the same axes (the trainer's unchecked
+        # data-manual step): collectives over those give values typed varying over axes this
+        # region does not make manual, and jax 0.10 then names them in the residuals' shardings
+        # of its transpose, which Shardy rejects. Unchecked, the transpose follows the enclosing
+        # region's convention (psum transposes to psum, replicated inputs' cotangents summed).
+        check_vma = False
 
     def specs(names_tree):
         return jax.tree.map(
-            lambda names: _keep_axes(logical_to_spec(names, rules, mesh.axis_names), manual_axes),
+            lambda names: _keep_axes(names if isinstance(names, PartitionSpec) else
+                                     logical_to_spec(names, rules, mesh.axis_names), manual_axes),
             names_tree,
-            is_leaf=_is_names,
+            is_leaf=lambda x: isinstance(x, PartitionSpec) or _is_names(x),
         )
 
     return jax.shard_map(

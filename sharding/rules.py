@@ -155,6 +155,11 @@ def rules_for(cfg: Layout, model_dims: Mapping[str, int] | None = None) -> Rules
     # already hold their own sequence chunk (Megatron's folding dispatches from there); without
     # it each takes a slice of the replicated tokens and the output is all-gathered.
     folded = set(cfg.role_axes("tensor")) - set(cfg.role_axes("expert_tensor"))
+    if cfg.expert > 1 and cfg.sequence_parallel and cfg.etp == cfg.tensor > 1:
+        # ETP = TP under SP: each tensor rank routes and dispatches its own sequence chunk,
+        # T/TP x K rows, and the expert-tensor group gathers what it received (Megatron's
+        # alltoall dispatcher), rather than every tensor rank dispatching the whole sequence.
+        folded |= set(cfg.role_axes("tensor"))
     tokens = tuple(a for a in ALL_MESH_AXES if a in set(data) | set(cfg.role_axes("context")) | folded)
     overlays: list[Mapping[str, MeshAxes]] = [
         {"act_batch": _entry(data), "act_tokens": _entry(tokens), "act_capacity": _entry(tokens)}]
@@ -240,10 +245,22 @@ def optimizer_state_specs(param_shapes_tree: Any, param_specs_tree: Any, mesh: M
 
 def data_axes_tree(cfg: Layout, logical_axes_tree: Any) -> Any:
     """Each parameter's data-parallel group (mesh axes): the expert-data group for routed
-    experts (a leaf whose logical axes include "exp"), the dp x cp group for the rest."""
+    experts (a leaf whose logical axes include "exp"), the dp x cp group for the rest. Under
+    pipeline parallelism the weights outside the layer stacks (embedding, final norm, LM head)
+    are held by every stage but their gradients are formed on one (the embedding's on the
+    first, the head's on the last): their optimizer state is split over the stages too, so the
+    gradient's sum over stages and data ranks is one reduce-scatter, not an all-reduce of the
+    whole table, and no stage keeps a whole copy of their moments (Megatron keeps them on
+    their stage only)."""
     dense, expert = cfg.data_axes(), cfg.data_axes(expert=True)
-    return jax.tree.map(lambda names: expert if "exp" in names else dense, logical_axes_tree,
-                        is_leaf=lambda x: isinstance(x, tuple) or x is None)
+    staged = ("stage",) + dense if cfg.pipeline > 1 else dense
+
+    def group(names):
+        if "exp" in names:
+            return expert
+        return dense if "layers" in names else staged
+
+    return jax.tree.map(group, logical_axes_tree, is_leaf=lambda x: isinstance(x, tuple) or x is None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -129,6 +129,13 @@ class Attention(nnx.Module):
         def project(x_BTD):
             if norm is not None:
                 x_BTD = norm(x_BTD)
+            if mesh_axes_of("act_kv_heads")[0] == mesh_axes_of("act_heads")[0]:
+                # One all-gather of the normed input over the sequence (SP) for the three
+                # projections, as Megatron's column-parallel linears share it; left to the
+                # partitioner, inside the trainer's data-manual region each projection gathered
+                # its own copy. (With k/v heads replicated over TP their weight gradients would
+                # then contract the whole sequence on every tensor rank: left as it was.)
+                x_BTD = constrain(x_BTD, ("act_batch", None, "act_embed"))
             q_BTNH = adapted(x_BTD, jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...].astype(dt)), self.q_lora)
             k_BTKH = adapted(x_BTD, jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...].astype(dt)), self.k_lora)
             v_BTKH = adapted(x_BTD, jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...].astype(dt)), self.v_lora)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from mlir_train.config.policies import LoadBalancing
+from sharding import manual_axes_of
 
 
 def cross_entropy_sum(logits_BTV: jax.Array, labels_BT: jax.Array, loss_mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -200,7 +201,11 @@ def router_losses(stats: dict[str, jax.Array], balancing: LoadBalancing, top_k: 
     it; both are ignored otherwise).
     """
     n_LG = stats["num_tokens"]
-    groups = n_LG.shape[-1]
+    # Inside the trainer's data-manual region a rank holds its own rows' groups: the weights
+    # are over all ranks' groups, so the ranks' terms sum to the objective (and their
+    # unreduced gradients to its gradient).
+    batch_axes, batch_ranks = manual_axes_of("act_batch")
+    groups = n_LG.shape[-1] * batch_ranks
     if loss_tokens is None:
         weight_LG = jnp.full(n_LG.shape, 1.0 / (groups * num_micro_batches), jnp.float32)
     else:
@@ -216,30 +221,32 @@ def router_losses(stats: dict[str, jax.Array], balancing: LoadBalancing, top_k: 
         objective = objective + balancing.coeff("seq_aux_loss") * jnp.sum(seq_weight_LG * seq_LG)
     if balancing.uses_global:
         per_layer["global_load_balancing_loss"], glob, global_counts_LE = _global_aux_loss(
-            stats, top_k, global_counts_LE, micro_index, weight_LG, loss_tokens)
+            stats, top_k, global_counts_LE, micro_index, weight_LG, loss_tokens, batch_axes)
         objective = objective + balancing.coeff("global_aux_loss") * glob
     return objective, per_layer, global_counts_LE
 
 
 def _global_aux_loss(stats: dict[str, jax.Array], top_k: int, global_counts_LE: jax.Array | None, micro_index,
-                     weight_LG: jax.Array, loss_tokens: jax.Array | None):
+                     weight_LG: jax.Array, loss_tokens: jax.Array | None, batch_axes: tuple[str, ...] = ()):
     """:func:`router_losses`' ``global_aux_loss``: ``(per layer, the weighted sum over layers and
-    groups, the running expert counts [L, E] including this micro-batch)``."""
+    groups, the running expert counts [L, E] including this micro-batch)``. ``batch_axes``: the
+    manual data axes whose ranks hold the other groups (their counts are summed in)."""
     n_LG = stats["num_tokens"]
     counts_LE = jax.lax.stop_gradient(jnp.sum(stats.get("aux_tokens_per_expert", stats["tokens_per_expert"]),
                                               axis=-2))
+    n_L1 = jax.lax.stop_gradient(jnp.sum(n_LG, axis=-1, keepdims=True))
+    if batch_axes:
+        counts_LE, n_L1 = jax.lax.psum((counts_LE, n_L1), batch_axes)
     global_counts_LE = counts_LE if global_counts_LE is None else global_counts_LE + counts_LE
     seen = 1.0 if micro_index is None else jnp.asarray(micro_index, jnp.float32) + 1.0
-    glob_LG = switch_aux_loss(stats, top_k, counts=(global_counts_LE / seen)[..., None, :],
-                              num_tokens=jnp.sum(n_LG, axis=-1, keepdims=True))
+    glob_LG = switch_aux_loss(stats, top_k, counts=(global_counts_LE / seen)[..., None, :], num_tokens=n_L1)
     per_layer_L = jnp.sum(glob_LG, axis=-1)
     glob_weight_LG = weight_LG
     if loss_tokens is not None:
         # megatron-core 0.16.1 scales each rank's global aux loss by the token count of *all*
         # ranks: its all-reduce of the rank's expert counts runs in place, on the tensor it
         # then counts the rank's tokens from (get_tokens_per_expert_and_token_count).
-        glob_weight_LG = jnp.broadcast_to(jnp.sum(n_LG, axis=-1, keepdims=True), n_LG.shape) / jnp.maximum(
-            loss_tokens, 1.0)
+        glob_weight_LG = jnp.broadcast_to(n_L1, n_LG.shape) / jnp.maximum(loss_tokens, 1.0)
     return per_layer_L, jnp.sum(glob_weight_LG * glob_LG), global_counts_LE
 
 

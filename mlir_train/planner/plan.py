@@ -102,6 +102,7 @@ from mlir_train.config.flags import RunConfig
 from mlir_train.runtime.errors import ConfigError
 from mlir_train.planner.candidates import Candidate, candidate, candidate_layouts  # noqa: F401 (the planner's API)
 from mlir_train.planner.estimate import activation_bytes
+from mlir_train.planner import predict
 from mlir_train.planner.report import Plan, format_collectives, format_plan, write_json  # noqa: F401 (the planner's API)
 from mlir_train.planner.targets import DEVICE_KINDS, GIB, USABLE_FRACTION, DeviceKind
 
@@ -298,11 +299,12 @@ def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, n
     plan.collectives_by_axes = _collectives_by_axes(stats, dict(trainer.mesh.shape))
     plan.overlap = stats.overlap()
     _audit_megatron_flops(plan, model_cfg, cfg, per_stage)
-    plan.compiled_matmul_flops_balanced = _balanced_matmul_flops(balanced_stats, c.layout, model_cfg, cfg)
+    plan.compiled_matmul_flops_balanced = predict.balanced_matmul_flops(balanced_stats, c.layout, model_cfg,
+                                                                        cfg.extras.moe_ep_buffer_factor)
     plan.hbm_bytes = stats.hbm_bytes
     kind = DEVICE_KINDS.get(target) if target else None
     if kind is not None and kind.compiles_for_gpu:
-        _audit_roofline(plan, stats, model_cfg, kind)
+        _audit_roofline(plan, stats, balanced_stats, model_cfg, cfg, kind)
 
 
 def _collectives_by_axes(stats, mesh_shape: dict[str, int]) -> list[dict]:
@@ -340,23 +342,8 @@ def _audit_megatron_flops(plan: Plan, model_cfg, cfg: RunConfig, per_stage: int)
     plan.megatron_busiest_device_flops = by_stage[plan.megatron_busiest_flops_stage] * len(stages) / plan.num_devices
 
 
-def _balanced_matmul_flops(balanced_stats, layout, model_cfg, cfg: RunConfig) -> float:
-    """The compiled matmul FLOPs with the block kernels at the rows a balanced routing fills,
-    not their static bound."""
-    from mlir_train.model.kernels.mosaic_moe import BLOCK_ROWS
-    from mlir_train.planner import comm
-
-    kernels = balanced_stats.flops.kernels
-    if not kernels:
-        return balanced_stats.matmul_flops
-    balanced = sum(k.flops_for_rows(comm.balanced_kernel_rows(
-        k.rows, expert_ranks=layout.expert, num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,
-        block=BLOCK_ROWS, row_tile=k.row_tile, buffer_factor=cfg.extras.moe_ep_buffer_factor)) for k in kernels)
-    return balanced_stats.matmul_flops - balanced_stats.flops.kernel_flops_bound + balanced
-
-
-def _audit_roofline(plan: Plan, stats, model_cfg, kind) -> None:
-    """The roofline step time on a GPU ``kind``, and the published reference for the model."""
+def _audit_roofline(plan: Plan, stats, balanced_stats, model_cfg, cfg: RunConfig, kind) -> None:
+    """The roofline step time on a GPU ``kind`` (balanced, and at ``roofline.IMBALANCES``), and the model's published figure."""
     from mlir_train.planner import roofline
 
     consts = roofline.device_constants(kind)
@@ -364,9 +351,15 @@ def _audit_roofline(plan: Plan, stats, model_cfg, kind) -> None:
                           roofline.exposed_collectives(stats.collective_groups), consts,
                           model_flops_per_device=plan.flops_per_step / plan.num_devices,
                           tokens_per_step=plan.tokens_per_step)
+    # Natural routing: the step time when the busiest EP rank gets ``f`` x the mean's rows.
+    experts = predict.balanced_expert_flops(balanced_stats, plan.candidate.layout, model_cfg,
+                                            cfg.extras.moe_ep_buffer_factor)
+    a2a_s = predict.exposed_all_to_all_s(stats, consts)
     plan.roofline = dataclasses.asdict(r) | dict(model_tflops_per_device=r.model_tflops_per_device,
                                                  tokens_per_s=r.tokens_per_s, bound=r.bound,
-                                                 constants=dataclasses.asdict(consts))
+                                                 constants=dataclasses.asdict(consts),
+                                                 step_s_at_imbalance={f: roofline.at_imbalance(r, f, experts, a2a_s, consts)
+                                                                      for f in roofline.IMBALANCES})
     ref = roofline.MEGATRON_BRIDGE_REFERENCE.get(model_cfg.name)
     plan.published_reference = dict(zip(("tflops_per_device", "device", "precision", "source"), ref)) if ref else None
 

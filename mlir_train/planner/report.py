@@ -195,6 +195,9 @@ def _audit_lines(plan: Plan) -> list[str]:
                      f"{k['link_bytes_per_s'] / 1e9:.0f} GB/s ({gib(r['exposed_bytes'])}): step {r['step_s']:.2f}s "
                      f"({r['bound']}-bound), {r['tokens_per_s']:,.0f} tokens/s, "
                      f"{r['model_tflops_per_device']:.0f} model TFLOP/s per device")
+        if r.get("step_s_at_imbalance"):
+            lines.append("    natural routing (busiest EP rank's rows / mean -> step, an ESTIMATE): " + ", ".join(
+                f"{float(f):g}x -> {t:.2f}s" for f, t in r["step_s_at_imbalance"].items()))
         lines.append("    constants: " + "; ".join(f"{n}: {s}" for n, s in k["sources"].items()))
         if plan.published_reference:
             ref = plan.published_reference

@@ -131,3 +131,19 @@ def exposed_collectives(collective_groups) -> list[tuple[str, int, float]]:
             n = 2 if g.pairs else max(len(g.group), 1)
             out.append((g.kind, n, float(c.bytes)))
     return out
+
+
+IMBALANCES = (1.0, 1.25, 1.5, 2.0)  # ep-load-max-over-mean values the planner prices
+
+
+def at_imbalance(r: Roofline, imbalance: float, expert_flops: float, exposed_all_to_all_s: float,
+                 consts: DeviceConstants) -> float:
+    """The estimated step time (s) when the most-loaded expert-parallel rank receives
+    ``imbalance`` x the mean rank's routed rows (the log's ``ep-load-max-over-mean``; 1.0 is
+    ``r``, balanced): every rank waits for it in each MoE layer, so its routed experts' matmul
+    FLOPs (``expert_flops`` per device at a balanced routing) and the exposed all-to-all time
+    scale by ``imbalance``; the rest of the step does not. Peers measure 0.53-0.67x of their
+    forced-balanced throughput with natural routing: this says what that costs here."""
+    extra = max(imbalance - 1.0, 0.0)
+    compute = r.compute_s + extra * expert_flops / consts.peak_flops
+    return max(compute, r.memory_s) + r.comm_s + extra * exposed_all_to_all_s

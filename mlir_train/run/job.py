@@ -101,6 +101,8 @@ def build_job(cfg: RunConfig, launched: float) -> Job:
     lora = None if cfg.training.lora is None else sources.lora_record(cfg.training.lora, start.base, cfg.training.seed)
     recorded = ({"lora": lora} if lora else {}) | ({"hf_origin": start.base.hf_origin} if start.base.hf_origin else {})
     hooks = _hooks(cfg, run, trainer, data, loader, len(tokenizer), start.save_lock, launched, recorded)
+    if jax.devices()[0].platform == "gpu":
+        _predict_step_time(cfg, run, trainer, state, hooks.logger)
     lora_base = lora["base"]["path"] if lora and lora["base"]["kind"] == "hf" else None
     return Job(cfg, run, start.source, trainer, tokenizer, loader, state, start.iteration, hooks, lora_base,
                start.base.hf_origin)
@@ -167,7 +169,7 @@ def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokeniz
         peak_tflops=flops_lib.device_peak_tflops("bf16" if run.compute_dtype != "float32" else "fp32",
                                                  cfg.extras.peak_tflops),
         log_timers=lg.log_timers_to_tensorboard, timers=timers, model_cfg=model_cfg,
-        per_layer_router=cfg.moe.moe_per_layer_logging,
+        per_layer_router=cfg.moe.moe_per_layer_logging, expert_parallel=run.parallel.expert,
         exchange=ExchangeRounds(sum(model_cfg.moe_layers()) * run.num_micro_batches, cfg.extras.moe_ep_buffer_factor))
     evaluate = Evaluator(trainer, data.valid if data.valid.num_rows else None, global_batch_size=gbs,
                          eval_iters=t.eval_iters, seed=cfg.training.seed, split=cfg.data.split, process_index=pid,
@@ -181,3 +183,33 @@ def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokeniz
     stop = exits.ExitConditions(exit_interval=t.exit_interval, exit_duration_in_mins=t.exit_duration_in_mins,
                                 launched=launched)
     return Hooks(log_dir, writer, timers, logger, evaluate, checkpointer, stop)
+
+
+def _predict_step_time(cfg: RunConfig, run: Run, trainer, state, logger: StepLogger) -> None:
+    """On a GPU: the planner's roofline of this run's own compiled step (one extra compile),
+    printed in the run's first lines and logged beside each measured step time."""
+    import jax.numpy as jnp
+
+    from mlir_train.data.dataset import BATCH_KEYS
+    from mlir_train.planner import hlo, predict
+
+    device = jax.devices()[0].device_kind
+    kind = predict.kind_of(device)
+    if kind is None:
+        log.info(f"no predicted step time: the planner has no XLA:GPU target for {device}")
+        return
+    m = run.num_micro_batches
+    batch = {k: jax.ShapeDtypeStruct((m, run.global_batch_size // m, run.seq_length),
+                                     jnp.float32 if k == "loss_mask" else jnp.int32, sharding=trainer.batch_sharding)
+             for k in BATCH_KEYS}
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    try:
+        step = hlo.audit_compiled(trainer.lower_train_step(shapes, batch).compile())
+    except Exception as e:  # the run itself compiles the step again; only the prediction is lost
+        log.info(f"no predicted step time: the step's audit failed ({str(e).splitlines()[0]})")
+        return
+    r, at = predict.predicted(step, kind, run.parallel, run.model, cfg.extras.moe_ep_buffer_factor,
+                              model_flops_per_device=logger.flops_per_step / jax.device_count(),
+                              tokens_per_step=run.global_batch_size * run.seq_length)
+    logger.predicted_step_s = r.step_s
+    log.info(predict.summary(r, at, f"{kind.name} x {jax.device_count()}, mesh {dict(trainer.mesh.shape)}"))

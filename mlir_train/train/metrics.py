@@ -121,12 +121,39 @@ def router_scalars(m: dict[str, Any], model_cfg, *, per_layer: bool = False) -> 
     return out
 
 
+def ep_load_max_over_mean(tokens_per_expert, expert_parallel: int) -> float:
+    """How far the step's routing is from balanced across the expert-parallel ranks: per MoE
+    layer the rows routed to the most-loaded EP rank's experts (rank ``r`` holds experts
+    ``[r E/EP, (r+1) E/EP)``, as Megatron places them), summed over the layers, over the same
+    sum for the mean rank. 1.0 is balanced; the experts' matmuls and the exchange wait for the
+    most-loaded rank of each layer, so this is about what they take over a balanced routing's."""
+    t = np.asarray(tokens_per_expert, np.float64)
+    t = t.reshape(-1, t.shape[-1])
+    rows = t.reshape(t.shape[0], expert_parallel, -1).sum(axis=-1)  # [layers, EP ranks]
+    mean = rows.mean(axis=1).sum()
+    return float(rows.max(axis=1).sum() / mean) if mean > 0 else 1.0
+
+
+def throughput_scalars(step_time: float, loss_tokens: float, slots: int, num_devices: int) -> dict[str, float]:
+    """Tokens per second as users need them: ``supervised-tokens-per-sec``, the tokens that carry
+    a loss (prompt, padding and packing slack excluded) over wall time, in total and per device;
+    ``slot-tokens-per-sec``, every slot of the global batch (global batch x sequence length)
+    over wall time, the figure peers headline (what ``tokens-per-sec`` used to be)."""
+    return {"supervised-tokens-per-sec": loss_tokens / step_time,
+            "supervised-tokens-per-sec-per-device": loss_tokens / step_time / num_devices,
+            "slot-tokens-per-sec": slots / step_time}
+
+
 def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: float | None) -> str:
     """A log line shaped like Megatron's ``training_log``."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {int(m['consumed samples']):12d}",
         f"elapsed time per iteration (ms): {m['iteration-time'] * 1000:.1f}",
+    ]
+    if m.get("predicted-iteration-time") is not None:  # the planner's roofline for this layout (GPU runs)
+        parts.append(f"predicted (ms): {m['predicted-iteration-time'] * 1000:.1f}")
+    parts += [
         f"learning rate: {m['learning-rate']:.6E}",
         f"global batch size: {int(m['batch-size']):5d}",
         f"lm loss: {m['lm loss']:.6E}",
@@ -142,9 +169,13 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
         f"loss scale: {m['loss-scale']:.1f}",
         f"grad norm: {m['grad-norm']:.3f}",
         f"number of skipped iterations: {int(m['skipped iterations']):3d}",
-        f"tokens/s: {m['tokens-per-sec']:.0f}",
-        f"TFLOP/s/device: {m['throughput']:.3f}",
+        f"supervised tokens/s: {m['supervised-tokens-per-sec']:.0f} "
+        f"({m['supervised-tokens-per-sec-per-device']:.0f}/device)",
+        f"slot tokens/s: {m['slot-tokens-per-sec']:.0f}",
     ]
+    if "ep-load-max-over-mean" in m:
+        parts.append(f"ep load max/mean: {m['ep-load-max-over-mean']:.3f}")
+    parts += [f"TFLOP/s/device: {m['throughput']:.3f}"]
     if m.get("mfu") is not None:
         parts.append(f"MFU: {100 * m['mfu']:.1f}%")
     if eta_s is not None:
@@ -200,13 +231,18 @@ class StepLogger:
     def __init__(self, writer: MetricsWriter, *, train_iters: int, log_interval: int, tensorboard_log_interval: int,
                  check_nan: bool, global_batch_size: int, seq_length: int, lr_at, flops_per_step: float,
                  num_devices: int, peak_tflops: float | None, log_timers: bool, timers: "Timers",
-                 model_cfg=None, per_layer_router: bool = False, exchange: ExchangeRounds | None = None):
+                 model_cfg=None, per_layer_router: bool = False, exchange: ExchangeRounds | None = None,
+                 expert_parallel: int = 1):
         self.writer, self.train_iters, self.lr_at = writer, train_iters, lr_at
         self.model_cfg, self.per_layer_router = model_cfg, per_layer_router  # --moe-per-layer-logging
         self.log_interval, self.tb_interval = log_interval, max(1, tensorboard_log_interval)
         self.check_nan, self.gbs, self.seq_length = check_nan, global_batch_size, seq_length
         self.flops_per_step, self.num_devices, self.peak = flops_per_step, num_devices, peak_tflops
         self.log_timers, self.timers = log_timers, timers
+        self.expert_parallel = expert_parallel
+        # The planner's step time for this layout (seconds), where one was computed (GPU runs):
+        # logged beside the measured one.
+        self.predicted_step_s: float | None = None
         self.history: dict[str, list] = {"lm loss": [], "valid": []}
         self.first_logged: tuple[int, float] | None = None  # (iteration, lm loss) of the first console line
         self.exchange = exchange or ExchangeRounds(0, None)
@@ -254,14 +290,16 @@ class StepLogger:
             "lm loss": lm_loss, "grad-norm": grad_norm, "learning-rate": self.lr_at(iteration),
             "batch-size": self.gbs, "consumed samples": iteration * self.gbs, "iteration-time": step_time,
             "loss-scale": float(m["loss-scale"]), "skipped iterations": self.skipped,
-            "tokens-per-sec": self.gbs * self.seq_length / step_time,
+            **throughput_scalars(step_time, float(m["loss tokens"]), self.gbs * self.seq_length, self.num_devices),
             "throughput": flops_lib.tflops_per_device(self.flops_per_step, step_time, self.num_devices),
             "mfu": flops_lib.mfu(self.flops_per_step, step_time, self.num_devices, self.peak),
             "loss tokens": float(m["loss tokens"]),
+            "predicted-iteration-time": self.predicted_step_s,
         }
         arrays = {}
         if "load_balancing_loss" in m:
             scalars |= router_scalars(m, self.model_cfg, per_layer=self.per_layer_router)
+            scalars["ep-load-max-over-mean"] = ep_load_max_over_mean(m["tokens_per_expert"], self.expert_parallel)
             arrays["expert-load"] = np.asarray(m["tokens_per_expert"]).sum(axis=0)
             self.exchange.add(scalars)
         if self.log_timers:

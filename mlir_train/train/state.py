@@ -100,6 +100,7 @@ class StateLayout:
                                             else self.specs.params)
         lora = self.lora is not None
         self.base_shapes = tree.drop(shapes, part) if lora else None
+        self.base_logical = tree.drop(logical, part) if lora else None
         self.base_shardings = self._named(tree.drop(specs.params, part)) if lora else None
         self.base_compute_shardings = self._named(tree.drop(specs.compute, part)) if lora else None
 

@@ -35,6 +35,7 @@ Megatron semantics matched here (see the tests for each):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -47,8 +48,9 @@ from mlir_train.config.models import ModelConfig
 from mlir_train.model import losses, tree
 from mlir_train.model.moe.dispatch import COUNTS as DISPATCH_COUNTS
 from mlir_train.model.moe.router import updated_expert_bias
-from mlir_train.train import pipeline
+from mlir_train.train import pipeline, reduction
 from mlir_train.train.optim import LossScaler, global_norm, select_tree
+from sharding import logical_shard_map
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -99,7 +101,9 @@ class Step:
     trained: Any                 # LoRA's template of the trained part; None: every parameter
     compute: Any                 # the trained weights' compute-layout shardings
     master: Any                  # their float32 master shardings
+    logical: Any = None          # the trained weights' logical axes
     base_compute: Any = None     # the frozen base's compute-layout shardings (LoRA)
+    base_logical: Any = None     # the frozen base's logical axes (LoRA)
 
     # ----- the weights in the compute dtype and layout ------------------------------------------
     def cast(self, params: Any) -> Any:
@@ -124,8 +128,11 @@ class Step:
     # ----- the objective ----------------------------------------------------------------------
     def micro_loss(self, params, mb, scale, global_counts=None, micro_index=None, base=None, cast=True):
         """One micro-batch's scaled objective and its aux; ``params`` are the float32 master
-        weights, or with ``cast=False`` the trained weights already in the compute dtype and layout."""
-        model = nnx.merge(self.graphdef, self.to_compute(params, base) if cast else self.with_base(params, base))
+        weights, or with ``cast=False`` the trained weights already in the compute dtype and layout
+        (and ``base`` placed: this may run inside the data-manual region, where the constraints
+        are the caller's)."""
+        weights = self.to_compute(params, base) if cast else params if self.trained is None else tree.merge(base, params)
+        model = nnx.merge(self.graphdef, weights)
         h, stats = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
         objective, ce_sum, count = model.weighted_loss_sums(h, mb["labels"], mb["loss_mask"], mb["loss_weight"])
         aux = {"ce_sum": ce_sum, "loss_tokens": count, "lm_objective": objective}
@@ -140,12 +147,20 @@ class Step:
                 aux["global_counts"] = counts
         return objective * scale, aux
 
-    def pipeline_loss(self, params, batch, scale, graphdef=None, base=None):
+    def data_manual(self, batch) -> tuple[str, ...]:
+        """What the step's region is manual over for its unreduced gradients
+        (:func:`~mlir_train.train.reduction.data_manual_names`): none under FSDP."""
+        if self.fsdp:
+            return ()
+        groups = self.cfg.micro_batch_size if self.model_cfg.is_moe else 1
+        return reduction.data_manual_names(batch["input_ids"].shape[1], groups)
+
+    def pipeline_loss(self, params, batch, scale, graphdef=None, base=None, data_manual=()):
         """All micro-batches through the pipeline stages at once (see ``mlir_train.train.pipeline``)."""
         return pipeline.pipeline_loss(
             self.graphdef if graphdef is None else graphdef, self.to_compute(params, base), batch,
             schedule=self.schedule, scale=scale, top_k=self.model_cfg.top_k, remat=self.remat,
-            balancing=self.cfg.balancing)
+            balancing=self.cfg.balancing, data_manual=data_manual)
 
     def pipeline_value_and_grad(self, params, batch, scale, base=None):
         """1F1B's objective and gradients. Under LoRA it differentiates the adapters alone (the
@@ -153,10 +168,10 @@ class Step:
         (objective, aux), grads = pipeline.pipeline_value_and_grad(
             self.graphdef, self.to_compute(params, base), batch, schedule=self.schedule,
             scale=scale, top_k=self.model_cfg.top_k, remat=self.remat, balancing=self.cfg.balancing,
-            trainable=self.trained)
-        # The transpose of to_compute (cast, compute-layout constraint), kept in float32.
-        grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, s), grads, self.compute)
-        return (objective, aux), grads
+            trainable=self.trained, data_manual=self.data_manual(batch))
+        # The data ranks' float32 sum placed in the master layout (the transpose of to_compute's
+        # cast and compute-layout constraint): one reduce-scatter per gradient under ZeRO-1.
+        return (objective, aux), jax.tree.map(jax.lax.with_sharding_constraint, grads, self.master)
 
     def accumulated(self, params, base, batch, scale):
         """``(aux, gradients)`` summed over the micro-batches of ``batch`` (no pipeline).
@@ -165,16 +180,44 @@ class Step:
         Megatron's distributed optimizer keeps its bf16 weights whole over the data ranks during
         the step: under ZeRO-1 one all-gather per step, not one per micro-batch (the gradient
         w.r.t. the cast weights is the master's: the cast's transpose is a cast back to float32).
-        Under FSDP the gather stays per use (inside the loop): not holding whole weights is its point."""
+        The loop then runs per data rank, each accumulating its own gradients unreduced in
+        float32, reduced once after it (:mod:`mlir_train.train.reduction`). Under FSDP the
+        gather stays per use (inside the loop): not holding whole weights is its point, and its
+        gradients are reduce-scattered per micro-batch into the master layout."""
+        if self.fsdp:
+            return self.micro_batches(params, base, batch, scale, cast=True)
+        weights = self.cast(params)
+        if base is not None:
+            base = jax.tree.map(jax.lax.with_sharding_constraint, base, self.base_compute)
+        manual = self.data_manual(batch)
+        if not manual:
+            aux, grads = self.micro_batches(weights, base, batch, scale, cast=False)
+            return aux, jax.tree.map(jax.lax.with_sharding_constraint, grads, self.master)
+
+        def per_rank(weights, base, batch, scale):
+            aux, grads = self.micro_batches(weights, base, batch, scale, cast=False)
+            return reduction.reduced_aux(aux), reduction.with_rank_axis(grads)
+
+        # The weights enter as their logical axes split them (routed experts over expert ranks,
+        # which are data ranks too); each rank's gradients leave with a leading rank axis.
+        run = logical_shard_map(per_rank, in_names=(self.logical, self.base_logical,
+                                                    jax.tree.map(reduction.row_names, batch), ()),
+                                out_names=((), reduction.partial_specs(self.logical, manual)), manual=manual,
+                                check_vma=False)
+        aux, partials = run(weights, base, batch, scale)
+        return aux, reduction.summed(partials, self.master)
+
+    def micro_batches(self, weights, base, batch, scale, *, cast: bool):
+        """``(aux, float32 gradients)`` of ``batch``'s micro-batches, a scan adding each one's into
+        accumulators: ``weights`` are the master ones (``cast``: cast per use, FSDP's gather) or
+        the compute-dtype ones with ``base`` placed."""
         grad_fn = jax.value_and_grad(self.micro_loss, has_aux=True)
-        hoist = not self.fsdp
-        weights = self.cast(params) if hoist else params
 
         def micro(carry, xs):
             acc, counts = carry  # counts: global_aux_loss's running expert counts, or None
             mb, i = xs
-            (_, aux), g = grad_fn(weights, mb, scale, counts, i, base, not hoist)
-            if hoist:  # reduced over the data ranks into the accumulator's (master) layout
+            (_, aux), g = grad_fn(weights, mb, scale, counts, i, base, cast)
+            if cast:  # FSDP: reduce-scattered into the master layout per micro-batch
                 g = jax.tree.map(jax.lax.with_sharding_constraint, g, self.master)
             acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
             return (acc, aux.pop("global_counts", None)), aux
@@ -183,7 +226,8 @@ class Step:
         if self.model_cfg.is_moe and self.cfg.balancing.uses_global:
             counts = jnp.zeros((sum(self.model_cfg.moe_layers()), self.model_cfg.num_experts), jnp.float32)
         m = batch["input_ids"].shape[0]
-        (grads, _), aux = jax.lax.scan(micro, (jax.tree.map(jnp.zeros_like, params), counts), (batch, jnp.arange(m)))
+        zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights)
+        (grads, _), aux = jax.lax.scan(micro, (zeros, counts), (batch, jnp.arange(m)))
         return aux, grads
 
     def gradients(self, params, base, batch, scale):
@@ -193,7 +237,8 @@ class Step:
         if self.schedule.kind == "1f1b":  # the schedule forms the gradients itself
             (_, aux), grads = self.pipeline_value_and_grad(params, batch, scale, base)
         else:
-            (_, aux), grads = jax.value_and_grad(self.pipeline_loss, has_aux=True)(params, batch, scale, None, base)
+            loss = functools.partial(self.pipeline_loss, data_manual=self.data_manual(batch))
+            (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, scale, None, base)
         return aux, grads
 
     # ----- the step -----------------------------------------------------------------------------

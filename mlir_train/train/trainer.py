@@ -55,7 +55,8 @@ class Trainer(StateLayout):
             model_cfg=model_cfg, cfg=step_cfg, optimizer=optimizer, loss_scaler=loss_scaler, graphdef=self.graphdef,
             eval_graphdef=self.eval_graphdef, stack_kinds=self.stack_kinds, schedule=schedule, remat=options.remat,
             fsdp=parallel.fsdp, moves_expert_bias=self.expert_bias, trained=self.trainable,
-            compute=self.compute_shardings, master=self.master_shardings, base_compute=self.base_compute_shardings)
+            compute=self.compute_shardings, master=self.master_shardings, logical=self.logical,
+            base_compute=self.base_compute_shardings, base_logical=self.base_logical)
         self._train_step = None
         self._eval_step: dict[bool, Any] = {}  # jitted eval, by whether the batch has a micro axis
 

@@ -66,6 +66,9 @@ LAYOUTS = {
     "DP8": Layout(num_devices=8),
     "TP2xDP4": Layout(tensor=2, num_devices=8),
     "EP4xTP2": Layout(expert=4, tensor=2, num_devices=8),
+    # ETP = TP under SP (the seed's): each tensor rank dispatches its own tokens and the tensor
+    # ranks gather what they received (exchange.ep_grouped_gathered).
+    "TP2xEP2+SP": Layout(expert=2, tensor=2, sequence_parallel=True, num_devices=8),
 }
 
 
@@ -145,3 +148,20 @@ def test_mosaic_kernels_in_interpreter_equal_reference(routing, k):
     np.testing.assert_allclose(np.asarray(got_t), np.asarray(want_t), rtol=1e-4, atol=1e-3)
     for expert in np.flatnonzero(np.asarray(sizes_E) == 0):
         assert not np.any(np.asarray(got_t[expert]))
+
+
+def test_merged_blocks_put_each_experts_blocks_together():
+    """Two block layouts of 6 blocks (blocks per expert [1, 0, 2] and [2, 1, 0]) as one: expert
+    0's three blocks first (layout 0's, then layout 1's two), expert 1's, expert 2's, then the
+    five spare blocks in layout order; ``new_pos`` undoes ``order``."""
+    from mlir_train.model.moe.exchange import merged_blocks
+
+    blocks_GE = jnp.asarray([[1, 0, 2], [2, 1, 0]], jnp.int32)
+    order, new_pos, (expert_N, used, first_E, num_E) = jax.jit(merged_blocks, static_argnums=(1, 2))(blocks_GE, 6, 4)
+    # layout 0: block 0 expert 0, blocks 1-2 expert 2, 3-5 spare; layout 1 (blocks 6-11): 6-7 expert 0, 8 expert 1.
+    np.testing.assert_array_equal(order, [0, 6, 7, 8, 1, 2, 3, 4, 5, 9, 10, 11])
+    np.testing.assert_array_equal(np.asarray(order)[np.asarray(new_pos)], np.arange(12))
+    np.testing.assert_array_equal(num_E, [3, 1, 2])
+    np.testing.assert_array_equal(first_E, [0, 3, 4])
+    assert int(used) == 6
+    np.testing.assert_array_equal(expert_N[:6], [0, 0, 0, 1, 2, 2])

@@ -257,7 +257,8 @@ def test_buffer_factor_flag_reaches_the_block_and_overflow_reaches_the_log():
     scalars = router_scalars(m, model)
     assert scalars["ep overflow rows"] == 12.0 and scalars["ep further rounds"] == 1.0
     step = {"consumed samples": 8, "iteration-time": 0.1, "learning-rate": 1e-4, "batch-size": 8, "lm loss": 2.0,
-            "loss-scale": 1.0, "grad-norm": 1.0, "skipped iterations": 0, "tokens-per-sec": 1.0, "throughput": 1.0}
+            "loss-scale": 1.0, "grad-norm": 1.0, "skipped iterations": 0, "supervised-tokens-per-sec": 1.0,
+            "supervised-tokens-per-sec-per-device": 1.0, "slot-tokens-per-sec": 1.0, "throughput": 1.0}
     assert "ep " not in console_line(1, 10, step | scalars, None)
 
 

@@ -137,8 +137,21 @@ def ep_grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes
     :func:`exchange_capacity` rows plus a block per local expert (each expert's round-up);
     rows beyond go in further rounds (:func:`in_rounds`). Only real rows move and only used
     blocks are computed."""
+    b, n_blocks, layout = _block_receive_layout(plan, experts_SK.shape, ep)
+
+    def experts(recv_MD, grouping, weights):
+        ones_M = jnp.ones_like(recv_MD[:, 0])  # the routing weights are applied at home
+        return grouped_experts(plan.block_kernels, recv_MD, ones_M, *weights, *grouping)
+
+    return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, b, layout, experts)
+
+
+def _block_receive_layout(plan: ExpertsPlan, sk: tuple[int, int], ep: int):
+    """``(block rows, blocks, layout)`` of :func:`ep_grouped`'s receive buffer: each local
+    expert's rows from a block boundary, the sources in order within it (``layout`` as
+    :func:`_ep_rounds` takes it)."""
     el, b = plan.num_experts // ep, plan.block_kernels.block_rows
-    rows = exchange_capacity(plan, *experts_SK.shape, ep, b)[0]
+    rows = exchange_capacity(plan, *sk, ep, b)[0]
     n_blocks = rows // b + el
 
     def layout(recv_RL):
@@ -146,11 +159,60 @@ def ep_grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes
         offsets = (grouping[2][None, :] * b + jnp.cumsum(recv_RL, axis=0) - recv_RL).reshape(-1).astype(jnp.int32)
         return n_blocks * b, offsets, grouping
 
+    return b, n_blocks, layout
+
+
+def ep_grouped_gathered(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, gather_axes,
+                        agree=lambda n: n):
+    """:func:`ep_grouped` where the expert width F is split over ranks that hold their own
+    tokens (``gather_axes``: ETP = TP under sequence parallelism, each tensor rank routing its
+    own ``T/TP`` tokens), as Megatron's alltoall dispatcher runs it: each rank dispatches only
+    its own ``T/TP x K`` rows; the ``gather_axes`` ranks' receive buffers are all-gathered, each
+    rank runs its F shard's experts on all of them, and a reduce-scatter sums the partial outputs
+    and hands each rank its own received rows back to return home (Megatron's expert-tensor
+    all-gather and reduce-scatter around the experts). The gathered buffers' blocks are put in
+    one block layout first (:func:`merged_blocks`: each expert's blocks from every rank
+    together), the kernels' contract. ``agree`` must span ``gather_axes`` too (the rounds'
+    all-gathers are collectives over them)."""
+    b, n_blocks, layout = _block_receive_layout(plan, experts_SK.shape, ep)
+
     def experts(recv_MD, grouping, weights):
-        ones_M = jnp.ones_like(recv_MD[:, 0])  # the routing weights are applied at home
-        return grouped_experts(plan.block_kernels, recv_MD, ones_M, *weights, *grouping)
+        d = recv_MD.shape[-1]
+        x_GND = jax.lax.all_gather(recv_MD.reshape(n_blocks, b, d), gather_axes, tiled=True)
+        blocks_GE = jax.lax.all_gather(grouping[3][None], gather_axes, tiled=True)
+        order, new_pos, merged = merged_blocks(blocks_GE, n_blocks, b)
+        x_RD = x_GND[order].reshape(-1, d)
+        y_RD = grouped_experts(plan.block_kernels, x_RD, jnp.ones_like(x_RD[:, 0]), *weights, *merged)
+        y_GND = y_RD.reshape(-1, b, d)[new_pos]
+        return jax.lax.psum_scatter(y_GND, gather_axes, scatter_dimension=0, tiled=True).reshape(-1, d)
 
     return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, b, layout, experts)
+
+
+def merged_blocks(blocks_GE, n_blocks: int, b: int):
+    """``G`` block layouts of ``n_blocks`` blocks each (``blocks_GE``: each one's blocks per
+    expert, each expert's from a block boundary, the spare blocks after them) as one of
+    ``G * n_blocks`` blocks, each expert's blocks from every layout together in layout order,
+    the spare ones at the end: ``(order, new_pos, grouping)`` with ``merged = blocks[order]``,
+    ``blocks = merged[new_pos]`` and the merged layout's :func:`block_grouping`."""
+    g, e = blocks_GE.shape
+    per_expert_E = jnp.sum(blocks_GE, axis=0)
+    first_E = jnp.cumsum(per_expert_E) - per_expert_E                   # expert e's first merged block
+    before_GE = jnp.cumsum(blocks_GE, axis=0) - blocks_GE                # its blocks from earlier layouts
+    own_first_GE = jnp.cumsum(blocks_GE, axis=1) - blocks_GE             # where they start in their layout
+    used_G = jnp.sum(blocks_GE, axis=1)
+    block = jnp.arange(n_blocks)
+    # The expert of each used block (layout g, block i): the last expert starting at or before i.
+    expert_GN = jnp.clip(jnp.sum(own_first_GE[:, None, :] + blocks_GE[:, None, :] <= block[None, :, None], axis=-1),
+                         0, e - 1)
+    take = lambda a_GE: jnp.take_along_axis(a_GE, expert_GN, axis=1)
+    used_pos_GN = take(first_E[None, :] + before_GE) + block[None, :] - take(own_first_GE)
+    spare_before_G = jnp.cumsum(n_blocks - used_G) - (n_blocks - used_G)
+    spare_pos_GN = jnp.sum(per_expert_E) + spare_before_G[:, None] + block[None, :] - used_G[:, None]
+    new_pos = jnp.where(block[None, :] < used_G[:, None], used_pos_GN, spare_pos_GN).reshape(-1).astype(jnp.int32)
+    order = jnp.zeros((g * n_blocks,), jnp.int32).at[new_pos].set(jnp.arange(g * n_blocks, dtype=jnp.int32),
+                                                                   unique_indices=True)
+    return order, new_pos, block_grouping(per_expert_E * b, b, g * n_blocks)
 
 
 def ragged_into_zeros(ragged_a2a, operand, rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):

@@ -92,7 +92,7 @@ from mlir_train.model.moe import dispatch as moe_dispatch
 from mlir_train.model.moe import exchange
 from mlir_train.model.moe.dispatch import ExpertsPlan, constrained_swiglu
 from mlir_train.model.moe.experts import swiglu_experts
-from sharding import logical_shard_map, mesh_axes_of, varying_axes
+from sharding import logical_shard_map, manual_now, mesh_axes_of, split_size, varying_axes
 
 
 def run_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weights):
@@ -169,14 +169,15 @@ def data_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weig
     sort-by-expert over the whole batch would gather every rank's tokens and routing to
     every rank. Capacity drops are per rank, as under EP and in Megatron."""
     axes = token_axes(x_SD.shape[0])
+    own = _own_axes(axes)
     tp_axes = _kernel_tp_axes(plan)
     w_axes = width_token_axes()
 
     def body(x_SD, weights_SK, experts_SK, valid_S, *weights):
         # The weights are the same on every rank, their per-rank gradients are not: mark
-        # them varying over the token axes, whose transpose sums the gradients over the
-        # ranks (the custom VJPs inside must see one type for a weight and its gradient).
-        weights = _varying(weights, axes)
+        # them varying over the region's token axes, whose transpose sums the gradients over
+        # the ranks (the custom VJPs inside must see one type for a weight and its gradient).
+        weights = _varying(weights, own)
         if plan.capacity_factor is not None:
             # Each rank drops from its own tokens (Megatron's per-rank capacity); the padded
             # buffers' slots are gathered over the expert-tensor ranks that hold other tokens.
@@ -208,6 +209,7 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
     """
     ep_axes, ep = mesh_axes_of("exp")
     manual_axes = tuple(token_axes(x_SD.shape[0]))
+    own = _own_axes(manual_axes)
     _check_expert_split(plan.num_experts, ep, ep_axes, manual_axes)
     dispatcher = plan.dropless_dispatch if plan.ragged_all_to_all is not None else None
     tp_axes = _kernel_tp_axes(plan) if dispatcher == "grouped" else ()
@@ -226,11 +228,14 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
         if dispatcher == "grouped":
             # The kernels' custom VJP needs a weight and its gradient (summed over the token
             # ranks by the region's transpose) to have one type.
-            weights = _varying((wg, wu, wd), manual_axes)
-            experts = _gather_rows(lambda x_SD, w_SK, e_SK: exchange.ep_grouped(
-                plan, x_SD, w_SK, e_SK, weights, ep_axes, ep, agree), w_axes)
+            weights = _varying((wg, wu, wd), own)
+            # Expert-tensor ranks holding their own tokens dispatch their own rows and gather
+            # what they received, as Megatron does (each rank's counts are its own).
+            experts = (lambda x_SD, w_SK, e_SK: exchange.ep_grouped_gathered(
+                plan, x_SD, w_SK, e_SK, weights, ep_axes, ep, w_axes, agree)) if w_axes else (
+                lambda x_SD, w_SK, e_SK: exchange.ep_grouped(plan, x_SD, w_SK, e_SK, weights, ep_axes, ep, agree))
             y_SD, counts = _tensor_manual(plan, tp_axes, experts)(x_SD, weights_SK, experts_SK)
-            return y_SD, _count_over(counts, manual_axes + tp_axes, w_axes + tp_axes)
+            return y_SD, _count_over(counts, manual_axes + tp_axes, tp_axes)
         return _ep_padded(plan, x_SD, weights_SK, experts_SK, valid_S, (wg, wu, wd), ep_axes, ep, manual_axes,
                           w_axes)
 
@@ -305,9 +310,20 @@ def _varying(arrays, axes):
     return tuple(out)
 
 
+def _own_axes(axes) -> tuple[str, ...]:
+    """Those of ``axes`` the MoE's region itself makes manual. The others are manual in an
+    enclosing region already (the trainer's data-manual step, whose ranks accumulate their own
+    weight gradients and reduce them once per step): a weight is not marked varying over
+    those, or its transpose would sum the gradients over them on every use."""
+    outer = manual_now()
+    return tuple(a for a in axes if a not in outer)
+
+
 def token_axes(num_tokens: int) -> tuple[str, ...]:
-    """The mesh axes the MoE's tokens are split over; the token count must divide evenly."""
-    axes, n_token_ranks = mesh_axes_of("act_tokens")
+    """The mesh axes the MoE's tokens are split over; the token count (the local one inside
+    an enclosing manual region) must divide evenly over those still split here."""
+    axes, _ = mesh_axes_of("act_tokens")
+    n_token_ranks = split_size("act_tokens")
     if num_tokens % n_token_ranks:
         raise ValueError(f"{num_tokens} tokens (batch x sequence) cannot be split over the MoE's {n_token_ranks} token ranks "
                          "(data x context ranks, and the tensor ranks folded into the expert grid)")

@@ -22,12 +22,14 @@ from mlir_train.model import losses
 from mlir_train.train.pipeline.schedule import Schedule
 from mlir_train.train.pipeline.stage import (add_sums, aux_out, chunk_forward, merge, prepare, router_terms,
                                              stage_shard_map, zero_acc)
+from mlir_train.train.reduction import reduced_aux
 
 TRAVELLING = ("segment_ids", "positions", "labels", "loss_mask", "loss_weight")
 
 
 def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
-                  scale, top_k: int, remat: RecomputePolicy | str, balancing: policies.LoadBalancing):
+                  scale, top_k: int, remat: RecomputePolicy | str, balancing: policies.LoadBalancing,
+                  data_manual: tuple[str, ...] = ()):
     """The scaled training objective of all ``M`` micro-batches of ``batch`` (leaves
     ``[M, B, T]``, with the per-token ``loss_weight`` of :func:`losses.loss_token_weights`)
     through the pipeline, and the same ``aux`` the non-pipelined step collects: the GPipe /
@@ -35,7 +37,9 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
     of every schedule, e.g. for evaluation, which passes ``loss_weight = loss_mask``).
 
     ``params`` are the compute-layout weights as a pure dict (``params["layers"][k]`` the layer
-    stacks, leaves ``[L_k, ...]``). Must run under the trainer's mesh and rules.
+    stacks, leaves ``[L_k, ...]``). Must run under the trainer's mesh and rules. With
+    ``data_manual`` (:func:`~mlir_train.train.reduction.data_manual_names`) each data rank runs
+    its own rows, and the region's transpose sums the weights' gradients once, after the ticks.
     """
     stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
     m = batch["input_ids"].shape[0]
@@ -44,7 +48,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
         return _stage_ticks(graphdef, setup, stage_axes, schedule, m, top_k, remat, balancing,
                             segs_1RS, active_1RS, rest, batch)
 
-    acc = stage_shard_map(body, segs, active, rest, batch, (), ("layers",))
+    acc = stage_shard_map(body, setup, segs, active, rest, batch, (), ("layers",), data_manual)
     objective = jnp.sum(acc["objective"])
     return objective * scale, aux_out(acc, setup.program, m, setup.num_moe)
 
@@ -99,7 +103,7 @@ def _stage_ticks(graphdef, setup, stage_axes, schedule: Schedule, m: int, top_k:
     acc = zero_acc(program, r_chunks, setup, balancing, ("objective", "ce_sum", "loss_tokens", "lm_objective"))
     ring = jax.tree.map(lambda x: jnp.zeros((m,) + x.shape, x.dtype), empty) if r_chunks > 1 else None
     (_, _, acc), _ = jax.lax.scan(tick, (empty, ring, acc), jnp.arange(m * r_chunks + p - 1))
-    return jax.tree.map(lambda x: x[None], acc)
+    return jax.tree.map(lambda x: x[None], reduced_aux(acc))
 
 
 def _stage0_input(inject, ring, received, t, m: int, p: int, r_chunks: int):

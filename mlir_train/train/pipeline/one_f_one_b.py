@@ -51,20 +51,23 @@ from mlir_train.config.policies import RecomputePolicy
 from mlir_train.model import losses, tree
 from mlir_train.train.pipeline.program import to_segments
 from mlir_train.train.pipeline.schedule import Schedule
-from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_pieces, merge, prepare, router_terms,
-                                             run_chunk, stage_shard_map, zero_acc)
+from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_pieces, grad_out_specs, merge, prepare,
+                                             router_terms, run_chunk, stage_shard_map, zero_acc)
+from mlir_train.train.reduction import reduced_aux
 
 SCALARS = ("objective", "ce_sum", "loss_tokens", "lm_objective")
 
 
 def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, jax.Array], *, schedule: Schedule,
                             scale, top_k: int, remat: RecomputePolicy | str, balancing: policies.LoadBalancing,
-                            trainable: Any = None):
+                            trainable: Any = None, data_manual: tuple[str, ...] = ()):
     """``((objective * scale, aux), d(objective * scale)/d params)`` by the 1F1B schedule
     (interleaved when ``schedule.virtual > 1``): the arguments and the first two results are
     :func:`mlir_train.train.pipeline.gpipe.pipeline_loss`'s; the gradients are float32, shaped
     like ``params``, or under ``trainable`` (a nested dict whose keys are the trainable part of
-    ``params``, e.g. LoRA's adapters; None: all of it) like that part alone. The frozen weights
+    ``params``, e.g. LoRA's adapters; None: all of it) like that part alone. Each data rank (the
+    region is manual over ``data_manual`` too) accumulates its own over the ticks; they are summed
+    once, after them (:mod:`mlir_train.train.reduction`), for the caller to place. The frozen weights
     are closed over, not differentiated: no weight-gradient matmuls, no accumulators for them,
     and (like the trainable ones) no copies of them among the residuals.
 
@@ -88,7 +91,9 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     run = _OneFOneB(graphdef, setup, stage_axes, balancing, top_k, remat,
                     m=batch["input_ids"].shape[0], p=schedule.stages, r=schedule.virtual,
                     seg_masks=seg_masks, rest_mask={k: v for k, v in mask.items() if k != "layers"})
-    g_segs, g_rest, acc = stage_shard_map(run.body, segs, active, rest, batch, scale, ("layers",))
+    # Unreduced: each data rank's own gradients ([P, data ranks, ...]), summed once by the caller.
+    out = grad_out_specs(setup, stage_axes, seg_masks, run.rest_mask, data_manual) + (("layers",),)
+    g_segs, g_rest, acc = stage_shard_map(run.body, setup, segs, active, rest, batch, scale, out, data_manual)
     aux = aux_out(acc, setup.program, run.m, setup.num_moe)
     # The objective is the sum of the terms the forward ticks differentiated (weighted CE + router losses).
     objective = jnp.sum(acc["objective"])
@@ -97,12 +102,15 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
 
 
 def _param_grads(params, stacks, g_segs, g_rest, setup: StageSetup, schedule: Schedule):
-    """The per-stage accumulators -> gradients shaped like ``params``: the segments' back onto
-    the layer stacks (the transpose of :func:`to_segments`), the rest summed over the stages."""
+    """The per-stage, per-data-rank accumulators (leading axes ``[P, data ranks]``) -> gradients
+    shaped like ``params``: summed over the data ranks (the step's one reduction; the caller
+    places the sum in the optimizer's layout, which makes it a reduce-scatter), the segments'
+    back onto the layer stacks (the transpose of :func:`to_segments`), the rest summed over the
+    stages (the embedding's on stage 0, the head's on P-1)."""
     f32 = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), t)
     transpose = jax.linear_transpose(lambda st: to_segments(st, setup.stack_kinds, setup.program, schedule), f32(stacks))
-    (g_stacks,) = transpose(g_segs)
-    grads = jax.tree.map(lambda x: jnp.sum(x, axis=0), g_rest)  # embedding on stage 0, head on P-1
+    (g_stacks,) = transpose(jax.tree.map(lambda x: jnp.sum(x, axis=1), g_segs))
+    grads = jax.tree.map(lambda x: jnp.sum(x, axis=(0, 1)), g_rest)
     grads["layers"] = type(params["layers"])({k: g for k, g in enumerate(g_stacks)}) if isinstance(
         params["layers"], dict) else type(params["layers"])(g_stacks)
     return grads
@@ -248,7 +256,8 @@ class _OneFOneB:
             with jax.named_scope(name):
                 carry, _ = jax.lax.scan(tick, carry, jnp.arange(first, end))
         _, _, _, (g_segs, g_rest), acc = carry
-        return jax.tree.map(lambda x: x[None], (g_segs, g_rest, acc))
+        per_rank = jax.tree.map(lambda x: x[None, None], (g_segs, g_rest))
+        return per_rank + (jax.tree.map(lambda x: x[None], reduced_aux(acc)),)
 
     def tick(self, local: _Local, scale, residuals: "_Residuals", forward: bool, backward: bool, carry, t):
         """One tick of a phase: the forward half, the backward half, or both (the forward's

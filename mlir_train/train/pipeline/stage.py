@@ -14,10 +14,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlir_train.config import policies
-from mlir_train.model import losses
+from mlir_train.model import logical_axes, losses
 from mlir_train.model.moe.dispatch import COUNTS as DISPATCH_COUNTS
 from mlir_train.model.transformer import run_pieces, stack_pieces
 from mlir_train.train.pipeline.program import Segment, layer_order, stage_program, to_segments
+from mlir_train.train.reduction import is_names, partial_specs, row_names
 from sharding import logical_shard_map, mesh_axes_of
 
 
@@ -110,6 +111,8 @@ class StageSetup:
     placeholder: Any
     num_moe: int
     num_experts: int
+    seg_names: list  # per segment: its weights' logical axes, leaves [P, R, S, ...]
+    rest_names: dict  # the non-layer weights' logical axes
 
 
 def _setup(graphdef, params, schedule):
@@ -125,8 +128,15 @@ def _setup(graphdef, params, schedule):
     moe_layers = [k for k, s in enumerate(kinds) if s.moe]
     num_experts = model.layers[moe_layers[0]].mlp.num_experts if moe_layers else 0
     placeholder = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params["layers"])
-    return stages_axes, StageSetup(program, kinds, graphs, placeholder,
-                               sum(s.count for s in kinds if s.moe), num_experts)
+    names = nnx.to_pure_dict(logical_axes(model))
+    stack_names = {}
+    for k, s in enumerate(kinds):
+        stack_names.setdefault(s.moe, names["layers"][k])
+    # A segment's leaves are [P, R, S, ...] of the stacks' [L, ...].
+    seg_names = [jax.tree.map(lambda n: ("layers", None, None) + tuple(n[1:]), stack_names[seg.is_moe],
+                              is_leaf=is_names) for seg in program]
+    return stages_axes, StageSetup(program, kinds, graphs, placeholder, sum(s.count for s in kinds if s.moe),
+                                   num_experts, seg_names, {k: v for k, v in names.items() if k != "layers"})
 
 
 def merge(graphdef, setup, rest):
@@ -151,15 +161,30 @@ def _split_params(params, setup):
     return stacks, rest
 
 
-def stage_shard_map(body, segs, active, rest, batch, scalars, out_names):
+def grad_out_specs(setup: StageSetup, stage_axes, seg_masks, rest_mask, data_manual) -> tuple:
+    """Out specs of 1F1B's per-stage, per-data-rank gradient accumulators (leading axes ``[P,
+    data ranks]``; :func:`~mlir_train.train.reduction.partial_specs`), the trained weights'
+    only (``seg_masks`` per segment, ``rest_mask``: True where trained)."""
+    trained = lambda names, m: jax.tree.map(lambda keep, n: n if keep else None, m, names)
+    g_names = ([trained(jax.tree.map(lambda n: (None, None) + n[3:], names, is_leaf=is_names), m)
+                for names, m in zip(setup.seg_names, seg_masks)], trained(setup.rest_names, rest_mask))
+    lead = (stage_axes[0] if len(stage_axes) == 1 else tuple(stage_axes),)
+    return partial_specs(g_names, data_manual, lead)
+
+
+def stage_shard_map(body, setup: StageSetup, segs, active, rest, batch, scalars, out_names, data_manual=()):
+    """``body`` per stage and data rank: manual over the stages and the batch rows' data axes
+    (:mod:`mlir_train.train.reduction`: each rank accumulates its own weight gradients, reduced
+    once after the ticks; ``data_manual``: :func:`~mlir_train.train.reduction.data_manual_names`),
+    the weights entering split as their logical axes say (routed experts over the expert ranks,
+    which are data ranks too); ``out_names`` name the outputs' leading axes."""
     per_stage = ("layers",)
     return logical_shard_map(
         body,
-        in_names=(jax.tree.map(lambda _: per_stage, segs), jax.tree.map(lambda _: per_stage, active),
-                  jax.tree.map(lambda _: (), rest), jax.tree.map(lambda _: (), batch),
-                  jax.tree.map(lambda _: (), scalars)),
+        in_names=(setup.seg_names, jax.tree.map(lambda _: per_stage, active), setup.rest_names,
+                  jax.tree.map(row_names, batch), jax.tree.map(lambda _: (), scalars)),
         out_names=out_names,
-        manual=("layers",),
+        manual=("layers",) + tuple(data_manual),
         # jax 0.10's transpose of a shard_map nested in a vma-checked one (the expert-parallel
         # dispatch inside a stage) names the outer manual axis in the inner region's shardings,
         # which Shardy rejects; unchecked, the outer region transposes cleanly.
