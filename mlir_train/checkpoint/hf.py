@@ -183,7 +183,7 @@ def load_pretrained(path: str, *, dtype=jnp.bfloat16, mesh: jax.sharding.Mesh | 
         rules = DATA_PARALLEL
     sharding_for = _sharding_for(mesh, rules)
     # Every tensor located and checked before any is read: a bad checkpoint fails fast and clearly.
-    plan = _plan(files, families.family_of(cfg).params, abstract, flat, cfg)
+    plan = _plan(files, families.family_of(cfg).hf_params(cfg), abstract, flat, cfg)
     new_flat = {}
     for item in plan:
         if isinstance(item, Bound):  # training state with no HF tensor (the router's expert bias): zero
@@ -218,7 +218,7 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
 
     cfg = model.cfg
     family = families.family_of(cfg)
-    table = family.params
+    table = family.hf_params(cfg)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     out_dtype = None if dtype is None else _np_dtype(dtype)
     host = lambda x: to_numpy(x) if out_dtype is None else to_numpy(x).astype(out_dtype)
