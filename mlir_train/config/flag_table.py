@@ -85,7 +85,7 @@ NOOP_FLAGS: dict[str, tuple[int, str]] = {
     "--moe-router-padding-for-quantization": (0, "FP8/FP4 is not used here"),
     "--inference-fuse-tp-communication": (0, "inference only"),
     "--moe-pad-experts-for-cuda-graph-inference": (0, "inference (CUDA graphs) only"),
-    "--mtp-loss-scaling-factor": (1, "only with --mtp-num-layers, which is refused (Qwen3 has no MTP head)"),
+    "--mtp-loss-scaling-factor": (1, "only with --mtp-num-layers, which is refused (MTP is not trained)"),
     # LoongForge's SFT data flags that mean nothing here
     "--use-fixed-seq-lengths": (0, "rows are always padded to --seq-length: XLA compiles one shape"),
     "--streaming-buffer-size": (1, "only with --sft-data-streaming, which is refused"),
@@ -122,6 +122,8 @@ def is_low_precision_flag(flag: str) -> bool:
 
 # Megatron flags of features we do not implement: accepted by the parser only to stop the run
 # naming the flag and saying why / what to use. flag -> (arity, why).
+_SHARED_EXPERT = ("a shared expert (its width, its sigmoid gate) comes from the model's config (--model-name or "
+                  "--load's config.json), not from flags")
 NOT_IMPLEMENTED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--account-for-embedding-in-pipeline-split": (0, "not implemented: use --decoder-first-pipeline-num-layers / "
                                                      "--decoder-last-pipeline-num-layers for an uneven split"),
@@ -149,13 +151,15 @@ NOT_IMPLEMENTED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--moe-latent-size": (1, "latent MoE projections are not part of Qwen3-MoE"),
     "--moe-router-force-load-balancing": (0, "Megatron's benchmarking mode (random router logits) is not "
                                              "implemented"),
-    "--moe-shared-expert-intermediate-size": (1, "Qwen3-MoE has no shared experts"),
-    "--moe-shared-expert-gate": (0, "Qwen3-MoE has no shared experts"),
-    "--moe-shared-expert-overlap": (0, "Qwen3-MoE has no shared experts"),
+    "--moe-shared-expert-intermediate-size": (1, _SHARED_EXPERT),
+    "--moe-shared-expert-gate": (0, _SHARED_EXPERT),
+    "--moe-shared-expert-overlap": (0, "overlapping the shared expert with the dispatch is not implemented "
+                                       "(XLA schedules it)"),
     "--moe-use-upcycling": (0, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
     "--moe-upcycling-granularity": (1, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
-    "--mtp-num-layers": (1, "multi-token prediction is not part of Qwen3"),
-    "--mtp-standalone": (0, "multi-token prediction is not part of Qwen3"),
+    "--mtp-num-layers": (1, "multi-token prediction is not trained (a checkpoint's MTP head is carried through "
+                            "untouched to --save-hf)"),
+    "--mtp-standalone": (0, "multi-token prediction is not trained"),
     # LoongForge's SFT data flags we do not implement
     **{f: ("+", "separate train/valid/test files (LoongForge's --train-data-path/--valid-data-path/"
                 "--test-data-path) are not implemented: use --data-path with --split, and --sft-dataset "
