@@ -42,6 +42,7 @@ from mlir_train.checkpoint.hf_files import Files, ShardWriter, to_numpy
 from mlir_train.config.models import ModelConfig
 from mlir_train.families.table import EXPERT, Bound, Ext, Table
 from mlir_train.model import CausalLM, ModelOptions
+from mlir_train.runtime import log
 from mlir_train.runtime.errors import CheckpointError
 from sharding import Rules
 from sharding.logical import logical_to_spec
@@ -135,9 +136,23 @@ def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict, cfg: Model
                  for n in tensors.names(layer, ext, cfg.num_experts)}
         plan.append(tensors)
     tied = {x.name for r in table.rows if r.tied_to and r.tied_to in shapes and r.path not in shapes for x in r.hf}
-    unread = {n: str(files.shape(n)) for n in files.names() if n not in read | tied and not IGNORED.search(n)}
+    rest = [n for n in files.names() if n not in read | tied and not IGNORED.search(n)]
+    carried = [n for n in rest if table.carries(n)]
+    if carried:
+        log.info(f"{files.path}: {len(carried)} tensors the model does not train (the {table.family} table's carried "
+                 f"ones: {_summary(carried)}) are left as they are; --save-hf copies them")
+    unread = {n: str(files.shape(n)) for n in rest if not table.carries(n)}
     complete.check(files.path, unread=unread, hint="; is it a checkpoint of this model (its config.json)?")
     return plan
+
+
+def _summary(names: list[str]) -> str:
+    """``names`` by their first two components, with counts (``mtp.layers x 14, model.visual x 300``)."""
+    groups: dict[str, int] = {}
+    for n in names:
+        key = ".".join(n.split(".")[:2])
+        groups[key] = groups.get(key, 0) + 1
+    return ", ".join(f"{k} x {v}" for k, v in groups.items())
 
 
 def _sharding_for(mesh, rules):
@@ -208,11 +223,15 @@ def _shard_reader(files: Files, tensors: _Tensors, shape, np_dtype) -> shards.Ca
 
 
 # ----- writing -----------------------------------------------------------------------------------
-def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: int = 2 * 1024**3) -> None:
+def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: int = 2 * 1024**3,
+                    carry_from: str | None = None) -> None:
     """Write ``model`` as an HF directory (config.json + sharded safetensors + index).
 
     ``dtype`` (e.g. ``jnp.bfloat16``) converts on the way out; default keeps each param's dtype.
-    In a multi-process run every process must call this; only process 0 writes.
+    ``carry_from``: the HF directory the model was loaded from, whose tensors the family's table
+    carries (:attr:`~mlir_train.families.table.Table.carried`: an MTP head, a vision tower) are
+    copied as they are there (dtype and bytes). In a multi-process run every process must call
+    this; only process 0 writes.
     """
     from safetensors.numpy import save_file
 
@@ -231,12 +250,24 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
         elif bound.path not in written:
             written |= _write(writer, table, bound, flat, host)
     complete.check(path, unwritten=["/".join(map(str, p)) for p in set(flat) - written])
+    if carry_from is not None:
+        _carry(writer, table, carry_from)
     if jax.process_index() == 0:
         saved_dtype = str(out_dtype or next(iter(flat.values())).get_value().dtype)
         hf_cfg = family.to_hf(cfg) | {"dtype": "bfloat16" if "bfloat16" in saved_dtype else saved_dtype}
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
     writer.close()
+
+
+def _carry(writer: ShardWriter, table: Table, source: str) -> None:
+    """Copy the tensors of ``source`` that ``table`` carries, unchanged."""
+    files = Files(source)
+    names = [n for n in files.names() if table.carries(n)]
+    for n in names:
+        writer.add(n, files.read(n))
+    if names:
+        log.info(f"copied {len(names)} tensors the model does not train from {source} unchanged ({_summary(names)})")
 
 
 def _write(writer: ShardWriter, table: Table, bound: Bound, flat: dict, host) -> set[tuple]:

@@ -99,13 +99,17 @@ class HFModel(Source):
         return target.state_from_params(self._weights(target))["params"]
 
     @staticmethod
-    def write(dst: str, target: Target, state: dict[str, Any], *, dtype: str | None = None) -> None:
-        """The plain model of ``state`` (under LoRA the adapters merged in) as an HF directory."""
+    def write(dst: str, target: Target, state: dict[str, Any], *, dtype: str | None = None,
+              carry_from: str | None = None) -> None:
+        """The plain model of ``state`` (under LoRA the adapters merged in) as an HF directory;
+        ``carry_from``: the HF directory it came from, whose tensors the model carries untouched
+        (its family's table says which) are copied from there."""
         import jax.numpy as jnp
 
         from mlir_train.checkpoint.hf import save_pretrained
 
-        save_pretrained(target.export_model(state), dst, dtype=None if dtype is None else jnp.dtype(dtype))
+        save_pretrained(target.export_model(state), dst, dtype=None if dtype is None else jnp.dtype(dtype),
+                        carry_from=carry_from)
 
     def _weights(self, target: Target, options=None) -> dict[str, Any]:
         """The safetensors read shard by shard straight into the target's mesh and rules."""

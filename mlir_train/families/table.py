@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -222,13 +223,21 @@ class Bound:
 class Table:
     """A family's parameters (:class:`Param` rows) and the prefixes their names sit under:
     ``hf_layers`` an HF layer's (``{l}`` the layer), ``megatron_layers`` Megatron's decoder
-    layers'. ``lora_refused``: Megatron modules that take no adapter, and why."""
+    layers'. ``lora_refused``: Megatron modules that take no adapter, and why. ``carried``:
+    regular expressions of HF tensors the model has no parameter for but its checkpoints hold
+    (a multi-token-prediction head, a vision tower): an HF load leaves them unread without
+    refusing them and ``--save-hf`` copies them from the source directory byte for byte."""
 
     family: str
     rows: tuple[Param, ...]
     hf_layers: str
     megatron_layers: str
     lora_refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    carried: tuple[str, ...] = ()
+
+    def carries(self, hf_name: str) -> bool:
+        """Whether ``hf_name`` is a tensor the model carries through untouched (:attr:`carried`)."""
+        return any(re.fullmatch(p, hf_name) for p in self.carried)
 
     def with_hf_prefix(self, old: str, new: str) -> "Table":
         """This table with every HF name (the layer prefix and the global tensors) that starts
