@@ -50,7 +50,7 @@ from flax import nnx
 from mlir_train.model.kernels.blocks import BlockKernels, xla_block_kernels
 from mlir_train.model.kernels.mosaic_moe import BLOCK_ROWS as GPU_BLOCK_ROWS, mosaic_block_kernels
 from mlir_train.model.kernels.tokamax_ops import tokamax_block_kernels
-from mlir_train.model.layers import param
+from mlir_train.model.layers import MLP, param
 from mlir_train.model.lora import LoRA, expert_delta, maybe
 from mlir_train.model.moe.dispatch import (
     DEFAULT_EP_BUFFER_FACTOR, DEFAULT_MOE_IMPL, MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for,
@@ -78,7 +78,13 @@ class MoE(nnx.Module):
     CPU). ``block_loop`` forces the dropless blocked experts' loop (True) or batched form
     (False); None picks by size. ``block_kernels`` are ``impl="grouped"``'s matmuls: by default
     (or "mosaic") our Mosaic-GPU kernels when ``platform`` is "gpu", else the ``ragged_dot``
-    reference; "tokamax" tokamax's kernels (:mod:`mlir_train.model.kernels.tokamax_ops`)."""
+    reference; "tokamax" tokamax's kernels (:mod:`mlir_train.model.kernels.tokamax_ops`).
+
+    ``shared_expert_size``: a shared expert of that width beside the routed ones (a SwiGLU
+    :class:`~mlir_train.model.layers.MLP` every token goes through, split over the tensor ranks
+    like a dense MLP), added to their output; ``shared_expert_gate``: scaled first by
+    ``sigmoid(x w)`` per token (HF Qwen3-Next / Qwen3.5's ``shared_expert_gate``, megatron-core's
+    ``--moe-shared-expert-gate``). 0: none (Qwen3-MoE)."""
 
     def __init__(
         self,
@@ -98,6 +104,8 @@ class MoE(nnx.Module):
         recompute_act: bool = False,
         lora=None,
         ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR,
+        shared_expert_size: int = 0,
+        shared_expert_gate: bool = False,
     ):
         platform = platform or platform_name()
         if ragged_all_to_all is None and impl in ("ragged", "grouped") and capacity_factor is None:
@@ -125,6 +133,10 @@ class MoE(nnx.Module):
             rngs, (d,), ("embed",), (2, f), (None, "moe_mlp"), lora.dim, lora.scaling, experts=experts, dtype=dtype))
         self.fc2_lora = maybe(lora, "down_proj", lambda: LoRA(
             rngs, (f,), ("moe_mlp",), (d,), ("embed",), lora.dim, lora.scaling, experts=experts, dtype=dtype))
+        self.shared_expert = None if not shared_expert_size else MLP(
+            d, shared_expert_size, cfg.init_std, out_std, rngs, dtype,
+            lora=None if lora is None else lora.under("shared_expert"))
+        self.shared_expert_gate = param(rngs, (d,), ("embed",), cfg.init_std, dtype) if shared_expert_gate else None
         self.num_experts = e
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
@@ -189,7 +201,18 @@ class MoE(nnx.Module):
         # Assignments dropped by a capacity, and dropless rows that overflowed the expert-parallel
         # exchange buffer into a further round (computed exactly, but counted: --moe-ep-buffer-factor).
         stats["dropped_tokens"], stats["ep_overflow_rows"] = counts[0], counts[1]
-        return y_SD.reshape(b, t, d), stats
+        y_BTD = y_SD.reshape(b, t, d)
+        if self.shared_expert is not None:
+            y_BTD = y_BTD + self._shared(x_SD.reshape(b, t, d))
+        return y_BTD, stats
+
+    def _shared(self, x_BTD: jax.Array) -> jax.Array:
+        """The shared expert's output on the normed tokens, scaled by its gate."""
+        y_BTD = self.shared_expert(x_BTD)
+        if self.shared_expert_gate is None:
+            return y_BTD
+        g_BT = jnp.einsum("btd,d->bt", x_BTD, self.shared_expert_gate[...].astype(x_BTD.dtype))
+        return y_BTD * jax.nn.sigmoid(g_BT)[..., None]
 
     def _weights(self, dt):
         """The experts' weights in ``dt``, with their LoRA updates folded in."""
