@@ -71,9 +71,9 @@ def convert(args) -> str:
         return (f"a Megatron legacy checkpoint ({len(files)} mp_rank files, TP{layout.tensor} PP{layout.pipeline} "
                 f"EP{layout.expert} ETP{layout.etp})")
     if to == "hf":
-        sources.HFModel.write(args.dst, trainer, state, dtype=args.dtype)
+        sources.HFModel.write(args.dst, trainer, state, dtype=args.dtype, carry_from=src.hf_origin)
         return "HF model"
-    sources.Ours.write(args.dst, trainer, state, converted_from=args.src)
+    sources.Ours.write(args.dst, trainer, state, converted_from=args.src, hf_origin=src.hf_origin)
     return "checkpoint (iteration 0, weights only)"
 
 

@@ -6,7 +6,8 @@
 * one train step of a tiny model on a layout, on a fixed packed batch, and its comparison with
   one device; the collectives of a compiled program;
 * short SFT runs through the CLI (:func:`sft_args`, :func:`tiny_argv`, :func:`cli_metrics`);
-* one MoE block on a mesh (:func:`moe_block`, :func:`run_moe_block`).
+* one MoE block on a mesh (:func:`moe_block`, :func:`run_moe_block`);
+* an HF source directory carrying tensors no parameter reads (:func:`make_source`, :func:`assert_carried`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import json
 import math
 import os
 import re
+import shutil
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 from flax import nnx
@@ -28,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 from mlir_train import sft
+from mlir_train.checkpoint.hf_files import Files, Raw, write_raw
 from mlir_train.families import get_model_config
 from mlir_train.data.config import DEFAULT_DATA, DEFAULT_TOKENIZER
 from mlir_train.model import ModelOptions
@@ -414,3 +418,48 @@ def perturb_torch(model, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+# ----- an HF source directory carrying tensors no parameter reads (checkpoint/carry.py) -------------
+SIDE_FILES = {"generation_config.json": '{"do_sample": true, "temperature": 0.6}',
+              "tokenizer_config.json": '{"model_max_length": 4096}', "chat_template.jinja": "{{ messages }}"}
+SOURCE_FIELDS = {"mtp_num_hidden_layers": 1, "vision_config": {"depth": 2}, "torch_dtype": "bfloat16"}
+
+
+def extras() -> dict[str, Raw]:
+    rng = np.random.default_rng(0)
+    return {
+        "mtp.layers.0.fc.weight": Raw("BF16", (8, 64), rng.normal(size=(8, 64)).astype(ml_dtypes.bfloat16).tobytes()),
+        "model.visual.patch_embed.proj.weight": Raw("F16", (4, 3), rng.normal(size=(4, 3)).astype(np.float16).tobytes()),
+        "unknown.step_counter": Raw("I64", (1,), np.array([42], np.int64).tobytes()),
+    }
+
+
+def make_source(model_dir: str, dst: str) -> str:
+    """``model_dir`` (an HF directory of ours) with :func:`extras` in a second shard, an index
+    over both, extra config.json fields and the side files."""
+    os.makedirs(dst)
+    shutil.copy(os.path.join(model_dir, "model.safetensors"), os.path.join(dst, "model-00001-of-00002.safetensors"))
+    write_raw(os.path.join(dst, "model-00002-of-00002.safetensors"), extras(), {"format": "pt"})
+    names = list(Files(model_dir).names())
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in names} | \
+        {n: "model-00002-of-00002.safetensors" for n in extras()}
+    json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(dst, "model.safetensors.index.json"), "w"))
+    config = json.load(open(os.path.join(model_dir, "config.json")))
+    json.dump(config | SOURCE_FIELDS, open(os.path.join(dst, "config.json"), "w"))
+    for name, text in SIDE_FILES.items():
+        open(os.path.join(dst, name), "w").write(text)
+    return dst
+
+
+def assert_carried(export: str, source: str) -> None:
+    """``export`` holds every extra tensor of ``source`` byte for byte, its config fields and side files."""
+    files = Files(export)
+    for name, raw in extras().items():
+        assert files.raw(name) == raw, name
+    config = json.load(open(os.path.join(export, "config.json")))
+    assert {k: config[k] for k in ("mtp_num_hidden_layers", "vision_config")} == \
+        {k: SOURCE_FIELDS[k] for k in ("mtp_num_hidden_layers", "vision_config")}
+    assert "torch_dtype" not in config and config["dtype"] == "float32"
+    for name, text in SIDE_FILES.items():
+        assert open(os.path.join(export, name)).read() == text

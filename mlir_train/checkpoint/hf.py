@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from mlir_train import families
-from mlir_train.checkpoint import complete, shards
+from mlir_train.checkpoint import carry, complete, shards
 from mlir_train.checkpoint.hf_files import Files, ShardWriter, to_numpy
 from mlir_train.config.models import ModelConfig
 from mlir_train.families.table import EXPERT, Bound, Ext, Table
@@ -120,9 +120,12 @@ def _layers(bound: Bound) -> list[int | None]:
     return [None] if bound.first is None else list(range(bound.first, bound.first + bound.count))
 
 
-def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict, cfg: ModelConfig) -> list[_Tensors | Bound]:
+def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict,
+          cfg: ModelConfig) -> tuple[list[_Tensors | Bound], dict[str, str | None]]:
     """Every parameter bound to its tensors (or, for training state the format has no place
-    for, to none); then the completeness check: no tensor of the file left unread."""
+    for, to none); and the tensors no parameter reads, carried (:func:`carry.unused`: name -> the
+    family's pattern it matches, None if unknown), after the completeness check on those the
+    family spells as its own."""
     shapes = {path: tuple(var.shape) for path, var in flat.items()}
     plan, read = [], set()
     for bound in table.bind(flat, abstract.stack_kinds, f"{files.path}: "):
@@ -136,23 +139,9 @@ def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict, cfg: Model
                  for n in tensors.names(layer, ext, cfg.num_experts)}
         plan.append(tensors)
     tied = {x.name for r in table.rows if r.tied_to and r.tied_to in shapes and r.path not in shapes for x in r.hf}
-    rest = [n for n in files.names() if n not in read | tied and not IGNORED.search(n)]
-    carried = [n for n in rest if table.carries(n)]
-    if carried:
-        log.info(f"{files.path}: {len(carried)} tensors the model does not train (the {table.family} table's carried "
-                 f"ones: {_summary(carried)}) are left as they are; --save-hf copies them")
-    unread = {n: str(files.shape(n)) for n in rest if not table.carries(n)}
-    complete.check(files.path, unread=unread, hint="; is it a checkpoint of this model (its config.json)?")
-    return plan
+    unread = {n: str(files.shape(n)) for n in files.names() if n not in read | tied and not IGNORED.search(n)}
+    return plan, carry.unused(files.path, table, unread)
 
-
-def _summary(names: list[str]) -> str:
-    """``names`` by their first two components, with counts (``mtp.layers x 14, model.visual x 300``)."""
-    groups: dict[str, int] = {}
-    for n in names:
-        key = ".".join(n.split(".")[:2])
-        groups[key] = groups.get(key, 0) + 1
-    return ", ".join(f"{k} x {v}" for k, v in groups.items())
 
 
 def _sharding_for(mesh, rules):
@@ -198,7 +187,9 @@ def load_pretrained(path: str, *, dtype=jnp.bfloat16, mesh: jax.sharding.Mesh | 
         rules = DATA_PARALLEL
     sharding_for = _sharding_for(mesh, rules)
     # Every tensor located and checked before any is read: a bad checkpoint fails fast and clearly.
-    plan = _plan(files, families.family_of(cfg).hf_params(cfg), abstract, flat, cfg)
+    table = families.family_of(cfg).hf_params(cfg)
+    plan, carried = _plan(files, table, abstract, flat, cfg)
+    carry.say(path, table, carried, "read past; HF exports of this model copy them untouched")
     new_flat = {}
     for item in plan:
         if isinstance(item, Bound):  # training state with no HF tensor (the router's expert bias): zero
@@ -228,10 +219,10 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
     """Write ``model`` as an HF directory (config.json + sharded safetensors + index).
 
     ``dtype`` (e.g. ``jnp.bfloat16``) converts on the way out; default keeps each param's dtype.
-    ``carry_from``: the HF directory the model was loaded from, whose tensors the family's table
-    carries (:attr:`~mlir_train.families.table.Table.carried`: an MTP head, a vision tower) are
-    copied as they are there (dtype and bytes). In a multi-process run every process must call
-    this; only process 0 writes.
+    ``carry_from``: the HF directory the model came from, whose tensors the model does not use
+    are copied byte for byte, whose config.json fields are kept under ours and whose other files
+    (generation config, tokenizer) are copied (:mod:`mlir_train.checkpoint.carry`).
+    In a multi-process run every process must call this; only process 0 writes.
     """
     from safetensors.numpy import save_file
 
@@ -250,24 +241,39 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
         elif bound.path not in written:
             written |= _write(writer, table, bound, flat, host)
     complete.check(path, unwritten=["/".join(map(str, p)) for p in set(flat) - written])
-    if carry_from is not None:
-        _carry(writer, table, carry_from)
+    source = _carry(writer, table, carry_from)
     if jax.process_index() == 0:
         saved_dtype = str(out_dtype or next(iter(flat.values())).get_value().dtype)
         hf_cfg = family.to_hf(cfg) | {"dtype": "bfloat16" if "bfloat16" in saved_dtype else saved_dtype}
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf_cfg, f, indent=2)
+            json.dump(hf_cfg if source is None else carry.config_fields(source, hf_cfg), f, indent=2)
     writer.close()
+    if source is not None and jax.process_index() == 0:
+        copied = carry.side_files(source, path)
+        log.info(f"{path}: config.json keeps {source}'s fields"
+                 + (f"; copied {', '.join(copied)}" if copied else ""))
 
 
-def _carry(writer: ShardWriter, table: Table, source: str) -> None:
-    """Copy the tensors of ``source`` that ``table`` carries, unchanged."""
+def _carry(writer: ShardWriter, table: Table, source: str | None) -> str | None:
+    """Copy, as stored, the tensors of the HF directory ``source`` the model does not use;
+    returns ``source`` (None: nothing to carry from)."""
+    if source is None:
+        return None
+    if os.path.realpath(source) == os.path.realpath(writer.path):
+        raise CheckpointError(f"{writer.path} is the HF directory the model was read from: export to another one")
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        log.warning(f"{writer.path}: {source}, the HF directory the model came from, is gone: the tensors it held "
+                    "beside the model's (if any) are not in the export")
+        return None
     files = Files(source)
-    names = [n for n in files.names() if table.carries(n)]
-    for n in names:
-        writer.add(n, files.read(n))
-    if names:
-        log.info(f"copied {len(names)} tensors the model does not train from {source} unchanged ({_summary(names)})")
+    # What the load read past (carry.unused): the family's declared tensors and those it spells
+    # as none of its own (a tensor it does spell was read, or the load failed).
+    carried = {n: table.carried_pattern(n) for n in files.names()
+               if not IGNORED.search(n) and (table.carried_pattern(n) or not table.spells(n))}
+    for name in sorted(carried):
+        writer.add_raw(name, files.raw(name))
+    carry.say(writer.path, table, carried, f"copied byte for byte from {source}")
+    return source
 
 
 def _write(writer: ShardWriter, table: Table, bound: Bound, flat: dict, host) -> set[tuple]:

@@ -5,8 +5,11 @@ parameter table's business (:mod:`mlir_train.checkpoint.hf`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import struct
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -76,6 +79,52 @@ class Files:
     def location(self, name: str) -> str:
         return os.path.join(self.path, self.where[name])
 
+    def raw(self, name: str) -> "Raw":
+        """The tensor as its file stores it: dtype, shape and bytes, untouched (any dtype)."""
+        header, start = _header(self.location(name))
+        info = header[name]
+        begin, end = info["data_offsets"]
+        with open(self.location(name), "rb") as f:
+            f.seek(start + begin)
+            return Raw(info["dtype"], tuple(info["shape"]), f.read(end - begin))
+
+
+class Raw(NamedTuple):
+    """A safetensors tensor as stored: its dtype's name (``BF16``, ``F8_E4M3``...), shape and bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def _header(file: str) -> tuple[dict, int]:
+    """A safetensors file's header and where its data starts."""
+    stat = os.stat(file)
+    return _read_header(file, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_header(file: str, mtime_ns: int, size: int) -> tuple[dict, int]:
+    with open(file, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(size)), 8 + size
+
+
+def write_raw(file: str, tensors: dict[str, Raw], metadata: dict[str, str]) -> None:
+    """A safetensors file of ``tensors`` as stored (the format: an 8-byte little-endian header
+    length, the JSON header padded to 8 bytes, then the data in header order)."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(t.data)]}
+        offset += len(t.data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for t in tensors.values():
+            f.write(t.data)
+
 
 def to_numpy(x: jax.Array) -> np.ndarray:
     """Gather one parameter to host (one tensor at a time, never the whole model)."""
@@ -91,6 +140,8 @@ class ShardWriter:
         self.path, self.max_bytes, self.save_file, self.enabled = path, max_bytes, save_file, enabled
         self.pending: dict[str, np.ndarray] = {}
         self.pending_bytes = 0
+        self.raw: dict[str, Raw] = {}  # tensors copied as stored, in files of their own
+        self.raw_bytes = 0
         self.files: list[dict[str, np.ndarray]] = []
         self.weight_map: dict[str, int] = {}
         self.written: list[str] = []
@@ -105,6 +156,23 @@ class ShardWriter:
         self.pending[name] = np.ascontiguousarray(arr)
         self.pending_bytes += arr.nbytes
 
+    def add_raw(self, name: str, tensor: Raw) -> None:
+        """A tensor written exactly as ``tensor`` stores it (a carried one: byte-identical)."""
+        if not self.enabled:
+            return
+        if self.raw and self.raw_bytes + len(tensor.data) > self.max_bytes:
+            self._flush_raw()
+        self.raw[name] = tensor
+        self.raw_bytes += len(tensor.data)
+
+    def _flush_raw(self) -> None:
+        name = f"model-{len(self.written) + 1:05d}.safetensors"
+        write_raw(os.path.join(self.path, name), self.raw, {"format": "pt"})
+        for k in self.raw:
+            self.weight_map[k] = len(self.written)
+        self.written.append(name)
+        self.raw, self.raw_bytes = {}, 0
+
     def _flush(self) -> None:
         name = f"model-{len(self.written) + 1:05d}.safetensors"
         self.save_file(self.pending, os.path.join(self.path, name), metadata={"format": "pt"})
@@ -118,6 +186,8 @@ class ShardWriter:
             return
         if self.pending or not self.written:
             self._flush()
+        if self.raw:
+            self._flush_raw()
         if len(self.written) == 1:
             os.replace(os.path.join(self.path, self.written[0]), os.path.join(self.path, "model.safetensors"))
             return

@@ -135,14 +135,16 @@ def load_state(directory: str, target: Target, *, load_optim: bool = True, finet
     return state, meta
 
 
-def save_weights(directory: str, model_cfg: ModelConfig, params: Any, *, converted_from: str) -> None:
+def save_weights(directory: str, model_cfg: ModelConfig, params: Any, *, converted_from: str,
+                 hf_origin: str | None = None) -> None:
     """``params`` alone as a checkpoint at iteration 0 (no optimizer state: ``--load`` starts
-    from them with a fresh one), recording where they came from; ``directory`` must hold none yet."""
+    from them with a fresh one), recording where they came from (``hf_origin``: the HF directory
+    whose untouched tensors HF exports carry); ``directory`` must hold none yet."""
     mgr = CheckpointManager(directory)
     if mgr.latest_step() is not None:
         raise CheckpointError(f"{directory} already holds checkpoints {mgr.steps()}; give an empty directory")
-    mgr.save(0, {"params": params}, {"model": model_cfg.as_dict(), "consumed_samples": 0,
-                                     "converted_from": os.path.abspath(converted_from)}, force=True)
+    meta = {"model": model_cfg.as_dict(), "consumed_samples": 0, "converted_from": os.path.abspath(converted_from)}
+    mgr.save(0, {"params": params}, meta | ({"hf_origin": hf_origin} if hf_origin else {}), force=True)
     mgr.close()
 
 

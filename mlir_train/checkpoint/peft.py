@@ -1,24 +1,26 @@
-"""LoRA adapters in HF PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors``,
-loadable with ``peft.PeftModel.from_pretrained`` on the HF model, and read back to continue
+"""LoRA adapters as an HF PEFT adapter directory (``adapter_config.json`` +
+``adapter_model.safetensors``): written for serving engines and peft, read back to continue
 training.
 
-Which adapter is which PEFT module is the family's parameter table's LoRA column
-(:class:`~mlir_train.families.table.LoRATarget`). Names and layouts are peft's (0.17+): an
-``nn.Linear`` adapter is ``<module>.lora_A.weight [R, in]`` and ``<module>.lora_B.weight
-[out, R]``; a fused expert parameter (``target=parameter``) takes peft's ``target_parameters``
-adapter, ``lora_A.weight [E*R, in]`` (row ``e*R + k``) and ``lora_B.weight [out, R*E]``
-(column ``k*E + e``). peft wraps a module's adapted parameters one inside the other in the order
-``target_parameters`` lists them (the table's order), so the first one's tensors sit under
-``<module>.base_layer.`` when a second is adapted too. A shared expert adapter is written per
-expert (the same A and B for each), which peft's format requires. Our layouts are
-:mod:`mlir_train.model.lora`'s (in-axes then rank for A, rank then out-axes for B).
+The layout (:mod:`mlir_train.checkpoint.peft_tensors`) is ``per-expert`` by default: every
+routed expert's gate_proj / up_proj / down_proj its own module, ``target_modules`` a list of short
+names and no ``target_parameters``. That is what vLLM's Qwen3-MoE LoRA loader binds (it drops a
+``target_parameters`` adapter's experts or refuses it, and serves the base model: vllm#41384) and
+what SGLang reads (it refuses a regex ``target_modules``). The names, shapes and rules are the
+fixture ``tests/checkpoint/fixtures/serving_lora_names.json``, read from vLLM 0.33.0 (commit
+4ba787ec9) and SGLang 0.5.23 with file and line. ``fused`` (``--lora-export-format fused``) is
+peft's ``target_parameters`` form on transformers 5's fused experts.
 
-Shape suffixes: L layers of a stack, E experts, D hidden, F widths, R rank.
+What the engines require and we meet: LoRA tensors only, ``modules_to_save`` null; one rank
+everywhere; all three projections of every expert in a MoE layer with any expert adapter (exact
+zeros where the run adapts none: said in the log); scaling ``lora_alpha / r`` (``use_rslora``
+false: vLLM before 0.33 and SGLang scale expert adapters by alpha/r whatever the config says, and
+so do we). Reading back takes either layout and checks ``r``, ``lora_alpha`` and the targets
+against the run's flags.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -26,186 +28,91 @@ from typing import Any
 
 import numpy as np
 
-from mlir_train.checkpoint import complete
-from mlir_train.families.table import LoRATarget, Table
+from mlir_train.checkpoint.peft_tensors import PREFIX, adapters_of, from_peft, layout_of, to_peft, zero_targets
+from mlir_train.families.table import Table
+from mlir_train.runtime import log
 from mlir_train.runtime.errors import CheckpointError
+
+__all__ = ["PREFIX", "CONFIG_NAME", "WEIGHTS_NAME", "save_adapters", "load_adapters", "is_adapter_dir",
+           "read_adapter_config", "peft_config", "to_peft", "from_peft"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-PREFIX = "base_model.model."  # peft's wrapper around the HF model
+# vllm/config/lora.py l.27 (vLLM 0.33.0, commit 4ba787ec9): the values --max-lora-rank takes.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Adapter:
-    """One adapter of a stack: where it is in our tree, and its PEFT module under the layer prefix."""
-
-    path: tuple[str, ...]   # under the stack: (parent, adapter)
-    target: LoRATarget
-    module: str             # peft's module holding lora_A / lora_B (nesting included)
-
-
-def _adapters(table: Table, stack: dict, kind) -> list[_Adapter]:
-    """The adapters ``stack`` (our tree of one stack) holds, each with its PEFT module."""
-    out: dict[tuple, LoRATarget] = {}
-    for row in table.layer_rows(kind):
-        if row.lora is not None:
-            path = row.path[:-1] + (row.lora.adapter,)
-            if _has(stack, path):
-                out.setdefault(path, row.lora)
-    adapters = []
-    for path, t in out.items():
-        module = t.peft
-        if t.parameter:  # nested under the ones wrapped after it (module docstring)
-            module, _ = t.peft.rsplit(".", 1)
-            after = [u for u in out.values() if u.parameter and u.peft.rsplit(".", 1)[0] == module]
-            module += ".base_layer" * (len(after) - 1 - after.index(t))
-        adapters.append(_Adapter(path, t, module))
-    return adapters
-
-
-def _has(tree, path) -> bool:
-    for k in path:
-        if not isinstance(tree, dict) or k not in tree:
-            return False
-        tree = tree[k]
-    return True
-
-
-def _get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _name(table: Table, layer: int, adapter: _Adapter, which: str) -> str:
-    return f"{PREFIX}{table.hf_layers.format(l=layer)}{adapter.module}.lora_{which}.weight"
-
-
-def to_peft(adapters: dict, table: Table, stack_kinds, num_experts: int) -> dict[str, np.ndarray]:
-    """Our adapters (the trainer's params under LoRA, host arrays) -> peft's tensors by name."""
-    out: dict[str, np.ndarray] = {}
-    for i, (first, n, kind) in enumerate(stack_kinds):
-        stack = adapters["layers"][i]
-        for ad in _adapters(table, stack, kind):
-            lora = _get(stack, ad.path)
-            for l in range(n):
-                a, b = np.asarray(lora["a"][l]), np.asarray(lora["b"][l])
-                out[_name(table, first + l, ad, "A")], out[_name(table, first + l, ad, "B")] = (
-                    _expert_to_peft(a, b, num_experts) if ad.target.parameter else _linear_to_peft(a, b))
-    return out
-
-
-def _linear_to_peft(a, b) -> tuple[np.ndarray, np.ndarray]:
-    r = b.shape[0]
-    return a.reshape(-1, r).T, b.reshape(r, -1).T
-
-
-def _expert_to_peft(a, b, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    if a.ndim == 2:  # shared: the same adapter for every expert
-        a, b = np.broadcast_to(a, (num_experts, *a.shape)), np.broadcast_to(b, (num_experts, *b.shape))
-    e, d, r = a.shape
-    b_ERO = b.reshape(e, r, -1)
-    return (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(e * r, d)),
-            np.ascontiguousarray(b_ERO.transpose(2, 1, 0).reshape(-1, r * e)))
-
-
-class _Taker:
-    """Reads peft's tensors by name, each checked for shape; what it never took is unread."""
-
-    def __init__(self, tensors: dict[str, np.ndarray], where: str):
-        self.tensors, self.where, self.used = tensors, where, set()
-
-    def __call__(self, name: str, shape) -> np.ndarray:
-        if name not in self.tensors:
-            complete.check(self.where, missing=[name], hint="; the adapter does not match --lora-target-modules (or "
-                                                            "the model)")
-        t = np.asarray(self.tensors[name])
-        if t.shape != tuple(shape):
-            raise CheckpointError(f"{self.where}: tensor {name} has shape {t.shape}, expected {tuple(shape)} "
-                                  "(check --lora-dim and the model)")
-        self.used.add(name)
-        return t
-
-    def check_all_read(self) -> None:
-        complete.check(self.where, unread=set(self.tensors) - self.used,
-                       hint="; this run's --lora-target-modules do not adapt it: give the targets the adapter was "
-                            "trained with")
-
-
-def from_peft(tensors: dict[str, np.ndarray], like: dict, table: Table, stack_kinds, num_experts: int,
-              where: str) -> dict:
-    """peft's tensors -> our adapters shaped like ``like`` (the trainer's adapter shapes); every
-    adapter ``like`` has must be there with its shape, and nothing else may be."""
-    take = _Taker(tensors, where)
-    out: dict = {"layers": {}}
-    for i, (first, n, kind) in enumerate(stack_kinds):
-        stack_like, stack = like["layers"][i], {}
-        for ad in _adapters(table, stack_like, kind):
-            lora = _get(stack_like, ad.path)
-            a_shape, b_shape = tuple(lora["a"].shape[1:]), tuple(lora["b"].shape[1:])
-            read = _expert_from_peft if ad.target.parameter else _linear_from_peft
-            pairs = [read(lambda which, shape: take(_name(table, first + l, ad, which), shape), a_shape, b_shape,
-                          num_experts, f"{where}: {_name(table, first + l, ad, 'A')}") for l in range(n)]
-            stack.setdefault(ad.path[0], {})[ad.path[1]] = {"a": np.stack([p[0] for p in pairs]),
-                                                            "b": np.stack([p[1] for p in pairs])}
-        out["layers"][i] = stack
-    take.check_all_read()
-    return out
-
-
-def _linear_from_peft(take, a_shape, b_shape, num_experts: int, what: str):
-    r = b_shape[0]
-    a_in, b_out = int(np.prod(a_shape[:-1])), int(np.prod(b_shape[1:]))
-    return take("A", (r, a_in)).T.reshape(a_shape), take("B", (b_out, r)).T.reshape(b_shape)
-
-
-def _expert_from_peft(take, a_shape, b_shape, num_experts: int, what: str):
-    shared = len(a_shape) == 2
-    e, (d, r) = num_experts, a_shape[-2:]
-    o = int(np.prod(b_shape[-len(b_shape) + (1 if shared else 2):]))
-    a = take("A", (e * r, d)).reshape(e, r, d).transpose(0, 2, 1)
-    b = take("B", (o, r * e)).reshape(o, r, e).transpose(2, 1, 0)
-    if shared:
-        if not (np.all(a == a[:1]) and np.all(b == b[:1])):
-            raise CheckpointError(f"{what} holds a different adapter per expert; load it with --lora-expert-adapters "
-                                  "per-expert")
-        a, b = a[0], b[0]
-    return a, b.reshape(b_shape)
-
-
-def peft_config(policy, table: Table, linear: list[str], expert_params: list[str], base: str | None) -> dict[str, Any]:
-    """peft's ``LoraConfig`` fields for ``policy``: the HF modules (``linear``) and fused
-    parameters (``expert_params``, in peft's wrapping order) adapted. ``target_modules`` is a
-    full-match regex over the layers' modules, so peft adapts exactly these ``nn.Linear`` layers
-    (its MoE conversion of names into fused expert targets does not apply)."""
-    alternatives = "|".join(re.escape(m) for m in sorted(linear))
-    layers = table.hf_layers.split("{l}")[0].rstrip(".").rsplit(".", 1)[-1]  # the layer list's own name
-    return {
+def peft_config(policy, table: Table, targets: list, layout: str, base: str | None) -> dict[str, Any]:
+    """peft's ``LoraConfig`` fields for ``policy`` adapting ``targets`` (the table's LoRA
+    targets written, zero ones included). Per-expert: ``target_modules`` the list of their short
+    names. Fused: a full-match regex over the layers' ``nn.Linear`` modules (so peft adapts exactly
+    those) and the fused expert parameters as ``target_parameters``, in peft's wrapping order."""
+    fields = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": policy.dim, "lora_alpha": policy.alpha,
         "lora_dropout": policy.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "use_dora": False, "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base,
-        "target_modules": rf".*\.{re.escape(layers)}\.\d+\.({alternatives})" if linear else None,
-        "target_parameters": list(expert_params) or None,
+        "target_modules": list(dict.fromkeys(t.short for t in targets)),
         "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None, "layers_to_transform": None,
         "layers_pattern": None, "exclude_modules": None,
     }
+    if layout == "fused":
+        linear = sorted({t.peft for t in targets if not t.expert})
+        layers = table.hf_layers.split("{l}")[0].rstrip(".").rsplit(".", 1)[-1]  # the layer list's own name
+        alternatives = "|".join(re.escape(m) for m in linear)
+        fields["target_modules"] = rf".*\.{re.escape(layers)}\.\d+\.({alternatives})" if linear else None
+        fields["target_parameters"] = list(dict.fromkeys(t.fused.rsplit(".", 1)[1] for t in targets if t.expert)) \
+            or None
+    return fields
 
 
 def save_adapters(path: str, adapters: dict, *, policy, table: Table, stack_kinds, num_experts: int,
-                  base: str | None = None, dtype=None) -> None:
-    """Write ``adapters`` (host arrays, the trainer's params) as a PEFT adapter directory."""
+                  base: str | None = None, dtype=None, layout: str = "per-expert", weights: dict | None = None,
+                  mlp_only_layers: tuple[int, ...] = ()) -> None:
+    """Write ``adapters`` (host arrays, the trainer's params) as a PEFT adapter directory in
+    ``layout``; ``weights``: the base's (their shapes give zero adapters theirs);
+    ``mlp_only_layers``: the dense layers the model's config.json lists as such."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    tensors = to_peft(adapters, table, stack_kinds, num_experts)
+    shared = policy.expert_adapters == "shared"
+    tensors = to_peft(adapters, table, stack_kinds, num_experts, shared=shared, layout=layout, weights=weights)
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
-    targets = {ad.target: None for i, s in enumerate(stack_kinds) for ad in _adapters(table, adapters["layers"][i], s.kind)}
-    linear = sorted({t.peft for t in targets if not t.parameter})
-    params = [r.lora.peft.rsplit(".", 1)[1] for r in table.rows if r.lora in targets and r.lora.parameter]
+    found = {t: None for i, s in enumerate(stack_kinds) for ad in adapters_of(table, adapters["layers"][i], s.kind)
+             for t in ad.targets}
+    zeros = {r.lora: None for i, s in enumerate(stack_kinds) if layout == "per-expert"
+             for r in zero_targets(table, adapters["layers"][i], s.kind)}
+    targets = [r.lora for r in table.rows if r.lora in found or r.lora in zeros]
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, WEIGHTS_NAME))
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(peft_config(policy, table, linear, list(dict.fromkeys(params)), base), f, indent=2)
+        json.dump(peft_config(policy, table, list(dict.fromkeys(targets)), layout, base), f, indent=2)
+    _say_what_serves(path, policy, table, stack_kinds, found, zeros, layout, len(tensors), mlp_only_layers)
+
+
+def _say_what_serves(path, policy, table: Table, stack_kinds, found, zeros, layout: str, count: int,
+                     mlp_only_layers) -> None:
+    """The log of an export: what it holds, its zero fill, and how vLLM serves it."""
+    log.info(f"{path}: {count} LoRA tensors, {layout} layout, rank {policy.dim}, alpha {policy.alpha:g} "
+             f"(scaling alpha/r = {policy.scaling:g})")
+    if zeros:
+        names = ", ".join(dict.fromkeys(t.short for t in zeros))
+        log.info(f"{path}: every expert's {names} carries an exact zero adapter (not in --lora-target-modules): vLLM "
+                 "needs all three projections of every expert in a MoE layer with expert adapters")
+    if layout == "fused" and any(t.expert for t in found):
+        log.info(f"{path}: fused expert adapters (target_parameters) are for transformers 5 + peft; vLLM's Qwen3-MoE "
+                 "drops or refuses them: export with --lora-export-format per-expert to serve them")
+    fit = next((r for r in VLLM_MAX_LORA_RANKS if r >= policy.dim), None)
+    if fit is None:
+        log.warning(f"{path}: rank {policy.dim} is above {VLLM_MAX_LORA_RANKS[-1]}, the largest --max-lora-rank vLLM "
+                    "takes: vLLM cannot serve this adapter")
+    else:
+        log.info(f"{path}: serve with vllm serve BASE --enable-lora --lora-modules NAME={path} --max-lora-rank {fit}")
+    dense_only = [r.lora for r in table.rows if r.moe is False and r.lora in found]
+    dense_layers = {l for s in stack_kinds if not s.kind.moe for l in range(s.first, s.first + s.count)}
+    if dense_only and any(s.kind.moe for s in stack_kinds) and not dense_layers <= set(mlp_only_layers):
+        log.warning(f"{path}: adapters on the dense layers' {', '.join(dict.fromkeys(t.short for t in dense_only))} "
+                    "of a model with MoE layers: vLLM 0.33 binds them only when the served config.json lists those "
+                    "layers in mlp_only_layers")
 
 
 def is_adapter_dir(path: str) -> bool:
@@ -217,17 +124,39 @@ def read_adapter_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def load_adapters(path: str, like: dict, table: Table, stack_kinds, num_experts: int) -> dict:
-    """A PEFT adapter directory -> our adapters shaped like ``like`` (host arrays)."""
+def check_config(cfg: dict[str, Any], policy, where: str) -> None:
+    """What an adapter directory's config must be for this run to continue it: plain LoRA at
+    the run's rank and alpha, scaled as we scale (alpha/r), nothing but adapters."""
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("lora_bias") or \
+            cfg.get("bias", "none") != "none":
+        raise CheckpointError(f"{where}: only plain LoRA adapters are read (no DoRA, no bias)")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise CheckpointError(f"{where}: per-module ranks or alphas (rank_pattern / alpha_pattern) are not read")
+    if cfg.get("use_rslora"):
+        raise CheckpointError(f"{where}: use_rslora (scaling alpha/sqrt(r)) is not how this trainer scales adapters "
+                              "(alpha/r); re-export it without rsLoRA")
+    if cfg.get("modules_to_save"):
+        raise CheckpointError(f"{where}: modules_to_save {cfg['modules_to_save']}: full modules beside the adapters "
+                              "are not read")
+    for key, flag, mine in (("r", "--lora-dim", policy.dim), ("lora_alpha", "--lora-alpha", policy.alpha)):
+        if not isinstance(cfg.get(key), (int, float)) or isinstance(cfg.get(key), bool):
+            raise CheckpointError(f"{where}: {key} {cfg.get(key)!r} is not a number")
+        if float(cfg[key]) != float(mine):
+            raise CheckpointError(f"{where}: {key} {cfg[key]:g} differs from {flag} {mine:g}: give {flag} "
+                                  f"{cfg[key]:g} to continue these adapters")
+
+
+def load_adapters(path: str, like: dict, table: Table, stack_kinds, num_experts: int, policy) -> dict:
+    """A PEFT adapter directory, either layout -> our adapters shaped like ``like`` (host
+    arrays), its config checked against ``policy`` (the run's LoRA flags)."""
     from safetensors.numpy import load_file
 
     where = os.path.join(path, WEIGHTS_NAME)
     if not is_adapter_dir(path):
         raise CheckpointError(f"{path}: not a PEFT adapter directory ({CONFIG_NAME} + {WEIGHTS_NAME})")
     cfg = read_adapter_config(path)
-    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("lora_bias") or cfg.get("bias", "none") != "none":
-        raise CheckpointError(f"{path}: only plain LoRA adapters are read (no DoRA, no bias)")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise CheckpointError(f"{path}: per-module ranks or alphas (rank_pattern / alpha_pattern) are not read")
+    check_config(cfg, policy, os.path.join(path, CONFIG_NAME))
     tensors = {re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", k): v for k, v in load_file(where).items()}
-    return from_peft(tensors, like, table, stack_kinds, num_experts, where)
+    layout = layout_of(cfg, tensors, table, where)
+    shared = policy is not None and policy.expert_adapters == "shared"
+    return from_peft(tensors, like, table, stack_kinds, num_experts, where, shared=shared, layout=layout)

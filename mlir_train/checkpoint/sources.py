@@ -49,6 +49,12 @@ class Source:
     def iteration(self) -> int:
         return 0
 
+    @property
+    def hf_origin(self) -> str | None:
+        """The HF directory the weights came from (its untouched tensors and files go into HF
+        exports: :mod:`mlir_train.checkpoint.carry`); None: none."""
+        return None if self.meta is None else self.meta.get("hf_origin")
+
     def describe(self) -> str:
         return "random initialisation"
 
@@ -82,6 +88,10 @@ class HFModel(Source):
 
     kind: ClassVar[str] = "hf"
 
+    @property
+    def hf_origin(self) -> str | None:
+        return os.path.abspath(self.path)
+
     def describe(self) -> str:
         return f"{self.path}/config.json"
 
@@ -101,9 +111,8 @@ class HFModel(Source):
     @staticmethod
     def write(dst: str, target: Target, state: dict[str, Any], *, dtype: str | None = None,
               carry_from: str | None = None) -> None:
-        """The plain model of ``state`` (under LoRA the adapters merged in) as an HF directory;
-        ``carry_from``: the HF directory it came from, whose tensors the model carries untouched
-        (its family's table says which) are copied from there."""
+        """The plain model of ``state`` (under LoRA the adapters merged in) as an HF directory,
+        with what the HF directory ``carry_from`` holds beside the model's weights."""
         import jax.numpy as jnp
 
         from mlir_train.checkpoint.hf import save_pretrained
@@ -174,10 +183,11 @@ class Ours(Source):
         return state["params"]
 
     @staticmethod
-    def write(dst: str, target: Target, state: dict[str, Any], *, converted_from: str) -> None:
+    def write(dst: str, target: Target, state: dict[str, Any], *, converted_from: str,
+              hf_origin: str | None = None) -> None:
         """``state``'s weights alone as a checkpoint at iteration 0 (``--load`` then starts from
         them with a fresh optimizer); ``dst`` must hold no checkpoint yet."""
-        orbax.save_weights(dst, target.model_cfg, state["params"], converted_from=converted_from)
+        orbax.save_weights(dst, target.model_cfg, state["params"], converted_from=converted_from, hf_origin=hf_origin)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,15 +273,19 @@ class PeftAdapters(Source):
         return f"{self.path} (PEFT adapters)"
 
     @staticmethod
-    def write(dst: str, target: Target, state: dict[str, Any], *, base: str | None = None) -> None:
-        """A LoRA run's adapters as a PEFT directory for the HF model at ``base``."""
+    def write(dst: str, target: Target, state: dict[str, Any], *, base: str | None = None,
+              layout: str = "per-expert") -> None:
+        """A LoRA run's adapters as a PEFT directory for the HF model at ``base``, the routed
+        experts' adapters in ``layout`` (``--lora-export-format``)."""
         import jax
 
         from mlir_train.checkpoint import peft
 
         cfg = target.model_cfg
-        peft.save_adapters(dst, jax.device_get(state["params"]), policy=target.lora, table=families.family_of(cfg).params,
-                           stack_kinds=target.stack_kinds, num_experts=cfg.num_experts, base=base)
+        table = families.family_of(cfg).hf_params(cfg)
+        peft.save_adapters(dst, jax.device_get(state["params"]), policy=target.lora, table=table,
+                           stack_kinds=target.stack_kinds, num_experts=cfg.num_experts, base=base, layout=layout,
+                           weights=state["base"], mlp_only_layers=cfg.mlp_only_layers)
 
     def recorded_base(self) -> str | None:
         from mlir_train.checkpoint import peft
@@ -459,8 +473,8 @@ def lora_initial_state(target: Target, base_target: Target, cfg: RunConfig, load
         from mlir_train.checkpoint import peft
 
         log.info(f"loading LoRA adapters from {adapters.describe()} (optimizer fresh, iteration 0)")
-        host = peft.load_adapters(adapters.path, target.param_shapes, families.family_of(target.model_cfg).params,
-                                  target.stack_kinds, target.model_cfg.num_experts)
+        table = families.family_of(target.model_cfg).hf_params(target.model_cfg)
+        host = peft.load_adapters(adapters.path, target.param_shapes, table, target.stack_kinds, target.model_cfg.num_experts, policy=target.lora)
         state = target.state_with_base(jax.tree.map(lambda x: np.asarray(x, np.float32), host), state["base"])
     elif adapters is not None:
         ck = cfg.checkpoint

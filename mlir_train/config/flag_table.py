@@ -218,7 +218,8 @@ def flag_table() -> list[tuple[str, str, str]]:
         if fl.name in REFUSED:
             what = f"refused beyond its default: {REFUSED[fl.name].message}"
         else:
-            own = (fl.group or cls.GROUP) == "mlir-train" or fl.name == "--save-hf" or fl.name == "--save-retain"
+            own = (fl.group or cls.GROUP) == "mlir-train" or fl.name in ("--save-hf", "--save-retain",
+                                                                         "--lora-export-format")
             what = ("mlir-train's own" if own else "as Megatron") + (
                 f" ({help_text})" if help_text and "%(" not in help_text else "")
         rows.append((fl.name, fl.group or cls.GROUP, what))

@@ -91,6 +91,9 @@ def check(cfg: RunConfig) -> None:
     if t.lora is None and (cfg.checkpoint.pretrained_checkpoint or cfg.checkpoint.save_peft):
         flag = "--pretrained-checkpoint" if cfg.checkpoint.pretrained_checkpoint else "--save-peft"
         raise ConfigError(f"{flag} is for LoRA runs: add --lora-dim R (or drop {flag})")
+    if cfg.checkpoint.lora_export_format and not cfg.checkpoint.save_peft:
+        raise ConfigError(f"--lora-export-format {cfg.checkpoint.lora_export_format} is the layout of --save-peft's "
+                          "adapters: add --save-peft DIR (or drop it)")
     if t.lora is not None and m.moe_router_enable_expert_bias:
         raise ConfigError("--moe-router-enable-expert-bias with --lora-dim: the expert bias is state of the frozen "
                           "base, which a LoRA run neither updates nor saves; drop one of the two")

@@ -324,7 +324,9 @@ class CheckpointFlags:
     save_retain: int | None = flag("--save-retain", type=int, metavar="K",
                                    help="keep only the newest K checkpoints in --save (default: keep all)")
     save_hf: str | None = flag("--save-hf", metavar="DIR", help="at the end, also write the weights as an HF model "
-                               "directory (under LoRA the merged model: base + adapters)")
+                               "directory (under LoRA the merged model: base + adapters), with what the HF directory "
+                               "the model came from holds besides (tensors the model does not use, byte for byte; "
+                               "its config.json fields, generation config and tokenizer files)")
     pretrained_checkpoint: str | None = flag(
         "--pretrained-checkpoint", metavar="DIR",
         help="LoRA: the base the adapters apply to (HF directory, ours or Megatron), when --load holds adapters (a "
@@ -332,6 +334,11 @@ class CheckpointFlags:
     save_peft: str | None = flag("--save-peft", metavar="DIR",
                                  help="LoRA: at the end, write the adapters as an HF PEFT adapter directory "
                                       "(adapter_config.json + adapter_model.safetensors)")
+    lora_export_format: str | None = flag(
+        "--lora-export-format", choices=["per-expert", "fused"], metavar="{per-expert,fused}",
+        help="--save-peft's routed-expert adapters: per-expert (default: every expert's gate_proj / up_proj / "
+             "down_proj, what vLLM and SGLang serve) or fused (peft's target_parameters on transformers 5's fused "
+             "experts)")
 
 
 @dataclasses.dataclass(frozen=True)

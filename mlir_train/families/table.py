@@ -21,6 +21,8 @@ per stack of layers, ``[L, E, ...]``.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -167,15 +169,31 @@ class Megatron:
 
 @dataclasses.dataclass(frozen=True)
 class LoRATarget:
-    """The adapter of a row's weight: ``module`` Megatron's name (what ``--lora-target-modules``
-    matches, short name its last component), ``peft`` HF's module peft adapts (under the HF
-    layer prefix) or, with ``parameter``, the fused parameter peft's ``target_parameters``
-    adapts, ``adapter`` our adapter's name beside the weight."""
+    """The adapter of a row's weight. ``module``: Megatron's name (what ``--lora-target-modules``
+    matches, short name its last component); ``adapter``: our adapter's name beside the weight;
+    ``peft``: the HF module a PEFT adapter of the weight sits on, under the HF layer prefix, one per
+    expert for a routed expert's weight (``{e}``): the layout serving engines read (vLLM's
+    Qwen3-MoE LoRA takes routed experts only as ``mlp.experts.<e>.<proj>``). ``part``: the
+    weight's slice of the adapter's B when one adapter updates several weights (the experts' fc1:
+    gate 0, up 1, sharing one A). ``fused``: an expert weight's fused HF parameter, which PEFT's
+    ``target_parameters`` adapts (the layout of transformers 5 + peft, ``--lora-export-format
+    fused``)."""
 
     module: str
     peft: str
     adapter: str
-    parameter: bool = False
+    part: int = 0
+    fused: str | None = None
+
+    @property
+    def expert(self) -> bool:
+        """A routed expert's weight: one PEFT module per expert."""
+        return "{e}" in self.peft
+
+    @property
+    def short(self) -> str:
+        """PEFT's short name of the module (``target_modules``): its last component."""
+        return self.peft.rsplit(".", 1)[-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,10 +241,10 @@ class Bound:
 class Table:
     """A family's parameters (:class:`Param` rows) and the prefixes their names sit under:
     ``hf_layers`` an HF layer's (``{l}`` the layer), ``megatron_layers`` Megatron's decoder
-    layers'. ``lora_refused``: Megatron modules that take no adapter, and why. ``carried``:
-    regular expressions of HF tensors the model has no parameter for but its checkpoints hold
-    (a multi-token-prediction head, a vision tower): an HF load leaves them unread without
-    refusing them and ``--save-hf`` copies them from the source directory byte for byte."""
+    layers'. ``lora_refused``: Megatron modules that take no adapter, and why. ``carried``: HF
+    tensors the family's checkpoints hold but its model does not use (``fnmatch`` patterns of their
+    names, e.g. an MTP head ``mtp.*`` or a vision tower ``model.visual.*``): read past on load and
+    copied untouched into HF exports (:mod:`mlir_train.checkpoint.carry`)."""
 
     family: str
     rows: tuple[Param, ...]
@@ -234,10 +252,6 @@ class Table:
     megatron_layers: str
     lora_refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     carried: tuple[str, ...] = ()
-
-    def carries(self, hf_name: str) -> bool:
-        """Whether ``hf_name`` is a tensor the model carries through untouched (:attr:`carried`)."""
-        return any(re.fullmatch(p, hf_name) for p in self.carried)
 
     def with_hf_prefix(self, old: str, new: str) -> "Table":
         """This table with every HF name (the layer prefix and the global tensors) that starts
@@ -281,6 +295,21 @@ class Table:
         if sorted(found) != list(range(ext.codec.parts)):
             raise ValueError(f"{self.family} table: {ext.name} has parts {sorted(found)} of {ext.codec.parts}")
         return tuple(found[i] for i in range(ext.codec.parts))
+
+    # ----- HF tensors the model does not use -------------------------------------------------------------
+    @functools.cached_property
+    def _hf_spellings(self) -> re.Pattern:
+        names = [x.name if r.stacked == GLOBAL else self.hf_layers + x.name for r in self.rows for x in r.hf]
+        return re.compile("|".join(re.escape(n).replace(r"\{l\}", r"\d+").replace(r"\{e\}", r"\d+") for n in names))
+
+    def spells(self, name: str) -> bool:
+        """Whether ``name`` is spelled as one of the rows' HF tensors (of any layer, any expert):
+        a tensor a model of this family reads when it has that layer and expert."""
+        return self._hf_spellings.fullmatch(name) is not None
+
+    def carried_pattern(self, name: str) -> str | None:
+        """The pattern of :attr:`carried` that ``name`` matches (None: none does)."""
+        return next((p for p in self.carried if fnmatch.fnmatchcase(name, p)), None)
 
     # ----- LoRA -------------------------------------------------------------------------------------------
     def lora_modules(self) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from mlir_train.config.flags import RunConfig
 from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokenizer
 from mlir_train.model import flops as flops_lib
 from mlir_train.runtime import distributed, log
+from mlir_train.runtime.errors import ConfigError
 from mlir_train.train import exits, kernel_check
 from mlir_train.train.build import Run, resolve
 from mlir_train.train.evaluation import Evaluator
@@ -57,6 +58,7 @@ class Job:
     start_iteration: int
     hooks: Hooks
     lora_base: str | None = None  # LoRA: the HF directory of the base (a PEFT export's base_model_name_or_path)
+    hf_origin: str | None = None  # the HF directory the weights came from: what --save-hf carries over from it
 
 
 def build_job(cfg: RunConfig, launched: float) -> Job:
@@ -93,9 +95,11 @@ def build_job(cfg: RunConfig, launched: float) -> Job:
 
         print(sharding_report(trainer))  # compute layout, fp32 master weights and optimizer state
     lora = None if cfg.training.lora is None else sources.lora_record(cfg.training.lora, start.base, cfg.training.seed)
-    hooks = _hooks(cfg, run, trainer, data, loader, len(tokenizer), start.save_lock, launched, lora)
+    recorded = ({"lora": lora} if lora else {}) | ({"hf_origin": start.base.hf_origin} if start.base.hf_origin else {})
+    hooks = _hooks(cfg, run, trainer, data, loader, len(tokenizer), start.save_lock, launched, recorded)
     lora_base = lora["base"]["path"] if lora and lora["base"]["kind"] == "hf" else None
-    return Job(cfg, run, start.source, trainer, tokenizer, loader, state, start.iteration, hooks, lora_base)
+    return Job(cfg, run, start.source, trainer, tokenizer, loader, state, start.iteration, hooks, lora_base,
+               start.base.hf_origin)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +133,9 @@ def _starting_point(cfg: RunConfig, tokenizer_size: int) -> Start:
     # LoRA: the model is its base's; --load may hold only adapters (sources.lora_sources).
     base, adapters = sources.lora_sources(cfg, source) if cfg.training.lora is not None else (source, None)
     model_cfg = sources.run_model_config(cfg, base, tokenizer_size)
+    if ck.save_hf and base.hf_origin and os.path.realpath(ck.save_hf) == os.path.realpath(base.hf_origin):
+        raise ConfigError(f"--save-hf {ck.save_hf} is the HF directory the model is read from, whose files the "
+                          "export copies: give another directory")
     if source.seed is not None and not (ck.no_load_rng or ck.finetune) and source.seed != cfg.training.seed:
         log.info(f"--seed {cfg.training.seed} replaced by the checkpoint's {source.seed} (--no-load-rng keeps yours)")
         cfg = cfg.replace(training={"seed": source.seed})
@@ -136,7 +143,9 @@ def _starting_point(cfg: RunConfig, tokenizer_size: int) -> Start:
 
 
 def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokenizer_size: int, save_lock,
-           launched: float, lora: dict | None = None) -> Hooks:
+           launched: float, recorded: dict | None = None) -> Hooks:
+    """The loop's hooks; ``recorded``: what the checkpoints record besides the run (the LoRA
+    policy and base, the HF directory the weights came from)."""
     t, lg, ck, model_cfg = cfg.training, cfg.logging, cfg.checkpoint, run.model
     pid, gbs = jax.process_index(), run.global_batch_size
     log_dir = lg.tensorboard_dir or os.path.join("runs", f"{model_cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -163,7 +172,7 @@ def _hooks(cfg: RunConfig, run: Run, trainer, data, loader: BatchLoader, tokeniz
         save_rng=not ck.no_save_rng, claimed=True, lock=save_lock,
         meta=lambda it: saver.run_json(iteration=it, global_batch_size=gbs, loader=loader, seed=cfg.training.seed,
                                        model_cfg=model_cfg, tokenizer_size=tokenizer_size, parallel=run.parallel,
-                                       flags=cfg.flat()) | ({"lora": lora} if lora else {}))
+                                       flags=cfg.flat()) | (recorded or {}))
     stop = exits.ExitConditions(exit_interval=t.exit_interval, exit_duration_in_mins=t.exit_duration_in_mins,
                                 launched=launched)
     return Hooks(log_dir, writer, timers, logger, evaluate, checkpointer, stop)

@@ -79,12 +79,11 @@ def _finish(job: Job, state, iteration: int, stopped: str | None) -> RunResult:
     if not stopped and not (t.eval_interval and t.train_iters % t.eval_interval == 0):
         h.evaluate(t.train_iters, job.trainer.weights(state))
     if not stopped and ck.save_hf:
-        # The HF directory the weights came from (the LoRA base's) holds what the model carries untouched.
-        carry = job.source.path if job.source.kind == "hf" else job.lora_base
-        sources.HFModel.write(ck.save_hf, job.trainer, state, carry_from=carry)
+        sources.HFModel.write(ck.save_hf, job.trainer, state, carry_from=job.hf_origin)
         log.info(f"wrote the HF model to {ck.save_hf}" + (" (base + LoRA adapters merged)" if job.trainer.lora else ""))
     if not stopped and ck.save_peft:
-        sources.PeftAdapters.write(ck.save_peft, job.trainer, state, base=job.lora_base)
+        sources.PeftAdapters.write(ck.save_peft, job.trainer, state, base=job.lora_base,
+                                   layout=ck.lora_export_format or "per-expert")
         log.info(f"wrote the LoRA adapters to {ck.save_peft} (HF PEFT format)")
     h.writer.close()
     history = h.logger.history

@@ -111,12 +111,14 @@ def _edited(src: str, dst, edit) -> str:
 
 
 def test_hf_planted_and_missing_tensors_are_named(hf_dir, tmp_path):
+    """A planted tensor spelled as the table's own (an expert the config does not have) is an
+    error; one of no row's spelling is carried (checkpoint/carry.py, tests/checkpoint/test_carry.py)."""
     from mlir_train.checkpoint.hf import load_pretrained
 
     extra = _edited(hf_dir, tmp_path / "extra",
-                    lambda t: t.update({"model.layers.1.mlp.shared_expert.up_proj.weight": np.zeros((8, 128), np.float32)}))
-    with pytest.raises(CheckpointError, match=r"model\.safetensors|extra: tensor model\.layers\.1\.mlp\.shared_expert"
-                                              r"\.up_proj\.weight \(8, 128\) has no counterpart in the model"):
+                    lambda t: t.update({"model.layers.1.mlp.experts.8.up_proj.weight": np.zeros((64, 128), np.float32)}))
+    with pytest.raises(CheckpointError, match=r"extra: tensor model\.layers\.1\.mlp\.experts\.8\.up_proj\.weight "
+                                              r"\(64, 128\) has no counterpart in the model"):
         load_pretrained(extra, dtype=jnp.float32)
     gone = _edited(hf_dir, tmp_path / "gone", lambda t: t.pop("model.layers.0.mlp.down_proj.weight"))
     with pytest.raises(CheckpointError, match=r"gone: missing tensor model\.layers\.0\.mlp\.down_proj\.weight"):
@@ -167,11 +169,11 @@ def test_peft_planted_and_missing_tensors_are_named(tmp_path):
     save_file(tensors | {extra: np.zeros((4, 128), np.float32)}, weights)
     with pytest.raises(CheckpointError, match=r"tensor base_model\.model\.model\.layers\.1\.mlp\.shared_expert\.up_proj"
                                               r"\.lora_A\.weight has no counterpart in the model"):
-        peft.load_adapters(out, like, TABLE, model.stack_kinds, 8)
+        peft.load_adapters(out, like, TABLE, model.stack_kinds, 8, policy)
     gone = "base_model.model.model.layers.2.self_attn.o_proj.lora_B.weight"
     save_file({k: v for k, v in tensors.items() if k != gone}, weights)
     with pytest.raises(CheckpointError, match=rf"missing tensor {gone.replace('.', '[.]')}; the adapter does not match"):
-        peft.load_adapters(out, like, TABLE, model.stack_kinds, 8)
+        peft.load_adapters(out, like, TABLE, model.stack_kinds, 8, policy)
 
 
 # ----- ours --------------------------------------------------------------------------------------------

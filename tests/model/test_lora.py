@@ -1,10 +1,12 @@
 """LoRA against references nobody here wrote: HF transformers + peft (PyPI) for the forward and
-the adapter gradients, on a tiny dense Qwen3 and a tiny Qwen3-MoE (a dense layer and MoE layers,
-experts adapted per expert through peft's ``target_parameters``); our adapters go to peft through
-our PEFT export, so the export's names and layouts are checked by the same numbers. (Every layer
+the adapter gradients, on a tiny dense Qwen3 and a tiny Qwen3-MoE; our adapters go to peft through
+our PEFT export, so the export's names and layouts are checked by the same numbers: the per-expert
+layout (which peft on transformers 5 turns into fused gate/up adapters of rank 2r itself) for the
+forward, the fused layout (peft's ``target_parameters``, its parameters one for one with ours) for
+the forward and the gradients. (Every layer
 of the MoE model is MoE, as in Qwen3-30B-A3B: peft 0.21 rewrites a Qwen3-MoE model's gate/up/down
 targets into the fused expert parameters, so it cannot hold a dense MLP layer's adapters there.) Plus the
-policy's flags and patterns."""
+policy's flags and patterns. (Reading exports back, both layouts: tests/checkpoint/test_serving_names.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from flax import nnx
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from mlir_train.checkpoint.hf import load_pretrained
-from mlir_train.checkpoint.peft import load_adapters, save_adapters, to_peft
+from mlir_train.checkpoint.peft import save_adapters, to_peft
 from mlir_train.config.policies import LoRAPolicy
 from mlir_train.families.qwen3 import Qwen3
 from mlir_train.families.qwen3.params import TABLE
@@ -71,10 +73,14 @@ def _adapters(model) -> dict:
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, LoRAParam)))
 
 
-def _peft_model(hf_model, model, policy, tmp_path):
-    out = str(tmp_path / "adapter")
+def _weights(model) -> dict:
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _peft_model(hf_model, model, policy, tmp_path, layout):
+    out = str(tmp_path / layout)
     save_adapters(out, _adapters(model), policy=policy, table=TABLE, stack_kinds=model.stack_kinds,
-                  num_experts=model.cfg.num_experts)
+                  num_experts=model.cfg.num_experts, layout=layout, weights=_weights(model))
     # peft wraps the model's layers in place: give it a copy of the module-scoped fixture's.
     return peft.PeftModel.from_pretrained(copy.deepcopy(hf_model), out, is_trainable=True).eval(), out
 
@@ -99,11 +105,16 @@ CASES = [
 def test_forward_and_adapter_grads_match_peft(hf_models, name, policy, tmp_path):
     hf_model, path = hf_models[name]
     ours = _lora_model(path, policy, seed=3)
-    pm, _ = _peft_model(hf_model, ours, policy, tmp_path)
     ids = np.random.default_rng(0).integers(0, VOCAB, (2, 20)).astype(np.int32)
-
-    ref_logits = pm(torch.from_numpy(ids).long()).logits
     got_logits = np.asarray(ours(jnp.asarray(ids)))
+    # The per-expert layout (peft on transformers 5 fuses its gate/up adapters into one of rank 2r itself)
+    per_expert, _ = _peft_model(hf_model, ours, policy, tmp_path, "per-expert")
+    with torch.no_grad():
+        np.testing.assert_allclose(got_logits, per_expert(torch.from_numpy(ids).long()).logits.numpy(), atol=TOL,
+                                   rtol=0)
+    # and the fused one, whose adapters are peft's trained parameters one for one: logits and gradients.
+    pm, _ = _peft_model(hf_model, ours, policy, tmp_path, "fused")
+    ref_logits = pm(torch.from_numpy(ids).long()).logits
     np.testing.assert_allclose(got_logits, ref_logits.detach().numpy(), atol=TOL, rtol=0)
     with torch.no_grad():  # the adapters change the model: the test is not vacuous
         with pm.disable_adapter():
@@ -127,27 +138,15 @@ def test_forward_and_adapter_grads_match_peft(hf_models, name, policy, tmp_path)
                 g = g.reshape(e, -1, g.shape[-1]).sum(0) if "lora_A" in k else g.reshape(g.shape[0], -1, e).sum(-1)
                 expert_sum[k] = g
         ref_grads.update(expert_sum)
-        got = to_peft(grads, TABLE, ours.stack_kinds, 1)  # the shared adapter's gradient as one "expert"
+        # the shared adapter's gradient as one "expert"
+        got = to_peft(grads, TABLE, ours.stack_kinds, 1, shared=True, layout="fused")
     else:
-        got = to_peft(grads, TABLE, ours.stack_kinds, ours.cfg.num_experts)
+        got = to_peft(grads, TABLE, ours.stack_kinds, ours.cfg.num_experts, layout="fused")
     assert set(got) == set(ref_grads), sorted(set(got) ^ set(ref_grads))[:4]
     for k, g in got.items():
         ref = ref_grads[k]
         assert np.abs(ref).max() > 0, k
         np.testing.assert_allclose(g, ref, atol=2e-5 * max(1.0, np.abs(ref).max()), rtol=1e-4, err_msg=k)
-
-
-def test_peft_directory_reads_back(hf_models, tmp_path):
-    policy = LoRAPolicy(dim=4, alpha=8)
-    hf_model, path = hf_models["moe"]
-    ours = _lora_model(path, policy, seed=5)
-    out = str(tmp_path / "adapter")
-    save_adapters(out, _adapters(ours), policy=policy, table=TABLE, stack_kinds=ours.stack_kinds,
-                  num_experts=ours.cfg.num_experts)
-    like = _adapters(ours)
-    back = load_adapters(out, like, TABLE, ours.stack_kinds, ours.cfg.num_experts)
-    for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(like)[0], jax.tree.leaves(back)):
-        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(p))
 
 
 def test_policy_patterns_and_refusals():

@@ -6,8 +6,12 @@ HF: the release checkpoints' names (``model.layers.{l}.self_attn.q_proj.weight``
 Megatron: megatron-core's GPTModel with Qwen3's spec (q/k layernorm, SwiGLU, no biases), local
 spec names first, TE's after; the layouts are checked against megatron-core in
 ``tests/checkpoint/test_megatron_checkpoint.py``. LoRA: Megatron-Bridge's module names
-(``self_attention.linear_qkv`` ...); peft adapts HF's q/k/v and the MLP's gate/up as separate
-``nn.Linear`` modules and the fused experts through ``target_parameters``.
+(``self_attention.linear_qkv`` ...); PEFT adapters sit on HF's q/k/v and the MLP's gate/up as
+separate ``nn.Linear`` modules, on each routed expert's ``gate_proj`` / ``up_proj`` / ``down_proj``
+(the release's per-expert modules, which vLLM's and SGLang's Qwen3-MoE LoRA read: the fixture
+``tests/checkpoint/fixtures/serving_lora_names.json``), or on the fused expert parameters through
+peft's ``target_parameters`` (``--lora-export-format fused``). Our experts' fc1 adapter (one A,
+B for gate and up) is the gate and up modules' adapters sharing that A.
 """
 
 from mlir_train.families.table import (
@@ -39,7 +43,8 @@ def _expert_fc1(name: str, part: int) -> Param:
     return Param(("mlp", f"{name}_proj"), EXPERT, moe=True,
                  hf=(Ext(f"mlp.experts.{{e}}.{name}_proj.weight", Linear()), Ext("mlp.experts.gate_up_proj", GateUp(), part)),
                  megatron=Megatron(EXPERT_FC1, GateUp(), part, split=GLU, linear=True, experts=FC1),
-                 lora=LoRATarget("mlp.experts.linear_fc1", "mlp.experts.gate_up_proj", "fc1_lora", parameter=True))
+                 lora=LoRATarget("mlp.experts.linear_fc1", f"mlp.experts.{{e}}.{name}_proj", "fc1_lora", part,
+                                 fused="mlp.experts.gate_up_proj"))
 
 
 ROWS = (
@@ -75,7 +80,8 @@ ROWS = (
     Param(("mlp", "down_proj"), EXPERT, moe=True,
           hf=(Ext("mlp.experts.{e}.down_proj.weight", Linear()), Ext("mlp.experts.down_proj", Linear())),
           megatron=Megatron(EXPERT_FC2, Linear(), split=ROW, linear=True, experts=FC2),
-          lora=LoRATarget("mlp.experts.linear_fc2", "mlp.experts.down_proj", "fc2_lora", parameter=True)),
+          lora=LoRATarget("mlp.experts.linear_fc2", "mlp.experts.{e}.down_proj", "fc2_lora",
+                          fused="mlp.experts.down_proj")),
 )
 
 TABLE = Table(
