@@ -131,13 +131,15 @@ def _experts() -> tuple[Param, ...]:
     fc1 = lambda name, part: Param(
         ("mlp", f"{name}_proj"), EXPERT, moe=True,
         hf=(Ext(f"mlp.experts.{{e}}.{name}_proj.weight", Linear()), Ext("mlp.experts.gate_up_proj", GateUp(), part)),
-        lora=LoRATarget("mlp.experts.linear_fc1", "mlp.experts.gate_up_proj", "fc1_lora", parameter=True))
+        lora=LoRATarget("mlp.experts.linear_fc1", f"mlp.experts.{{e}}.{name}_proj", "fc1_lora", part,
+                        fused="mlp.experts.gate_up_proj"))
     return (Param(("mlp", "router"), moe=True, hf=(Ext("mlp.gate.weight", Linear()),)),
             Param(("mlp", "expert_bias"), moe=True, state=True),  # --moe-router-enable-expert-bias; no HF tensor
             fc1("gate", 0), fc1("up", 1),
             Param(("mlp", "down_proj"), EXPERT, moe=True,
                   hf=(Ext("mlp.experts.{e}.down_proj.weight", Linear()), Ext("mlp.experts.down_proj", Linear())),
-                  lora=LoRATarget("mlp.experts.linear_fc2", "mlp.experts.down_proj", "fc2_lora", parameter=True)),
+                  lora=LoRATarget("mlp.experts.linear_fc2", "mlp.experts.{e}.down_proj", "fc2_lora",
+                                 fused="mlp.experts.down_proj")),
             *_swiglu(("mlp", "shared_expert"), "mlp.shared_expert", "mlp.shared_experts", moe=True),
             _lin(("mlp", "shared_expert_gate"), "mlp.shared_expert_gate.weight", moe=True))
 
