@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from mlir_train.checkpoint.hf import load_pretrained, save_pretrained
 from mlir_train.model import losses
-from tests.helpers import perturb_torch
+from tests.helpers import COMPILER_OPTIONS, perturb_torch
 
 VOCAB = 128
 TOL = 1e-4
@@ -52,7 +52,13 @@ CASES = {
 MTP = {"mtp.fc.weight": (64, 128), "mtp.layers.0.input_layernorm.weight": (64,), "mtp.norm.weight": (64,)}
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+def cases(*default):
+    """Every class; those not named in ``default`` marked slow (~40 s each: a backward compile)."""
+    return pytest.mark.parametrize("hf", [pytest.param(c, marks=() if not default or c in default else pytest.mark.slow)
+                                          for c in sorted(CASES)], indirect=True)
+
+
+@pytest.fixture(scope="module")
 def hf(request, tmp_path_factory):
     """(the HF model, its directory): a checkpoint as the releases store it, MTP tensors included."""
     torch.manual_seed(0)
@@ -72,16 +78,24 @@ def _ids(batch=2, seq=20, seed=0):
     return np.random.default_rng(seed).integers(0, VOCAB, size=(batch, seq)).astype(np.int32)
 
 
+def _compiled(fn, model, *args):
+    """``fn(model, *args)`` compiled at -O0 (XLA:CPU compiles are most of these tests' time)."""
+    graphdef, state = nnx.split(model)
+    f = lambda state, *a: fn(nnx.merge(graphdef, state), *a)
+    return jax.jit(f).lower(state, *args).compile(COMPILER_OPTIONS)(state, *args)
+
+
 def _hf_logits(model, ids):
     with torch.no_grad():
         return model(input_ids=torch.from_numpy(ids).long()).logits.float().numpy()
 
 
+@cases()
 def test_logits_match_hf(hf):
     name, model, path = hf
     ours = load_pretrained(path, dtype=jnp.float32)
     ids = _ids()
-    diff = float(np.abs(np.asarray(ours(jnp.asarray(ids))) - _hf_logits(model, ids)).max())
+    diff = float(np.abs(np.asarray(_compiled(lambda m, x: m(x), ours, jnp.asarray(ids))) - _hf_logits(model, ids)).max())
     print(f"{name}: largest logit difference {diff:.2e}")
     assert diff < TOL
 
@@ -89,16 +103,18 @@ def test_logits_match_hf(hf):
 def _grads_by_hf_name(path, ours, ids, labels):
     """Our gradients of the mean cross entropy, written out as an HF checkpoint (the table's
     names and layouts), so they compare with torch's name by name."""
-    def loss(model):
-        logits = model(jnp.asarray(ids))
+    graphdef, state = nnx.split(ours)
+
+    def loss(state):
+        logits = nnx.merge(graphdef, state)(jnp.asarray(ids))
         total, count = losses.cross_entropy_sum(logits, jnp.asarray(labels), jnp.ones(ids.shape, jnp.float32))
         return total / count
-    grads = nnx.grad(loss)(ours)
-    nnx.update(ours, grads)  # the gradient in the weights' places
+    nnx.update(ours, jax.jit(jax.grad(loss)).lower(state).compile(COMPILER_OPTIONS)(state))  # the gradient in the weights' places
     save_pretrained(ours, path)
     return load_file(os.path.join(path, "model.safetensors"))
 
 
+@cases("qwen3_next")
 def test_gradients_match_hf(hf, tmp_path):
     name, model, path = hf
     ids, labels = _ids(seed=3), _ids(seed=4)
@@ -107,38 +123,62 @@ def test_gradients_match_hf(hf, tmp_path):
     torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(labels).long().reshape(-1)).backward()
     theirs = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
     ours = _grads_by_hf_name(str(tmp_path / "grads"), load_pretrained(path, dtype=jnp.float32), ids, labels)
-    compared, worst = 0, 0.0
+    compared, worst, where = 0, 0.0, ""
     for key, g in theirs.items():
-        mine = ours.get(key.replace("experts.gate_up_proj", "experts.gate_up_proj"))
-        if mine is None and ".experts." in key:  # torch holds the experts fused, we write them per expert
-            continue
+        mine = ours.get(key, None)
+        if mine is None:  # torch holds the experts fused, we write them per expert
+            mine = _fused(ours, key)
         assert mine is not None, key
         scale = float(g.abs().max()) + 1e-12
-        worst = max(worst, float((mine.float() - g.float()).abs().max()) / scale)
+        diff = float((mine.float() - g.float()).abs().max()) / scale
+        worst, where = max((worst, where), (diff, key))
         compared += 1
-    print(f"{name}: {compared} gradients, largest difference relative to the tensor's largest {worst:.2e}")
+    print(f"{name}: {compared} gradients, largest difference relative to the tensor's largest {worst:.2e} ({where})")
     assert compared > 20 and worst < 1e-3
 
 
+def _fused(tensors, key):
+    """transformers 5's fused expert tensor ``key`` of per-expert ones."""
+    layer, name = key.rsplit(".experts.", 1)
+    experts = range(MOE["num_experts"])
+    if name == "gate_up_proj":
+        return torch.stack([torch.cat([tensors[f"{layer}.experts.{e}.{p}_proj.weight"] for p in ("gate", "up")])
+                            for e in experts])
+    if name == "down_proj":
+        return torch.stack([tensors[f"{layer}.experts.{e}.down_proj.weight"] for e in experts])
+    return None
+
+
+@cases("qwen3_5_moe")
 def test_packed_documents_match_alone_forward_and_backward(hf):
+    """A row of two documents equals the two alone (each its own row, padded), logits and the
+    gradients of their summed logits: no state, conv window or attention crosses the boundary.
+    One compiled program: the three rows' forward, and a backward pass for each side."""
     _, _, path = hf
-    ours = load_pretrained(path, dtype=jnp.float32)
-    a, b = _ids(1, 9, seed=5), _ids(1, 13, seed=6)
-    packed = jnp.asarray(np.concatenate([a, b], axis=1))
-    segments = jnp.asarray([[1] * 9 + [2] * 13], jnp.int32)
-    positions = jnp.asarray([list(range(9)) + list(range(13))], jnp.int32)
-    out = np.asarray(ours(packed, segment_ids=segments, positions=positions))
-    np.testing.assert_allclose(out[:, :9], np.asarray(ours(jnp.asarray(a))), atol=TOL, rtol=0)
-    np.testing.assert_allclose(out[:, 9:], np.asarray(ours(jnp.asarray(b))), atol=TOL, rtol=0)
+    graphdef, state = nnx.split(load_pretrained(path, dtype=jnp.float32))
+    n = 11
+    docs = _ids(2, n, seed=5)
+    ids = np.zeros((3, 2 * n), np.int32)
+    ids[0], ids[1, :n], ids[2, :n] = docs.reshape(-1), docs[0], docs[1]
+    segments = np.array([[1] * n + [2] * n, [1] * n + [0] * n, [1] * n + [0] * n], np.int32)
+    positions = np.tile(np.arange(n, dtype=np.int32), (3, 2))
 
-    def loss(model, ids, seg=None, pos=None):
-        return model(ids, segment_ids=seg, positions=pos).astype(jnp.float32).sum()
-    g_packed = nnx.grad(loss)(ours, packed, segments, positions)
-    g_a, g_b = nnx.grad(loss)(ours, jnp.asarray(a)), nnx.grad(loss)(ours, jnp.asarray(b))
-    for x, y, z in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_a), jax.tree.leaves(g_b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y) + np.asarray(z), atol=1e-3, rtol=1e-4)
+    def forward_backward(state, ids, seg, pos):
+        logits, vjp = jax.vjp(lambda st: nnx.merge(graphdef, st)(ids, segment_ids=seg, positions=pos), state)
+        packed = jnp.zeros_like(logits).at[0].set(1.0)
+        alone = jnp.broadcast_to(seg[:, :, None] > 0, logits.shape).astype(logits.dtype).at[0].set(0.0)
+        return logits, vjp(packed)[0], vjp(alone)[0]
+
+    args = (state, *map(jnp.asarray, (ids, segments, positions)))
+    logits, g_packed, g_alone = jax.jit(forward_backward).lower(*args).compile(COMPILER_OPTIONS)(*args)
+    logits = np.asarray(logits)
+    np.testing.assert_allclose(logits[0].reshape(2, n, -1), logits[1:, :n], atol=TOL, rtol=0)
+    for x, y in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_alone)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-3 * float(np.abs(y).max()) + 1e-6, rtol=0)
+    assert max(float(np.abs(y).max()) for y in jax.tree.leaves(g_alone)) > 0
 
 
+@cases()
 def test_export_reloads_in_transformers_and_carries_mtp_and_vision(hf, tmp_path):
     name, model, path = hf
     ours = load_pretrained(path, dtype=jnp.float32)
@@ -149,7 +189,7 @@ def test_export_reloads_in_transformers_and_carries_mtp_and_vision(hf, tmp_path)
     assert written["architectures"] == [type(model).__name__]
     reloaded = type(model).from_pretrained(out, dtype=torch.float32).eval()
     ids = _ids(seed=7)
-    np.testing.assert_allclose(_hf_logits(reloaded, ids), _hf_logits(model, ids), atol=TOL, rtol=0)
+    np.testing.assert_allclose(_hf_logits(reloaded, ids), _hf_logits(model, ids), atol=TOL, rtol=0)  # fp32 round trip
     source, export = _raw(path), _raw(out)
     carried = [k for k in source if k.startswith(("mtp.", "model.visual."))]
     assert len(carried) >= len(MTP) + (10 if name.endswith("_vl") else 0)
