@@ -133,13 +133,9 @@ class MoE(nnx.Module):
             rngs, (d,), ("embed",), (2, f), (None, "moe_mlp"), lora.dim, lora.scaling, experts=experts, dtype=dtype))
         self.fc2_lora = maybe(lora, "down_proj", lambda: LoRA(
             rngs, (f,), ("moe_mlp",), (d,), ("embed",), lora.dim, lora.scaling, experts=experts, dtype=dtype))
-        self.shared_expert = None if not shared_expert_size else MLP(
-            d, shared_expert_size, cfg.init_std, out_std, rngs, dtype,
-            lora=None if lora is None else lora.under("shared_expert"))
-        self.shared_expert_gate = param(rngs, (d,), ("embed",), cfg.init_std, dtype) if shared_expert_gate else None
-        self.num_experts = e
-        self.top_k = cfg.top_k
-        self.norm_topk_prob = cfg.norm_topk_prob
+        self.shared_expert, self.shared_expert_gate = _shared_expert(cfg, shared_expert_size, shared_expert_gate,
+                                                                     out_std, rngs, dtype, lora)
+        self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.top_k, cfg.norm_topk_prob
         self.impl = impl
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -229,3 +225,12 @@ class MoE(nnx.Module):
         u_SEF = jnp.einsum("sd,edf->sef", x_SD, wu)
         y_SED = swiglu_down(g_SEF, u_SEF, lambda h_SEF: jnp.einsum("sef,efd->sed", h_SEF, wd), self.plan.recompute_act)
         return jnp.einsum("sed,se->sd", y_SED, combine_SE)
+
+
+def _shared_expert(cfg, size: int, gated: bool, out_std: float, rngs: nnx.Rngs, dtype, lora):
+    """:class:`MoE`'s shared expert of width ``size`` and its gate (None, None: none)."""
+    if not size:
+        return None, None
+    mlp = MLP(cfg.hidden_size, size, cfg.init_std, out_std, rngs, dtype,
+              lora=None if lora is None else lora.under("shared_expert"))
+    return mlp, param(rngs, (cfg.hidden_size,), ("embed",), cfg.init_std, dtype) if gated else None
