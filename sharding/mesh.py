@@ -69,8 +69,9 @@ def validate(
     """Check ``cfg`` against the device count and the model before anything compiles.
 
     ``model_dims`` holds plain ints: num_heads, num_kv_heads, num_experts (0 for dense),
-    intermediate_size, moe_intermediate_size, num_layers, vocab_size, hidden_size (missing
-    keys are not checked). Raises :class:`LayoutError` naming the offending flag.
+    intermediate_size, moe_intermediate_size, num_layers, vocab_size, hidden_size, and where a
+    model has them shared_expert_intermediate_size and gdn_key_heads (missing keys are not
+    checked). Raises :class:`LayoutError` naming the offending flag.
 
     Returns the config to use: ``--sequence-parallel`` without tensor parallelism is turned
     off with a warning, as Megatron does.
@@ -114,6 +115,10 @@ def _check_model(cfg: Layout, dims: dict[str, int]) -> None:
           ": the embedding and LM head are vocab-parallel; pad the vocabulary "
           "(Megatron's --make-vocab-size-divisible-by)")
     _need(dims, "intermediate_size", tp, "--tensor-model-parallel-size", "dense FFN size")
+    _need(dims, "shared_expert_intermediate_size", tp, "--tensor-model-parallel-size", "shared expert FFN size")
+    # A linear-attention layer's key heads split over the tensor ranks, each with its value heads.
+    _need(dims, "gdn_key_heads", tp, "--tensor-model-parallel-size", "linear-attention key heads",
+          ": each tensor rank holds whole key heads and their value heads")
     _need(dims, "num_layers", pp, "--pipeline-model-parallel-size", "decoder layers")
     experts = dims.get("num_experts")
     if experts is not None:

@@ -49,6 +49,8 @@ PARAM_AXES = (
     "exp",        # routed experts
     "moe_mlp",    # expert SwiGLU intermediate
     "router_exp", # router output columns (one per expert; kept whole, as Megatron does)
+    "gdn_key_heads",  # a linear-attention (gated DeltaNet) layer's query/key heads
+    "gdn_heads",      # its value heads (each key head's H/G value heads next to it)
 )
 ACTIVATION_AXES = (
     "act_batch",
@@ -64,6 +66,8 @@ ACTIVATION_AXES = (
     "act_exp",       # expert dimension of dispatched tokens
     "act_capacity",  # per-expert token slots in the padded dispatch buffer
     "act_tokens",    # flattened batch*seq tokens inside the MoE block
+    "act_gdn_key_heads",  # a linear-attention layer's query/key heads (activations)
+    "act_gdn_heads",      # its value heads (activations)
 )
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
@@ -107,6 +111,14 @@ TENSOR_PARALLEL_OVERRIDES: Mapping[str, MeshAxes] = {
     "act_kv_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
+    # A linear-attention layer's heads split like attention heads: each tensor rank runs whole
+    # heads, so the recurrence needs no communication. Key and value heads both split
+    # contiguously, which keeps a key head and its value heads on one rank when TP divides the
+    # key heads (sharding.mesh checks it); unlike kv_heads they are never replicated.
+    "gdn_key_heads": "tensor",
+    "gdn_heads": "tensor",
+    "act_gdn_key_heads": "tensor",
+    "act_gdn_heads": "tensor",
 }
 # TP with more ranks than kv heads (see sharding.mesh.kv_heads_replicated).
 REPLICATED_KV_OVERRIDES: Mapping[str, MeshAxes] = {"kv_heads": None, "act_kv_heads": None}

@@ -143,6 +143,7 @@ def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict,
     return plan, carry.unused(files.path, table, unread)
 
 
+
 def _sharding_for(mesh, rules):
     def sharding_for(var) -> jax.sharding.Sharding:
         if mesh is None:
@@ -186,7 +187,7 @@ def load_pretrained(path: str, *, dtype=jnp.bfloat16, mesh: jax.sharding.Mesh | 
         rules = DATA_PARALLEL
     sharding_for = _sharding_for(mesh, rules)
     # Every tensor located and checked before any is read: a bad checkpoint fails fast and clearly.
-    table = families.family_of(cfg).params
+    table = families.family_of(cfg).hf_params(cfg)
     plan, carried = _plan(files, table, abstract, flat, cfg)
     carry.say(path, table, carried, "read past; HF exports of this model copy them untouched")
     new_flat = {}
@@ -227,7 +228,7 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
 
     cfg = model.cfg
     family = families.family_of(cfg)
-    table = family.params
+    table = family.hf_params(cfg)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     out_dtype = None if dtype is None else _np_dtype(dtype)
     host = lambda x: to_numpy(x) if out_dtype is None else to_numpy(x).astype(out_dtype)

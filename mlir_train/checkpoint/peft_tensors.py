@@ -119,6 +119,7 @@ def to_peft(adapters: dict, table: Table, stack_kinds, num_experts: int, *, shar
                     ae, be = (a, b) if e is None or shared else (a[e], b[e])
                     for t, (pa, pb) in zip(ad.targets, _linear(ae, be, len(ad.targets))):
                         module = _module(table, first + l, t.peft, e)
+                        _unclaimed(out, module, t)
                         out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = pa, pb
         zero = zero_targets(table, stack, kind) if layout == "per-expert" else []
         if zero:
@@ -127,6 +128,17 @@ def to_peft(adapters: dict, table: Table, stack_kinds, num_experts: int, *, shar
             rank = np.shape(_get(stack, found[0].path)["a"])[-1]
             out |= _zeros(table, zero, first, n, num_experts, rank, weights["layers"][i])
     return out
+
+
+def _unclaimed(out: dict, module: str, target: LoRATarget) -> None:
+    """Refuse a second adapter on one PEFT module: an HF projection that fuses weights we adapt
+    separately (a gated DeltaNet's ``in_proj_qkv``: q, k and v, each its own A) has no PEFT form,
+    and writing both would keep only the last."""
+    if f"{module}.lora_A.weight" in out:
+        raise CheckpointError(
+            f"--save-peft: {module} is one HF module for several adapted weights ({target.module}, adapters "
+            f"{target.adapter} and others, each with its own A), which a PEFT adapter cannot hold; write the merged "
+            f"model with --save-hf instead, or leave {target.module} out of --lora-target-modules")
 
 
 def _linear(a, b, parts: int) -> list[tuple[np.ndarray, np.ndarray]]:

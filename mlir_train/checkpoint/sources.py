@@ -283,7 +283,8 @@ class PeftAdapters(Source):
         from mlir_train.checkpoint import peft
 
         cfg = target.model_cfg
-        peft.save_adapters(dst, jax.device_get(state["params"]), policy=target.lora, table=families.family_of(cfg).params,
+        table = families.family_of(cfg).hf_params(cfg)
+        peft.save_adapters(dst, jax.device_get(state["params"]), policy=target.lora, table=table,
                            stack_kinds=target.stack_kinds, num_experts=cfg.num_experts, base=base, layout=layout,
                            weights=state["base"], mlp_only_layers=cfg.mlp_only_layers)
 
@@ -485,8 +486,8 @@ def lora_initial_state(target: Target, base_target: Target, cfg: RunConfig, load
         from mlir_train.checkpoint import peft
 
         log.info(f"loading LoRA adapters from {adapters.describe()} (optimizer fresh, iteration 0)")
-        host = peft.load_adapters(adapters.path, target.param_shapes, families.family_of(target.model_cfg).params,
-                                  target.stack_kinds, target.model_cfg.num_experts, policy=target.lora)
+        table = families.family_of(target.model_cfg).hf_params(target.model_cfg)
+        host = peft.load_adapters(adapters.path, target.param_shapes, table, target.stack_kinds, target.model_cfg.num_experts, policy=target.lora)
         state = target.state_with_base(jax.tree.map(lambda x: np.asarray(x, np.float32), host), state["base"])
     elif adapters is not None:
         ck = cfg.checkpoint

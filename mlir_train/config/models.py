@@ -60,6 +60,33 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's dimensions RoPE rotates (all of them here; a family with partial
+        RoPE rotates fewer)."""
+        return self.head_dim
+
+    def layout_dims(self) -> dict[str, int]:
+        """The sizes a parallel layout must divide, by the names :func:`sharding.mesh.validate`
+        and :func:`sharding.rules.rules_for` read (a family adds its own)."""
+        return dict(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, num_experts=self.num_experts,
+            intermediate_size=self.intermediate_size, moe_intermediate_size=self.moe_intermediate_size,
+            num_layers=self.num_layers, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+        )
+
+    def layer_flops(self, layer: int, seq_length: int, *, causal: bool = True) -> float:
+        """Decoder layer ``layer``'s per-token matmul terms of Megatron-LM's
+        ``num_floating_point_operations`` (before its ``3 * 2``; :mod:`mlir_train.model.flops`):
+        the MLP (dense SwiGLU, or the routed experts), the QKV and output projections and core
+        attention (halved for the causal mask unless ``causal=False``). A family whose layers
+        differ counts its own."""
+        h, s = self.hidden_size, seq_length
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        ffn = 3 * self.moe_intermediate_size * self.top_k if self.layer_is_moe(layer) else 3 * self.intermediate_size
+        core_attn = q * s / 2 * 2 if causal else q * s * 2
+        return h * ffn + h * (q + 2 * kv) + core_attn + q * h
+
     def layer_is_moe(self, layer: int) -> bool:
         """HF Qwen3-MoE's rule for which decoder layers get a sparse MoE block."""
         return (

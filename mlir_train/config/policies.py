@@ -26,11 +26,12 @@ METHODS = ("uniform", "block")
 # megatron-core 0.16's TransformerConfig.recompute_modules choices.
 MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
-# Modules Qwen3 / Qwen3-MoE have no counterpart for.
+# Modules no model here has a separate counterpart for.
 ABSENT_MODULES = {
-    "mla_up_proj": "Qwen3 has no multi-latent attention (megatron-core accepts mla_up_proj only with "
+    "mla_up_proj": "no model here has multi-latent attention (megatron-core accepts mla_up_proj only with "
                    "--multi-latent-attention)",
-    "shared_experts": "Qwen3-MoE has no shared experts (megatron-core's --moe-shared-expert-intermediate-size)",
+    "shared_experts": "the shared expert (of the models that have one) is not recomputed on its own: "
+                      "--recompute-modules moe recomputes the whole MoE layer, the shared expert included",
 }
 
 LEGACY = ("none", "full", "selective")  # the remat strings of earlier callers

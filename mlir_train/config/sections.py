@@ -256,7 +256,7 @@ class TrainingFlags:
              "megatron-core's fused attention), moe_act (the expert activation: only fc1's outputs kept; the "
              "dropless CPU/GPU expert kernels do that already), layernorm (the input and pre-MLP norms' outputs "
              "recomputed), mlp (dense layers' MLP), moe (the whole MoE layer); mla_up_proj and shared_experts "
-             "are refused (Qwen3 has no MLA or shared experts); moe_act needs no --moe-grouped-gemm here")
+             "are refused (no model here has MLA; moe recomputes a shared expert with its layer); moe_act needs no --moe-grouped-gemm here")
     moe_layer_recompute: bool = switch(
         "--moe-layer-recompute", group="moe",
         help="Megatron's deprecated spelling of --recompute-granularity selective --recompute-modules ... moe "

@@ -20,7 +20,7 @@ from typing import Any
 from flax import nnx
 
 from mlir_train.config.models import ModelConfig
-from mlir_train.families import qwen3
+from mlir_train.families import qwen3, qwen3_5
 from mlir_train.families.family import Family
 from mlir_train.families.table import Table
 from mlir_train.model import transformer
@@ -29,6 +29,7 @@ from mlir_train.runtime.errors import CheckpointError, ConfigError
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen3.FAMILY,
+    qwen3_5.FAMILY,
 )}
 
 __all__ = ["FAMILIES", "Family", "build_model", "family_of", "from_flags", "from_hf_config", "from_hf_dir",

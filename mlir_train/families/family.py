@@ -17,7 +17,13 @@ class Family:
     ``model_type`` values its configs carry and their mapping both ways, its causal LM (built as
     ``model(cfg, rngs=..., options=ModelOptions(...))``), its parameter table (every parameter's
     HF, Megatron and LoRA names: :mod:`mlir_train.families.table`) and the mapping of Megatron's
-    arguments to its configs, both ways."""
+    arguments to its configs, both ways.
+
+    ``hf_table``: the table whose HF names a config's checkpoints use, where a family's
+    checkpoints come in more than one class layout (None: :attr:`params` for every config).
+    ``refused_layouts``: the :class:`~sharding.layout.Layout` splits its model cannot run
+    exactly yet (the field, e.g. ``"pipeline"``, to the error naming the flag), refused by the
+    one builder of a trainer."""
 
     name: str
     config: type[ModelConfig]
@@ -30,3 +36,9 @@ class Family:
     # (Megatron's args as a dict, name=, vocab_size=, has_tensor=) -> config; CheckpointError if not this family's
     from_megatron: Callable[..., ModelConfig]
     to_megatron: Callable[[ModelConfig], dict[str, Any]]        # config -> the args Megatron builds it from
+    hf_table: Callable[[ModelConfig], Table] | None = None
+    refused_layouts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def hf_params(self, cfg: ModelConfig) -> Table:
+        """The parameter table with the HF names of ``cfg``'s checkpoints (its class layout)."""
+        return self.params if self.hf_table is None else self.hf_table(cfg)

@@ -253,6 +253,14 @@ class Table:
     lora_refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     carried: tuple[str, ...] = ()
 
+    def with_hf_prefix(self, old: str, new: str) -> "Table":
+        """This table with every HF name (the layer prefix and the global tensors) that starts
+        with ``old`` starting with ``new`` instead: another class layout of the same model."""
+        swap = lambda name: new + name[len(old):] if name.startswith(old) else name
+        rows = tuple(dataclasses.replace(r, hf=tuple(dataclasses.replace(x, name=swap(x.name)) if r.stacked == GLOBAL
+                                                     else x for x in r.hf)) for r in self.rows)
+        return dataclasses.replace(self, rows=rows, hf_layers=swap(self.hf_layers))
+
     def layer_rows(self, kind: LayerKind | None) -> tuple[Param, ...]:
         return tuple(r for r in self.rows if r.applies(kind))
 

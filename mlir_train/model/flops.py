@@ -23,6 +23,9 @@ transformer branch, no MLA, no MTP), for ``B`` sequences of ``s`` tokens, hidden
   (``--recompute-method block``: the share of each stage's layers recomputed).
 * MoE vs dense layers follow the HF Qwen3-MoE rule (``ModelConfig.layer_kinds``), where Megatron
   reads ``--moe-layer-freq``.
+* The per-layer terms are the model family's (``ModelConfig.layer_flops``): the formula above is
+  the base config's; a family with other token mixers (a gated-DeltaNet layer, a gated
+  attention's extra projection) counts them as Megatron's branch for them does.
 
 The per-token cost is thus ``6 * N_matmul + 6 * L * q * s`` with ``N_matmul`` the active
 parameters that sit in matmuls (attention projections, active experts, LM head).
@@ -65,15 +68,11 @@ PEAK_TFLOPS: tuple[tuple[str, float, float | None], ...] = (
 
 def _layer_terms(cfg: ModelConfig, seq_length: int, layer: int, *, causal: bool, shared_expert_ffn: int) -> float:
     """One decoder layer's per-token matmul terms of Megatron's formula (before ``passes * 2``):
-    its MLP (dense SwiGLU, or the routed and shared experts), QKV and output projections, and
-    core attention (halved for the causal mask unless ``causal=False``)."""
-    h, s = cfg.hidden_size, seq_length
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    ffn = 3 * cfg.moe_intermediate_size * cfg.top_k + 3 * shared_expert_ffn if cfg.layer_is_moe(layer) \
-        else 3 * cfg.intermediate_size
-    core_attn = q * s / 2 * 2 if causal else q * s * 2
-    return h * ffn + h * (q + 2 * kv) + core_attn + q * h
+    the family's own (:meth:`~mlir_train.config.models.ModelConfig.layer_flops`: its mixer and
+    MLP, core attention halved for the causal mask unless ``causal=False``), plus
+    ``shared_expert_ffn`` wide shared experts in an MoE layer that its config does not count."""
+    shared = 3 * cfg.hidden_size * shared_expert_ffn if cfg.layer_is_moe(layer) else 0
+    return cfg.layer_flops(layer, seq_length, causal=causal) + shared
 
 
 def num_floating_point_operations(

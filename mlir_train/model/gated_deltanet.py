@@ -25,6 +25,8 @@ a chunk collects only the chunk's last run (times the carried state when that ru
 before the chunk). Padding positions output zeros. The causal conv restarts its window the same
 way (:func:`causal_conv1d`).
 
+The nnx token mixer built on these is :class:`mlir_train.model.linear_attention.GatedDeltaNet`.
+
 **States** (for context parallelism, which will pass them between ranks): both forms take an
 initial recurrent state and return the final one; the conv takes and returns its last ``W - 1``
 inputs. An initial state belongs to the row's *first* run (the document that continues from the
@@ -39,12 +41,10 @@ W conv width, D hidden size. Nothing here names a mesh axis.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 L2NORM_EPS = 1e-6  # HF l2norm (= the FLA library's), fixed inside torch_*_gated_delta_rule
 
@@ -403,89 +403,3 @@ def _concat(parts, axis=0):
     """numpy stays numpy (an importer streams host arrays; nothing lands on a device)."""
     xp = jnp if any(isinstance(p, jax.Array) for p in parts) else np
     return xp.concatenate(parts, axis=axis)
-
-
-# ----------------------------------------------------------------------------------------------
-# The token mixer
-
-
-class GatedDeltaNetState(NamedTuple):
-    """What one rank passes the next within a document: the conv windows (last W - 1 inputs of
-    q, k and v) and the recurrent state."""
-    conv_q_BWGK: jax.Array
-    conv_k_BWGK: jax.Array
-    conv_v_BWHV: jax.Array
-    recurrent_BHKV: jax.Array
-
-
-def _normal(rngs: nnx.Rngs, shape, axes, std, dtype) -> nnx.Param:
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype), logical_axes=axes)
-
-
-class GatedDeltaNet(nnx.Module):
-    """The ``linear_attn`` token mixer of Qwen3.5 (split projections; Qwen3-Next's fused ones map
-    onto these with :func:`split_qwen3_next_projections`):
-
-        q, k, v = silu(conv(x Wq)), silu(conv(x Wk)), silu(conv(x Wv))   per-channel conv, width W
-        z = x Wz,  beta = sigmoid(x Wb),  g = -exp(A_log) softplus(x Wa + dt_bias)
-        y = (gated_rms_norm(delta_rule(q, k, v, g, beta), z) reshaped to H V) Wout
-
-    Parameters are stored per head so that heads split cleanly (HF's fused ``in_proj_qkv`` and
-    ``conv1d`` are the q | k | v sections concatenated; its conv weight ``[2GK + HV, 1, W]``
-    splits the same way). Logical axes: ``embed`` for D, ``head_dim`` for K and V, none for W,
-    and two new ones, ``gdn_key_heads`` for G and ``gdn_heads`` for H, which need rules in
-    sharding/rules.py before the layer is sharded (both over the tensor axis: a key head and
-    its ``H // G`` value heads must land on the same rank, which a contiguous split of both
-    gives when the tensor size divides G; the attention's ``kv_heads`` rule, replicated when
-    the tensor size exceeds the attention's KV heads, would be the wrong one to reuse).
-    """
-
-    def __init__(self, hidden: int, num_key_heads: int, num_value_heads: int, key_dim: int, value_dim: int,
-                 *, conv_width: int = 4, eps: float = 1e-6, rngs: nnx.Rngs, std: float = 0.02,
-                 out_std: float | None = None, dtype=jnp.float32):
-        d, g, h, k, v, w = hidden, num_key_heads, num_value_heads, key_dim, value_dim, conv_width
-        out_std = std if out_std is None else out_std
-        self.wq_DGK = _normal(rngs, (d, g, k), ("embed", "gdn_key_heads", "head_dim"), std, dtype)
-        self.wk_DGK = _normal(rngs, (d, g, k), ("embed", "gdn_key_heads", "head_dim"), std, dtype)
-        self.wv_DHV = _normal(rngs, (d, h, v), ("embed", "gdn_heads", "head_dim"), std, dtype)
-        self.wz_DHV = _normal(rngs, (d, h, v), ("embed", "gdn_heads", "head_dim"), std, dtype)
-        self.wb_DH = _normal(rngs, (d, h), ("embed", "gdn_heads"), std, dtype)
-        self.wa_DH = _normal(rngs, (d, h), ("embed", "gdn_heads"), std, dtype)
-        self.conv_q_WGK = _normal(rngs, (w, g, k), (None, "gdn_key_heads", "head_dim"), std, dtype)
-        self.conv_k_WGK = _normal(rngs, (w, g, k), (None, "gdn_key_heads", "head_dim"), std, dtype)
-        self.conv_v_WHV = _normal(rngs, (w, h, v), (None, "gdn_heads", "head_dim"), std, dtype)
-        # HF init: dt_bias ones, A = U(0.01, 16) (A_log = log A), gated-norm weight ones.
-        self.dt_bias_H = nnx.Param(jnp.ones((h,), dtype), logical_axes=("gdn_heads",))
-        self.a_log_H = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32, 0.01, 16.0)).astype(dtype),
-                                 logical_axes=("gdn_heads",))
-        self.norm_V = nnx.Param(jnp.ones((v,), dtype), logical_axes=("head_dim",))
-        self.wout_HVD = _normal(rngs, (h, v, d), ("gdn_heads", "head_dim", "embed"), out_std, dtype)
-        self.eps = eps
-
-    def zero_state(self, batch: int, dtype=jnp.float32) -> GatedDeltaNetState:
-        """The state a row that starts a document begins from (``dtype``: the activations', for
-        the conv windows; the recurrent state is float32)."""
-        w, g, k = self.conv_q_WGK.shape
-        h, v = self.conv_v_WHV.shape[1:]
-        return GatedDeltaNetState(jnp.zeros((batch, w - 1, g, k), dtype), jnp.zeros((batch, w - 1, g, k), dtype),
-                                  jnp.zeros((batch, w - 1, h, v), dtype), jnp.zeros((batch, h, k, v), jnp.float32))
-
-    def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None,
-                 state: GatedDeltaNetState | None = None, *, chunk_size: int = 64,
-                 recurrent: bool = False) -> tuple[jax.Array, GatedDeltaNetState]:
-        """``y_BTD`` and the state after the row's last token. ``recurrent=True`` runs the
-        token-by-token oracle instead of the chunked form."""
-        dt = x_BTD.dtype
-        proj = lambda spec, w: jnp.einsum(spec, x_BTD, w[...].astype(dt))
-        conv_state = (None, None, None) if state is None else state[:3]
-        q, cq = causal_conv1d(proj("btd,dgk->btgk", self.wq_DGK), self.conv_q_WGK[...], segment_ids_BT, conv_state[0])
-        k, ck = causal_conv1d(proj("btd,dgk->btgk", self.wk_DGK), self.conv_k_WGK[...], segment_ids_BT, conv_state[1])
-        v, cv = causal_conv1d(proj("btd,dhv->bthv", self.wv_DHV), self.conv_v_WHV[...], segment_ids_BT, conv_state[2])
-        z_BTHV = proj("btd,dhv->bthv", self.wz_DHV)
-        g_BTH, beta_BTH = decay_and_beta(proj("btd,dh->bth", self.wa_DH), proj("btd,dh->bth", self.wb_DH),
-                                         self.a_log_H[...], self.dt_bias_H[...])
-        rule = recurrent_gated_delta_rule if recurrent else lambda *a: chunk_gated_delta_rule(*a, chunk_size=chunk_size)
-        o_BTHV, s_BHKV = rule(q, k, v, g_BTH, beta_BTH, segment_ids_BT, None if state is None else state.recurrent_BHKV)
-        o_BTHV = gated_rms_norm(o_BTHV, z_BTHV, self.norm_V[...], self.eps)
-        y_BTD = jnp.einsum("bthv,hvd->btd", o_BTHV, self.wout_HVD[...].astype(dt))
-        return y_BTD, GatedDeltaNetState(cq, ck, cv, s_BHKV)

@@ -40,20 +40,27 @@ def ones_param(shape: Sequence[int], axes: Axes, dtype=jnp.float32) -> nnx.Param
 
 
 class RMSNorm(nnx.Module):
-    """HF Qwen3RMSNorm: normalise in float32, cast back, then scale."""
+    """HF Qwen3RMSNorm: normalise in float32, cast back, then scale. ``zero_centred``: the
+    scale is stored as ``w`` and applied as ``1 + w`` (initialised to zero), in float32 before
+    the cast back (HF Qwen3-Next / Qwen3.5's norm, Megatron's ``--apply-layernorm-1p``)."""
 
-    def __init__(self, dim: int, eps: float, axis_name: str = "norm", dtype=jnp.float32):
-        self.scale = ones_param((dim,), (axis_name,), dtype)
+    def __init__(self, dim: int, eps: float, axis_name: str = "norm", dtype=jnp.float32, zero_centred: bool = False):
+        self.scale = nnx.Param(jnp.zeros((dim,), dtype), logical_axes=(axis_name,)) if zero_centred \
+            else ones_param((dim,), (axis_name,), dtype)
         self.eps = eps
+        self.zero_centred = zero_centred
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centred:
+            return (x32 * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
 def rope_tables(positions_BT: jax.Array, head_dim: int, theta: float, scaling_factor: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables ``[B, T, H]`` (HF "default" RoPE; linear interpolation divides positions)."""
+    """cos/sin tables ``[B, T, H]`` (HF "default" RoPE; linear interpolation divides positions).
+    ``head_dim``: the dimensions rotated (a model with partial RoPE passes fewer than a head's)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     pos = positions_BT.astype(jnp.float32) / scaling_factor
     freqs_BTh = pos[..., None] * inv_freq
@@ -62,10 +69,15 @@ def rope_tables(positions_BT: jax.Array, head_dim: int, theta: float, scaling_fa
 
 
 def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
-    half = x_BTNH.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BTNH[..., half:], x_BTNH[..., :half]], axis=-1)
+    """RoPE (rotate-half) on the first ``cos_BTH.shape[-1]`` dimensions of each head; the rest
+    pass through (partial RoPE, HF's ``partial_rotary_factor``)."""
+    r = cos_BTH.shape[-1]
+    x_rot = x_BTNH[..., :r]
+    half = r // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
     cos, sin = cos_BTH[:, :, None, :], sin_BTH[:, :, None, :]
-    return (x_BTNH.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x_BTNH.dtype)
+    out = (x_rot.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x_BTNH.dtype)
+    return out if r == x_BTNH.shape[-1] else jnp.concatenate([out, x_BTNH[..., r:]], axis=-1)
 
 
 def row_parallel_out(y_BTD: jax.Array) -> jax.Array:
@@ -83,11 +95,16 @@ class Attention(nnx.Module):
     for "xla", the ``[B, T]`` segment ids for "flash", "tokamax" and "docs-flash" and, with the
     sequence split over context ranks, for
     :func:`~mlir_train.model.attention.context_parallel_attention` (``Qwen3.layer_context``
-    builds the right one)."""
+    builds the right one).
+
+    ``output_gate``: the query projection emits, per head, the query and then a gate of the
+    same width (HF Qwen3-Next / Qwen3.5's ``q_proj``, ``[q_h | gate_h]`` per head), and the
+    attention output is multiplied by ``sigmoid(gate)`` before the output projection.
+    ``zero_centred_norms``: the q/k norms are :class:`RMSNorm` with ``zero_centred``."""
 
     def __init__(self, cfg, rngs: nnx.Rngs, out_std: float, dtype=jnp.float32, impl: str = "xla",
-                 recompute_core_attn: bool = False, lora=None, interpret: bool = False,
-                 compute_capability: str | None = None):
+                 recompute_core_attn: bool = False, lora=None, output_gate: bool = False,
+                 zero_centred_norms: bool = False, interpret: bool = False, compute_capability: str | None = None):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention implementation {impl!r}; choose one of {ATTENTION_IMPLS}")
         self.impl = impl
@@ -100,17 +117,19 @@ class Attention(nnx.Module):
         self.recompute_core_attn = recompute_core_attn
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         std = cfg.init_std
-        self.q_proj = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), std, dtype)
+        qw = 2 * h if output_gate else h  # a head's query, then its gate
+        self.q_proj = param(rngs, (d, n, qw), ("embed", "q_heads", "head_dim"), std, dtype)
         self.k_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std, dtype)
         self.v_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std, dtype)
         self.o_proj = param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), out_std, dtype)
-        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", dtype)
-        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", dtype)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", dtype, zero_centred=zero_centred_norms)
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", dtype, zero_centred=zero_centred_norms)
+        self.output_gate = output_gate
         # LoRA (``lora``: the Adapters of this module): q/k/v each carry their own adapter (peft's
         # on the HF model's separate projections; Megatron's fused projection is the three).
-        qkv = lambda heads, axis: lambda: LoRA(rngs, (d,), ("embed",), (heads, h), (axis, "head_dim"), lora.dim,
-                                               lora.scaling, dtype=dtype)
-        self.q_lora = maybe(lora, "q_proj", qkv(n, "q_heads"))
+        qkv = lambda heads, axis, width=h: lambda: LoRA(rngs, (d,), ("embed",), (heads, width), (axis, "head_dim"),
+                                                        lora.dim, lora.scaling, dtype=dtype)
+        self.q_lora = maybe(lora, "q_proj", qkv(n, "q_heads", qw))
         self.k_lora = maybe(lora, "k_proj", qkv(k, "kv_heads"))
         self.v_lora = maybe(lora, "v_proj", qkv(k, "kv_heads"))
         self.o_lora = maybe(lora, "o_proj", lambda: LoRA(
@@ -144,6 +163,8 @@ class Attention(nnx.Module):
                     constrain(v_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")))
 
         q_BTNH, k_BTKH, v_BTKH = checkpointed(project, recompute_norm)(x_BTD)
+        if self.output_gate:
+            q_BTNH, gate_BTNH = q_BTNH[..., :self.head_dim], q_BTNH[..., self.head_dim:]
         q_BTNH = apply_rope(self.q_norm(q_BTNH), cos_BTH, sin_BTH)
         k_BTKH = apply_rope(self.k_norm(k_BTKH), cos_BTH, sin_BTH)
 
@@ -165,6 +186,8 @@ class Attention(nnx.Module):
             o_BTKGH = checkpointed(masked_attention, self.recompute_core_attn)(
                 q_BTNH.reshape(b, t, self.num_kv_heads, g, h), k_BTKH, v_BTKH, mask)
             o_BTNH = o_BTKGH.reshape(b, t, n, h)
+        if self.output_gate:
+            o_BTNH = o_BTNH * jax.nn.sigmoid(gate_BTNH)
         o_BTNH = constrain(o_BTNH, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         return row_parallel_out(adapted(o_BTNH, jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt)), self.o_lora))
 

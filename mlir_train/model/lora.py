@@ -124,7 +124,7 @@ def expert_delta(w: jax.Array, adapter: LoRA | None) -> jax.Array:
     return w if adapter is None else w + adapter.delta(w.dtype)
 
 
-# Where each adapter's update goes: (adapter, base weight(s)) under a layer's "attn" / "mlp".
+# Where each adapter's update goes, where its name is not ``<weight>_lora`` beside its weight.
 FOLDS = {"q_lora": ("q_proj",), "k_lora": ("k_proj",), "v_lora": ("v_proj",), "o_lora": ("o_proj",),
          "gate_lora": ("gate_proj",), "up_lora": ("up_proj",), "down_lora": ("down_proj",),
          "fc1_lora": ("gate_proj", "up_proj"), "fc2_lora": ("down_proj",)}
@@ -136,16 +136,23 @@ def folded(base: dict, adapters: dict, scaling: float) -> dict:
     the weight it adapts, in float32 and stored back in that weight's dtype: the merged model
     ``--save-hf`` writes. Layer stacks keep their leading ``"layers"`` axis; a shared expert
     adapter adds its update to every expert."""
-    updated = {"layers": {i: {part: _folded_module(base["layers"][i][part], module, scaling)
-                              for part, module in stack.items()}
+    updated = {"layers": {i: _folded_module(base["layers"][i], stack, scaling)
                           for i, stack in adapters["layers"].items()}}
     return tree.merge(base, updated)
 
 
+def _is_adapter(node) -> bool:
+    return isinstance(node, dict) and set(node) == {"a", "b"}
+
+
 def _folded_module(weights: dict, adapters: dict, scaling: float) -> dict:
-    """The weights of one ``"attn"`` / ``"mlp"`` module that its ``adapters`` update, updated."""
+    """The weights of one module (a layer stack's, or a submodule of it, at any depth) that its
+    ``adapters`` update, updated."""
     out = {}
     for name, adapter in adapters.items():
+        if not _is_adapter(adapter):  # a submodule ("attn", "mlp", a shared expert inside the MLP)
+            out[name] = _folded_module(weights[name], adapter, scaling)
+            continue
         a, b = (jnp.asarray(adapter[x], jnp.float32) for x in ("a", "b"))
         experts = name in ("fc1_lora", "fc2_lora")
         n_lead = 2 if experts and a.ndim == 4 else 1  # [L, E] per expert, [L] otherwise
@@ -155,7 +162,7 @@ def _folded_module(weights: dict, adapters: dict, scaling: float) -> dict:
         if experts and n_lead == 1:
             d = d[:, None]  # shared: the same update for every expert
         parts = [d[..., j, :] for j in range(2)] if name == "fc1_lora" else [d]
-        for target, update in zip(FOLDS[name], parts):
+        for target, update in zip(FOLDS.get(name, (name.removesuffix("_lora"),)), parts):
             w = weights[target]
             out[target] = (w.astype(jnp.float32) + update).astype(w.dtype)
     return out

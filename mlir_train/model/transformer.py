@@ -124,12 +124,16 @@ class CausalLM(nnx.Module):
         self.stack_kinds = layer_stacks(cfg)
         self.layers = nnx.List([stacked(lambda r, kind=s.kind: self.make_layer(kind, r), s.count, rngs)
                                 for s in self.stack_kinds])
-        self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.final_norm = self.make_norm(d)
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg.init_std, dtype)
 
     def make_layer(self, kind: LayerKind, rngs: nnx.Rngs) -> nnx.Module:
         """One decoder layer of ``kind``: ``layer(x_BTD, *self.layer_context(...)) -> (x_BTD, stats)``."""
         raise NotImplementedError(f"{type(self).__name__} builds no decoder layers")
+
+    def make_norm(self, dim: int) -> nnx.Module:
+        """The family's RMSNorm over ``dim`` (the final norm's; its layers build theirs)."""
+        return RMSNorm(dim, self.cfg.rms_norm_eps, dtype=self.options.param_dtype)
 
     @property
     def remat(self) -> RecomputePolicy:
@@ -172,7 +176,7 @@ class CausalLM(nnx.Module):
         mask (the segment ids themselves for the flash kernel, which masks as it goes) and the
         segment ids (0 = padding; the router counts per document), all derived from one
         micro-batch's ids and positions."""
-        cos_BTH, sin_BTH = rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling_factor)
+        cos_BTH, sin_BTH = rope_tables(positions_BT, self.cfg.rotary_dim, self.cfg.rope_theta, self.cfg.rope_scaling_factor)
         # Under context parallelism the sequence arrives in the layout's load-balanced order
         # (sharding.context) and attention masks block by block from the segment ids and
         # original indices (layers.context_parallel_attention).

@@ -95,12 +95,21 @@ def build_trainer(model_cfg: ModelConfig, step: StepConfig | None = None,
     router's balancing groups default to the step's micro-batches, :func:`with_balancing_rows`)."""
     step = step if step is not None else StepConfig()
     layout = layout if layout is not None else Layout()
+    check_layout_for_model(layout, model_cfg)
     if schedule is None and layout.pipeline > 1:
         schedule = make_schedule(model_cfg.num_layers, layout.pipeline, num_micro_batches=step.num_micro_batches)
     options = with_balancing_rows(options, model_cfg, step.micro_batch_size)
     return Trainer(model_cfg, step, optimizer if optimizer is not None else optax.identity(), layout,
                    mesh if mesh is not None else _mesh_of(layout), schedule=schedule, loss_scaler=loss_scaler,
                    options=options)
+
+
+def check_layout_for_model(layout: Layout, model_cfg: ModelConfig) -> None:
+    """A split the model's family cannot run exactly yet (:attr:`Family.refused_layouts`) is a
+    ConfigError naming its flag, before anything is built."""
+    for field, why in family_of(model_cfg).refused_layouts.items():
+        if getattr(layout, field) > 1:
+            raise ConfigError(why)
 
 
 def _mesh_of(layout: Layout) -> jax.sharding.Mesh:
@@ -181,6 +190,7 @@ def resolve(cfg: RunConfig, model_cfg: ModelConfig, *, num_devices: int | None =
     devices'; None: the default devices') and derive the batch split, the pipeline schedule,
     the model's options and the step's settings. Raises ConfigError."""
     parallel, gbs, num_micro = _batch_split(cfg, model_cfg, num_devices)
+    check_layout_for_model(parallel, model_cfg)
     schedule = _pipeline_schedule(cfg.parallel, parallel, model_cfg, num_micro)
     platform = platform or platform_name()
     options = _model_options(cfg, model_cfg, parallel, schedule, platform)

@@ -46,12 +46,9 @@ from sharding.rules import StateSpecs, rules_for, state_specs
 
 
 def model_dims(cfg: ModelConfig) -> dict[str, int]:
-    """The model sizes a layout must divide (``sharding.mesh.validate``, ``sharding.rules``)."""
-    return dict(
-        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, num_experts=cfg.num_experts,
-        intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
-        num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-    )
+    """The model sizes a layout must divide (``sharding.mesh.validate``, ``sharding.rules``):
+    :meth:`ModelConfig.layout_dims`, which a family extends with its own."""
+    return cfg.layout_dims()
 
 
 class StateLayout:

@@ -110,3 +110,26 @@ def test_stage_flops_sum_to_the_model_and_put_the_head_on_the_last_stage():
         # Full recompute reruns the layers' forward, not the output layer's.
         full = stage_floating_point_operations(cfg, 64, 3, stages[1], head=True, recompute_fraction=1.0)
         assert full - parts[1] == pytest.approx((parts[0]) / 3)
+
+
+def test_qwen3_next_80b_by_hand():
+    """Qwen3-Next-80B-A3B as Megatron-LM counts it: 12 gated attention layers (their q_proj
+    doubled by the output gate, ``attention_output_gate``), 36 gated-DeltaNet layers (the
+    ``gated_delta_net`` term), each MoE layer its 10 routed experts and the shared expert."""
+    from mlir_train.families import get_model_config
+    from mlir_train.model.gated_deltanet import megatron_flops_per_token
+
+    cfg = get_model_config("qwen3-next-80b-a3b")
+    h, s, q, kv = 2048, 4096, 16 * 256, 2 * 256
+    attention = h * (2 * q + 2 * kv) + q * s + q * h
+    deltanet = megatron_flops_per_token(h, 16, 32, 128, 128, 4) // 2
+    mlp = 3 * h * 512 * 10 + 3 * h * 512
+    per_token = 12 * attention + 36 * deltanet + 48 * mlp + h * 151936
+    assert num_floating_point_operations(cfg, seq_length=s, batch_size=1) == 6 * s * per_token
+    # Qwen3.5-27B, dense: the same mixers, a 17408-wide SwiGLU in every layer.
+    cfg = get_model_config("qwen3.5-27b")
+    h, q, kv = 5120, 24 * 256, 4 * 256
+    attention = h * (2 * q + 2 * kv) + q * s + q * h
+    deltanet = megatron_flops_per_token(h, 16, 48, 128, 128, 4) // 2
+    per_token = 16 * attention + 48 * deltanet + 64 * 3 * h * 17408 + h * 248320
+    assert num_floating_point_operations(cfg, seq_length=s, batch_size=1) == 6 * s * per_token

@@ -26,6 +26,7 @@ import pytest
 from flax import nnx
 
 from mlir_train.model import gated_deltanet as gdn
+from mlir_train.model import linear_attention as la
 
 torch = pytest.importorskip("torch")
 from transformers import Qwen3_5TextConfig, Qwen3NextConfig  # noqa: E402
@@ -341,7 +342,7 @@ def to_ours(sd):
 def our_layer(sd):
     """Our layer holding HF's values (created abstractly: an eager random init of every parameter
     costs seconds of small compiles)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: gdn.GatedDeltaNet(D, G, H, K, V, conv_width=W, rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: la.GatedDeltaNet(D, G, H, K, V, conv_width=W, rngs=nnx.Rngs(0))))
     nnx.replace_by_pure_dict(state, {name: jnp.asarray(value) for name, value in to_ours(sd).items()})
     return nnx.merge(graphdef, state)
 
@@ -392,10 +393,10 @@ def test_layer_state_carries_across_a_split():
     y, state = run(layer, x, seg, layer.zero_state(2))
     y1, state1 = run(layer, x[:, :35], seg[:, :35], layer.zero_state(2))
     keep = _continues(seg, 35)
-    state1 = gdn.GatedDeltaNetState(*(s * keep.reshape((2,) + (1,) * (s.ndim - 1)) for s in state1))
+    state1 = la.GatedDeltaNetState(*(s * keep.reshape((2,) + (1,) * (s.ndim - 1)) for s in state1))
     y2, state2 = run(layer, x[:, 35:], seg[:, 35:], state1)
     close("layer split at 35: outputs", np.concatenate([y1, y2], axis=1), y, 2e-6, relative=True)
-    for name, got, want in zip(gdn.GatedDeltaNetState._fields, state2, state):
+    for name, got, want in zip(la.GatedDeltaNetState._fields, state2, state):
         close(f"layer split at 35: final {name}", got, want, 2e-6, relative=True)
 
 

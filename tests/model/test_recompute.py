@@ -268,7 +268,7 @@ def test_flags_give_megatrons_policy():
      "--recompute-num-layers 0: must be at least 1"),
     (["--recompute-granularity", "full", "--recompute-modules", "moe"], "--recompute-modules applies to"),
     (["--recompute-modules", "core_attn"], "--recompute-modules applies to"),
-    (["--recompute-granularity", "selective", "--recompute-modules", "shared_experts"], "no shared experts"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "shared_experts"], "not recomputed on its own"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"], "multi-latent attention"),
     (["--recompute-granularity", "selective", "--recompute-modules", "attention"], "invalid choice"),
     (["--moe-layer-recompute", "--recompute-granularity", "full"], "--moe-layer-recompute with --recompute-granularity full"),

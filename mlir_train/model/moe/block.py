@@ -50,7 +50,7 @@ from flax import nnx
 from mlir_train.model.kernels.blocks import BlockKernels, xla_block_kernels
 from mlir_train.model.kernels.mosaic_moe import BLOCK_ROWS as GPU_BLOCK_ROWS, interpret_params, mosaic_block_kernels
 from mlir_train.model.kernels.tokamax_ops import tokamax_block_kernels
-from mlir_train.model.layers import param
+from mlir_train.model.layers import MLP, param
 from mlir_train.model.lora import LoRA, expert_delta, maybe
 from mlir_train.model.moe.dispatch import (
     COUNTS, DEFAULT_EP_BUFFER_FACTOR, DEFAULT_MOE_IMPL, MOE_IMPLS, ExpertsPlan, block_layout, block_rows, ragged_all_to_all_dense, ragged_collective_for,
@@ -79,7 +79,13 @@ class MoE(nnx.Module):
     (False); None picks by size. ``block_kernels`` are ``impl="grouped"``'s matmuls: by default
     (or "mosaic") our Mosaic-GPU kernels when ``platform`` is "gpu", else the ``ragged_dot``
     reference; "tokamax" tokamax's kernels (:mod:`mlir_train.model.kernels.tokamax_ops`);
-    "mosaic-interpret" ours in the Mosaic-GPU interpreter (``--code-paths gpu`` on CPU)."""
+    "mosaic-interpret" ours in the Mosaic-GPU interpreter (``--code-paths gpu`` on CPU).
+
+    ``shared_expert_size``: a shared expert of that width beside the routed ones (a SwiGLU
+    :class:`~mlir_train.model.layers.MLP` every token goes through, split over the tensor ranks
+    like a dense MLP), added to their output; ``shared_expert_gate``: scaled first by
+    ``sigmoid(x w)`` per token (HF Qwen3-Next / Qwen3.5's ``shared_expert_gate``, megatron-core's
+    ``--moe-shared-expert-gate``). 0: none (Qwen3-MoE)."""
 
     def __init__(
         self,
@@ -99,6 +105,8 @@ class MoE(nnx.Module):
         recompute_act: bool = False,
         lora=None,
         ep_buffer_factor: float = DEFAULT_EP_BUFFER_FACTOR,
+        shared_expert_size: int = 0,
+        shared_expert_gate: bool = False,
     ):
         platform = platform or platform_name()
         if ragged_all_to_all is None and impl in ("ragged", "grouped") and capacity_factor is None:
@@ -128,9 +136,9 @@ class MoE(nnx.Module):
             rngs, (d,), ("embed",), (2, f), (None, "moe_mlp"), lora.dim, lora.scaling, experts=experts, dtype=dtype))
         self.fc2_lora = maybe(lora, "down_proj", lambda: LoRA(
             rngs, (f,), ("moe_mlp",), (d,), ("embed",), lora.dim, lora.scaling, experts=experts, dtype=dtype))
-        self.num_experts = e
-        self.top_k = cfg.top_k
-        self.norm_topk_prob = cfg.norm_topk_prob
+        self.shared_expert, self.shared_expert_gate = _shared_expert(cfg, shared_expert_size, shared_expert_gate,
+                                                                     out_std, rngs, dtype, lora)
+        self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.top_k, cfg.norm_topk_prob
         self.impl = impl
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -192,7 +200,18 @@ class MoE(nnx.Module):
         # Assignments dropped by a capacity, and dropless rows that overflowed the expert-parallel
         # exchange buffer into further rounds (computed exactly, but counted: --moe-ep-buffer-factor).
         stats.update({name: counts[i] for i, name in enumerate(COUNTS)})
-        return y_SD.reshape(b, t, d), stats
+        y_BTD = y_SD.reshape(b, t, d)
+        if self.shared_expert is not None:
+            y_BTD = y_BTD + self._shared(x_SD.reshape(b, t, d))
+        return y_BTD, stats
+
+    def _shared(self, x_BTD: jax.Array) -> jax.Array:
+        """The shared expert's output on the normed tokens, scaled by its gate."""
+        y_BTD = self.shared_expert(x_BTD)
+        if self.shared_expert_gate is None:
+            return y_BTD
+        g_BT = jnp.einsum("btd,d->bt", x_BTD, self.shared_expert_gate[...].astype(x_BTD.dtype))
+        return y_BTD * jax.nn.sigmoid(g_BT)[..., None]
 
     def _weights(self, dt):
         """The experts' weights in ``dt``, with their LoRA updates folded in."""
@@ -209,3 +228,12 @@ class MoE(nnx.Module):
         u_SEF = jnp.einsum("sd,edf->sef", x_SD, wu)
         y_SED = swiglu_down(g_SEF, u_SEF, lambda h_SEF: jnp.einsum("sef,efd->sed", h_SEF, wd), self.plan.recompute_act)
         return jnp.einsum("sed,se->sd", y_SED, combine_SE)
+
+
+def _shared_expert(cfg, size: int, gated: bool, out_std: float, rngs: nnx.Rngs, dtype, lora):
+    """:class:`MoE`'s shared expert of width ``size`` and its gate (None, None: none)."""
+    if not size:
+        return None, None
+    mlp = MLP(cfg.hidden_size, size, cfg.init_std, out_std, rngs, dtype,
+              lora=None if lora is None else lora.under("shared_expert"))
+    return mlp, param(rngs, (cfg.hidden_size,), ("embed",), cfg.init_std, dtype) if gated else None
