@@ -63,14 +63,14 @@ def _script_argv(script: str, tmp_path, **env) -> list[str]:
 
 def test_qwen3_5_script_flags_parse_and_describe_qwen3_5_35b_a3b(tmp_path):
     """Every flag of examples/qwen3_5_35b_a3b_sft.sh is accepted, and its architecture flags are
-    Qwen3.5-35B-A3B's (a stand-in config with its shape: the family is not on this branch)."""
+    Qwen3.5-35B-A3B's (the registry's config)."""
     from mlir_train.config import cli
     from mlir_train.config.arch_flags import check_architecture_flags
-    from tests.config.test_arch_flags import HYBRID
+    from mlir_train.families import get_model_config
 
     cfg = cli.parse(_script_argv("qwen3_5_35b_a3b_sft.sh", tmp_path))
     assert cfg.model.model_name == "qwen3.5-35b-a3b" and cfg.data.chat_template == "qwen3_5"
-    check_architecture_flags(cfg.model, HYBRID.replace(num_layers=40))
+    check_architecture_flags(cfg.model, get_model_config("qwen3.5-35b-a3b"))
     assert {"--moe-shared-expert-overlap", "--cross-entropy-fusion-impl", "--ckpt-format"} <= set(cfg.ignored_flags)
     smoke = cli.parse(_script_argv("qwen3_5_35b_a3b_sft.sh", tmp_path / "smoke", CPU_SMOKE="1"))
     assert smoke.model.model_name == "qwen3.5-moe-tiny" and smoke.model.linear_num_value_heads == 4
