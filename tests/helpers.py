@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import zlib
 import shutil
 from typing import Any, NamedTuple
 
@@ -203,8 +204,24 @@ def named_leaves(tree) -> list[tuple[str, np.ndarray]]:
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def assert_step_matches(got: StepResult, ref: StepResult, *, moe: bool) -> None:
-    """One step of a layout equals the one-device step (tolerances: the module docstring)."""
+def random_lora_b(trainer, state):
+    """The state with every adapter's B drawn at random (std 0.2), in the trainer's sharding: a
+    ``train_one_step`` ``init``. LoRA's B starts at zero, which leaves A without gradient on the
+    first step and would make a one-step comparison vacuous for A."""
+    def draw(path, x):
+        if getattr(path[-1], "key", None) != "b":
+            return x
+        seed = zlib.crc32(jax.tree_util.keystr(path).encode())
+        return 0.2 * jax.random.normal(jax.random.key(seed), x.shape, x.dtype)
+
+    params = jax.jit(lambda p: jax.tree_util.tree_map_with_path(draw, p),
+                     out_shardings=trainer.master_shardings)(state["params"])
+    return dict(state, params=params)
+
+
+def assert_step_matches(got: StepResult, ref: StepResult, *, moe: bool, grad_tol: float = 1e-5) -> None:
+    """One step of a layout equals the one-device step (tolerances: the module docstring);
+    ``grad_tol``: each gradient's tolerance, as a fraction of its largest element."""
     for (path, a), (_, b) in zip(named_leaves(got.init_params), named_leaves(ref.init_params)):
         np.testing.assert_array_equal(a, b, err_msg=f"initial {path}")
     assert got.metrics["loss tokens"] == ref.metrics["loss tokens"]
@@ -213,7 +230,7 @@ def assert_step_matches(got: StepResult, ref: StepResult, *, moe: bool) -> None:
     assert ref.metrics["grad-norm"] > 1.0  # clipping is active, so its global norm is exercised too
     for (path, a), (_, b) in zip(named_leaves(got.adam_mu), named_leaves(ref.adam_mu)):
         assert np.abs(b).max() > 0, f"{path}: no gradient at all; the test would prove nothing"
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=f"gradient (Adam mu) {path}")
+        np.testing.assert_allclose(a, b, rtol=0, atol=grad_tol * np.abs(b).max(), err_msg=f"gradient (Adam mu) {path}")
     leaves = zip(named_leaves(got.params), named_leaves(ref.params), named_leaves(ref.init_params),
                  named_leaves(ref.adam_mu))
     for (path, a), (_, b), (_, p0), (_, mu) in leaves:

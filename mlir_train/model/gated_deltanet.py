@@ -200,6 +200,38 @@ def recurrent_gated_delta_rule(q_BTGK: jax.Array, k_BTGK: jax.Array, v_BTHV: jax
     return o_BTHV.astype(out_dtype), s_final
 
 
+def unit_lower_inverse(a_XCC: jax.Array, precision=None) -> jax.Array:
+    """``(I + A)^-1`` for strictly lower-triangular ``A`` (``[..., C, C]``), exactly, by matmuls only.
+
+    Recursive 2 x 2 block inversion (LAPACK ``trtri``'s scheme, FLA's ``solve_tril``):
+    ``[[L11, 0], [L21, L22]]^-1 = [[L11^-1, 0], [-L22^-1 L21 L11^-1, L22^-1]]``, all the diagonal
+    blocks of one size at once, from 1 x 1 (the unit diagonal) to ``C`` in ``log2(C)`` levels
+    (``C`` is zero-padded to a power of two, which leaves the leading block's inverse unchanged).
+
+    Not ``lax.linalg.triangular_solve``: on XLA:CPU that is jaxlib 0.10.2's LAPACK ``trsm`` FFI,
+    whose batch loop (``ParallelBatchMap``) queues its pieces on XLA:CPU's intra-op pool and
+    blocks a pool thread waiting for them; when as many solves run at once as the pool has
+    threads (one per fake device, all in the same step), every thread waits and the step hangs.
+    Matmuls are also what a GPU runs best on a 64 x 64 system.
+    """
+    c = a_XCC.shape[-1]
+    p = 1 << max(0, (c - 1).bit_length())
+    batch = a_XCC.shape[:-2]
+    a = jnp.pad(a_XCC, [(0, 0)] * len(batch) + [(0, p - c)] * 2) if p != c else a_XCC
+    inv = jnp.ones((*batch, p, 1, 1), a.dtype)  # the inverses of the diagonal blocks, [..., p / s, s, s]
+    s = 1
+    while s < p:
+        m = p // (2 * s)
+        diag = jnp.moveaxis(jnp.diagonal(a.reshape(*batch, m, 2 * s, m, 2 * s), axis1=-4, axis2=-2), -1, -3)
+        pair = inv.reshape(*batch, m, 2, s, s)
+        inv11, inv22 = pair[..., 0, :, :], pair[..., 1, :, :]
+        inv21 = -jnp.matmul(jnp.matmul(inv22, diag[..., s:, :s], precision=precision), inv11, precision=precision)
+        inv = jnp.concatenate([jnp.concatenate([inv11, jnp.zeros_like(inv11)], axis=-1),
+                               jnp.concatenate([inv21, inv22], axis=-1)], axis=-2)
+        s *= 2
+    return inv.reshape(*batch, p, p)[..., :c, :c]
+
+
 def chunk_gated_delta_rule(q_BTGK: jax.Array, k_BTGK: jax.Array, v_BTHV: jax.Array, g_BTH: jax.Array,
                            beta_BTH: jax.Array, segment_ids_BT: jax.Array | None = None,
                            initial_state_BHKV: jax.Array | None = None, *, chunk_size: int = 64,
@@ -271,7 +303,7 @@ def chunk_gated_delta_rule(q_BTGK: jax.Array, k_BTGK: jax.Array, v_BTHV: jax.Arr
 
     read_BHNC = jnp.exp(cum_BHNC) * carry_BNC[:, None]  # how much of the carried-in state each token sees
     rhs = jnp.concatenate([v_BHNCV * beta_BHNC[..., None], k_BHNCK * (beta_BHNC * read_BHNC)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(a_BHNCC, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = jnp.einsum("bhnij,bhnjx->bhnix", unit_lower_inverse(a_BHNCC, precision), rhs, precision=precision)
     u_BHNCV, w_BHNCK = solved[..., :vd], solved[..., vd:]
     qread_BHNCK = q_BHNCK * read_BHNC[..., None]
 
@@ -303,6 +335,14 @@ def chunk_gated_delta_rule(q_BTGK: jax.Array, k_BTGK: jax.Array, v_BTHV: jax.Arr
 # FLOPs
 
 
+def _inverse_flops(chunk_size: int) -> int:
+    """Matmul FLOPs of :func:`unit_lower_inverse` for one ``C x C`` system: level ``s`` does
+    ``P / 2s`` pairs of ``[s, s] x [s, s]`` products, ``2 P s^2``; summed over ``s = 1 .. P / 2``,
+    ``2 P (P^2 - 1) / 3`` (``P``: ``C`` rounded up to a power of two)."""
+    p = 1 << max(0, (chunk_size - 1).bit_length())
+    return 2 * p * (p * p - 1) // 3
+
+
 def chunk_flops_per_token(num_value_heads: int, key_dim: int, value_dim: int, chunk_size: int = 64) -> int:
     """Forward matmul FLOPs per token of :func:`chunk_gated_delta_rule` (multiply-add = 2), all
     value heads, for a sequence that fills its chunks (:func:`chunk_flops` counts the padded tail).
@@ -310,32 +350,39 @@ def chunk_flops_per_token(num_value_heads: int, key_dim: int, value_dim: int, ch
     Per chunk of ``C`` tokens and per value head (``K``, ``V`` the head dims):
 
     * ``k k^T`` and ``q k^T`` over the chunk, ``[C, K] x [K, C]`` each:           2 * 2 C^2 K
-    * the unit-lower-triangular solve ``(I + A) X = [beta v, beta k exp(G)]``, ``V + K``
-      right-hand columns; forward substitution does ``i`` multiply-adds in row ``i``:  C (C - 1) (V + K)
+    * the UT system's inverse ``(I + A)^-1`` (:func:`unit_lower_inverse`):          2 C (C^2 - 1) / 3
+    * that inverse times ``[beta v, beta k exp(G)]``, ``[C, C] x [C, V + K]``:       2 C^2 (V + K)
     * ``w S`` and ``(q exp(G)) S``, ``[C, K] x [K, V]`` each:                       2 * 2 C K V
     * ``P delta``, ``[C, C] x [C, V]``:                                             2 C^2 V
     * the state update ``kwrite^T delta``, ``[K, C] x [C, V]``:                     2 C K V
 
-    Divided by ``C``: ``6 K V + 4 C K + 2 C V + (C - 1)(K + V)`` per token per head. The
-    sequence-length-free ``6 K V`` is the recurrence's own work; the ``C`` terms are what chunking
-    pays to turn it into matmuls. At Qwen3.5/Qwen3-Next sizes (K = V = 128, C = 64, H = 32):
-    163,584 per head, 1.25x the ``8 K V`` that Megatron counts for the core
-    (:func:`megatron_flops_per_token`). The backward runs each matmul twice more (and two more
-    solves), so a training step is about 3x this, as Megatron's factor 3 assumes. Elementwise
-    work (decays, masks, the l2 norm) is not counted.
+    Divided by ``C``: ``6 K V + 4 C K + 2 C V + 2 C (K + V) + 2 (C^2 - 1) / 3`` per token per head
+    (for a power-of-two ``C``; otherwise the inverse is that of the next power of two, and this
+    rounds down). The sequence-length-free ``6 K V`` is the recurrence's own work; the ``C`` terms
+    are what chunking pays to turn it into matmuls. At Qwen3.5/Qwen3-Next sizes (K = V = 128,
+    C = 64, H = 32): 182,954 per head, 1.40x the ``8 K V`` that Megatron counts for the core
+    (:func:`megatron_flops_per_token`); forward substitution (LAPACK's ``trsm``) would do the solve
+    in ``C (C - 1)(K + V)`` instead of ``2 C^2 (K + V) + 2 C (C^2 - 1) / 3``, 1.25x, but see
+    :func:`unit_lower_inverse` for why it is not used. The backward runs each matmul twice more,
+    so a training step is about 3x this, as Megatron's factor 3 assumes. Elementwise work (decays,
+    masks, the l2 norm) is not counted.
 
     Sharing ``q k^T`` and ``k k^T`` across the ``H // G`` value heads of a key head (the decays
     differ per value head, the products do not) would save ``4 C K (1 - G/H)`` per token per head;
     this implementation repeats q and k as HF does.
     """
-    c, k, v = chunk_size, key_dim, value_dim
-    return num_value_heads * (6 * k * v + 4 * c * k + 2 * c * v + (c - 1) * (k + v))
+    return _chunk_flops_per_head(key_dim, value_dim, chunk_size) * num_value_heads // chunk_size
+
+
+def _chunk_flops_per_head(k: int, v: int, c: int) -> int:
+    """One chunk, one value head: the terms listed in :func:`chunk_flops_per_token`, times ``C``."""
+    return c * (6 * k * v + 4 * c * k + 2 * c * v + 2 * c * (k + v)) + _inverse_flops(c)
 
 
 def chunk_flops(batch: int, seq_len: int, num_value_heads: int, key_dim: int, value_dim: int, chunk_size: int = 64) -> int:
     """Forward matmul FLOPs of one :func:`chunk_gated_delta_rule` call, the padded tail included."""
-    padded = max(1, math.ceil(seq_len / chunk_size)) * chunk_size
-    return batch * padded * chunk_flops_per_token(num_value_heads, key_dim, value_dim, chunk_size)
+    chunks = max(1, math.ceil(seq_len / chunk_size))
+    return batch * chunks * num_value_heads * _chunk_flops_per_head(key_dim, value_dim, chunk_size)
 
 
 def megatron_flops_per_token(hidden: int, num_key_heads: int, num_value_heads: int, key_dim: int, value_dim: int,

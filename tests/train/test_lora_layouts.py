@@ -20,7 +20,6 @@ and GPipe, context parallelism with TP + SP) are ``slow``.
 from __future__ import annotations
 
 import functools
-import zlib
 
 import jax
 import numpy as np
@@ -30,7 +29,7 @@ from mlir_train.model import ModelOptions
 from mlir_train.families import get_model_config
 from mlir_train.config.policies import LoRAPolicy
 from sharding.layout import Layout
-from tests.helpers import MODELS, assert_step_matches, named_leaves, train_one_step
+from tests.helpers import MODELS, assert_step_matches, named_leaves, random_lora_b, train_one_step
 
 PER_EXPERT = LoRAPolicy(dim=4, alpha=128)  # scaling 32: a grad norm above the clip (1.0)
 SHARED = LoRAPolicy(dim=4, alpha=128, expert_adapters="shared")
@@ -56,22 +55,9 @@ SLOW = {
 }
 
 
-def _random_b(trainer, state):
-    """The state with every adapter's B drawn at random (std 0.2), in the trainer's sharding."""
-    def draw(path, x):
-        if getattr(path[-1], "key", None) != "b":
-            return x
-        seed = zlib.crc32(jax.tree_util.keystr(path).encode())
-        return 0.2 * jax.random.normal(jax.random.key(seed), x.shape, x.dtype)
-
-    params = jax.jit(lambda p: jax.tree_util.tree_map_with_path(draw, p),
-                     out_shardings=trainer.master_shardings)(state["params"])
-    return dict(state, params=params)
-
-
 @functools.cache
 def _run(model: str, policy: LoRAPolicy, layout: Layout | None, pipeline: tuple):
-    return train_one_step(CFGS[model], layout, ModelOptions(lora=policy), init=_random_b, pipeline=dict(pipeline))
+    return train_one_step(CFGS[model], layout, ModelOptions(lora=policy), init=random_lora_b, pipeline=dict(pipeline))
 
 
 def _check(name: str, cases: dict):
@@ -104,7 +90,7 @@ def test_frozen_base_is_untouched_and_in_the_compute_dtype():
     """One bf16 step: the base is held in bfloat16 and comes back bit-identical; the adapters
     alone hold float32 master weights and moments."""
     res = train_one_step(MODELS["moe"], None, ModelOptions(lora=PER_EXPERT), step={"compute_dtype": "bfloat16"},
-                         init=_random_b)
+                         init=random_lora_b)
     state = jax.device_get(res.state)
     init = res.trainer.init_state(3)  # SEED: the base init_state gives, before the step
     base0 = jax.device_get(init["base"])
