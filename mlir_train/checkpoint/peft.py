@@ -79,10 +79,10 @@ def save_adapters(path: str, adapters: dict, *, policy, table: Table, stack_kind
     tensors = to_peft(adapters, table, stack_kinds, num_experts, shared=shared, layout=layout, weights=weights)
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
-    found = {t: None for i, s in enumerate(stack_kinds) for ad in adapters_of(table, adapters["layers"][i], s.kind)
+    found = {t: None for i, s in enumerate(stack_kinds) for ad in adapters_of(table, adapters["layers"].get(i, {}), s.kind)
              for t in ad.targets}
     zeros = {r.lora: None for i, s in enumerate(stack_kinds) if layout == "per-expert"
-             for r in zero_targets(table, adapters["layers"][i], s.kind)}
+             for r in zero_targets(table, adapters["layers"].get(i, {}), s.kind)}
     targets = [r.lora for r in table.rows if r.lora in found or r.lora in zeros]
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, WEIGHTS_NAME))
     usual_mode(os.path.join(path, WEIGHTS_NAME))

@@ -104,7 +104,7 @@ def to_peft(adapters: dict, table: Table, stack_kinds, num_experts: int, *, shar
     with ``.shape``, our tree), which give the per-expert layout's zero adapters their shapes."""
     out: dict[str, np.ndarray] = {}
     for i, (first, n, kind) in enumerate(stack_kinds):
-        stack = adapters["layers"][i]
+        stack = adapters["layers"].get(i, {})
         found = adapters_of(table, stack, kind)
         for ad in found:
             lora = _get(stack, ad.path)

@@ -252,3 +252,28 @@ def test_per_expert_gate_and_up_must_share_their_a(tmp_path):
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with pytest.raises(CheckpointError, match="experts.2.gate_proj and .*experts.2.up_proj have different lora_A"):
         load_adapters(path, adapters, TABLE, stack_kinds, cfg.num_experts, policy=policy)
+
+
+def test_a_fused_hf_module_with_several_adapters_is_refused_naming_the_flag(tmp_path):
+    """Qwen3.5's gated DeltaNet: HF's ``in_proj_qkv`` fuses q, k and v, each with its own adapter
+    here (its own A), which no PEFT module can hold: refused naming --save-peft and the way out,
+    never written as one of them. Without the DeltaNet's input projection the export goes through."""
+    cfg = families.get_model_config("qwen3.5-moe-tiny", vocab_size=64, num_layers=2,
+                                    layer_types=("linear_attention", "full_attention"))
+    table = families.family_of(cfg).hf_params(cfg)
+
+    def export(targets, out):
+        policy = LoRAPolicy(dim=4, alpha=8, targets=targets)
+        model = families.build_model(cfg, ModelOptions(lora=policy), abstract=True)
+        weights = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        shapes = nnx.to_pure_dict(nnx.state(model, LoRAParam))
+        adapters = jax.tree.map(lambda s: np.ones(s.shape, np.float32), shapes)
+        save_adapters(str(tmp_path / out), adapters, policy=policy, table=table, stack_kinds=model.stack_kinds,
+                      num_experts=cfg.num_experts, weights=weights, mlp_only_layers=cfg.mlp_only_layers)
+
+    with pytest.raises(CheckpointError, match=r"--save-peft: .*linear_attn\.in_proj_qkv is one HF module for "
+                                              r"several adapted weights.*--save-hf"):
+        export(("in_proj",), "fused")
+    assert not os.path.exists(tmp_path / "fused" / "adapter_model.safetensors")
+    export(("linear_qkv", "linear_proj"), "attention")
+    assert any("self_attn.q_proj.lora_A" in k for k in _tensors(str(tmp_path / "attention")))
