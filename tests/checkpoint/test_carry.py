@@ -22,7 +22,7 @@ from mlir_train.checkpoint.hf_files import Files, _header, write_raw
 from mlir_train.families.qwen3.params import TABLE
 from tests.helpers import DEFAULT_DATA, DEFAULT_TOKENIZER, assert_carried, extras, make_source
 
-TINY = families.get_model_config("qwen3-moe-tiny", num_layers=2, vocab_size=1536, hidden_size=64,
+TINY = families.get_model_config("qwen3-moe-tiny", num_layers=2, vocab_size=1600, hidden_size=64,
                                  moe_intermediate_size=32, num_experts=4)
 
 
