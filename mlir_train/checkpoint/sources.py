@@ -4,11 +4,9 @@
 model directory (:class:`HFModel`), a checkpoint of ours (:class:`Ours`, wins where a directory
 holds one; ``DIR/<step>`` names one step), a Megatron-LM / AIAK checkpoint (:class:`Megatron`,
 legacy ``torch`` or ``torch_dist``), or nothing (:class:`Scratch`). Each Source knows its own
-model config, what resuming from it requires, and how to lay its weights (and, for ours, the
-optimizer and the data position) into a run's state (a
-:class:`~mlir_train.checkpoint.target.Target`, the trainer), and how to write one in its format
-(``write``: the loop's final ``--save-hf`` / ``--save-peft``, ``convert``); the entry points
-never ask which kind they hold.
+model config, what resuming from it requires, how to lay its weights (and, for ours, the optimizer
+and the data position) into a run's state (a :class:`~mlir_train.checkpoint.target.Target`), and
+how to write one in its format (``write``: ``--save-hf`` / ``--save-peft``, ``convert``).
 """
 
 from __future__ import annotations

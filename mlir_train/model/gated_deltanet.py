@@ -267,23 +267,40 @@ def chunk_gated_delta_rule(q_BTGK: jax.Array, k_BTGK: jax.Array, v_BTHV: jax.Arr
     b, t, h, vd = v_BTHV.shape
     q, k, v, g, beta = _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, scale, normalize_qk)
     kd = q.shape[-1]
-    c = chunk_size
-    n = max(1, -(-t // c))
+    n = max(1, -(-t // chunk_size))
+    chunks, run_BNC = _in_chunks((q, k, v, g, beta), document_runs(segment_ids_BT, b, t), n, chunk_size)
+    xs = _chunk_terms(*chunks, run_BNC, precision)
+    s0 = jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state_BHKV is None else initial_state_BHKV.astype(jnp.float32)
+    s_final, o_NBHCV = _scan_chunks(s0, xs, precision, unroll)
+    o_BNCHV = jnp.moveaxis(o_NBHCV, (0, 1, 2), (1, 0, 3))
+    o_BTHV = o_BNCHV.reshape(b, n * chunk_size, h, vd)[:, :t]
+    valid = _not_padding(segment_ids_BT)
+    if valid is not None:
+        o_BTHV = jnp.where(valid[:, :, None, None], o_BTHV, 0.0)
+    return o_BTHV.astype(out_dtype), s_final
+
+
+def _in_chunks(tensors, run_BT: jax.Array, n: int, c: int):
+    """``[B, T, H, ...]`` tensors padded to ``n`` chunks of ``c`` (zeros in the last run) as
+    ``[B, H, N, C, ...]``, and the runs ``[B, N, C]``."""
+    b, t = run_BT.shape
     pad = n * c - t
-    run_BT = document_runs(segment_ids_BT, b, t)
     if pad:
-        zeros = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        q, k, v, g, beta = map(zeros, (q, k, v, g, beta))
+        tensors = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in tensors]
         run_BT = jnp.pad(run_BT, [(0, 0), (0, pad)], mode="edge")
 
     def chunked(x_BT_):  # [B, T, H, ...] -> [B, H, N, C, ...]
         x = x_BT_.reshape(b, n, c, *x_BT_.shape[2:])
         return jnp.moveaxis(x, 3, 1) if x.ndim > 3 else x
 
-    q_BHNCK, k_BHNCK, v_BHNCV = chunked(q), chunked(k), chunked(v)
-    g_BHNC, beta_BHNC = chunked(g), chunked(beta)
-    run_BNC = run_BT.reshape(b, n, c)
+    return [chunked(x) for x in tensors], run_BT.reshape(b, n, c)
 
+
+def _chunk_terms(q_BHNCK, k_BHNCK, v_BHNCV, g_BHNC, beta_BHNC, run_BNC, precision) -> tuple[jax.Array, ...]:
+    """Every chunk's terms of :func:`chunk_gated_delta_rule` at once (all but its last three
+    lines), chunk axis first for the scan: ``u, w, qread, attn, kwrite, keep``."""
+    b, n, c = run_BNC.shape
+    vd = v_BHNCV.shape[-1]
     prev_run_BN = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), run_BNC[:, :-1, -1]], axis=1)
     carry_BNC = run_BNC == prev_run_BN[:, :, None]
     causal_same_BNCC = (run_BNC[:, :, :, None] == run_BNC[:, :, None, :]) & jnp.tril(jnp.ones((c, c), bool))
@@ -312,6 +329,12 @@ def chunk_gated_delta_rule(q_BTGK: jax.Array, k_BTGK: jax.Array, v_BTHV: jax.Arr
     kwrite_BHNCK = k_BHNCK * jnp.exp(jnp.where(in_last_BNC[:, None], last_BHN[..., None] - cum_BHNC, -jnp.inf))[..., None]
     keep_BHN = jnp.exp(last_BHN) * carry_BNC[:, None, :, -1]
 
+    return tuple(jnp.moveaxis(x, 2, 0) for x in (u_BHNCV, w_BHNCK, qread_BHNCK, attn_BHNCC, kwrite_BHNCK, keep_BHN))
+
+
+def _scan_chunks(s0_BHKV: jax.Array, xs, precision, unroll):
+    """The scan over chunks: the state through each, and each chunk's output."""
+
     def step(s_BHKV, xs):
         u, w, qread, attn, kwrite, keep = xs
         delta_BHCV = u - jnp.einsum("bhck,bhkv->bhcv", w, s_BHKV, precision=precision)
@@ -320,15 +343,7 @@ def chunk_gated_delta_rule(q_BTGK: jax.Array, k_BTGK: jax.Array, v_BTHV: jax.Arr
         s_BHKV = keep[..., None, None] * s_BHKV + jnp.einsum("bhck,bhcv->bhkv", kwrite, delta_BHCV, precision=precision)
         return s_BHKV, o_BHCV
 
-    s0 = jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state_BHKV is None else initial_state_BHKV.astype(jnp.float32)
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u_BHNCV, w_BHNCK, qread_BHNCK, attn_BHNCC, kwrite_BHNCK, keep_BHN))
-    s_final, o_NBHCV = jax.lax.scan(step, s0, xs, unroll=unroll)
-    o_BNCHV = jnp.moveaxis(o_NBHCV, (0, 1, 2), (1, 0, 3))
-    o_BTHV = o_BNCHV.reshape(b, n * c, h, vd)[:, :t]
-    valid = _not_padding(segment_ids_BT)
-    if valid is not None:
-        o_BTHV = jnp.where(valid[:, :, None, None], o_BTHV, 0.0)
-    return o_BTHV.astype(out_dtype), s_final
+    return jax.lax.scan(step, s0_BHKV, xs, unroll=unroll)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -88,11 +88,7 @@ class MoE(nnx.Module):
     ``--moe-shared-expert-gate``). 0: none (Qwen3-MoE)."""
 
     def __init__(
-        self,
-        cfg,
-        rngs: nnx.Rngs,
-        out_std: float,
-        *,
+        self, cfg, rngs: nnx.Rngs, out_std: float, *,
         impl: str = "padded",
         capacity_factor: float | None = None,
         drop_policy: str = "probs",
