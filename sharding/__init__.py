@@ -5,7 +5,8 @@ Imports nothing from ``mlir_train``: the model only ever names logical axes.
 
 from sharding.table import sharding_rows, sharding_table
 from sharding.logical import Rules, active_rules, constrain, constrain_cotangent, logical_to_spec, tree_shardings, tree_specs, use_rules
-from sharding.manual import logical_shard_map, manual_axes_of, manual_now, mesh_axes_of, split_size, varying_axes
+from sharding.manual import (logical_shard_map, manual_axes_of, manual_now, mesh_axes_of,
+                             replicated_on_remaining_axes, split_size, varying_axes)
 from sharding.mesh import kv_heads_replicated, make_mesh, validate
 from sharding.layout import ALL_MESH_AXES, DATA_AXES, MESH_AXES, Layout, LayoutError
 from sharding.rules import (
@@ -48,6 +49,7 @@ __all__ = [
     "logical_to_spec",
     "manual_axes_of",
     "manual_now",
+    "replicated_on_remaining_axes",
     "make_mesh",
     "mesh_axes_of",
     "optimizer_state_specs",

@@ -165,3 +165,18 @@ def varying_axes(x) -> frozenset[str]:
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
+
+
+def replicated_on_remaining_axes(fn: Callable) -> Callable:
+    """``fn`` in a region manual over every mesh axis the current region is not, its operands and
+    result whole (the same) on those axes; ``fn`` itself where none remain (no mesh, one device,
+    or every axis already manual). For callbacks accepted only in a fully manual region (the
+    Pallas / Mosaic-GPU interpreters)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return fn
+    remaining = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    if not remaining:
+        return fn
+    return jax.shard_map(fn, in_specs=PartitionSpec(), out_specs=PartitionSpec(), axis_names=remaining,
+                         check_vma=False)

@@ -31,9 +31,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from mlir_train.model.kernels.blocks import BlockKernels, common_vma
+from sharding import replicated_on_remaining_axes
 
 # wgmma's M is 64 rows per warpgroup: the smallest block, and the least padding per expert.
 BLOCK_ROWS = 64
@@ -229,13 +229,9 @@ def _interpretable(kernel, interpret):
     if interpret is None:
         return kernel
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return kernel
-    _interpret_on_many_devices()
-    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
-    if not auto:
-        return kernel
-    return jax.shard_map(kernel, in_specs=P(), out_specs=P(), axis_names=auto, check_vma=False)
+    if not mesh.empty and mesh.size > 1:
+        _interpret_on_many_devices()
+    return replicated_on_remaining_axes(kernel)
 
 
 def _interpret_on_many_devices():
