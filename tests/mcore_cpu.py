@@ -310,7 +310,6 @@ def _legacy_path(root: str, iteration: int, layout: Layout) -> str:
 def _save(chunks, spec, layout, out, iteration=10, formats=("torch", "torch_dist")):
     import torch
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     world = dist.get_world_size()
@@ -336,6 +335,14 @@ def _save(chunks, spec, layout, out, iteration=10, formats=("torch", "torch_dist
                "iteration": iteration}
     for k, c in zip(keys, chunks):
         sharded[k] = c.sharded_state_dict()
+    save_dist(sharded, root, iteration)
+
+
+def save_dist(sharded: dict, root: str, iteration: int) -> None:
+    """``dist_checkpointing.save`` of ``sharded`` into ``root/iter_*`` with Megatron-LM's tracker file."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
     d = os.path.join(root, f"iter_{iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(d, exist_ok=True)
@@ -362,15 +369,16 @@ def _load_legacy(chunks, layout, root):
         c.load_state_dict(state[k], strict=True)
 
 
-def worker(job_path: str) -> None:
-    import numpy as np
+def start_worker(job_path: str, spec_fields: dict) -> tuple[dict, dict, Layout]:
+    """A worker's job, its spec (``spec_fields`` under the job's) and layout, with gloo, the
+    shims and megatron-core's model-parallel groups set up."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     with open(job_path) as f:
         job = json.load(f)
-    spec = {**SPEC_FIELDS, **job.get("spec", {})}
+    spec = {**spec_fields, **job.get("spec", {})}
     layout = Layout(**job["layout"])
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     apply_shims()
@@ -381,6 +389,26 @@ def worker(job_path: str) -> None:
         virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp or layout.tp)
     torch.manual_seed(0)
+    return job, spec, layout
+
+
+def finish_worker(chunks, job: dict, spec: dict, layout: Layout) -> None:
+    """Megatron-core's forward: the last stage's first TP / DP rank stores ``logits.npy`` and
+    ``tokens.npy``; then the process group ends."""
+    import numpy as np
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    logits = _forward(chunks, spec, layout)
+    if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        np.save(os.path.join(job["out"], "logits.npy"), logits.float().numpy())
+        np.save(os.path.join(job["out"], "tokens.npy"), _tokens(spec).numpy())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker(job_path: str) -> None:
+    job, spec, layout = start_worker(job_path, SPEC_FIELDS)
     chunks = _build(spec, layout)
     if job["kind"] == "save":
         _randomise(chunks, layout)
@@ -389,12 +417,7 @@ def worker(job_path: str) -> None:
         _load_legacy(chunks, layout, job["checkpoint"])
     else:
         raise ValueError(job["kind"])
-    logits = _forward(chunks, spec, layout)
-    if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-        np.save(os.path.join(job["out"], "logits.npy"), logits.float().numpy())
-        np.save(os.path.join(job["out"], "tokens.npy"), _tokens(spec).numpy())
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(chunks, job, spec, layout)
 
 
 if __name__ == "__main__":

@@ -70,15 +70,17 @@ def from_megatron(args: dict[str, Any], *, name: str, vocab_size: int,
                   has_tensor: Callable[[Table, str], bool]) -> ModelConfig:
     """Our config of a Megatron checkpoint's ``args``, by the first family whose mapping takes
     them (``has_tensor(table, name)``: whether the checkpoint holds that global tensor, spelled as
-    the family's table spells it); raises the first family's :class:`CheckpointError` if none does."""
+    the family's table spells it); if none does, a :class:`CheckpointError` saying why for each."""
     errors = []
     for f in FAMILIES.values():
         try:
             return f.from_megatron(args, name=name, vocab_size=vocab_size,
                                    has_tensor=lambda tensor, table=f.params: has_tensor(table, tensor))
         except CheckpointError as e:
-            errors.append(e)
-    raise errors[0]
+            errors.append((f.name, e))
+    if len(errors) == 1:
+        raise errors[0][1]
+    raise CheckpointError("; ".join(f"as {name}: {e}" for name, e in errors))
 
 
 def from_hf_dir(path: str) -> ModelConfig:

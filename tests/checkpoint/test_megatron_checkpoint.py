@@ -118,15 +118,22 @@ def test_loads_megatron_checkpoint_with_megatron_logits(mcore_small, fmt):
 def test_loads_into_a_sharded_layout(mcore_small):
     """Into a PP2 x TP2 x EP2 (distributed optimizer) layout of 8 devices, each device's shard
     read by its own callback: equal to the unsharded load, in the run's shardings."""
-    import optax
-
-    from mlir_train.train.trainer import StepConfig, model_dims
-    from mlir_train.train.build import build_trainer
-    from sharding.mesh import make_mesh, validate
     from sharding.layout import Layout
 
     ckpt, cfg, graphdef, plain = _load(os.path.join(mcore_small, "torch_dist"))
-    parallel = validate(Layout(tensor=2, expert=2, pipeline=2, distributed_optimizer=True), model_dims(cfg))
+    assert_loads_sharded(ckpt, cfg, plain, Layout(tensor=2, expert=2, pipeline=2, distributed_optimizer=True))
+
+
+def assert_loads_sharded(ckpt, cfg, plain, layout):
+    """``ckpt`` loaded into ``layout``'s shardings (a trainer's) equals ``plain`` (its unsharded
+    load), each leaf in the run's sharding."""
+    import optax
+
+    from mlir_train.train.build import build_trainer
+    from mlir_train.train.trainer import StepConfig, model_dims
+    from sharding.mesh import make_mesh, validate
+
+    parallel = validate(layout, model_dims(cfg))
     trainer = build_trainer(cfg, StepConfig(), optax.identity(), parallel, make_mesh(parallel))
     sharded = mc.load_params(ckpt, cfg, trainer.param_shapes, trainer.master_shardings)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(sharded)):

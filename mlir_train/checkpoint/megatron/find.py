@@ -19,6 +19,7 @@ from mlir_train.checkpoint.megatron.read import (
     RANK_DIR, DistReader, MegatronCheckpoint, MegatronCheckpointError, listing, torch_load)
 from mlir_train.config.sections import padded_vocab_size
 from mlir_train.config.models import ModelConfig
+from mlir_train.families.table import VOCAB
 from mlir_train.runtime.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -200,11 +201,23 @@ def unpadded_vocab(ckpt: MegatronCheckpoint, candidates: list[int | None]) -> in
     if a.get("vocab_size"):
         return int(a["vocab_size"])
     padded = padded_vocab(ckpt)
-    if padded is None:
-        return next((c for c in candidates if c), None)
+    if padded is None:  # no args (Megatron-Bridge keeps its config elsewhere): the first that fits its rows
+        rows = _embedding_rows(ckpt)
+        return next((int(c) for c in candidates if c and (rows is None or c <= rows)), None)
     divisible_by, tp = int(a.get("make_vocab_size_divisible_by") or 128), int(a.get("tensor_model_parallel_size") or 1)
     fits = lambda c: c <= padded and padded_vocab_size(c, divisible_by, tp) == padded
     return next((int(c) for c in candidates if c and fits(c)), None)
+
+
+def _embedding_rows(ckpt: MegatronCheckpoint) -> int | None:
+    """The rows of a torch_dist checkpoint's input embedding (as any family's table spells it)."""
+    if ckpt.format != "torch_dist":
+        return None
+    reader = DistReader(ckpt.directory)
+    names = {n for f in families.FAMILIES.values() for r in f.params.rows
+             if r.megatron is not None and r.megatron.split == VOCAB and r.megatron.stage == "first" for n in r.megatron.names}
+    shapes = [reader.shape(p + n) for n in sorted(names) for p in ("", "model.")]
+    return next((s[0] for s in shapes if s), None)
 
 
 def resume_notes(ckpt: MegatronCheckpoint, *, finetune: bool, load_optim: bool, load_rng: bool) -> list[str]:

@@ -139,11 +139,13 @@ def _callback(source: Source, table: Table, bound: Bound, shapes: dict, vocab: i
     per = shapes[bound.path][lead:]
     directory = source.ckpt.directory
     if bound.first is None:
-        read = lambda: _check(_ours_from(source, bound, part_shapes, None, None, vocab), per, bound.name, directory)
+        read = lambda: _check(_ours_from(source, bound, part_shapes, None, None, vocab), per,
+                              f"{bound.name} (from {mt.name})", directory)
         return shards.whole_callback(read, dtype)
 
     def one(l: int, e: int | None) -> np.ndarray:
-        what = f"layer {bound.first + l}" + (f" expert {e}" if e is not None else "") + f" {bound.name}"
+        what = (f"layer {bound.first + l}" + (f" expert {e}" if e is not None else "")
+                + f" {bound.name} (from {table.megatron_layers}{bound.first + l}.{mt.name})")
         try:
             arr = _ours_from(source, bound, part_shapes, bound.first + l, e, vocab)
         except ValueError as err:  # e.g. a reshape of a tensor of another shape than the config's

@@ -29,9 +29,12 @@ def _check(a: dict[str, Any]) -> None:
     need(a.get("moe_router_score_function", "softmax") == "softmax",
          f"moe_router_score_function={a.get('moe_router_score_function')!r}")
     need(not a.get("mtp_num_layers"), "it has multi-token-prediction layers")
+    need(not a.get("experimental_attention_variant"),
+         f"experimental_attention_variant={a.get('experimental_attention_variant')!r} (gated DeltaNet layers)")
+    need(not a.get("attention_output_gate"), "attention_output_gate is on")
 
 
-def _moe_kinds(a: dict[str, Any], layers: int, experts: int) -> list[int]:
+def moe_kinds(a: dict[str, Any], layers: int, experts: int) -> list[int]:
     freq = a.get("moe_layer_freq", 1)
     if not experts:
         return [0] * layers
@@ -50,7 +53,7 @@ def from_megatron(a: dict[str, Any], *, name: str, vocab_size: int,
     heads = int(a["num_attention_heads"])
     groups = int(a["num_query_groups"]) if a.get("group_query_attention") and a.get("num_query_groups") else heads
     hidden, layers, experts = int(a["hidden_size"]), int(a["num_layers"]), int(a.get("num_experts") or 0)
-    kinds = _moe_kinds(a, layers, experts)
+    kinds = moe_kinds(a, layers, experts)
     head = next(r for r in TABLE.rows if r.tied_to)  # Megatron's default ties them: look for the LM head
     untied = a["untie_embeddings_and_output_weights"] if "untie_embeddings_and_output_weights" in a \
         else has_tensor(head.megatron.name)

@@ -3,14 +3,14 @@ expert): its configs (:mod:`.config`), decoder layer (:mod:`.model`) and paramet
 (:mod:`.params`), as one :class:`~mlir_train.families.family.Family`."""
 
 from mlir_train.families.family import Family
-from mlir_train.families.qwen3_5 import config, params
+from mlir_train.families.qwen3_5 import config, megatron, params
 from mlir_train.families.qwen3_5.model import Qwen35
 
 REFUSED = "{flag} > 1 is not available for Qwen3.5 / Qwen3-Next models yet: the gated-DeltaNet layers' {what}"
 FAMILY = Family(
     name="qwen3_5", config=config.Qwen35Config, models=config.MODELS, hf_model_types=config.HF_MODEL_TYPES,
     from_hf=config.from_hf, to_hf=config.to_hf, model=Qwen35, params=params.TABLE,
-    from_megatron=config.from_megatron, to_megatron=config.to_megatron, hf_table=params.hf_table,
+    from_megatron=megatron.from_megatron, to_megatron=config.to_megatron, hf_table=params.hf_table,
     refused_layouts={
         "pipeline": REFUSED.format(flag="--pipeline-model-parallel-size", what="stages over mixed layer stacks are "
                                    "not built (drop the flag, or use TP / EP / DP)"),

@@ -218,15 +218,10 @@ def to_hf(cfg: Qwen35Config) -> dict[str, Any]:
                                    "tie_word_embeddings": cfg.tie_word_embeddings, "text_config": text}
 
 
-def from_megatron(a: dict[str, Any], *, name: str, vocab_size: int, has_tensor) -> Qwen35Config:
-    """Megatron checkpoints of this family are not read (yet): always a CheckpointError."""
-    raise CheckpointError("Megatron checkpoints of Qwen3.5 / Qwen3-Next models are not read; load the HF "
-                          "checkpoint (config.json + safetensors) instead")
-
-
 def to_megatron(cfg: Qwen35Config) -> dict[str, Any]:
     raise CheckpointError(f"{cfg.name}: writing a Qwen3.5 / Qwen3-Next model as a Megatron checkpoint is not "
-                          "supported; write it with --save-hf (convert --to hf)")
+                          "supported (their torch_dist checkpoints are read only); write it with --save-hf "
+                          "(convert --to hf)")
 
 
 # ----- the released sizes (their config.json) and tiny ones for tests ---------------------------

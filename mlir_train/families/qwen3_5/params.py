@@ -10,7 +10,7 @@ then v; ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) and fused per key head in Q
 (``in_proj_qkvz``, ``in_proj_ba``: key head g's q, k, its value heads' v and z, then their b
 and a); the conv weight ``[2GK + HV, 1, W]`` is q | k | v in both. The multi-token-prediction
 head (``mtp.*``) and the vision tower (``model.visual.*``) are not trained: carried through.
-Megatron: none (this family reads and writes HF checkpoints only). LoRA: megatron-core's module
+Megatron: megatron-core's torch_dist names (:mod:`.megatron`; read, not written). LoRA: megatron-core's module
 names (``self_attention.in_proj`` / ``out_proj`` for a gated-DeltaNet layer,
 ``mlp.shared_experts.linear_fc1`` / ``linear_fc2``), peft's HF modules beside them.
 """
@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from mlir_train.families.qwen3_5.config import ATTENTION, GATED_DELTANET, Qwen35Config
+from mlir_train.families.qwen3_5.megatron import with_megatron
 from mlir_train.families.table import EXPERT, GLOBAL, Ext, GateUp, Linear, LoRATarget, Param, Table
 
 
@@ -157,7 +158,7 @@ def _rows(fused_groups: int | None) -> tuple[Param, ...]:
 
 
 def _table(rows: tuple[Param, ...]) -> Table:
-    return Table(family="qwen3_5", rows=rows, hf_layers="model.layers.{l}.", megatron_layers="decoder.layers.",
+    return Table(family="qwen3_5", rows=with_megatron(rows), hf_layers="model.layers.{l}.", megatron_layers="decoder.layers.",
                  lora_refused={"mlp.router": "the MoE router takes no adapter (it picks the experts)"},
                  carried=("mtp.*", "model.visual.*"))
 

@@ -1,0 +1,181 @@
+"""Qwen3.5 / Qwen3-Next checkpoints of LoongForge and Megatron-Bridge (their ``--load`` format,
+megatron-core torch_dist) against real megatron-core (issue 40 item 7).
+
+``tests/mcore_qwen35.py`` builds megatron-core 0.16.1's ``GPTModel`` on CPU as Megatron-Bridge's
+``Qwen3NextBridge`` configures it (``GatedDeltaNet`` layers with softmax attention every 4th,
+the attention's output gate, zero-centred RMSNorms, a gated shared expert; TE's parameter names
+through two CPU stand-ins): hidden 128 (qwen3-next-tiny's shape), 4 layers (a dense DeltaNet layer, two MoE DeltaNet layers,
+an MoE attention layer), 2 key / 4 value DeltaNet heads, 8 experts top-2, vocabulary 1536 padded
+to 1600. It saves with ``dist_checkpointing`` and runs megatron-core's own forward (its torch
+chunked gated delta rule: FLA's Triton kernel does not run on CPU). Once per session: TP2 x EP2
+with expert-TP 1 on 2 ranks, with Megatron-LM's ``args`` (as LoongForge writes them; about 30 s).
+Its copy without ``args`` is what Megatron-Bridge writes (its config lives in its own run
+config): the shape then comes from ``--model-name``. Marked slow: the TP1 checkpoint.
+"""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from mlir_train import sft
+from mlir_train.checkpoint import megatron as mc
+from mlir_train.families.qwen3_5.config import MODELS
+from tests.checkpoint.test_megatron_checkpoint import (
+    _argv, _logits, _redo_dist, _single_device, assert_loads_sharded)
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("psutil")
+
+from tests import mcore_qwen35  # noqa: E402
+
+VOCAB = 1536
+SPEC = {"vocab": VOCAB, "divisible_by": 160}
+TOL = 1e-4  # fp32; measured 4.0e-5 (TP2 x EP2) and 6.9e-5 (TP1) against logits up to 5.8
+
+
+def _saved(tmp_path_factory, name, layout, **job):
+    cache = os.environ.get("MLIR_TRAIN_MCORE_CACHE")
+    out = os.path.join(cache, name) if cache else str(tmp_path_factory.mktemp(name))
+    if not os.path.exists(os.path.join(out, "logits.npy")):
+        mcore_qwen35.run_job({"kind": "save", "layout": layout, "spec": SPEC, **job}, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def loongforge(tmp_path_factory):
+    """TP2 x EP2 (ETP1) with Megatron-LM's args."""
+    return _saved(tmp_path_factory, "mcore_qwen35_tp2_ep2", {"tp": 2, "ep": 2, "etp": 1}, args=True)
+
+
+@pytest.fixture(scope="session")
+def bridge(loongforge, tmp_path_factory):
+    """The same checkpoint without args, as Megatron-Bridge writes it."""
+    import torch
+
+    out = str(tmp_path_factory.mktemp("bridge"))
+    shutil.copytree(os.path.join(loongforge, "torch_dist"), os.path.join(out, "torch_dist"))
+    common = os.path.join(out, "torch_dist", "iter_0000010", "common.pt")
+    state = torch.load(common, weights_only=False)
+    del state["args"]
+    torch.save(state, common)
+    return out
+
+
+def _config():
+    """The oracle's model as our config: qwen3-next-tiny (what --model-name names for a Bridge checkpoint)."""
+    return MODELS["qwen3-next-tiny"].replace(vocab_size=VOCAB)
+
+
+def _abstract(cfg):
+    from flax import nnx
+
+    from mlir_train.families.qwen3_5 import Qwen35
+    from mlir_train.model import ModelOptions
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen35(cfg, rngs=nnx.Rngs(0), options=ModelOptions(moe_impl="dense"))))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def _load(path, fallback=None, shardings=None):
+    ckpt = mc.find(os.path.join(path, "torch_dist"))
+    cfg = mc.model_config(ckpt, name="qwen3-next-tiny", vocab_size=VOCAB, fallback=fallback)
+    graphdef, shapes = _abstract(cfg)
+    return cfg, graphdef, mc.load_params(ckpt, cfg, shapes, shardings or _single_device(shapes))
+
+
+def _reference(out_dir):
+    return np.load(os.path.join(out_dir, "logits.npy"))[..., :VOCAB], np.load(os.path.join(out_dir, "tokens.npy"))
+
+
+def test_loongforge_checkpoint_logits_equal_megatron_core(loongforge):
+    """The shape from the args (the 3:1 DeltaNet/attention pattern, the dense first layer, partial
+    RoPE, the shared expert), then our logits against megatron-core's forward of the checkpoint."""
+    ref, tokens = _reference(loongforge)
+    cfg, graphdef, params = _load(loongforge)
+    assert cfg == _config().replace(layer_types=cfg.layer_types)
+    assert cfg.mixers() == ("linear_attention",) * 3 + ("full_attention",) and cfg.hf_model_type == "qwen3_next"
+    assert params["embed"].shape == (VOCAB, 128)
+    diff = np.abs(_logits(graphdef, params, tokens) - ref).max()
+    assert diff <= TOL, diff
+
+
+def test_bridge_checkpoint_takes_its_shape_from_the_model_name(bridge, loongforge):
+    """No args (Megatron-Bridge): the named model's shape, loaded into a TP2 x EP2 layout of 8
+    devices shard by shard, equal to the unsharded load and to megatron-core's logits."""
+    from sharding.layout import Layout
+
+    ref, tokens = _reference(loongforge)
+    with pytest.raises(mc.MegatronCheckpointError, match="stores no 'args'; give --model-name"):
+        _load(bridge)
+    cfg, graphdef, plain = _load(bridge, fallback=_config())
+    assert np.abs(_logits(graphdef, plain, tokens) - ref).max() <= TOL
+    assert_loads_sharded(mc.find(os.path.join(bridge, "torch_dist")), cfg, plain, Layout(tensor=2, expert=2))
+
+
+def test_mismatched_checkpoints_name_the_tensor(bridge, tmp_path):
+    """A model of other DeltaNet heads, a tensor gone, a tensor no parameter reads: each an
+    error naming the checkpoint and the tensor."""
+    import torch
+
+    with pytest.raises(mc.MegatronCheckpointError, match=r"iter_0000010: layer 0 layers/0/linear_attn/\w+ "
+                                                        r"\(from decoder\.layers\.0\.self_attention\.\S+\): .*does the model config"):
+        jax.block_until_ready(_load(bridge, fallback=_config().replace(linear_key_head_dim=16))[2])
+    src = os.path.join(bridge, "torch_dist")
+    gone = "decoder.layers.1.self_attention.in_proj.weight.beta"
+    _redo_dist(src, str(tmp_path / "gone" / "torch_dist"), lambda sd: {k: v for k, v in sd.items() if k != gone})
+    with pytest.raises(mc.MegatronCheckpointError, match=rf"no tensor decoder\.layers\.self_attention\.in_proj\.weight\.beta "
+                                                         r"\(layer 1\)"):
+        jax.block_until_ready(_load(str(tmp_path / "gone"), fallback=_config())[2])
+    extra = "decoder.layers.2.self_attention.conv1d.bias"
+    _redo_dist(src, str(tmp_path / "extra" / "torch_dist"), lambda sd: sd | {extra: torch.zeros(256)})
+    with pytest.raises(mc.MegatronCheckpointError, match=rf"{extra.replace('.', r'[.]')} \(256,\)"):
+        _load(str(tmp_path / "extra"), fallback=_config())
+
+
+def test_args_of_other_models_are_refused_by_name():
+    """Args the family cannot build are refused naming the flag (Qwen3's mapping refuses the
+    DeltaNet args the same way)."""
+    from mlir_train import families
+    from mlir_train.runtime.errors import CheckpointError
+
+    args = vars(mcore_qwen35.megatron_args(mcore_qwen35.SPEC_FIELDS, mcore_qwen35.Layout(), 1))
+    build = lambda a: families.from_megatron(a, name="x", vocab_size=VOCAB, has_tensor=lambda t, n: True)
+    assert build(args).linear_num_value_heads == 4
+    with pytest.raises(CheckpointError, match="multi-token-prediction"):
+        build(args | {"mtp_num_layers": 1})
+    with pytest.raises(CheckpointError, match="apply_layernorm_1p"):
+        build(args | {"apply_layernorm_1p": False})
+    with pytest.raises(CheckpointError, match="as qwen3_5: attention_output_gate is off"):
+        build(args | {"attention_output_gate": False})
+    # Qwen3's mapping refuses DeltaNet layers even where nothing else differs
+    with pytest.raises(CheckpointError, match=r"as qwen3: experimental_attention_variant='gated_delta_net' \(gated "):
+        build(args | {"rotary_percent": 1.0, "moe_shared_expert_intermediate_size": None, "attention_output_gate": False})
+
+
+def test_sft_loads_a_bridge_checkpoint_or_says_what_is_wrong(bridge, loongforge, tmp_path, capsys):
+    """``sft --load`` of the Bridge checkpoint with ``--model-name`` (the tokenizer's 1559 tokens
+    pad to the checkpoint's 1600 rows; logits compared on its 1536 real ones); a model of
+    another shape is one ``mlir-train: error:`` line naming the checkpoint and the tensor."""
+    ref, tokens = _reference(loongforge)
+    argv = _argv(tmp_path, "--tensor-model-parallel-size", "1", "--load", os.path.join(bridge, "torch_dist"),
+                 "--train-iters", "0", "--lr-decay-iters", "10", "--finetune", "--model-name", "qwen3-next-tiny")
+    out = sft.main(argv)
+    graphdef, _ = _abstract(out.trainer.model_cfg)
+    assert np.abs(_logits(graphdef, out.state["params"], tokens)[..., :VOCAB] - ref).max() <= TOL
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        sft.main(argv + ["--ffn-hidden-size", "128"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1].startswith("mlir-train: error:") and "iter_0000010: layer 0 " in err[-1] \
+        and "(from decoder.layers.0.mlp.linear_fc" in err[-1], err
+
+
+@pytest.mark.slow
+def test_tp1_checkpoint(tmp_path_factory):
+    out = _saved(tmp_path_factory, "mcore_qwen35_tp1", {"tp": 1}, args=True)
+    ref, tokens = _reference(out)
+    _, graphdef, params = _load(out)
+    assert np.abs(_logits(graphdef, params, tokens) - ref).max() <= TOL
