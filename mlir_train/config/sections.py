@@ -146,6 +146,7 @@ class DataFlags:
     chat_template: str | None = flag("--chat-template", group="sft",
                                      help="alpaca, qwen/chatml, qwen3 (Qwen3's official template: thinking, tools), "
                                           "qwen3_5 / qwen3_6 (Qwen3.5's / Qwen3.6's: XML tool calls), "
+                                          "qwen3_next / qwen3_next_thinking (Qwen3-Next's Instruct / Thinking), "
                                           "hf (the tokenizer's jinja) or auto (the official template "
                                           "the tokenizer directory carries, else hf) (default: alpaca)")
     sft_num_preprocess_workers: int | None = flag("--sft-num-preprocess-workers", type=int, group="sft",

@@ -88,7 +88,7 @@ class DataStats:
     sources: tuple[dict, ...] = ()  # per data file: path, weight, records, kept, blended per split
     bad_record_examples: tuple[str, ...] = ()  # the first few skipped-record messages
     # What masking did over the kept documents: records with tools, empty think blocks
-    # skipped, turns masked by history, reasoning dropped (enable_thinking false), eod tokens
+    # skipped, turns masked by history, reasoning dropped (enable_thinking false or qwen3_next), eod tokens
     # masked; and loss positions per role (system, user, tool, assistant, reasoning).
     masking: dict[str, int] = dataclasses.field(default_factory=dict)
     loss_tokens_by_role: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -20,7 +20,7 @@ MAX_BAD_EXAMPLES = 5
 
 # What masking did, counted over the kept documents (DataStats.masking).
 MASKING_COUNTS = ("records with tools", "empty think blocks skipped", "turns masked by history",
-                  "reasoning dropped (enable_thinking false)", "eod tokens masked")
+                  "reasoning dropped (enable_thinking false or qwen3_next)", "eod tokens masked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,7 @@ def tokenize_records(records: list[RawRecord], job: TokenizeJob, tokenizer) -> C
         add_count(masking, "records with tools", int(has_tools))
         add_count(masking, "empty think blocks skipped", out.empty_think_skipped)
         add_count(masking, "turns masked by history", out.history_masked)
-        add_count(masking, "reasoning dropped (enable_thinking false)", out.reasoning_dropped)
+        add_count(masking, "reasoning dropped (enable_thinking false or qwen3_next)", out.reasoning_dropped)
         add_count(masking, "eod tokens masked", eod_masked)
         token_parts.append(ids.astype(np.int32))
         loss_parts.append(loss)

@@ -16,6 +16,8 @@
   leaves the empty think block in the prompt, as the template's generation prompt writes it.
 - ``qwen3_5`` / ``qwen3_6`` (also spelled ``qwen3.5`` / ``qwen3.6``): Qwen3.5's and Qwen3.6's
   official template, XML tool calls (``mlir_train/data/qwen3_5.py`` says how it differs).
+- ``qwen3_next`` / ``qwen3_next_thinking``: Qwen3-Next-80B-A3B-Instruct's and -Thinking's
+  official templates (``mlir_train/data/qwen3_next.py``).
 - ``auto``: the template whose official jinja the tokenizer directory carries, else ``hf``.
 - ``hf``: the tokenizer's own jinja ``chat_template``; each assistant answer (its text after any
   ``</think>``) is located in the rendered text, and the end-of-turn special token right after
@@ -40,12 +42,17 @@ import os
 
 from mlir_train.data.qwen3_5 import KWARGS as QWEN3_5_KWARGS
 from mlir_train.data.qwen3_5 import add_user_or_tool, render_qwen3_5
+from mlir_train.data.qwen3_next import KWARGS as QWEN3_NEXT_KWARGS
+from mlir_train.data.qwen3_next import qwen3_system, render_qwen3_next, with_tool_calls
 from mlir_train.data.records import DataError, Message, Sample
 
-TEMPLATES = ("alpaca", "qwen", "chatml", "qwen3", "qwen3_5", "qwen3_6", "hf", "auto")
+TEMPLATES = ("alpaca", "qwen", "chatml", "qwen3", "qwen3_5", "qwen3_6", "qwen3_next", "qwen3_next_thinking",
+             "hf", "auto")
 # LoongForge's names for the same templates, and the model names' spelling.
-TEMPLATE_ALIASES = {"qwen3-hf": "qwen3", "qwen3.5": "qwen3_5", "qwen3.6": "qwen3_6"}
+TEMPLATE_ALIASES = {"qwen3-hf": "qwen3", "qwen3.5": "qwen3_5", "qwen3.6": "qwen3_6", "qwen3-next": "qwen3_next",
+                    "qwen3-next-thinking": "qwen3_next_thinking"}
 QWEN3_5_TEMPLATES = tuple(QWEN3_5_KWARGS)
+QWEN3_TEMPLATES = ("qwen3", *QWEN3_NEXT_KWARGS, *QWEN3_5_TEMPLATES)  # Qwen's own: no bos token
 REASONING_LOSS = ("nonempty", "all", "none")
 QWEN3_KWARGS = {"enable_thinking": bool}
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -104,8 +111,8 @@ def _check_kwargs(name: str, kwargs: dict, what: str) -> None:
     if name in ("alpaca", "qwen", "chatml"):
         raise DataError(f"{what} {json.dumps(kwargs)}: the {name} template takes no kwargs; they "
                         f"are for --chat-template qwen3 or hf", reason="bad chat_template_kwargs")
-    if name == "qwen3" or name in QWEN3_5_TEMPLATES:
-        allowed = QWEN3_KWARGS if name == "qwen3" else QWEN3_5_KWARGS[name]
+    if name in QWEN3_TEMPLATES:
+        allowed = QWEN3_KWARGS if name == "qwen3" else {**QWEN3_5_KWARGS, **QWEN3_NEXT_KWARGS}[name]
         for key, value in kwargs.items():
             if key not in allowed:
                 raise DataError(f"{what}: {key!r} is not a kwarg of the {name} template; expected "
@@ -133,7 +140,7 @@ def make_spec(name: str, tokenizer, *, history_mask: bool = False,
         raise DataError(f"tokenizer {tokenizer.name_or_path}: has no eos_token, which every "
                         f"template needs to end a response")
     vocab = tokenizer.get_vocab()
-    chatml = ("qwen", "chatml", "qwen3", *QWEN3_5_TEMPLATES)
+    chatml = ("qwen", "chatml", *QWEN3_TEMPLATES)
     if name in chatml and not (IM_START in vocab and IM_END in vocab):
         raise DataError(f"--chat-template {name}: tokenizer {tokenizer.name_or_path} has no "
                         f"{IM_START}/{IM_END} tokens; expected a ChatML (Qwen) tokenizer")
@@ -146,7 +153,7 @@ def make_spec(name: str, tokenizer, *, history_mask: bool = False,
         return TemplateSpec(name, eos, tokenizer.bos_token, jinja, tuple(dict.fromkeys(ends)),
                             **options)
     # Qwen3's and Qwen3.5's templates write no bos token (Qwen tokenizers have none).
-    bos = None if name == "qwen3" or name in QWEN3_5_TEMPLATES else tokenizer.bos_token
+    bos = None if name in QWEN3_TEMPLATES else tokenizer.bos_token
     return TemplateSpec(name, eos, bos, **options)
 
 
@@ -160,11 +167,13 @@ def detect_template(tokenizer) -> str:
                         f"one: {', '.join(t for t in TEMPLATES if t not in ('hf', 'auto'))}")
     if "<function=" in jinja and "render_content" in jinja:  # Qwen3.5's XML tool calls
         return "qwen3_6" if "preserve_thinking" in jinja else "qwen3_5"
-    # Qwen3's hybrid-thinking template; Qwen3-2507 / Qwen3-Next's (no enable_thinking switch) are
-    # not verified token for token here, so they fall to hf, which refuses what it cannot locate.
-    if ('{\\"name\\": <function-name>' in jinja and "reasoning_content" in jinja
-            and "enable_thinking" in jinja):
-        return "qwen3"
+    if '{\\"name\\": <function-name>' in jinja and "You are Qwen" not in jinja:  # Qwen3's JSON tool calls
+        if "reasoning_content" in jinja and "enable_thinking" in jinja:
+            return "qwen3"  # the hybrid-thinking template
+        if "reasoning_content" in jinja and "'<|im_start|>assistant\\n<think>\\n'" in jinja:
+            return "qwen3_next_thinking"  # Qwen3-Next-Thinking's (Qwen3-2507 Thinking's)
+        if "reasoning_content" not in jinja and "set content = message.content" in jinja:
+            return "qwen3_next"  # Qwen3-Next-Instruct's: no think blocks
     return "hf"
 
 
@@ -194,8 +203,11 @@ def render_full(sample: Sample, spec: TemplateSpec, where: str = "") -> Rendered
         record_kwargs = dict(sample.template_kwargs)
         _check_kwargs(spec.name, record_kwargs, f"{where}: chat_template_kwargs")
         kwargs.update(record_kwargs)
-    if spec.name == "qwen3":
+    if spec.name in ("qwen3", "qwen3_next_thinking"):
         out = _render_qwen3(sample, spec, kwargs)
+    elif spec.name == "qwen3_next":
+        out = _Builder()
+        render_qwen3_next(out, sample, conversation(sample))
     elif spec.name in QWEN3_5_TEMPLATES:
         out = _Builder()
         render_qwen3_5(sample, spec, kwargs, where, conversation(sample), out)
@@ -306,19 +318,6 @@ def split_think(content: str) -> tuple[str, str | None]:
     return answer.lstrip("\n"), head.rstrip("\n").split("<think>")[-1].lstrip("\n")
 
 
-QWEN3_TOOLS_HEADER = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
-QWEN3_TOOLS_FOOTER = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
-    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>" + IM_END + "\n")
-
-
-def _to_json(value) -> str:
-    return json.dumps(value, ensure_ascii=False)  # the template's tojson
-
-
 def _is_tool_response(text: str) -> bool:
     return text.startswith("<tool_response>") and text.endswith("</tool_response>")
 
@@ -326,7 +325,7 @@ def _is_tool_response(text: str) -> bool:
 def _render_qwen3(sample: Sample, spec: TemplateSpec, kwargs: dict) -> _Builder:
     out = _Builder()
     messages = conversation(sample)
-    _qwen3_system(out, sample)
+    qwen3_system(out, sample)
     last_query = _qwen3_last_query(messages)
     thinking = kwargs.get("enable_thinking", True)
     for index, message in enumerate(messages):
@@ -338,20 +337,6 @@ def _render_qwen3(sample: Sample, spec: TemplateSpec, kwargs: dict) -> _Builder:
             _qwen3_assistant(out, message, spec, after_last_query=index > last_query, last=last,
                              thinking=thinking)
     return out
-
-
-def _qwen3_system(out: _Builder, sample: Sample) -> None:
-    """The system message: with tools, the system prompt (if any) then the tools' signatures."""
-    if sample.tools:
-        out.add(f"{IM_START}system\n", "system")
-        if sample.system is not None:
-            out.add(sample.system + "\n\n", "system")
-        out.add(QWEN3_TOOLS_HEADER, "system")
-        for tool in sample.tools:
-            out.add("\n" + _to_json(tool), "system")
-        out.add(QWEN3_TOOLS_FOOTER, "system")
-    elif sample.system is not None:
-        out.add(f"{IM_START}system\n{sample.system}{IM_END}\n", "system")
 
 
 def _qwen3_last_query(messages: list[Message]) -> int:
@@ -389,14 +374,7 @@ def _qwen3_assistant(out: _Builder, message: Message, spec: TemplateSpec, *, aft
             out.empty_think_skipped += 1
         out.add(think, "reasoning", loss=loss)
         body = content.lstrip("\n")
-    for i, call in enumerate(message.tool_calls):
-        if i or content:
-            body += "\n"
-        arguments = (call.arguments if isinstance(call.arguments, str)
-                     else _to_json(call.arguments))
-        body += (f'<tool_call>\n{{"name": "{call.name}", "arguments": {arguments}}}'
-                 f'\n</tool_call>')
-    out.add(body + IM_END, "assistant", loss=True)
+    out.add(with_tool_calls(body, message, content) + IM_END, "assistant", loss=True)
     out.add("\n", "assistant")
 
 

@@ -129,7 +129,7 @@ def test_non_thinking_final_answer_follows_the_official_generation_prompt(tok, o
     assert loss_text(tok, tokens[n_prompt:], loss[n_prompt:]) == whole[len(prompt):-1]
     had_reasoning = "reasoning_content" in messages[-1] or "</think>" in (messages[-1]["content"]
                                                                           or "")
-    assert data.stats.masking["reasoning dropped (enable_thinking false)"] == int(had_reasoning)
+    assert data.stats.masking["reasoning dropped (enable_thinking false or qwen3_next)"] == int(had_reasoning)
     assert data.stats.masking["empty think blocks skipped"] == 1
 
 
@@ -201,7 +201,7 @@ def test_per_record_kwargs_override_the_run(tok, tmp_path):
                  chat_template_kwargs='{"enable_thinking": false}')
     kept = sorted("four twos" in loss_text(tok, *document(data, row)) for row in range(2))
     assert kept == [False, True]
-    assert data.stats.masking["reasoning dropped (enable_thinking false)"] == 1
+    assert data.stats.masking["reasoning dropped (enable_thinking false or qwen3_next)"] == 1
 
 
 def test_train_on_prompt_counts_every_role(tok, tmp_path):

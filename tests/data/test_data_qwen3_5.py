@@ -1,4 +1,4 @@
-"""--chat-template qwen3_5 / qwen3_6 against the official Qwen3.5 / Qwen3.6 jinja
+"""--chat-template qwen3_5 / qwen3_6 (and Qwen3-Next's qwen3_next / qwen3_next_thinking) against the official jinja
 (tests/data/fixtures), token for token through transformers' apply_chat_template, on the
 conversations of the Qwen3 chat tests; loss masks, kwargs, --chat-template auto, bad records."""
 
@@ -17,7 +17,8 @@ from tests.data.test_data_qwen3 import build as build_qwen3
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 JINJA = {"qwen3_5": "qwen3_5_chat_template.jinja", "qwen3_6": "qwen3_6_chat_template.jinja",
-         "qwen3": "qwen3_chat_template.jinja"}
+         "qwen3": "qwen3_chat_template.jinja", "qwen3_next": "qwen3_next_chat_template.jinja",
+         "qwen3_next_thinking": "qwen3_next_thinking_chat_template.jinja"}
 # Typed arguments: where Qwen3.5 (str()) and Qwen3.6 (JSON) differ, and a nested object.
 CONVERSATIONS = dict(CONVERSATIONS, typed_arguments=(
     [msg("user", "  Book it.  "),
@@ -159,6 +160,7 @@ def test_auto_picks_the_template_from_the_tokenizer_directory(tok, official, tmp
     assert make_spec("auto", load_tokenizer(str(tmp_path / "tok"))).name == "qwen3_5"
     assert make_spec("auto", tok).name == "hf"  # the bundled tokenizer's own (non-official) jinja
     assert make_spec("qwen3.5", tok).name == "qwen3_5"  # the model name's spelling
+    assert make_spec("qwen3-next", tok).name == "qwen3_next"
 
 
 def test_a_conversation_without_a_user_query_is_an_error_as_the_template_raises(tok, official,
@@ -168,3 +170,29 @@ def test_a_conversation_without_a_user_query_is_an_error_as_the_template_raises(
         official["qwen3_5"].apply_chat_template(messages, tokenize=False)
     with pytest.raises(DataError, match=r"chat\.jsonl:1: no user query \(only tool responses\)"):
         build(tok, tmp_path, [{"messages": messages}], "qwen3_5")
+
+
+@pytest.mark.parametrize("template", ["qwen3_next", "qwen3_next_thinking"])
+def test_qwen3_next_renders_token_for_token_as_the_official_template(tok, official, tmp_path, template):
+    """Qwen3-Next-80B-A3B-Instruct's and -Thinking's templates on the same conversations (their
+    JSON tool calls take the records' arguments as given, strings or objects)."""
+    data = build(tok, tmp_path, [record(name) for name in sorted(CONVERSATIONS)], template)
+    expected = [ids(tok, official[template].apply_chat_template(CONVERSATIONS[name][0], tools=CONVERSATIONS[name][1],
+                                                                 tokenize=False))
+                for name in sorted(CONVERSATIONS)]
+    assert sorted(tokens for tokens, _ in documents(data)) == sorted(expected)
+
+
+def test_qwen3_next_instruct_trains_every_answer_as_written_and_counts_dropped_reasoning(tok, tmp_path):
+    """No think blocks: an inline one is part of the answer (loss), ``reasoning_content`` is not
+    rendered (counted); the template takes no kwargs."""
+    data = build(tok, tmp_path / "a", [record("reasoning_content")], "qwen3_next")
+    (tokens, loss), = documents(data)
+    assert loss_text(tok, tokens, loss) == "6<|im_end|>8<|im_end|>"
+    assert data.stats.masking["reasoning dropped (enable_thinking false or qwen3_next)"] == 2
+    data = build(tok, tmp_path / "b", [record("inline_think")], "qwen3_next")
+    (tokens, loss), = documents(data)
+    assert loss_text(tok, tokens, loss) == ("<think>\nrecall geography\n</think>\n\nParis<|im_end|>"
+                                            "<think>\nsame kind of question\n</think>\n\nRome<|im_end|>")
+    with pytest.raises(DataError, match="'enable_thinking' is not a kwarg of the qwen3_next template"):
+        make_spec("qwen3_next", tok, kwargs={"enable_thinking": False})
