@@ -244,7 +244,8 @@ class Table:
     layers'. ``lora_refused``: Megatron modules that take no adapter, and why. ``carried``: HF
     tensors the family's checkpoints hold but its model does not use (``fnmatch`` patterns of their
     names, e.g. an MTP head ``mtp.*`` or a vision tower ``model.visual.*``): read past on load and
-    copied untouched into HF exports (:mod:`mlir_train.checkpoint.carry`)."""
+    copied untouched into HF exports (:mod:`mlir_train.checkpoint.carry`). ``megatron_formats``:
+    the Megatron checkpoint formats its rows describe (``torch`` legacy, ``torch_dist``)."""
 
     family: str
     rows: tuple[Param, ...]
@@ -252,6 +253,7 @@ class Table:
     megatron_layers: str
     lora_refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     carried: tuple[str, ...] = ()
+    megatron_formats: tuple[str, ...] = ("torch", "torch_dist")
 
     def with_hf_prefix(self, old: str, new: str) -> "Table":
         """This table with every HF name (the layer prefix and the global tensors) that starts

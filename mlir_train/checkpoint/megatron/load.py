@@ -95,6 +95,10 @@ def load_params(ckpt: MegatronCheckpoint, cfg: ModelConfig, param_shapes: dict, 
     import jax
 
     table = families.family_of(cfg).params
+    if ckpt.format not in table.megatron_formats:
+        raise MegatronCheckpointError(
+            f"{ckpt.describe()}: the {ckpt.format} format is not read for {table.family} models ({cfg.name}), only "
+            f"{' / '.join(table.megatron_formats)}; re-save it with --ckpt-format {table.megatron_formats[0]}")
     source = open_source(ckpt, table)
     check_complete(source, table, cfg)
     if getattr(source, "layer_at", None) is not None and len(source.layer_at) != cfg.num_layers:

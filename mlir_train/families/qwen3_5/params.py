@@ -160,7 +160,7 @@ def _rows(fused_groups: int | None) -> tuple[Param, ...]:
 def _table(rows: tuple[Param, ...]) -> Table:
     return Table(family="qwen3_5", rows=with_megatron(rows), hf_layers="model.layers.{l}.", megatron_layers="decoder.layers.",
                  lora_refused={"mlp.router": "the MoE router takes no adapter (it picks the experts)"},
-                 carried=("mtp.*", "model.visual.*"))
+                 carried=("mtp.*", "model.visual.*"), megatron_formats=("torch_dist",))
 
 
 TABLE = _table(_rows(None))  # Qwen3.5's split projections, the text model's names
