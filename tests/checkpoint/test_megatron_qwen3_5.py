@@ -195,6 +195,25 @@ def test_legacy_torch_format_is_refused_by_name(tmp_path):
         mc.load_params(ckpt, cfg, shapes, _single_device(shapes))
 
 
+def test_convert_to_hf_gives_transformers_megatron_cores_logits(loongforge, tmp_path):
+    """``convert`` of the LoongForge checkpoint to HF: transformers' ``Qwen3NextForCausalLM``
+    (its torch gated delta rule) gives megatron-core's logits, so each tensor landed where HF's
+    layout (Megatron-Bridge's mapping, run backwards) puts it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mlir_train import convert
+
+    ref, tokens = _reference(loongforge)
+    out = str(tmp_path / "hf")
+    assert convert.main([os.path.join(loongforge, "torch_dist"), out, "--vocab-size", str(VOCAB)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3NextForCausalLM"
+    with torch.no_grad():
+        logits = hf(torch.as_tensor(tokens)).logits.numpy()
+    assert np.abs(logits - ref).max() <= TOL
+
+
 @pytest.mark.slow
 def test_tp1_checkpoint(tmp_path_factory):
     out = _saved(tmp_path_factory, "mcore_qwen35_tp1", {"tp": 1}, args=True)
