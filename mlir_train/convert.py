@@ -10,7 +10,8 @@ The direction follows SRC unless ``--to`` says otherwise:
 * a Megatron checkpoint (legacy ``torch`` or ``torch_dist``, any TP/PP/EP/ETP split; the
   tracker's iteration or ``--step N``) becomes an HF directory, or with ``--to mlir-train`` a
   mlir-train checkpoint; its vocabulary padding is stripped to ``--vocab-size`` (default: the
-  size Megatron recorded, else kept padded);
+  size Megatron recorded, else kept padded); ``--model-name`` names the model where its args do
+  not (Megatron-Bridge's checkpoints carry none);
 * ``--to megatron`` writes an HF directory or a mlir-train checkpoint as a Megatron legacy
   ``torch`` checkpoint (``release``, or ``iter_N`` with ``--iteration N``) split for
   ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
@@ -80,7 +81,11 @@ def convert(args) -> str:
     to = args.to or DEFAULT_TARGET[src.kind]
     if (src.kind, to) in SAME_FORMAT:
         raise CheckpointError(SAME_FORMAT[src.kind, to].format(src=args.src))
-    trainer = _trainer(src.stored_model_config(args.vocab_size))
+    if args.model_name and src.kind != "megatron":
+        raise CheckpointError(f"--model-name {args.model_name}: SRC {args.src} brings its own model config; the flag "
+                              "is for a Megatron checkpoint (drop it)")
+    named = {"model_name": args.model_name} if args.model_name else {}
+    trainer = _trainer(src.stored_model_config(args.vocab_size, **named))
     state = trainer.state_from_params(src.read_params(trainer))
     if to == "megatron":
         layout = Layout(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
@@ -109,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="HF / Megatron export dtype (default: float32, the master weights)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="Megatron source: strip its padded vocabulary to this size (default: the size it recorded)")
+    p.add_argument("--model-name", default=None,
+                   help="Megatron source: the model (registry name or HF config) when its args do not say "
+                        "(Megatron-Bridge's checkpoints), and the release whose HF class it is written as")
     m = p.add_argument_group("Megatron output (--to megatron)")
     m.add_argument("--tensor-model-parallel-size", type=int, default=1)
     m.add_argument("--pipeline-model-parallel-size", type=int, default=1)

@@ -51,8 +51,12 @@ SPEC_FIELDS = dict(
 )
 
 
-def _pattern(freq, layers: int) -> list[int]:
-    return [0 if (i + 1) % freq == 0 else 1 for i in range(layers)] if isinstance(freq, int) else list(freq)
+def _pattern(freq, layers: int, *, moe: bool = False) -> list[int]:
+    """megatron-core's per-layer 0/1 pattern of an int or list ``linear_attention_freq`` (an int N:
+    every N-th layer 0) or ``moe_layer_freq`` (``moe``; an int N: every N-th layer from 0 is MoE)."""
+    if not isinstance(freq, int):
+        return list(freq)
+    return [int(i % freq == 0) for i in range(layers)] if moe else [0 if (i + 1) % freq == 0 else 1 for i in range(layers)]
 
 
 def _stand_ins():
@@ -148,7 +152,7 @@ def _block_spec(spec: dict, config):
     moe = get_moe_module_spec(use_te=False, num_experts=spec["experts"], moe_grouped_gemm=False)
     layers = []
     for linear, is_moe in zip(_pattern(spec["linear_attention_freq"], spec["layers"]),
-                              _pattern(spec["moe_layer_freq"], spec["layers"])):
+                              _pattern(spec["moe_layer_freq"], spec["layers"], moe=True)):
         layers.append(ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             input_layernorm=IdentityOp, self_attention=gdn if linear else attention, self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=Norm if is_moe else IdentityOp, mlp=moe if is_moe else dense,

@@ -217,12 +217,16 @@ class Megatron(Source):
         name = named.name if named else os.path.basename(self.checkpoint.root.rstrip("/"))
         return mc.model_config(self.checkpoint, name=name, vocab_size=vocab_size, fallback=named)
 
-    def stored_model_config(self, vocab_size: int | None = None) -> ModelConfig:
-        """Its args as our config, the vocabulary unpadded to ``vocab_size`` (default: what it recorded)."""
+    def stored_model_config(self, vocab_size: int | None = None, model_name: str | None = None) -> ModelConfig:
+        """Its args as our config, the vocabulary unpadded to ``vocab_size`` (default: what it
+        recorded); ``model_name`` (convert's ``--model-name``): the model when its args do not say
+        (a Megatron-Bridge checkpoint), and the release whose HF class it is written as."""
         from mlir_train.checkpoint import megatron as mc
 
-        vocab_size = vocab_size or mc.unpadded_vocab(self.checkpoint, [])
-        cfg = mc.model_config(self.checkpoint, name=os.path.basename(os.path.abspath(self.path)), vocab_size=vocab_size)
+        named = families.get_model_config(model_name) if model_name else None
+        vocab_size = vocab_size or mc.unpadded_vocab(self.checkpoint, [named.vocab_size if named else None])
+        cfg = mc.model_config(self.checkpoint, name=named.name if named else os.path.basename(os.path.abspath(self.path)),
+                              vocab_size=vocab_size, fallback=named)
         if vocab_size is None:
             log.info(f"note: {self.describe()} does not record its unpadded vocabulary; keeping all {cfg.vocab_size} "
                      "(padded) rows. Pass --vocab-size N (e.g. 151936 for Qwen3) to strip the padding")
