@@ -195,10 +195,11 @@ def test_legacy_torch_format_is_refused_by_name(tmp_path):
         mc.load_params(ckpt, cfg, shapes, _single_device(shapes))
 
 
-def test_convert_to_hf_gives_transformers_megatron_cores_logits(loongforge, tmp_path):
-    """``convert`` of the LoongForge checkpoint to HF: transformers' ``Qwen3NextForCausalLM``
-    (its torch gated delta rule) gives megatron-core's logits, so each tensor landed where HF's
-    layout (Megatron-Bridge's mapping, run backwards) puts it."""
+def test_convert_to_hf_gives_transformers_megatron_cores_logits(bridge, loongforge, tmp_path, capsys):
+    """``convert --model-name`` of the Bridge checkpoint (no args) to HF: transformers'
+    ``Qwen3NextForCausalLM`` (its torch gated delta rule) gives megatron-core's logits, so each
+    tensor landed where HF's layout (Megatron-Bridge's mapping, run backwards) puts it. The flag
+    is refused for a source that brings its own config."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -206,12 +207,16 @@ def test_convert_to_hf_gives_transformers_megatron_cores_logits(loongforge, tmp_
 
     ref, tokens = _reference(loongforge)
     out = str(tmp_path / "hf")
-    assert convert.main([os.path.join(loongforge, "torch_dist"), out, "--vocab-size", str(VOCAB)]) == 0
+    assert convert.main([os.path.join(bridge, "torch_dist"), out, "--model-name", "qwen3-next-tiny",
+                         "--vocab-size", str(VOCAB)]) == 0
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(hf).__name__ == "Qwen3NextForCausalLM"
     with torch.no_grad():
         logits = hf(torch.as_tensor(tokens)).logits.numpy()
     assert np.abs(logits - ref).max() <= TOL
+    capsys.readouterr()
+    assert convert.main([out, str(tmp_path / "back"), "--model-name", "qwen3-next-tiny"]) == 2
+    assert "--model-name qwen3-next-tiny: SRC " in capsys.readouterr().err
 
 
 @pytest.mark.slow

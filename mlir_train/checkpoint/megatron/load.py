@@ -11,7 +11,8 @@ whole model. A row's codec splits Megatron's tensor into our parameters (the fus
 projection by query groups, the fused first MLP layer into gate and up); the vocabulary padding Megatron adds
 (``--make-vocab-size-divisible-by`` x TP) is stripped to the model's vocabulary;
 :func:`~mlir_train.checkpoint.megatron.save.save_legacy` adds it back. The layouts are matched
-numerically against megatron-core in ``tests/checkpoint/test_megatron_checkpoint.py``.
+numerically against megatron-core in ``tests/checkpoint/test_megatron_checkpoint.py`` (Qwen3) and
+``tests/checkpoint/test_megatron_qwen3_5.py`` (Qwen3.5 / Qwen3-Next, torch_dist).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def check_complete(source: Source, table: Table, cfg: ModelConfig) -> None:
                     else f"{table.megatron_layers}{layer}.{name}")
             unread[full] = f"{shape} (in {where})"
     complete.check(source.ckpt.describe(), unread=unread, error=MegatronCheckpointError,
-                   hint=f"; the {table.family} model of its args has no such parameter (shared experts, biases, MTP "
-                        "layers and other architectures are not read)")
+                   hint=f"; the {table.family} model of its args has no such parameter (biases, MTP layers and "
+                        "other architectures' tensors are not read)")
 
 
 # ----- our parameters from Megatron's tensors -------------------------------------------------------
