@@ -1,5 +1,6 @@
-"""Real megatron-core on CPU building Qwen3-Next / Qwen3.5 as Megatron-Bridge and LoongForge
-configure them, as an oracle for their ``--load`` checkpoints (torch_dist).
+"""Real megatron-core on CPU building Qwen3-Next / Qwen3.5 as Megatron-Bridge configures them
+(megatron-core's own ``GatedDeltaNet``), as an oracle for their ``--load`` checkpoints (torch_dist).
+LoongForge builds these models with its own GatedDeltaNet module instead (another layout).
 
 Megatron-Bridge's ``Qwen3NextBridge`` (and its Qwen3.5 bridges) build megatron-core's
 ``GPTModel`` with ``get_transformer_block_with_experimental_attention_variant_spec``:
@@ -173,8 +174,8 @@ def _build(spec: dict, layout: Layout):
 
 
 def megatron_args(spec: dict, layout: Layout, world: int):
-    """The argparse Namespace a Megatron-LM (LoongForge) run of this model pickles as ``args``:
-    the flags of their Qwen3-Next scripts (``--attention-output-gate``,
+    """The argparse Namespace a Megatron-LM run of this model pickles as ``args``: the flags of
+    Megatron-LM's Qwen3-Next scripts (``--attention-output-gate``,
     ``--experimental-attention-variant gated_delta_net``, ``--linear-*``, ``--apply-layernorm-1p``,
     ``--moe-shared-expert-gate``...)."""
     return argparse.Namespace(

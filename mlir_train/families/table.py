@@ -245,7 +245,9 @@ class Table:
     tensors the family's checkpoints hold but its model does not use (``fnmatch`` patterns of their
     names, e.g. an MTP head ``mtp.*`` or a vision tower ``model.visual.*``): read past on load and
     copied untouched into HF exports (:mod:`mlir_train.checkpoint.carry`). ``megatron_formats``:
-    the Megatron checkpoint formats its rows describe (``torch`` legacy, ``torch_dist``)."""
+    the Megatron checkpoint formats its rows describe (``torch`` legacy, ``torch_dist``);
+    ``megatron_refused``: fragments of tensor names of another Megatron layout of the family that
+    is not read, and what to do instead."""
 
     family: str
     rows: tuple[Param, ...]
@@ -254,6 +256,7 @@ class Table:
     lora_refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
     carried: tuple[str, ...] = ()
     megatron_formats: tuple[str, ...] = ("torch", "torch_dist")
+    megatron_refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def with_hf_prefix(self, old: str, new: str) -> "Table":
         """This table with every HF name (the layer prefix and the global tensors) that starts

@@ -1,5 +1,7 @@
-"""Qwen3.5 / Qwen3-Next checkpoints of LoongForge and Megatron-Bridge (their ``--load`` format,
-megatron-core torch_dist) against real megatron-core (issue 40 item 7).
+"""Qwen3.5 / Qwen3-Next checkpoints of Megatron-Bridge and Megatron-LM (megatron-core's
+``GatedDeltaNet``, torch_dist: their ``--load`` format) against real megatron-core (issue 40 item 7).
+LoongForge's own layout (its ``GatedDeltaNet`` with ``in_proj_qkvz`` / ``in_proj_ba``) is refused
+by name.
 
 ``tests/mcore_qwen35.py`` builds megatron-core 0.16.1's ``GPTModel`` on CPU as Megatron-Bridge's
 ``Qwen3NextBridge`` configures it (``GatedDeltaNet`` layers with softmax attention every 4th,
@@ -8,7 +10,7 @@ through two CPU stand-ins): hidden 128 (qwen3-next-tiny's shape), 4 layers (a de
 an MoE attention layer), 2 key / 4 value DeltaNet heads, 8 experts top-2, vocabulary 1536 padded
 to 1600. It saves with ``dist_checkpointing`` and runs megatron-core's own forward (its torch
 chunked gated delta rule: FLA's Triton kernel does not run on CPU). Once per session: TP2 x EP2
-with expert-TP 1 on 2 ranks, with Megatron-LM's ``args`` (as LoongForge writes them; about 30 s).
+with expert-TP 1 on 2 ranks, with Megatron-LM's ``args`` (as a Megatron-LM run writes them; about 45 s).
 Its copy without ``args`` is what Megatron-Bridge writes (its config lives in its own run
 config): the shape then comes from ``--model-name``. Marked slow: the TP1 checkpoint.
 """
@@ -48,18 +50,19 @@ def _saved(tmp_path_factory, name, layout, **job):
 
 
 @pytest.fixture(scope="session")
-def loongforge(tmp_path_factory):
+def megatron_lm(tmp_path_factory):
     """TP2 x EP2 (ETP1) with Megatron-LM's args."""
     return _saved(tmp_path_factory, "mcore_qwen35_tp2_ep2", {"tp": 2, "ep": 2, "etp": 1}, args=True)
 
 
 @pytest.fixture(scope="session")
-def bridge(loongforge, tmp_path_factory):
-    """The same checkpoint without args, as Megatron-Bridge writes it."""
+def bridge(megatron_lm, tmp_path_factory):
+    """The same checkpoint without args, as Megatron-Bridge writes it (its config is its own run
+    config, not Megatron-LM's argparse args)."""
     import torch
 
     out = str(tmp_path_factory.mktemp("bridge"))
-    shutil.copytree(os.path.join(loongforge, "torch_dist"), os.path.join(out, "torch_dist"))
+    shutil.copytree(os.path.join(megatron_lm, "torch_dist"), os.path.join(out, "torch_dist"))
     common = os.path.join(out, "torch_dist", "iter_0000010", "common.pt")
     state = torch.load(common, weights_only=False)
     del state["args"]
@@ -93,11 +96,11 @@ def _reference(out_dir):
     return np.load(os.path.join(out_dir, "logits.npy"))[..., :VOCAB], np.load(os.path.join(out_dir, "tokens.npy"))
 
 
-def test_loongforge_checkpoint_logits_equal_megatron_core(loongforge):
+def test_megatron_lm_checkpoint_logits_equal_megatron_core(megatron_lm):
     """The shape from the args (the 3:1 DeltaNet/attention pattern, the dense first layer, partial
     RoPE, the shared expert), then our logits against megatron-core's forward of the checkpoint."""
-    ref, tokens = _reference(loongforge)
-    cfg, graphdef, params = _load(loongforge)
+    ref, tokens = _reference(megatron_lm)
+    cfg, graphdef, params = _load(megatron_lm)
     assert cfg == _config().replace(layer_types=cfg.layer_types)
     assert cfg.mixers() == ("linear_attention",) * 3 + ("full_attention",) and cfg.hf_model_type == "qwen3_next"
     assert params["embed"].shape == (VOCAB, 128)
@@ -105,12 +108,12 @@ def test_loongforge_checkpoint_logits_equal_megatron_core(loongforge):
     assert diff <= TOL, diff
 
 
-def test_bridge_checkpoint_takes_its_shape_from_the_model_name(bridge, loongforge):
+def test_bridge_checkpoint_takes_its_shape_from_the_model_name(bridge, megatron_lm):
     """No args (Megatron-Bridge): the named model's shape, loaded into a TP2 x EP2 layout of 8
     devices shard by shard, equal to the unsharded load and to megatron-core's logits."""
     from sharding.layout import Layout
 
-    ref, tokens = _reference(loongforge)
+    ref, tokens = _reference(megatron_lm)
     with pytest.raises(mc.MegatronCheckpointError, match="stores no 'args'; give --model-name"):
         _load(bridge)
     cfg, graphdef, plain = _load(bridge, fallback=_config())
@@ -158,11 +161,11 @@ def test_args_of_other_models_are_refused_by_name():
         build(args | {"rotary_percent": 1.0, "moe_shared_expert_intermediate_size": None, "attention_output_gate": False})
 
 
-def test_sft_loads_a_bridge_checkpoint_or_says_what_is_wrong(bridge, loongforge, tmp_path, capsys):
+def test_sft_loads_a_bridge_checkpoint_or_says_what_is_wrong(bridge, megatron_lm, tmp_path, capsys):
     """``sft --load`` of the Bridge checkpoint with ``--model-name`` (the tokenizer's 1559 tokens
     pad to the checkpoint's 1600 rows; logits compared on its 1536 real ones); a model of
     another shape is one ``mlir-train: error:`` line naming the checkpoint and the tensor."""
-    ref, tokens = _reference(loongforge)
+    ref, tokens = _reference(megatron_lm)
     argv = _argv(tmp_path, "--tensor-model-parallel-size", "1", "--load", os.path.join(bridge, "torch_dist"),
                  "--train-iters", "0", "--lr-decay-iters", "10", "--finetune", "--model-name", "qwen3-next-tiny")
     out = sft.main(argv)
@@ -195,7 +198,7 @@ def test_legacy_torch_format_is_refused_by_name(tmp_path):
         mc.load_params(ckpt, cfg, shapes, _single_device(shapes))
 
 
-def test_convert_to_hf_gives_transformers_megatron_cores_logits(bridge, loongforge, tmp_path, capsys):
+def test_convert_to_hf_gives_transformers_megatron_cores_logits(bridge, megatron_lm, tmp_path, capsys):
     """``convert --model-name`` of the Bridge checkpoint (no args) to HF: transformers'
     ``Qwen3NextForCausalLM`` (its torch gated delta rule) gives megatron-core's logits, so each
     tensor landed where HF's layout (Megatron-Bridge's mapping, run backwards) puts it. The flag
@@ -205,7 +208,7 @@ def test_convert_to_hf_gives_transformers_megatron_cores_logits(bridge, loongfor
 
     from mlir_train import convert
 
-    ref, tokens = _reference(loongforge)
+    ref, tokens = _reference(megatron_lm)
     out = str(tmp_path / "hf")
     assert convert.main([os.path.join(bridge, "torch_dist"), out, "--model-name", "qwen3-next-tiny",
                          "--vocab-size", str(VOCAB)]) == 0
@@ -219,6 +222,23 @@ def test_convert_to_hf_gives_transformers_megatron_cores_logits(bridge, loongfor
     assert "--model-name qwen3-next-tiny: SRC " in capsys.readouterr().err
 
 
+def test_loongforge_gated_deltanet_layout_is_refused_by_name(bridge, tmp_path):
+    """LoongForge's Qwen3-Next / Qwen3.5 models use their own GatedDeltaNet (HF's fused
+    ``in_proj_qkvz`` / ``in_proj_ba``, replicated over TP, a plain ``out_norm``), not
+    megatron-core's: such a tensor stops the load naming it and what to do."""
+    import torch
+
+    def loongforge(sd):
+        sd = {k: v for k, v in sd.items() if "layers.0.self_attention.in_proj.weight." not in k}
+        return sd | {"decoder.layers.0.self_attention.in_proj_qkvz.weight": torch.zeros(384, 128),
+                     "decoder.layers.0.self_attention.in_proj_ba.weight": torch.zeros(8, 128)}
+
+    _redo_dist(os.path.join(bridge, "torch_dist"), str(tmp_path / "lf" / "torch_dist"), loongforge)
+    with pytest.raises(mc.MegatronCheckpointError, match=r"tensor decoder\.layers\.0\.self_attention\.in_proj_ba\.weight: "
+                                                         r"LoongForge's own GatedDeltaNet layout .* tools/convert_checkpoint"):
+        _load(str(tmp_path / "lf"), fallback=_config())
+
+
 @pytest.mark.slow
 def test_tp1_checkpoint(tmp_path_factory):
     out = _saved(tmp_path_factory, "mcore_qwen35_tp1", {"tp": 1}, args=True)
@@ -229,7 +249,7 @@ def test_tp1_checkpoint(tmp_path_factory):
 
 @pytest.mark.slow
 def test_qwen3_5_moe_checkpoint_and_its_hf_export(tmp_path_factory, tmp_path):
-    """Qwen3.5-MoE's shape (every layer MoE, no dense MLP; qwen3.5-moe-tiny) from LoongForge's
+    """Qwen3.5-MoE's shape (every layer MoE, no dense MLP; qwen3.5-moe-tiny) from Megatron-LM's
     args: megatron-core's logits here, and through ``convert`` in transformers'
     ``Qwen3_5MoeForCausalLM`` (Qwen3.5's split DeltaNet projections)."""
     import torch

@@ -60,6 +60,9 @@ def check_complete(source: Source, table: Table, cfg: ModelConfig) -> None:
         if not _read_by(known, name):
             full = (name if layer is None else table.megatron_layers + name if layer == "stacked"
                     else f"{table.megatron_layers}{layer}.{name}")
+            why = next((why for part, why in table.megatron_refused.items() if part in name), None)
+            if why:
+                raise MegatronCheckpointError(f"{source.ckpt.describe()}: tensor {full}: {why}")
             unread[full] = f"{shape} (in {where})"
     complete.check(source.ckpt.describe(), unread=unread, error=MegatronCheckpointError,
                    hint=f"; the {table.family} model of its args has no such parameter (biases, MTP layers and "

@@ -2,7 +2,7 @@
 (dist-checkpointing) checkpoint, and the model's shape from Megatron-LM's ``args``.
 
 The model is megatron-core's ``GPTModel`` as Megatron-Bridge's ``Qwen3NextBridge`` / Qwen3.5
-bridges and LoongForge configure it: ``--experimental-attention-variant gated_delta_net`` with
+bridges and Megatron-LM configure it: ``--experimental-attention-variant gated_delta_net`` with
 ``--linear-attention-freq`` (``GatedDeltaNet`` layers, softmax attention every N-th),
 ``--attention-output-gate``, ``--apply-layernorm-1p`` (zero-centred RMSNorms), a gated shared
 expert (``--moe-shared-expert-gate``), Transformer Engine's fused norm + linear modules. Its
@@ -21,7 +21,10 @@ torch_dist names (checked against megatron-core 0.16.1 on CPU in
 * MoE: ``mlp.router.weight``, the experts as Qwen3's, ``mlp.shared_experts.linear_fc1`` (gate and
   up) / ``linear_fc2`` / ``gate_weight`` ``[1, D]``.
 
-The legacy ``torch`` format is not read for this family: its files hold each TP rank's fused
+LoongForge builds these models with its own ``GatedDeltaNet`` (``in_proj_qkvz`` / ``in_proj_ba`` in
+HF Qwen3-Next's fused layout, the DeltaNet replicated over TP, a plain ``out_norm``, a separate
+``input_layernorm``; Qwen3.5 under ``language_model.decoder.layers``): a tensor of that layout is
+refused by name (``megatron_refused`` of the table). The legacy ``torch`` format is not read for this family: its files hold each TP rank's fused
 ``in_proj.weight`` (that rank's q, k, v, z, b, a one after another), a layout no reader here
 splits; such a checkpoint fails naming the tensor it lacks.
 """

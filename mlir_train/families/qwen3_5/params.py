@@ -157,10 +157,16 @@ def _rows(fused_groups: int | None) -> tuple[Param, ...]:
     )
 
 
+LOONGFORGE = ("LoongForge's own GatedDeltaNet layout (in_proj_qkvz / in_proj_ba as HF Qwen3-Next fuses them, the "
+              "DeltaNet replicated over TP, a plain out_norm), which is not read; convert it to HF with LoongForge's "
+              "tools/convert_checkpoint and --load that")
+
+
 def _table(rows: tuple[Param, ...]) -> Table:
     return Table(family="qwen3_5", rows=with_megatron(rows), hf_layers="model.layers.{l}.", megatron_layers="decoder.layers.",
                  lora_refused={"mlp.router": "the MoE router takes no adapter (it picks the experts)"},
-                 carried=("mtp.*", "model.visual.*"), megatron_formats=("torch_dist",))
+                 carried=("mtp.*", "model.visual.*"), megatron_formats=("torch_dist",),
+                 megatron_refused={"in_proj_qkvz": LOONGFORGE, "in_proj_ba": LOONGFORGE})
 
 
 TABLE = _table(_rows(None))  # Qwen3.5's split projections, the text model's names
