@@ -101,8 +101,8 @@ def test_grouped_with_skewed_routing_equals_reference():
 
 def test_gathered_dispatch_with_skewed_routing_equals_reference():
     """The seed's ETP = TP fold (TP2xEP2+SP) with every token to experts 0 and 1: one rank
-    receives every row, so the exchange and the gather chunks (exchange.ep_grouped_gathered)
-    take their further rounds."""
+    receives every row, so the gathered exchange (exchange.ep_grouped_gathered, rounds of the
+    balanced rows) takes its further rounds."""
     x, valid = _inputs()
     skewed = _block(impl="grouped", platform="cpu", ragged_all_to_all=moe_lib.ragged_all_to_all_dense)
     skewed.router[...] = jnp.zeros_like(skewed.router[...])

@@ -362,10 +362,10 @@ def seed_quick(tmp_path_factory):
 def test_seed_expert_tensor_gather_moves_the_used_rows_only(seed_quick):
     """Issue 37 on the seed layout (ETP = TP under SP) at toy widths (hidden 256, 128 tokens per
     tensor rank, top-8): the MoE's all-gathers and reduce-scatters over the tensor ranks inside
-    the 1F1B ticks move one gather chunk per rank, the 128 x 8 = 1024 rows a balanced routing
-    brings (``exchange.gather_chunk_rows``), not the whole receive buffer (2 x 1024 + 8 local
-    experts x a 64-row block = 2560 rows: 2.24x / 2.36x Megatron's all-gather / reduce-scatter
-    at full size). At full size the slow test below checks the ratios."""
+    the 1F1B ticks move one round's rows per rank, the 128 x 8 = 1024 a balanced routing brings
+    (``exchange.GATHER_CHUNK_FACTOR``), not a whole block-layout receive buffer (2 x 1024 + 8
+    local experts x a 64-row block = 2560 rows: 2.24x / 2.36x Megatron's all-gather /
+    reduce-scatter at full size). At full size the slow test below checks the ratios."""
     import re
 
     comps, _ = seed_quick
@@ -387,11 +387,11 @@ def test_seed_expert_tensor_gather_moves_the_used_rows_only(seed_quick):
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("tests.helpers", fromlist=["GPU_MISSING"]).GPU_MISSING is not None,
                     reason="needs the deviceless XLA:GPU compiler")
-def test_seed_full_size_meets_the_gather_and_flop_targets():
+def test_seed_full_size_meets_the_gather_flop_and_memory_targets():
     """``comm_audit.py --layouts seed`` at full size (Qwen3-30B-A3B, ~4-5 min of CPU): all-gather,
     reduce-scatter and all-to-all within 1.1x of Megatron's, matmul FLOPs at most 1.08x its
-    busiest stage's device, all-reduce under 1.6 GiB (issue 37: 2.24x, 2.36x, 1.02x, 1.20x
-    with the whole receive buffers gathered)."""
+    busiest stage's device, all-reduce under 1.6 GiB, memory at most 96 GiB (issue 37: 2.24x,
+    2.36x, 1.02x, 1.20x, 101.6 GiB with the whole receive buffers gathered)."""
     import re
     import subprocess
     import sys
@@ -407,6 +407,8 @@ def test_seed_full_size_meets_the_gather_and_flop_targets():
     assert ratios["flops"] <= 1.08 and max(ratios[k] for k in ("all-gather", "reduce-scatter", "all-to-all")) <= 1.1, ratios
     (all_reduce,) = re.findall(r"all-reduce +compiled +([0-9.]+) GiB", out.stdout)
     assert float(all_reduce) < 1.6, out.stdout
+    (memory,) = re.findall(r"ratio seed memory: ([0-9.]+) GiB", out.stdout)
+    assert float(memory) <= 96.0, out.stdout  # the seed's own flags, no recompute (101.6 GiB before)
 
 
 @pytest.mark.slow

@@ -23,13 +23,15 @@ from mlir_train.model.moe.experts import grouped_experts, swiglu_down
 from sharding import varying_axes
 
 
-def exchange_capacity(plan: ExpertsPlan, s: int, k: int, ep: int, align: int) -> tuple[int, int]:
+def exchange_capacity(plan: ExpertsPlan, s: int, k: int, ep: int, align: int,
+                      factor: float | None = None) -> tuple[int, int]:
     """(rows per round, most rounds) of a rank's receive buffer under the dropless ragged
-    dispatchers: ``ep_buffer_factor`` x the S*K rows a balanced routing sends it (rounded up to
-    ``align``), never more than the worst routing's EP * S * min(K, L) rows (every token of
-    every source to this rank's experts), which then takes ``most rounds``."""
+    dispatchers: ``factor`` (default ``ep_buffer_factor``) x the S*K rows a balanced routing
+    sends it (rounded up to ``align``), never more than the worst routing's EP * S * min(K, L)
+    rows (every token of every source to this rank's experts), which then takes ``most rounds``."""
     worst = ep * s * min(k, plan.num_experts // ep)
-    rows = min(round_up(worst, align), round_up(max(1, math.ceil(plan.ep_buffer_factor * s * k)), align))
+    factor = plan.ep_buffer_factor if factor is None else factor
+    rows = min(round_up(worst, align), round_up(max(1, math.ceil(factor * s * k)), align))
     return rows, -(-worst // rows)
 
 
@@ -69,17 +71,19 @@ def _window(pos, size, r, rows: int):
     return lo, jnp.clip((r + 1) * rows - pos, 0, size) - lo
 
 
-def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, align, recv_layout, experts):
+def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, align, recv_layout, experts,
+               factor=None):
     """The dropless ragged exchange in rounds (:func:`in_rounds`) through a receive buffer of
     :func:`exchange_capacity` rows: ``recv_layout(r_sizes_RL) -> (buffer rows, out offsets
     [src, local expert], extra)`` places a round's slices in it, ``experts(buf, extra, weights)``
-    runs the local experts there. ``(y_SD, [0, overflow rows, further rounds])`` (``dispatch.COUNTS``)."""
+    runs the local experts there; ``factor``: :func:`exchange_capacity`'s. ``(y_SD, [0, overflow
+    rows, further rounds])`` (``dispatch.COUNTS``)."""
     s, k = experts_SK.shape
     e = plan.num_experts
     el = e // ep
     ragged_a2a = plan.ragged_all_to_all
     token_A, expert_A, weight_A = sort_assignments(plan, weights_SK, experts_SK)
-    rows, max_rounds = exchange_capacity(plan, s, k, ep, align)
+    rows, max_rounds = exchange_capacity(plan, s, k, ep, align, factor)
     ex, received = _exchange(expert_A, e, ep, ep_axes)
 
     def one_round(r, args, ex):
@@ -162,13 +166,7 @@ def _block_receive_layout(plan: ExpertsPlan, sk: tuple[int, int], ep: int):
     return b, n_blocks, layout
 
 
-GATHER_CHUNK_FACTOR = 1.0  # a gather chunk's rows per rank: this x the S*K rows a balanced routing brings
-
-
-def gather_chunk_rows(s: int, k: int) -> int:
-    """Rows per rank of one :func:`ep_grouped_gathered` gather chunk: ``GATHER_CHUNK_FACTOR`` x
-    the ``S K`` rows a balanced routing brings a rank (rounded up to 8)."""
-    return round_up(max(1, math.ceil(GATHER_CHUNK_FACTOR * s * k)), 8)
+GATHER_CHUNK_FACTOR = 1.0  # the gathered exchange's rounds: at most this x the S*K rows a balanced routing brings
 
 
 def ep_grouped_gathered(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, gather_axes,
@@ -180,42 +178,31 @@ def ep_grouped_gathered(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights
     ``gather_axes`` ranks all-gather the rows they received, each runs its F shard's experts on
     all of them (one block layout: :func:`gathered_positions`), and a reduce-scatter sums the
     partial outputs and hands each rank its own rows back (Megatron's expert-tensor all-gather
-    and reduce-scatter around the experts). Only the used rows are gathered: in chunks of
-    :func:`gather_chunk_rows` (the rows a balanced routing brings), the first always, the
-    further ones only when some rank of ``gather_axes`` received more (:func:`in_rounds`), so a
-    balanced routing gathers what Megatron's does. ``agree`` must span ``gather_axes`` too."""
-    s, k = experts_SK.shape
+    and reduce-scatter around the experts). The gather moves the receive buffer whole, so its
+    rounds hold ``min(--moe-ep-buffer-factor, GATHER_CHUNK_FACTOR)`` x the rows a balanced routing
+    brings: a balanced routing gathers what Megatron's does, a rank receiving more takes further
+    rounds (:func:`in_rounds`), each moving the rows of its window only. ``agree`` must span
+    ``gather_axes`` too (the rounds' gathers are collectives over them)."""
     el, b = plan.num_experts // ep, plan.block_kernels.block_rows
-    rows = exchange_capacity(plan, s, k, ep, 8)[0]
-    chunk = min(gather_chunk_rows(s, k), rows)
-    n_chunks = -(-rows // chunk)
+    factor = min(plan.ep_buffer_factor, GATHER_CHUNK_FACTOR)
+    rows = exchange_capacity(plan, *experts_SK.shape, ep, 8, factor)[0]
 
     def layout(recv_RL):
         by_expert = recv_RL.T.reshape(-1)
         offsets = (jnp.cumsum(by_expert) - by_expert).reshape(el, ep).T.reshape(-1)
-        return n_chunks * chunk, offsets, jnp.sum(recv_RL, axis=0)
+        return rows, offsets, jnp.sum(recv_RL, axis=0)
 
-    def one_chunk(r, args, sizes_L):
-        recv_MD, *w = args
-        start = r * chunk
-        ends_L = jnp.cumsum(sizes_L)
-        count_L = jnp.clip(ends_L - start, 0, chunk) - jnp.clip(ends_L - sizes_L - start, 0, chunk)
-        x_GCD = jax.lax.all_gather(jax.lax.dynamic_slice_in_dim(recv_MD, start, chunk), gather_axes, tiled=True)
+    def experts(recv_MD, count_L, weights):
+        x_GMD = jax.lax.all_gather(recv_MD, gather_axes, tiled=True)
         count_GL = jax.lax.all_gather(count_L[None], gather_axes, tiled=True)
-        pos, grouping = gathered_positions(count_GL, chunk, b)
-        x_RD = _varying_zeros((grouping[0].shape[0] * b, x_GCD.shape[-1]), x_GCD.dtype, x_GCD).at[pos].set(
-            x_GCD, unique_indices=True)
-        y_RD = grouped_experts(plan.block_kernels, x_RD, jnp.ones_like(x_RD[:, 0]), *w, *grouping)
-        y_CD = jax.lax.psum_scatter(y_RD[pos], gather_axes, scatter_dimension=0, tiled=True)
-        y_CD = jnp.where((jnp.arange(chunk) < jnp.sum(count_L))[:, None], y_CD, 0)
-        return jax.lax.dynamic_update_slice_in_dim(_varying_zeros(recv_MD.shape, recv_MD.dtype, recv_MD, y_CD),
-                                                   y_CD.astype(recv_MD.dtype), start, 0)
+        pos, grouping = gathered_positions(count_GL, rows, b)
+        # Padding and spare rows are zero and stay zero through the kernels (grouped_experts).
+        x_RD = _varying_zeros((grouping[0].shape[0] * b, x_GMD.shape[-1]), x_GMD.dtype, x_GMD).at[pos].set(
+            x_GMD, unique_indices=True)
+        y_RD = grouped_experts(plan.block_kernels, x_RD, jnp.ones_like(x_RD[:, 0]), *weights, *grouping)
+        return jax.lax.psum_scatter(y_RD[pos], gather_axes, scatter_dimension=0, tiled=True)
 
-    def experts(recv_MD, sizes_L, weights):
-        n = jax.lax.pmax(-(-jnp.sum(sizes_L) // chunk), gather_axes)
-        return in_rounds(one_chunk, (recv_MD, *weights), sizes_L, n, n_chunks)
-
-    return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 8, layout, experts)
+    return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 8, layout, experts, factor)
 
 
 def gathered_positions(count_GL, chunk: int, b: int):
