@@ -3,6 +3,7 @@ device of the Qwen3-30B-A3B step against Megatron's for the same flags (devicele
 
     python benchmarks/comm_audit.py [--layouts seed,folding,tp4ep8] [--recompute none|full]
                                     [--device-kind h200] [--hlo-dir DIR] [--json FILE] [--quick]
+                                    [--global-batch-size N]
 
 Each layout is compiled by the planner's code path (``mlir_train.planner.plan.plan_layout``: the
 Trainer ``sft`` builds, the GPU runtime flags, the MoE path the GPU mesh selects) for 8
@@ -65,6 +66,27 @@ def _overlap(p: plan.Plan, kind: str, axes_filter) -> str:
     return f"{sum(r['overlapped'] for r in rows)}/{n} ({sum(r['matmul_overlapped'] for r in rows)} with matmuls)" if n else "-"
 
 
+def _print_layout(r: plan.Plan) -> None:
+    """One layout's collectives against Megatron's, their overlap and the roofline."""
+    if r.collective_traffic_bound:
+        bound = sum(r.collective_traffic_bound.get(k, {}).get("bytes", 0) for k in ("all-to-all", "ragged-all-to-all"))
+        print(f"  (collectives at a balanced routing: the EP overflow rounds' no-overflow branch; with every "
+              f"overflow round taken the all-to-all traffic is {gib(bound)})")
+    for row in r.comm_comparison:
+        ratio = row["ratio"]
+        mark = "" if ratio is None or ratio <= COMM_TARGET else "  (over 1.1x: see benchmarks/README.md)"
+        print(f"  {row['kind']:<15s} compiled {gib(row['compiled_bytes']):>11s}  Megatron {gib(row['megatron_bytes']):>11s}"
+              f"  {'-' if ratio is None else f'{ratio:.2f}x'}{mark}")
+    print(f"  overlapped with compute: EP all-to-all {_overlap(r, 'ragged-all-to-all', lambda x: 'expert' in x)}, "
+          f"reduce-scatter {_overlap(r, 'reduce-scatter', lambda x: True)}, all-gather {_overlap(r, 'all-gather', lambda x: True)}")
+    if r.roofline:
+        rf = r.roofline
+        print(f"  roofline (estimate): matmul {rf['compute_s']:.2f}s, HBM {rf['memory_s']:.2f}s, exposed collectives "
+              f"{rf['comm_s']:.2f}s -> step {rf['step_s']:.2f}s, {rf['model_tflops_per_device']:.0f} model TFLOP/s per "
+              "device" + (f" (Megatron-Bridge published: {r.published_reference['tflops_per_device']:.0f} per "
+                          f"{r.published_reference['device']})" if r.published_reference else ""))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default=",".join(LAYOUTS))
@@ -74,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--hlo-dir", default=None, help="also write each layout's optimized HLO text there")
     p.add_argument("--json", default=None, help="also write the plans as JSON (the planner's rows)")
     p.add_argument("--quick", action="store_true", help="2 layers at toy widths (smoke run)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="instead of the seed's 128 (16 with --quick): memory should not grow with it")
     a = p.parse_args(argv)
     missing = targets.gpu_compiler_missing()
     if missing:
@@ -85,6 +109,7 @@ def main(argv=None) -> int:
         model += ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--num-query-groups", "2",
                   "--kv-channels", "64", "--num-experts", "16", "--moe-ffn-hidden-size", "128", "--vocab-size", "4096"]
     seq, gbs = (256, 16) if a.quick else (2048, 128)
+    gbs = a.global_batch_size or gbs
     args = cli.parse(model + ["--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", str(gbs),
                               "--bf16", "--moe-router-topk", "8"])
     print(f"Qwen3-30B-A3B{' (2 layers, toy widths)' if a.quick else ''}, seq {seq}, micro-batch 1, global batch {gbs}, "
@@ -99,23 +124,7 @@ def main(argv=None) -> int:
         if r.error:
             continue
         plans.append((name, r))
-        if r.collective_traffic_bound:
-            bound = sum(r.collective_traffic_bound.get(k, {}).get("bytes", 0) for k in ("all-to-all", "ragged-all-to-all"))
-            print(f"  (collectives at a balanced routing: the EP overflow rounds' no-overflow branch; with every "
-                  f"overflow round taken the all-to-all traffic is {gib(bound)})")
-        for row in r.comm_comparison:
-            ratio = row["ratio"]
-            mark = "" if ratio is None or ratio <= COMM_TARGET else "  (over 1.1x: see benchmarks/README.md)"
-            print(f"  {row['kind']:<15s} compiled {gib(row['compiled_bytes']):>11s}  Megatron {gib(row['megatron_bytes']):>11s}"
-                  f"  {'-' if ratio is None else f'{ratio:.2f}x'}{mark}")
-        print(f"  overlapped with compute: EP all-to-all {_overlap(r, 'ragged-all-to-all', lambda x: 'expert' in x)}, "
-              f"reduce-scatter {_overlap(r, 'reduce-scatter', lambda x: True)}, all-gather {_overlap(r, 'all-gather', lambda x: True)}")
-        if r.roofline:
-            rf = r.roofline
-            print(f"  roofline (estimate): matmul {rf['compute_s']:.2f}s, HBM {rf['memory_s']:.2f}s, exposed collectives "
-                  f"{rf['comm_s']:.2f}s -> step {rf['step_s']:.2f}s, {rf['model_tflops_per_device']:.0f} model TFLOP/s per "
-                  "device" + (f" (Megatron-Bridge published: {r.published_reference['tflops_per_device']:.0f} per "
-                              f"{r.published_reference['device']})" if r.published_reference else ""))
+        _print_layout(r)
     print()
     for name, r in plans:
         need = r.compiled_needed_bytes / plan.GIB

@@ -147,6 +147,19 @@ def _on_roles(overrides: Mapping[str, MeshAxes], cfg: Layout) -> dict[str, MeshA
             for name, axes in overrides.items()}
 
 
+def etp_tp_fold(cfg: Layout) -> bool:
+    """ETP = TP > 1 under SP with EP: each tensor rank routes its own sequence chunk and the
+    expert-tensor group gathers the rows it received (:func:`rules_for`)."""
+    return cfg.expert > 1 and cfg.sequence_parallel and cfg.etp == cfg.tensor > 1
+
+
+def expert_rows_gathered(cfg: Layout) -> bool:
+    """Whether the expert width is split over ranks that hold distinct tokens, so the MoE's
+    grouped dispatcher gathers the received rows over them (``exchange.ep_grouped_gathered``):
+    the ETP = TP fold, or ETP above TP."""
+    return cfg.expert > 1 and (etp_tp_fold(cfg) or cfg.etp > cfg.tensor)
+
+
 def rules_for(cfg: Layout, model_dims: Mapping[str, int] | None = None) -> Rules:
     """The compute-layout table for any combination of TP, SP, CP, EP, ETP and PP.
 
@@ -167,7 +180,7 @@ def rules_for(cfg: Layout, model_dims: Mapping[str, int] | None = None) -> Rules
     # already hold their own sequence chunk (Megatron's folding dispatches from there); without
     # it each takes a slice of the replicated tokens and the output is all-gathered.
     folded = set(cfg.role_axes("tensor")) - set(cfg.role_axes("expert_tensor"))
-    if cfg.expert > 1 and cfg.sequence_parallel and cfg.etp == cfg.tensor > 1:
+    if etp_tp_fold(cfg):
         # ETP = TP under SP: each tensor rank routes and dispatches its own sequence chunk,
         # T/TP x K rows, and the expert-tensor group gathers what it received (Megatron's
         # alltoall dispatcher), rather than every tensor rank dispatching the whole sequence.

@@ -402,7 +402,8 @@ class ExtraFlags:
              "exchanges the rest in further rounds through the same buffer, exactly, and logs the rows as "
              "'ep overflow rows'. Nothing is dropped (unlike Megatron's --moe-expert-capacity-factor, which "
              "this does not touch); F >= EP never overflows on the GPU ragged/grouped exchange, F >= experts/topk "
-             "on the padded one")
+             "on the padded one; under ETP = TP with SP (the expert-tensor ranks all-gather what they received) at "
+             "most 1 x, so the gather moves a balanced routing's rows")
     code_paths: str = flag(
         "--code-paths", default="auto", choices=("auto", "gpu"),
         help="which platform's program the step runs: auto (the devices' own); gpu on CPU devices: the GPU "

@@ -223,6 +223,7 @@ class _CompiledLayer:
     token_ranks: int
     tensor_ranks: int
     expert_ranks: int
+    gathered: bool = False  # the expert-tensor ranks gather their received rows (exchange.ep_grouped_gathered)
 
 
 def _compile_layer(cfg, parallel: sharding.Layout, devices, impl: str, capacity_factor: float | None,
@@ -256,7 +257,8 @@ def _compile_layer(cfg, parallel: sharding.Layout, devices, impl: str, capacity_
 
         compiled = compile_without_cache(jax.jit(step).lower(params, x, x))
         residual_bytes = _residual_bytes(graphdef, params, x) if residuals else None
-        return _CompiledLayer(compiled, residual_bytes, abstract.plan, token_ranks, tensor_ranks, expert_ranks)
+        return _CompiledLayer(compiled, residual_bytes, abstract.plan, token_ranks, tensor_ranks, expert_ranks,
+                              sharding.rules.expert_rows_gathered(parallel))
 
 
 def _residual_bytes(graphdef, params, x) -> int:
@@ -277,10 +279,12 @@ def _sampled_routing_path(text: str, worst, layer: _CompiledLayer, cfg, tokens_p
     buffer holds, else ``worst`` (the costliest path)."""
     plan, expert_ranks = layer.plan, layer.expert_ranks
     if plan.dropless_dispatch and plan.ragged_all_to_all is not None and expert_ranks > 1:
-        from mlir_train.model.moe.exchange import exchange_capacity
+        from mlir_train.model.moe.exchange import GATHER_CHUNK_FACTOR, exchange_capacity
 
-        align = plan.block_kernels.block_rows if plan.dropless_dispatch == "grouped" else 8
-        capacity = exchange_capacity(plan, tokens_per_rank, cfg.top_k, expert_ranks, align)[0]
+        gathered = layer.gathered and plan.dropless_dispatch == "grouped"
+        align = plan.block_kernels.block_rows if plan.dropless_dispatch == "grouped" and not gathered else 8
+        factor = min(plan.ep_buffer_factor, GATHER_CHUNK_FACTOR) if gathered else None
+        capacity = exchange_capacity(plan, tokens_per_rank, cfg.top_k, expert_ranks, align, factor)[0]
         if max_received_rows(cfg.num_experts, cfg.top_k, tokens_per_rank, layer.token_ranks, expert_ranks,
                              seed) <= capacity:
             return analyze(text, branch="min", exclude_scope=ROUTER_SCOPE).flops, loops_on_cheapest_path(text)

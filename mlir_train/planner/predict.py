@@ -11,9 +11,16 @@ from mlir_train.planner.targets import DEVICE_KINDS, DeviceKind
 
 
 def balanced_expert_flops(stats, layout, model_cfg, buffer_factor: float) -> float:
-    """The routed experts' block-kernel FLOPs per device at a balanced routing (0 without them)."""
+    """The routed experts' block-kernel FLOPs per device at a balanced routing (0 without them).
+    Where the expert-tensor ranks gather their received rows, the rounds hold at most
+    ``exchange.GATHER_CHUNK_FACTOR`` x the balanced rows (``ep_grouped_gathered``)."""
     from mlir_train.model.kernels.mosaic_moe import BLOCK_ROWS
+    from mlir_train.model.moe.exchange import GATHER_CHUNK_FACTOR
     from mlir_train.planner import comm
+    from sharding.rules import expert_rows_gathered
+
+    if expert_rows_gathered(layout):
+        buffer_factor = min(buffer_factor, GATHER_CHUNK_FACTOR)
 
     return sum(k.flops_for_rows(comm.balanced_kernel_rows(
         k.rows, expert_ranks=layout.expert, num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,

@@ -99,6 +99,18 @@ def test_grouped_with_skewed_routing_equals_reference():
     _assert_same(_run(skewed, x, valid, Layout(expert=8, num_devices=8))[0], _run(ref, x, valid)[0])
 
 
+def test_gathered_dispatch_with_skewed_routing_equals_reference():
+    """The seed's ETP = TP fold (TP2xEP2+SP) with every token to experts 0 and 1: one rank
+    receives every row, so the gathered exchange (exchange.ep_grouped_gathered, rounds of the
+    balanced rows) takes its further rounds."""
+    x, valid = _inputs()
+    skewed = _block(impl="grouped", platform="cpu", ragged_all_to_all=moe_lib.ragged_all_to_all_dense)
+    skewed.router[...] = jnp.zeros_like(skewed.router[...])
+    ref = _block(impl="dense")
+    ref.router[...] = skewed.router[...]
+    _assert_same(_run(skewed, x, valid, LAYOUTS["TP2xEP2+SP"])[0], _run(ref, x, valid)[0])
+
+
 def test_grouped_platform_choice():
     assert _block(impl="grouped", platform="gpu").plan.block_kernels.name == "mosaic"
     assert _block(impl="grouped", platform="gpu").plan.ragged_all_to_all is jax.lax.ragged_all_to_all
@@ -150,18 +162,17 @@ def test_mosaic_kernels_in_interpreter_equal_reference(routing, k):
         assert not np.any(np.asarray(got_t[expert]))
 
 
-def test_merged_blocks_put_each_experts_blocks_together():
-    """Two block layouts of 6 blocks (blocks per expert [1, 0, 2] and [2, 1, 0]) as one: expert
-    0's three blocks first (layout 0's, then layout 1's two), expert 1's, expert 2's, then the
-    five spare blocks in layout order; ``new_pos`` undoes ``order``."""
-    from mlir_train.model.moe.exchange import merged_blocks
+def test_gathered_positions_put_each_experts_rows_together():
+    """Two ranks' chunks of 5 rows (rows per expert [1, 0, 2] and [2, 1, 0], blocks of 2 rows):
+    expert 0's rows first from a block boundary (rank 0's, then rank 1's two), expert 1's,
+    expert 2's, then the unused rows in the spare rows at the end, every position once."""
+    from mlir_train.model.moe.exchange import gathered_positions
 
-    blocks_GE = jnp.asarray([[1, 0, 2], [2, 1, 0]], jnp.int32)
-    order, new_pos, (expert_N, used, first_E, num_E) = jax.jit(merged_blocks, static_argnums=(1, 2))(blocks_GE, 6, 4)
-    # layout 0: block 0 expert 0, blocks 1-2 expert 2, 3-5 spare; layout 1 (blocks 6-11): 6-7 expert 0, 8 expert 1.
-    np.testing.assert_array_equal(order, [0, 6, 7, 8, 1, 2, 3, 4, 5, 9, 10, 11])
-    np.testing.assert_array_equal(np.asarray(order)[np.asarray(new_pos)], np.arange(12))
-    np.testing.assert_array_equal(num_E, [3, 1, 2])
-    np.testing.assert_array_equal(first_E, [0, 3, 4])
-    assert int(used) == 6
-    np.testing.assert_array_equal(expert_N[:6], [0, 0, 0, 1, 2, 2])
+    count_GL = jnp.asarray([[1, 0, 2], [2, 1, 0]], jnp.int32)
+    pos, (expert_N, used, first_E, num_E) = jax.jit(gathered_positions, static_argnums=(1, 2))(count_GL, 5, 2)
+    # expert 0: 3 rows in blocks 0-1 (rows 0-2), expert 1: block 2 (row 4), expert 2: block 3 (rows 6-7).
+    np.testing.assert_array_equal(pos, [0, 6, 7, 8, 9, 1, 2, 4, 10, 11])
+    assert len(set(np.asarray(pos).tolist())) == 10 and int(np.max(pos)) < len(expert_N) * 2
+    np.testing.assert_array_equal(num_E, [2, 1, 1])
+    np.testing.assert_array_equal(first_E, [0, 2, 3])
+    assert int(used) == 4

@@ -23,13 +23,15 @@ from mlir_train.model.moe.experts import grouped_experts, swiglu_down
 from sharding import varying_axes
 
 
-def exchange_capacity(plan: ExpertsPlan, s: int, k: int, ep: int, align: int) -> tuple[int, int]:
+def exchange_capacity(plan: ExpertsPlan, s: int, k: int, ep: int, align: int,
+                      factor: float | None = None) -> tuple[int, int]:
     """(rows per round, most rounds) of a rank's receive buffer under the dropless ragged
-    dispatchers: ``ep_buffer_factor`` x the S*K rows a balanced routing sends it (rounded up to
-    ``align``), never more than the worst routing's EP * S * min(K, L) rows (every token of
-    every source to this rank's experts), which then takes ``most rounds``."""
+    dispatchers: ``factor`` (default ``ep_buffer_factor``) x the S*K rows a balanced routing
+    sends it (rounded up to ``align``), never more than the worst routing's EP * S * min(K, L)
+    rows (every token of every source to this rank's experts), which then takes ``most rounds``."""
     worst = ep * s * min(k, plan.num_experts // ep)
-    rows = min(round_up(worst, align), round_up(max(1, math.ceil(plan.ep_buffer_factor * s * k)), align))
+    factor = plan.ep_buffer_factor if factor is None else factor
+    rows = min(round_up(worst, align), round_up(max(1, math.ceil(factor * s * k)), align))
     return rows, -(-worst // rows)
 
 
@@ -69,17 +71,19 @@ def _window(pos, size, r, rows: int):
     return lo, jnp.clip((r + 1) * rows - pos, 0, size) - lo
 
 
-def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, align, recv_layout, experts):
+def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, align, recv_layout, experts,
+               factor=None):
     """The dropless ragged exchange in rounds (:func:`in_rounds`) through a receive buffer of
     :func:`exchange_capacity` rows: ``recv_layout(r_sizes_RL) -> (buffer rows, out offsets
     [src, local expert], extra)`` places a round's slices in it, ``experts(buf, extra, weights)``
-    runs the local experts there. ``(y_SD, [0, overflow rows, further rounds])`` (``dispatch.COUNTS``)."""
+    runs the local experts there; ``factor``: :func:`exchange_capacity`'s. ``(y_SD, [0, overflow
+    rows, further rounds])`` (``dispatch.COUNTS``)."""
     s, k = experts_SK.shape
     e = plan.num_experts
     el = e // ep
     ragged_a2a = plan.ragged_all_to_all
     token_A, expert_A, weight_A = sort_assignments(plan, weights_SK, experts_SK)
-    rows, max_rounds = exchange_capacity(plan, s, k, ep, align)
+    rows, max_rounds = exchange_capacity(plan, s, k, ep, align, factor)
     ex, received = _exchange(expert_A, e, ep, ep_axes)
 
     def one_round(r, args, ex):
@@ -162,57 +166,68 @@ def _block_receive_layout(plan: ExpertsPlan, sk: tuple[int, int], ep: int):
     return b, n_blocks, layout
 
 
+GATHER_CHUNK_FACTOR = 1.0  # the gathered exchange's rounds: at most this x the S*K rows a balanced routing brings
+
+
 def ep_grouped_gathered(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, gather_axes,
                         agree=lambda n: n):
-    """:func:`ep_grouped` where the expert width F is split over ranks that hold their own
-    tokens (``gather_axes``: ETP = TP under sequence parallelism, each tensor rank routing its
-    own ``T/TP`` tokens), as Megatron's alltoall dispatcher runs it: each rank dispatches only
-    its own ``T/TP x K`` rows; the ``gather_axes`` ranks' receive buffers are all-gathered, each
-    rank runs its F shard's experts on all of them, and a reduce-scatter sums the partial outputs
-    and hands each rank its own received rows back to return home (Megatron's expert-tensor
-    all-gather and reduce-scatter around the experts). The gathered buffers' blocks are put in
-    one block layout first (:func:`merged_blocks`: each expert's blocks from every rank
-    together), the kernels' contract. ``agree`` must span ``gather_axes`` too (the rounds'
-    all-gathers are collectives over them)."""
-    b, n_blocks, layout = _block_receive_layout(plan, experts_SK.shape, ep)
+    """:func:`ep_ragged`'s exchange where the expert width F is split over ranks that hold their
+    own tokens (``gather_axes``: ETP = TP under sequence parallelism, each tensor rank routing
+    its own ``T/TP`` tokens), as Megatron's alltoall dispatcher runs it: each rank dispatches only
+    its own ``T/TP x K`` rows into a compact receive buffer (sorted by local expert); the
+    ``gather_axes`` ranks all-gather the rows they received, each runs its F shard's experts on
+    all of them (one block layout: :func:`gathered_positions`), and a reduce-scatter sums the
+    partial outputs and hands each rank its own rows back (Megatron's expert-tensor all-gather
+    and reduce-scatter around the experts). The gather moves the receive buffer whole, so its
+    rounds hold ``min(--moe-ep-buffer-factor, GATHER_CHUNK_FACTOR)`` x the rows a balanced routing
+    brings: a balanced routing gathers what Megatron's does, a rank receiving more takes further
+    rounds (:func:`in_rounds`), each moving the rows of its window only. ``agree`` must span
+    ``gather_axes`` too (the rounds' gathers are collectives over them)."""
+    el, b = plan.num_experts // ep, plan.block_kernels.block_rows
+    factor = min(plan.ep_buffer_factor, GATHER_CHUNK_FACTOR)
+    rows = exchange_capacity(plan, *experts_SK.shape, ep, 8, factor)[0]
 
-    def experts(recv_MD, grouping, weights):
-        d = recv_MD.shape[-1]
-        x_GND = jax.lax.all_gather(recv_MD.reshape(n_blocks, b, d), gather_axes, tiled=True)
-        blocks_GE = jax.lax.all_gather(grouping[3][None], gather_axes, tiled=True)
-        order, new_pos, merged = merged_blocks(blocks_GE, n_blocks, b)
-        x_RD = x_GND[order].reshape(-1, d)
-        y_RD = grouped_experts(plan.block_kernels, x_RD, jnp.ones_like(x_RD[:, 0]), *weights, *merged)
-        y_GND = y_RD.reshape(-1, b, d)[new_pos]
-        return jax.lax.psum_scatter(y_GND, gather_axes, scatter_dimension=0, tiled=True).reshape(-1, d)
+    def layout(recv_RL):
+        by_expert = recv_RL.T.reshape(-1)
+        offsets = (jnp.cumsum(by_expert) - by_expert).reshape(el, ep).T.reshape(-1)
+        return rows, offsets, jnp.sum(recv_RL, axis=0)
 
-    return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, b, layout, experts)
+    def experts(recv_MD, count_L, weights):
+        x_GMD = jax.lax.all_gather(recv_MD, gather_axes, tiled=True)
+        count_GL = jax.lax.all_gather(count_L[None], gather_axes, tiled=True)
+        pos, grouping = gathered_positions(count_GL, rows, b)
+        # Padding and spare rows are zero and stay zero through the kernels (grouped_experts).
+        x_RD = _varying_zeros((grouping[0].shape[0] * b, x_GMD.shape[-1]), x_GMD.dtype, x_GMD).at[pos].set(
+            x_GMD, unique_indices=True)
+        y_RD = grouped_experts(plan.block_kernels, x_RD, jnp.ones_like(x_RD[:, 0]), *weights, *grouping)
+        return jax.lax.psum_scatter(y_RD[pos], gather_axes, scatter_dimension=0, tiled=True)
+
+    return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 8, layout, experts, factor)
 
 
-def merged_blocks(blocks_GE, n_blocks: int, b: int):
-    """``G`` block layouts of ``n_blocks`` blocks each (``blocks_GE``: each one's blocks per
-    expert, each expert's from a block boundary, the spare blocks after them) as one of
-    ``G * n_blocks`` blocks, each expert's blocks from every layout together in layout order,
-    the spare ones at the end: ``(order, new_pos, grouping)`` with ``merged = blocks[order]``,
-    ``blocks = merged[new_pos]`` and the merged layout's :func:`block_grouping`."""
-    g, e = blocks_GE.shape
-    per_expert_E = jnp.sum(blocks_GE, axis=0)
-    first_E = jnp.cumsum(per_expert_E) - per_expert_E                   # expert e's first merged block
-    before_GE = jnp.cumsum(blocks_GE, axis=0) - blocks_GE                # its blocks from earlier layouts
-    own_first_GE = jnp.cumsum(blocks_GE, axis=1) - blocks_GE             # where they start in their layout
-    used_G = jnp.sum(blocks_GE, axis=1)
-    block = jnp.arange(n_blocks)
-    # The expert of each used block (layout g, block i): the last expert starting at or before i.
-    expert_GN = jnp.clip(jnp.sum(own_first_GE[:, None, :] + blocks_GE[:, None, :] <= block[None, :, None], axis=-1),
-                         0, e - 1)
-    take = lambda a_GE: jnp.take_along_axis(a_GE, expert_GN, axis=1)
-    used_pos_GN = take(first_E[None, :] + before_GE) + block[None, :] - take(own_first_GE)
-    spare_before_G = jnp.cumsum(n_blocks - used_G) - (n_blocks - used_G)
-    spare_pos_GN = jnp.sum(per_expert_E) + spare_before_G[:, None] + block[None, :] - used_G[:, None]
-    new_pos = jnp.where(block[None, :] < used_G[:, None], used_pos_GN, spare_pos_GN).reshape(-1).astype(jnp.int32)
-    order = jnp.zeros((g * n_blocks,), jnp.int32).at[new_pos].set(jnp.arange(g * n_blocks, dtype=jnp.int32),
-                                                                   unique_indices=True)
-    return order, new_pos, block_grouping(per_expert_E * b, b, g * n_blocks)
+def gathered_positions(count_GL, chunk: int, b: int):
+    """The one block layout of ``G`` ranks' gathered chunks of ``chunk`` rows (``count_GL``: each
+    rank's rows per local expert, sorted by expert, the unused rows after them): each expert's
+    rows from every rank together in rank order from a block boundary, the unused rows in the
+    spare rows at the end. ``(pos, grouping)``: row ``i`` of the gathered ``[G * chunk]`` rows goes
+    to ``pos[i]`` (each position once) of ``N`` blocks, ``N * b >= G * chunk + L * b`` bounding
+    any counts; ``grouping`` the layout's :func:`block_grouping`."""
+    g, el = count_GL.shape
+    n_blocks = -(-g * chunk // b) + el
+    total_L = jnp.sum(count_GL, axis=0)
+    grouping = block_grouping(total_L, b, n_blocks)
+    before_GL = jnp.cumsum(count_GL, axis=0) - count_GL                  # its rows from earlier ranks
+    own_first_GL = jnp.cumsum(count_GL, axis=1) - count_GL               # where they start in the chunk
+    used_G = jnp.sum(count_GL, axis=1)
+    row = jnp.arange(chunk)
+    expert_GC = jnp.clip(jnp.sum(own_first_GL[:, None, :] + count_GL[:, None, :] <= row[None, :, None], axis=-1),
+                         0, el - 1)
+    take = lambda a_GL: jnp.take_along_axis(a_GL, expert_GC, axis=1)
+    used_pos_GC = take(grouping[2][None, :] * b + before_GL) + row[None, :] - take(own_first_GL)
+    spare_before_G = jnp.cumsum(chunk - used_G) - (chunk - used_G)
+    spare_pos_GC = grouping[1] * b + spare_before_G[:, None] + row[None, :] - used_G[:, None]
+    pos = jnp.where(row[None, :] < used_G[:, None], used_pos_GC, spare_pos_GC)
+    return pos.reshape(-1).astype(jnp.int32), grouping
 
 
 def ragged_into_zeros(ragged_a2a, operand, rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
