@@ -12,8 +12,6 @@ FAMILY = Family(
     from_hf=config.from_hf, to_hf=config.to_hf, model=Qwen35, params=params.TABLE,
     from_megatron=config.from_megatron, to_megatron=config.to_megatron, hf_table=params.hf_table,
     refused_layouts={
-        "pipeline": REFUSED.format(flag="--pipeline-model-parallel-size", what="stages over mixed layer stacks are "
-                                   "not built (drop the flag, or use TP / EP / DP)"),
         "context": REFUSED.format(flag="--context-parallel-size", what="recurrent state would have to pass "
                                   "between the context ranks, which is not built (drop the flag)"),
     },
