@@ -7,7 +7,9 @@ and conv window restart at each), compared with the one-device step under that m
 tolerances (:func:`tests.helpers.assert_step_matches`). Under TP the DeltaNet's key and value
 heads are split over the tensor ranks (``gdn_key_heads`` / ``gdn_heads``, sharding/rules.py);
 under LoRA its projections carry adapters (their B drawn at random, so that A has a gradient on
-the first step). Pipeline and context parallelism are refused for this family, naming the flag.
+the first step). Under CP the rows arrive in the load-balanced order and the DeltaNet's conv
+windows and state pass between the context ranks (``mlir_train.model.gdn_context``); pipeline
+stages are ``tests/train/test_qwen3_5_pipeline.py``'s.
 The default suite runs one layout (TP2 x DP4 + SP); the others are ``slow``. The seconds of a step against a Qwen3-MoE step of the same width are
 printed (``-s``).
 """
@@ -23,7 +25,6 @@ import pytest
 from mlir_train.config.policies import LoRAPolicy
 from mlir_train.families import get_model_config
 from mlir_train.model import ModelOptions
-from mlir_train.runtime.errors import ConfigError
 from sharding.layout import Layout
 from tests.helpers import LR, MODELS, assert_step_matches, named_leaves, random_lora_b, train_one_step
 
@@ -41,6 +42,9 @@ CASES = {
     "next-TP2xEP2+SP+distopt": ("next", Layout(tensor=2, expert=2, sequence_parallel=True,
                                                distributed_optimizer=True), None),
     "moe-LoRA-TP2xEP2+SP": ("moe", Layout(tensor=2, expert=2, sequence_parallel=True), LORA),
+    # context parallel: the DeltaNet's windows and state pass between the pieces (model/gdn_context.py)
+    "moe-CP2xDP4": ("moe", Layout(context=2), None),
+    "next-CP2xTP2+SP": ("next", Layout(context=2, tensor=2, sequence_parallel=True), None),
 }
 
 
@@ -94,10 +98,3 @@ def test_a_step_costs_about_a_qwen3_moe_step():
     theirs = time.perf_counter() - start
     print(f"one tiny step, compile + run: qwen3.5-moe {ours:.1f} s, qwen3-moe {theirs:.1f} s")
     assert ours < 10 * theirs
-
-
-@pytest.mark.parametrize("layout,flag", [(Layout(pipeline=2), "--pipeline-model-parallel-size"),
-                                         (Layout(context=2), "--context-parallel-size")])
-def test_pipeline_and_context_parallel_are_refused_by_name(layout, flag):
-    with pytest.raises(ConfigError, match=flag):
-        train_one_step(CFGS["moe"], layout)

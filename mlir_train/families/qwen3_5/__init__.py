@@ -6,13 +6,8 @@ from mlir_train.families.family import Family
 from mlir_train.families.qwen3_5 import config, params
 from mlir_train.families.qwen3_5.model import Qwen35
 
-REFUSED = "{flag} > 1 is not available for Qwen3.5 / Qwen3-Next models yet: the gated-DeltaNet layers' {what}"
 FAMILY = Family(
     name="qwen3_5", config=config.Qwen35Config, models=config.MODELS, hf_model_types=config.HF_MODEL_TYPES,
     from_hf=config.from_hf, to_hf=config.to_hf, model=Qwen35, params=params.TABLE,
     from_megatron=config.from_megatron, to_megatron=config.to_megatron, hf_table=params.hf_table,
-    refused_layouts={
-        "context": REFUSED.format(flag="--context-parallel-size", what="recurrent state would have to pass "
-                                  "between the context ranks, which is not built (drop the flag)"),
-    },
 )
