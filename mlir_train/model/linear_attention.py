@@ -126,7 +126,10 @@ class GatedDeltaNet(nnx.Module):
         runs first when given; ``recompute_norm`` makes it megatron-core's output-discarding
         "layernorm" recompute (norm and projections one checkpoint, as
         :meth:`mlir_train.model.layers.Attention.__call__`'s). ``recurrent=True`` runs the
-        token-by-token oracle instead of the chunked form."""
+        token-by-token oracle instead of the chunked form. Under context parallelism (the
+        sequence split over ``"act_seq"``, no ``state`` given) the conv windows and the state pass
+        between the context ranks (:func:`~mlir_train.model.gdn_context.context_parallel_core`)
+        and the returned state is None."""
         dt = x_BTD.dtype
         q, k, v, z_BTHV, b_BTH, a_BTH = checkpointed(lambda x: self._project(x, norm), recompute_norm)(x_BTD)
         if context_parallel_size() > 1 and state is None and not recurrent:

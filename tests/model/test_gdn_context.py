@@ -76,6 +76,16 @@ def test_context_parallel_layer_matches_one_device(layout):
 
 
 def test_pieces_shorter_than_the_conv_window_are_refused():
+    """Before anything is built (sharding.mesh.validate with the family's layout dims), and
+    again where the layer is traced."""
+    from mlir_train.families import get_model_config
+    from sharding.layout import LayoutError
+    from sharding.mesh import validate
+
+    dims = get_model_config("qwen3.5-moe-tiny").layout_dims()
+    validate(Layout(context=4), dims, seq_length=24)
+    with pytest.raises(LayoutError, match=r"--context-parallel-size \(4\) with --seq-length \(16\)"):
+        validate(Layout(context=4), dims, seq_length=16)
     check_pieces(32, 4, 4)
     with pytest.raises(ValueError, match="--context-parallel-size 8 with --seq-length 32"):
         check_pieces(32, 8, 4)

@@ -7,8 +7,9 @@ one-device step under :func:`tests.helpers.assert_step_matches` (loss, grad norm
 statistics, gradients, updated parameters). The splits: an uneven one that breaks the period
 (4 layers as [D D D] | [A]: each stage pads the run it lacks), an even one (8 layers, a whole
 period per stage), interleaved 1F1B (2 stages x 2 chunks of 2 layers: [D D] [D A] per stage),
-Megatron's --decoder-first-pipeline-num-layers 3 of 8 ([D D D] | [A D D D A]) and Qwen3-Next's
-dense first layer (four layer kinds). The default suite runs the first; its compile is most of
+Megatron's --decoder-first-pipeline-num-layers 3 of 8 ([D D D] | [A D D D A]), Qwen3-Next's
+dense first layer (four layer kinds) and PP2 x CP2 (the DeltaNet's context-parallel region,
+``mlir_train.model.gdn_context``, nested in a stage). The default suite runs the first; its compile is most of
 its time on 2 busy cores.
 """
 
@@ -39,7 +40,10 @@ CASES = {  # name: (model, layers, pipeline schedule arguments)
     "moe8-PP2-1f1b-first3": ("qwen3.5-moe-tiny", 8, dict(kind="1f1b", first_stage_layers=3)),
     "next8-PP2-interleaved": ("qwen3-next-tiny", 8, dict(kind="1f1b", virtual=2)),
     "next4-PP2-1f1b": ("qwen3-next-tiny", 4, dict(kind="1f1b")),
+    # the DeltaNet's context-parallel region nested in a stage
+    "moe4-PP2xCP2-1f1b": ("qwen3.5-moe-tiny", 4, dict(kind="1f1b")),
 }
+LAYOUTS = {"moe4-PP2xCP2-1f1b": Layout(pipeline=2, context=2)}
 DEFAULT = "moe4-PP2-1f1b-3|1"
 
 
@@ -53,7 +57,7 @@ def test_pipelined_step_matches_single_device(name):
     model, layers, pipeline = CASES[name]
     ref = _reference(model, layers)
     start = time.perf_counter()
-    got = train_one_step(_cfg(model, layers), Layout(pipeline=2), pipeline=pipeline)
+    got = train_one_step(_cfg(model, layers), LAYOUTS.get(name, Layout(pipeline=2)), pipeline=pipeline)
     seconds = time.perf_counter() - start
     assert_step_matches(got, ref, moe=True)
     assert "collective-permute" in got.hlo
