@@ -9,8 +9,7 @@ statistics, gradients, updated parameters). The splits: an uneven one that break
 period per stage), interleaved 1F1B (2 stages x 2 chunks of 2 layers: [D D] [D A] per stage),
 Megatron's --decoder-first-pipeline-num-layers 3 of 8 ([D D D] | [A D D D A]), Qwen3-Next's
 dense first layer (four layer kinds) and PP2 x CP2 (the DeltaNet's context-parallel region,
-``mlir_train.model.gdn_context``, nested in a stage). The default suite runs the first; its compile is most of
-its time on 2 busy cores.
+``mlir_train.model.gdn_context``, nested in a stage). The step cases are slow (see below).
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ CASES = {  # name: (model, layers, pipeline schedule arguments)
     "moe4-PP2xCP2-1f1b": ("qwen3.5-moe-tiny", 4, dict(kind="1f1b")),
 }
 LAYOUTS = {"moe4-PP2xCP2-1f1b": Layout(pipeline=2, context=2)}
-DEFAULT = "moe4-PP2-1f1b-3|1"
 
 
 @functools.cache
@@ -52,7 +50,11 @@ def _reference(model: str, layers: int):
     return train_one_step(_cfg(model, layers), None)
 
 
-@pytest.mark.parametrize("name", [n if n == DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+# Every step case is slow: a pipelined step of the mixed stack took 450-600 s to compile and run on
+# the 2 shared cores (load 8), the one-device reference ~60 s more. The default suite keeps the stage
+# program (below) and the pipeline-mesh checkpoint round trip (tests/checkpoint/test_hf_qwen3_5.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
 def test_pipelined_step_matches_single_device(name):
     model, layers, pipeline = CASES[name]
     ref = _reference(model, layers)
