@@ -70,7 +70,7 @@ def validate(
 
     ``model_dims`` holds plain ints: num_heads, num_kv_heads, num_experts (0 for dense),
     intermediate_size, moe_intermediate_size, num_layers, vocab_size, hidden_size, and where a
-    model has them shared_expert_intermediate_size and gdn_key_heads (missing keys are not
+    model has them shared_expert_intermediate_size, gdn_key_heads and gdn_conv_width (missing keys are not
     checked). Raises :class:`LayoutError` naming the offending flag.
 
     Returns the config to use: ``--sequence-parallel`` without tensor parallelism is turned
@@ -86,7 +86,7 @@ def validate(
         )
         cfg = dataclasses.replace(cfg, sequence_parallel=False)
     if seq_length is not None:
-        _check_sequence(cfg, seq_length)
+        _check_sequence(cfg, seq_length, dict(model_dims or {}).get("gdn_conv_width", 0))
     if global_batch_size is not None or micro_batch_size is not None:
         _check_batch(cfg, global_batch_size, micro_batch_size)
     return cfg
@@ -134,8 +134,9 @@ def _check_model(cfg: Layout, dims: dict[str, int]) -> None:
                 _need(dims, "moe_intermediate_size", cfg.etp, "--expert-tensor-parallel-size", "expert FFN size")
 
 
-def _check_sequence(cfg: Layout, seq_length: int) -> None:
-    """``--seq-length`` against the context and sequence-parallel splits."""
+def _check_sequence(cfg: Layout, seq_length: int, conv_width: int = 0) -> None:
+    """``--seq-length`` against the context and sequence-parallel splits (``conv_width``: a
+    gated DeltaNet's, whose window must fit in one of the 2 x CP chunks)."""
     tp = cfg.tensor
     if cfg.context > 1:
         cp = cfg.context
@@ -143,6 +144,11 @@ def _check_sequence(cfg: Layout, seq_length: int) -> None:
             raise LayoutError(
                 f"--context-parallel-size ({cp}) cuts each row into 2 x {cp} chunks (Megatron's load-balanced "
                 f"layout): --seq-length ({seq_length}) is not divisible by 2 x --context-parallel-size = {2 * cp}")
+        if seq_length // (2 * cp) < conv_width - 1:
+            raise LayoutError(
+                f"--context-parallel-size ({cp}) with --seq-length ({seq_length}): the gated DeltaNet passes its "
+                f"conv window ({conv_width - 1} tokens) between the 2 x {cp} chunks, so a chunk needs at least "
+                f"{conv_width - 1} tokens (a longer --seq-length or a smaller --context-parallel-size)")
         if cfg.sequence_parallel and seq_length % (cp * tp):
             raise LayoutError(
                 f"--sequence-parallel splits each context rank's {seq_length // cp} tokens further over the "

@@ -22,8 +22,8 @@ class Family:
     ``hf_table``: the table whose HF names a config's checkpoints use, where a family's
     checkpoints come in more than one class layout (None: :attr:`params` for every config).
     ``refused_layouts``: the :class:`~sharding.layout.Layout` splits its model cannot run
-    exactly yet (the field, e.g. ``"pipeline"``, to the error naming the flag), refused by the
-    one builder of a trainer."""
+    exactly yet (a field, e.g. ``"pipeline"``, or a tuple of fields refused together when all
+    are > 1, to the error naming the flags), refused by the one builder of a trainer."""
 
     name: str
     config: type[ModelConfig]
@@ -37,7 +37,7 @@ class Family:
     from_megatron: Callable[..., ModelConfig]
     to_megatron: Callable[[ModelConfig], dict[str, Any]]        # config -> the args Megatron builds it from
     hf_table: Callable[[ModelConfig], Table] | None = None
-    refused_layouts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    refused_layouts: Mapping[str | tuple[str, ...], str] = dataclasses.field(default_factory=dict)
 
     def hf_params(self, cfg: ModelConfig) -> Table:
         """The parameter table with the HF names of ``cfg``'s checkpoints (its class layout)."""

@@ -26,10 +26,12 @@ from flax import nnx
 from mlir_train.model.gated_deltanet import (
     causal_conv1d, chunk_gated_delta_rule, decay_and_beta, gated_rms_norm, recurrent_gated_delta_rule,
 )
+from mlir_train.model.gdn_context import context_parallel_core
 from mlir_train.model.layers import row_parallel_out
 from mlir_train.model.lora import LoRA, adapted, maybe
 from mlir_train.model.recompute import checkpointed
 from sharding import constrain
+from sharding.context import context_parallel_size
 
 KEY_HEADS = ("act_batch", "act_seq", "act_gdn_key_heads", "act_head_dim")
 VALUE_HEADS = ("act_batch", "act_seq", "act_gdn_heads", "act_head_dim")
@@ -124,9 +126,19 @@ class GatedDeltaNet(nnx.Module):
         runs first when given; ``recompute_norm`` makes it megatron-core's output-discarding
         "layernorm" recompute (norm and projections one checkpoint, as
         :meth:`mlir_train.model.layers.Attention.__call__`'s). ``recurrent=True`` runs the
-        token-by-token oracle instead of the chunked form."""
+        token-by-token oracle instead of the chunked form. Under context parallelism (the
+        sequence split over ``"act_seq"``, no ``state`` given) the conv windows and the state pass
+        between the context ranks (:func:`~mlir_train.model.gdn_context.context_parallel_core`)
+        and the returned state is None."""
         dt = x_BTD.dtype
         q, k, v, z_BTHV, b_BTH, a_BTH = checkpointed(lambda x: self._project(x, norm), recompute_norm)(x_BTD)
+        if context_parallel_size() > 1 and state is None and not recurrent:
+            # The sequence is split over the context ranks: the windows and state pass between them.
+            g_BTH, beta_BTH = decay_and_beta(a_BTH, b_BTH, self.a_log_H[...], self.dt_bias_H[...])
+            weights = (self.conv_q_WGK[...], self.conv_k_WGK[...], self.conv_v_WHV[...])
+            core = lambda *a: context_parallel_core(*a, weights, self.chunk_size)
+            o_BTHV = checkpointed(core, self.recompute_core)(q, k, v, g_BTH, beta_BTH, segment_ids_BT)
+            return self._out(o_BTHV, z_BTHV, dt), None
         conv_state = (None, None, None) if state is None else state[:3]
         q, cq = causal_conv1d(q, self.conv_q_WGK[...], segment_ids_BT, conv_state[0])
         k, ck = causal_conv1d(k, self.conv_k_WGK[...], segment_ids_BT, conv_state[1])
@@ -138,6 +150,10 @@ class GatedDeltaNet(nnx.Module):
             rule = lambda *a: chunk_gated_delta_rule(*a, chunk_size=self.chunk_size)
         s0 = None if state is None else state.recurrent_BHKV
         o_BTHV, s_BHKV = checkpointed(rule, self.recompute_core)(q, k, v, g_BTH, beta_BTH, segment_ids_BT, s0)
+        return self._out(o_BTHV, z_BTHV, dt), GatedDeltaNetState(cq, ck, cv, s_BHKV)
+
+    def _out(self, o_BTHV, z_BTHV, dt):
+        """The gated output norm and the output projection."""
         o_BTHV = constrain(gated_rms_norm(o_BTHV, z_BTHV, self.norm_V[...], self.eps), VALUE_HEADS)
         y_BTD = jnp.einsum("bthv,hvd->btd", o_BTHV, self.wout_HVD[...].astype(dt))
-        return row_parallel_out(adapted(o_BTHV, y_BTD, self.wout_HVD_lora)), GatedDeltaNetState(cq, ck, cv, s_BHKV)
+        return row_parallel_out(adapted(o_BTHV, y_BTD, self.wout_HVD_lora))

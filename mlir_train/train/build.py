@@ -107,8 +107,8 @@ def build_trainer(model_cfg: ModelConfig, step: StepConfig | None = None,
 def check_layout_for_model(layout: Layout, model_cfg: ModelConfig) -> None:
     """A split the model's family cannot run exactly yet (:attr:`Family.refused_layouts`) is a
     ConfigError naming its flag, before anything is built."""
-    for field, why in family_of(model_cfg).refused_layouts.items():
-        if getattr(layout, field) > 1:
+    for fields, why in family_of(model_cfg).refused_layouts.items():
+        if all(getattr(layout, f) > 1 for f in ((fields,) if isinstance(fields, str) else fields)):
             raise ConfigError(why)
 
 

@@ -7,7 +7,9 @@ and conv window restart at each), compared with the one-device step under that m
 tolerances (:func:`tests.helpers.assert_step_matches`). Under TP the DeltaNet's key and value
 heads are split over the tensor ranks (``gdn_key_heads`` / ``gdn_heads``, sharding/rules.py);
 under LoRA its projections carry adapters (their B drawn at random, so that A has a gradient on
-the first step). Pipeline and context parallelism are refused for this family, naming the flag.
+the first step). Under CP the rows arrive in the load-balanced order and the DeltaNet's conv
+windows and state pass between the context ranks (``mlir_train.model.gdn_context``); pipeline
+stages are ``tests/train/test_qwen3_5_pipeline.py``'s.
 The default suite runs one layout (TP2 x DP4 + SP); the others are ``slow``. The seconds of a step against a Qwen3-MoE step of the same width are
 printed (``-s``).
 """
@@ -23,7 +25,6 @@ import pytest
 from mlir_train.config.policies import LoRAPolicy
 from mlir_train.families import get_model_config
 from mlir_train.model import ModelOptions
-from mlir_train.runtime.errors import ConfigError
 from sharding.layout import Layout
 from tests.helpers import LR, MODELS, assert_step_matches, named_leaves, random_lora_b, train_one_step
 
@@ -41,6 +42,8 @@ CASES = {
     "next-TP2xEP2+SP+distopt": ("next", Layout(tensor=2, expert=2, sequence_parallel=True,
                                                distributed_optimizer=True), None),
     "moe-LoRA-TP2xEP2+SP": ("moe", Layout(tensor=2, expert=2, sequence_parallel=True), LORA),
+    # context parallel: the DeltaNet's windows and state pass between the pieces (model/gdn_context.py)
+    "moe-CP2xDP4": ("moe", Layout(context=2), None),
 }
 
 
@@ -67,7 +70,11 @@ def _largest_differences(got, ref) -> str:
 DEFAULT = "moe-TP2xDP4+SP"
 
 
-@pytest.mark.parametrize("name", [n if n == DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+def _marks(name):
+    return () if name == DEFAULT else (pytest.mark.slow,)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CASES])
 def test_step_matches_single_device(name):
     model, layout, lora = CASES[name]
     ref, _ = _run(model, None, lora)
@@ -85,6 +92,24 @@ def test_step_matches_single_device(name):
         assert any("linear_attn" in p and "wq_DGK_lora" in p for p in paths), paths
 
 
+# CP with TP (seen 2026-12-03 on Qwen3-Next CP2 x TP2 + SP: loss, grad norm and 34 of 37 gradient
+# leaves matched, the decay gate's a_log_H / dt_bias_H / wa_DH gradients differed by 1.6e-5 / 1.5e-5 /
+# 8.9e-6 of their largest element, tolerance 1e-5, unexplained) and CP with PP (a_log_H 2.3e-5) are
+# refused rather than run inexactly (the family's refused_layouts).
+@pytest.mark.parametrize("layout, flags", [
+    (Layout(context=2, tensor=2, sequence_parallel=True), "--tensor-model-parallel-size with --context-parallel-size"),
+    (Layout(context=2, pipeline=2), "--pipeline-model-parallel-size with --context-parallel-size"),
+])
+def test_unsettled_context_parallel_combinations_are_refused_by_name(layout, flags):
+    from mlir_train.runtime.errors import ConfigError
+    from mlir_train.train.build import check_layout_for_model
+    for cfg in CFGS.values():
+        with pytest.raises(ConfigError, match=flags):
+            check_layout_for_model(layout, cfg)
+    check_layout_for_model(Layout(context=2), CFGS["moe"])  # CP alone (with DP / EP) is not refused
+    check_layout_for_model(Layout(tensor=2, pipeline=2), CFGS["next"])
+
+
 def test_a_step_costs_about_a_qwen3_moe_step():
     """Seconds of a compiled one-device step (compile and run), Qwen3-MoE of the same width for
     scale; printed for the report, bounded loosely (the DeltaNet's chunked scan is extra work)."""
@@ -94,10 +119,3 @@ def test_a_step_costs_about_a_qwen3_moe_step():
     theirs = time.perf_counter() - start
     print(f"one tiny step, compile + run: qwen3.5-moe {ours:.1f} s, qwen3-moe {theirs:.1f} s")
     assert ours < 10 * theirs
-
-
-@pytest.mark.parametrize("layout,flag", [(Layout(pipeline=2), "--pipeline-model-parallel-size"),
-                                         (Layout(context=2), "--context-parallel-size")])
-def test_pipeline_and_context_parallel_are_refused_by_name(layout, flag):
-    with pytest.raises(ConfigError, match=flag):
-        train_one_step(CFGS["moe"], layout)

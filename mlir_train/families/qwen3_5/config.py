@@ -87,7 +87,8 @@ class Qwen35Config(ModelConfig):
     def layout_dims(self) -> dict[str, int]:
         return super().layout_dims() | dict(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                                             gdn_key_heads=self.linear_num_key_heads,
-                                            gdn_heads=self.linear_num_value_heads)
+                                            gdn_heads=self.linear_num_value_heads,
+                                            gdn_conv_width=self.linear_conv_kernel_dim)
 
     def layer_flops(self, layer: int, seq_length: int, *, causal: bool = True) -> float:
         """Megatron-LM's terms (``num_floating_point_operations``, before its ``3 * 2``): a

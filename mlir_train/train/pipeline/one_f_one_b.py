@@ -86,7 +86,7 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
     mask = tree.mask(params, trainable)
     stack_masks = [mask["layers"][k] for k in range(len(setup.stack_kinds))]
-    seg_masks = [next(m for m, s in zip(stack_masks, setup.stack_kinds) if s.moe == seg.is_moe)
+    seg_masks = [next(m for m, s in zip(stack_masks, setup.stack_kinds) if s.kind == seg.kind)
                  for seg in setup.program]
     run = _OneFOneB(graphdef, setup, stage_axes, balancing, top_k, remat,
                     m=batch["input_ids"].shape[0], p=schedule.stages, r=schedule.virtual,

@@ -32,76 +32,97 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mlir_train.config.models import LayerKind
 from mlir_train.train.pipeline.schedule import Schedule, to_stages
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Segment:
     """One run of same-kind layers in every chunk's program, ``S`` slots long.
 
     ``src[s, r, j]`` is the layer at slot ``j`` of chunk ``r`` of stage ``s``, as a row of the
-    concatenation (in layer order) of all stacks of this kind; ``active`` is False for padding
-    slots (identity layers) where that chunk has fewer layers of this run than another."""
-    is_moe: bool
+    concatenation (in layer order) of all stacks of this :class:`LayerKind`; ``active`` is
+    False for padding slots (identity layers) where that chunk has fewer layers of this run
+    than another; ``moe_rows[s, r, j]`` is that layer's index among all MoE layers (the router
+    statistics' order; MoE kinds only)."""
+    kind: LayerKind
     src: np.ndarray     # [P, R, S] int
     active: np.ndarray  # [P, R, S] bool
     # where slot 0 sits in its chunk, over the chunks that run layers here (for the recompute
     # method's per-chunk layer positions: one value unless stages start this run differently)
     offsets: tuple[int, ...] = (0,)
+    moe_rows: np.ndarray | None = None  # [P, R, S] int
+
+    @property
+    def is_moe(self) -> bool:
+        return self.kind.moe
 
     @property
     def slots(self) -> int:
         return self.src.shape[-1]
 
 
+def run_period(kinds: list[LayerKind]) -> int:
+    """The smallest ``q`` with ``kinds[i] == kinds[i + q]`` for every ``i``: the period of the
+    stacks' kinds (2 for dense/MoE alternation and for Qwen3.5's DeltaNet/attention runs)."""
+    return next(q for q in range(1, len(kinds) + 1) if all(kinds[i] == kinds[i + q] for i in range(len(kinds) - q)))
+
+
+def _chunk_runs(chunk: list[int], stack_of: np.ndarray) -> list[list[int]]:
+    """A chunk's layers split into runs at stack boundaries."""
+    runs: list[list[int]] = []
+    for l in chunk:
+        if runs and stack_of[l] == stack_of[runs[-1][-1]]:
+            runs[-1].append(l)
+        else:
+            runs.append([l])
+    return runs
+
+
 def stage_program(schedule: Schedule, stack_kinds) -> list[Segment]:
     """Every chunk runs the same sequence of segments (SPMD: one program on every stage).
 
-    A chunk's layers split into runs at stack boundaries (stacks alternate dense / MoE), and
-    the runs line up on an alternating kind sequence starting with layer 0's kind; a segment
-    is as long as the longest run mapped to it. Even splits of a single stack give one segment
-    without padding; a period of dense/MoE layers that divides the stage length gives one
-    segment per run without padding."""
-    num_layers = sum(n for _, n, _ in stack_kinds)
+    A chunk's layers split into runs at stack boundaries, and the runs line up on the stacks'
+    kind sequence repeated with its period (:func:`run_period`: dense / MoE alternating, or
+    Qwen3.5's DeltaNet x 3 / attention x 1), a chunk's first run at its stack's place in the
+    period; a segment is as long as the longest run mapped to it. Even splits of a single
+    stack give one segment without padding; a period of layers that divides the stage length
+    gives one segment per run without padding; a split that breaks the period pads the
+    chunks' missing runs (identity slots)."""
+    kinds = [s.kind for s in stack_kinds]
+    period = run_period(kinds)
     stack_of = np.concatenate([[k] * n for k, (_, n, _) in enumerate(stack_kinds)])
-    kind_row = np.zeros(num_layers, np.int64)
-    counter = {False: 0, True: 0}
+    num_layers = len(stack_of)
+    kind_row, moe_row = np.zeros(num_layers, np.int64), np.cumsum([kinds[k].moe for k in stack_of]) - 1
+    counter: dict[LayerKind, int] = {}
     for l in range(num_layers):
-        moe = stack_kinds[stack_of[l]].moe
-        kind_row[l], counter[moe] = counter[moe], counter[moe] + 1
-    first_kind = stack_kinds[0].moe
+        kind = kinds[stack_of[l]]
+        kind_row[l] = counter.get(kind, 0)
+        counter[kind] = kind_row[l] + 1
     chunks = schedule.chunk_layers(num_layers)
     p, r = schedule.stages, schedule.virtual
-    placed: dict[tuple[int, int], list[list[int]]] = {}  # (stage, chunk) -> rows per program segment
-    length = 0
+    placed: dict[tuple[int, int], list[list[int]]] = {}  # (stage, chunk) -> layers per program segment
     for s in range(p):
         for c in range(r):
-            runs: list[list[int]] = []
-            for l in chunks[s][c]:
-                if runs and stack_of[l] == stack_of[runs[-1][-1]]:
-                    runs[-1].append(l)
-                else:
-                    runs.append([l])
-            offset = 0 if stack_kinds[stack_of[runs[0][0]]].moe == first_kind else 1
-            placed[s, c] = [[] for _ in range(offset)] + runs
-            length = max(length, len(placed[s, c]))
+            runs = _chunk_runs(chunks[s][c], stack_of)
+            placed[s, c] = [[] for _ in range(stack_of[runs[0][0]] % period)] + runs
+    length = max(len(v) for v in placed.values())
     segments = []
     for g in range(length):
-        slots = max(len(placed[s, c][g]) if g < len(placed[s, c]) else 0 for s in range(p) for c in range(r))
+        runs = {sc: (segs[g] if g < len(segs) else []) for sc, segs in placed.items()}
+        slots = max(len(run) for run in runs.values())
         if not slots:
             continue
-        is_moe = first_kind if g % 2 == 0 else not first_kind
-        src = np.zeros((p, r, slots), np.int64)
-        active = np.zeros((p, r, slots), bool)
-        offsets = set()
-        for (s, c), segs in placed.items():
-            run = segs[g] if g < len(segs) else []
-            rows = [int(kind_row[l]) for l in run]
-            src[s, c, :len(rows)] = rows
-            src[s, c, len(rows):] = rows[-1] if rows else 0
-            active[s, c, :len(rows)] = True
-            if run:
-                offsets.add(sum(len(x) for x in segs[:g]))
-        segments.append(Segment(is_moe=is_moe, src=src, active=active, offsets=tuple(sorted(offsets))))
+        src, active, rows_moe = (np.zeros((p, r, slots), t) for t in (np.int64, bool, np.int64))
+        for (s, c), run in runs.items():
+            n = len(run)
+            src[s, c, :n], rows_moe[s, c, :n] = kind_row[run], moe_row[run]
+            src[s, c, n:], rows_moe[s, c, n:] = (kind_row[run[-1]], moe_row[run[-1]]) if run else (0, 0)
+            active[s, c, :n] = True
+        offsets = {sum(len(x) for x in placed[sc][:g]) for sc, run in runs.items() if run}
+        kind = kinds[g % period]
+        segments.append(Segment(kind=kind, src=src, active=active, offsets=tuple(sorted(offsets)),
+                                moe_rows=rows_moe if kind.moe else None))
     return segments
 
 
@@ -115,13 +136,12 @@ def _canonical(seg: Segment, schedule: Schedule) -> bool:
 def to_segments(stacks: list[Any], stack_kinds, program: list[Segment], schedule: Schedule) -> list[Any]:
     """The stacks' ``[L_k, ...]`` weights -> each segment's ``[P, R, S, ...]`` (linear)."""
     by_kind = {}
-    for moe in (False, True):
-        trees = [t for t, s in zip(stacks, stack_kinds) if s.moe == moe]
-        if trees:
-            by_kind[moe] = trees[0] if len(trees) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *trees)
+    for kind in dict.fromkeys(s.kind for s in stack_kinds):
+        trees = [t for t, s in zip(stacks, stack_kinds) if s.kind == kind]
+        by_kind[kind] = trees[0] if len(trees) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *trees)
     out = []
     for seg in program:
-        tree = by_kind[seg.is_moe]
+        tree = by_kind[seg.kind]
         if _canonical(seg, schedule):
             out.append(jax.tree.map(lambda x: to_stages(x, schedule), tree))
         else:  # uneven or mixed: XLA moves the layers a stage runs but does not store
@@ -135,10 +155,9 @@ def layer_order(program: list[Segment], per_moe_segment: list[jax.Array], num_mo
     out = None
     for seg, x in zip([s for s in program if s.is_moe], per_moe_segment):
         real = x.reshape(-1, *x.shape[3:])[np.flatnonzero(seg.active.reshape(-1))]
-        part = jnp.zeros((num_moe,) + x.shape[3:], x.dtype).at[seg.src[seg.active]].add(real)
+        part = jnp.zeros((num_moe,) + x.shape[3:], x.dtype).at[seg.moe_rows[seg.active]].add(real)
         out = part if out is None else out + part
     return out
-
 
 
 def storage_axes(logical: dict[str, Any], stack_kinds, stages: int) -> dict[str, Any]:

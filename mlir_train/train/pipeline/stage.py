@@ -38,7 +38,7 @@ def run_chunk(stack_graphs, program, pieces_r, x, context):
     """:func:`chunk_forward` from the pieces of :func:`chunk_pieces`."""
     stats = []
     for seg, pieces in zip(program, pieces_r):
-        x, st = run_pieces(stack_graphs[seg.is_moe], pieces, x, context)
+        x, st = run_pieces(stack_graphs[seg.kind], pieces, x, context)
         if seg.is_moe:
             stats.append(st)
     return x, stats
@@ -107,7 +107,7 @@ def aux_out(acc, program, m, num_moe):
 class StageSetup:
     program: list[Segment]
     stack_kinds: tuple
-    stack_graphs: dict
+    stack_graphs: dict  # LayerKind -> one layer stack's graphdef
     placeholder: Any
     num_moe: int
     num_experts: int
@@ -124,16 +124,16 @@ def _setup(graphdef, params, schedule):
     program = stage_program(schedule, kinds)
     graphs = {}
     for k, s in enumerate(kinds):
-        graphs.setdefault(s.moe, nnx.split(model.layers[k])[0])
+        graphs.setdefault(s.kind, nnx.split(model.layers[k])[0])
     moe_layers = [k for k, s in enumerate(kinds) if s.moe]
     num_experts = model.layers[moe_layers[0]].mlp.num_experts if moe_layers else 0
     placeholder = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params["layers"])
     names = nnx.to_pure_dict(logical_axes(model))
     stack_names = {}
     for k, s in enumerate(kinds):
-        stack_names.setdefault(s.moe, names["layers"][k])
+        stack_names.setdefault(s.kind, names["layers"][k])
     # A segment's leaves are [P, R, S, ...] of the stacks' [L, ...].
-    seg_names = [jax.tree.map(lambda n: ("layers", None, None) + tuple(n[1:]), stack_names[seg.is_moe],
+    seg_names = [jax.tree.map(lambda n: ("layers", None, None) + tuple(n[1:]), stack_names[seg.kind],
                               is_leaf=is_names) for seg in program]
     return stages_axes, StageSetup(program, kinds, graphs, placeholder, sum(s.count for s in kinds if s.moe),
                                    num_experts, seg_names, {k: v for k, v in names.items() if k != "layers"})
