@@ -249,8 +249,9 @@ def _on_host(kernel):
     at a barrier at the kernel's end. That couples devices that share nothing (each MoE rank's
     kernel reads its own rows only): a device whose overflow rounds (``dispatch.in_rounds``, a
     ``lax.cond``) run the kernel more often than another's would wait forever; its ordered
-    callbacks put a token into the rounds' conditionals, on which XLA:CPU's Shardy export aborts
-    (``Check failed: buffer != nullptr`` in ``HloSharding::Validate``, the seed layout); and
+    callbacks thread an effect token through the step's control flow, and compiling the seed
+    layout so aborted in XLA:CPU's Shardy export (``Check failed: buffer != nullptr`` in
+    ``HloSharding::Validate`` of a region's parameter; the token's part is our reading); and
     jax 0.10.2 asserts no barrier of *any* device is allocated when one device ends (fails at
     random beyond about 4 devices). Run per device, the kernel sees one GPU, its code and tiles
     unchanged. The callbacks hold XLA:CPU pool threads while they wait for the lock: a
