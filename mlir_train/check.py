@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     with exit_on_user_error():
         own, cfg, filled = parse(argv)
         devices = cfg.extras.cpu_devices or max(cfg.extras.num_devices or 0, platform_setup.DEFAULT_CPU_DEVICES)
-        platform_setup.configure_platform("cpu", cpu_devices=devices)  # before jax starts: a CPU certificate
+        # before jax starts: a CPU certificate (--code-paths gpu: pools sized for the interpreter)
+        platform_setup.configure_platform("cpu", cpu_devices=devices, callback_threads=cfg.extras.code_paths == "gpu")
         if filled:
             log.info(f"check defaults: {'; '.join(filled)}")
         if cfg.ignored_flags:

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> RunResult:
         log.info(f"ignoring flags that mean nothing under JAX/XLA: {' '.join(cfg.ignored_flags)}")
     with exit_on_user_error():
         require(cfg)
-        platform_setup.configure_platform(cpu_devices=cfg.extras.cpu_devices)
+        platform_setup.configure_platform(cpu_devices=cfg.extras.cpu_devices,
+                                          callback_threads=cfg.extras.code_paths == "gpu")
         processes = distributed.initialize_from_env(cpu_devices=cfg.extras.cpu_devices)  # before any device use
         try:
             return _train(cfg, launched)

@@ -9,7 +9,7 @@ Two readings of one train step:
   that decides a path is kept with the functions of ours that issued it (the op's recorded
   traceback, frames in ``mlir_train/``): the collectives (``all_to_all``,
   ``ragged_all_to_all``, gathers, reductions, permutes), the kernel calls (``pallas_call`` by
-  kernel name, interpreted or compiled) and XLA's ``ragged_dot``, and the matmuls of attention
+  kernel name, interpreted or compiled, also inside a host callback that runs one) and XLA's ``ragged_dot``, and the matmuls of attention
   and of the experts. :class:`CodePaths` sums them up: the MoE dispatcher (whose function issued
   the exchange's all-to-alls), the expert matmuls, the attention, the kernels.
 * :func:`compiled_collectives`, the compiled program's optimized HLO through the planner's
@@ -114,6 +114,9 @@ def read_jaxpr(jaxpr) -> list[Op]:
                 out.append(Op(name, kernel, interpreted, _origin(eqn.source_info)))
             if name != "pallas_call":  # a kernel's body is the kernel's, not the program's
                 stack.extend(_sub_jaxprs(eqn.params))
+            if name == "pure_callback":  # a kernel a host callback runs (interpreted, one device at a time)
+                kernel_jaxpr = getattr(eqn.params["callback"].callback_func, "kernel_jaxpr", None)
+                stack.extend([kernel_jaxpr.jaxpr] if kernel_jaxpr is not None else [])
     return out
 
 

@@ -22,6 +22,7 @@ import math
 from mlir_train.config.flags import RunConfig
 from mlir_train.config.models import ModelConfig
 from mlir_train.config.sections import padded_vocab_size
+from mlir_train.model.kernels.mosaic_moe import WEIGHT_GRAD_ROWS
 from mlir_train.runtime.errors import ConfigError
 from mlir_train.train.build import layout_of
 
@@ -77,7 +78,10 @@ def _shrink_model(cfg: RunConfig, model: ModelConfig) -> tuple[RunConfig, ModelC
     if model.is_moe:
         etp = p.expert_tensor_parallel_size or tp
         sizes["num_experts"] = _experts(cfg, model)
-        sizes["moe_intermediate_size"] = _round_up(min(model.moe_intermediate_size, MOE_FFN), etp)
+        ffn = _round_up(min(model.moe_intermediate_size, MOE_FFN), etp)
+        if cfg.extras.code_paths == "gpu":  # each rank's FFN width a whole Mosaic-GPU weight-gradient tile
+            ffn = _round_up(ffn, etp * WEIGHT_GRAD_ROWS)
+        sizes["moe_intermediate_size"] = ffn
     small = model.replace(name=f"{model.name} (shrunk)", **sizes)
     if model.is_moe:
         small = small.with_moe_layers(kinds)

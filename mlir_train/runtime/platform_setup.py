@@ -25,7 +25,15 @@ is kept as the user wrote it, and reported as kept):
 * CPU: ``--xla_force_host_platform_device_count=N`` (fake devices, default 8) and
   ``--xla_disable_hlo_passes=all-reduce-promotion``: XLA:CPU's all-reduce-promotion pass
   aborts the process ("Invalid binary instruction opcode copy") on the bf16 all-reduces an
-  expert-parallel step has (jax 0.10.2).
+  expert-parallel step has (jax 0.10.2). With ``callback_threads`` (``--code-paths gpu``, whose
+  Mosaic-GPU kernels run in JAX's interpreter from host callbacks, one device's at a time:
+  ``model/kernels/mosaic_moe.py``) also ``PJRT_NPROC`` = 4 x the device count, the size of
+  XLA:CPU's thread pools (8 threads here otherwise): a callback holds a pool thread while it
+  waits for its turn, and each callback's ``device_put`` of its operands needs a free one. With
+  the interpreter inside the step, EP4 x TP2 deadlocked on the default pools with every pool
+  thread blocked (gdb: 6 in ``BlockUntilReady`` of a callback operand, 2 in the interpreter's
+  end-of-kernel barrier), the class of issue 39's LAPACK hang. And XLA:CPU's collective timeouts
+  raised (:data:`CALLBACK_XLA_FLAGS`): peers wait at collectives while the kernels take turns.
 * GPU: :data:`GPU_XLA_FLAGS` and :data:`GPU_ENV`, the settings JAX-on-GPU trainers run with
   (JAX's "GPU performance tips", NVIDIA JAX-Toolbox's "GPU performance" page, MaxText's GPU
   configs): the latency-hiding scheduler (collectives overlap compute instead of running in
@@ -79,6 +87,14 @@ CPU_XLA_FLAGS: dict[str, str] = {"xla_disable_hlo_passes": "all-reduce-promotion
 COMPILE_ONLY_XLA_FLAGS: dict[str, str] = {
     "xla_backend_optimization_level": "0", "xla_llvm_disable_expensive_passes": "true"}
 DEFAULT_CPU_DEVICES = 8
+# XLA:CPU's thread pools per fake device under ``callback_threads`` (module docstring).
+CALLBACK_THREADS_PER_DEVICE = 4
+# Under ``callback_threads`` the devices take turns in the interpreter, so a device can wait at a
+# collective for minutes while its peers' kernels run: XLA:CPU's rendezvous would warn after 20 s
+# and abort the process after 40 s (seen on the seed layout).
+CALLBACK_XLA_FLAGS: dict[str, str] = {"xla_cpu_collective_call_warn_stuck_timeout_seconds": "600",
+                                      "xla_cpu_collective_call_terminate_timeout_seconds": "3600",
+                                      "xla_cpu_collective_timeout_seconds": "3600"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +199,8 @@ def detect_platform(env: os._Environ | dict | None = None) -> tuple[str, str]:
 
 
 def configure_platform(platform: str | None = None, *, cpu_devices: int | None = None,
-                       compile_only: bool = False, gpu_flags: bool = False) -> PlatformSetup:
+                       compile_only: bool = False, gpu_flags: bool = False,
+                       callback_threads: bool = False) -> PlatformSetup:
     """Decide the platform and set ``XLA_FLAGS`` / the environment for it; call before jax starts.
 
     ``platform`` forces one (``"cpu"`` for the tests and the planner); None detects it
@@ -191,7 +208,8 @@ def configure_platform(platform: str | None = None, *, cpu_devices: int | None =
     ``compile_only`` (the planner): CPU host, plus the GPU flags for deviceless XLA:GPU compiles
     and no LLVM optimisation. ``gpu_flags``: the GPU flags too, on any platform (the tests: their
     in-process deviceless XLA:GPU compiles get what a GPU run gets; XLA:CPU ignores them).
-    The first call decides for the process: later calls return its result.
+    ``callback_threads`` (``--code-paths gpu`` on CPU): XLA:CPU's pools sized for the Mosaic-GPU
+    interpreter's blocking callbacks. The first call decides for the process: later calls return its result.
     """
     global _CURRENT
     if _CURRENT is not None:
@@ -206,7 +224,7 @@ def configure_platform(platform: str | None = None, *, cpu_devices: int | None =
                                      "XLA_FLAGS left as they were", compile_only=compile_only)
             return _CURRENT
     _CURRENT = apply_platform_settings(os.environ, platform, cpu_devices=cpu_devices, compile_only=compile_only,
-                                       gpu_flags=gpu_flags)
+                                       gpu_flags=gpu_flags, callback_threads=callback_threads)
     if _CURRENT.platform == "cpu" and "cuda" in _installed_plugins():
         _quiet_plugin_discovery()
     return _CURRENT
@@ -265,7 +283,8 @@ def drop_driverless_noise(text: str) -> str:
 
 
 def apply_platform_settings(env, platform: str | None = None, *, cpu_devices: int | None = None,
-                            compile_only: bool = False, gpu_flags: bool = False) -> PlatformSetup:
+                            compile_only: bool = False, gpu_flags: bool = False,
+                            callback_threads: bool = False) -> PlatformSetup:
     """The work of :func:`configure_platform` on an environment mapping (``os.environ`` or a
     dict, for tests): decide the platform, add our settings the user has not set, say which."""
     if compile_only:
@@ -282,6 +301,9 @@ def apply_platform_settings(env, platform: str | None = None, *, cpu_devices: in
         env.setdefault("JAX_PLATFORMS", "cpu")  # an installed GPU plugin stays asleep
         wanted["xla_force_host_platform_device_count"] = str(cpu_devices or DEFAULT_CPU_DEVICES)
         wanted.update(CPU_XLA_FLAGS)
+        if callback_threads:
+            env_wanted["PJRT_NPROC"] = str(CALLBACK_THREADS_PER_DEVICE * (cpu_devices or DEFAULT_CPU_DEVICES))
+            wanted.update(CALLBACK_XLA_FLAGS)
     if platform == "gpu" or compile_only or gpu_flags:
         wanted.update(GPU_XLA_FLAGS)
     if platform == "gpu":

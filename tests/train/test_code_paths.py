@@ -106,3 +106,21 @@ def test_dense_tp2_sp_whole_step_on_gpu_paths_equals_one_device():
     assert (options.attention_impl, options.kernel_interpret, options.compute_capability) == ("flash", True, "9.0")
     got = train_one_step(MODELS["dense"], Layout(tensor=2, sequence_parallel=True, num_devices=8), options)
     assert_step_matches(got, train_one_step(MODELS["dense"], None, options), moe=False)
+
+
+def test_code_paths_gpu_sizes_xla_cpu_for_the_interpreter():
+    """``--code-paths gpu`` on CPU: XLA:CPU's pools 4 threads per device (the interpreter's host
+    callbacks hold one each while the devices take turns) and its collective timeouts raised; the
+    user's own setting kept; nothing of it without the flag."""
+    from mlir_train.runtime import platform_setup
+
+    env: dict[str, str] = {}
+    setup = platform_setup.apply_platform_settings(env, "cpu", cpu_devices=8, callback_threads=True)
+    assert env["PJRT_NPROC"] == "32" and "PJRT_NPROC=32" in setup.applied
+    assert "--xla_cpu_collective_call_terminate_timeout_seconds=3600" in env["XLA_FLAGS"]
+    env = {"PJRT_NPROC": "64"}
+    assert "PJRT_NPROC" in platform_setup.apply_platform_settings(env, "cpu", cpu_devices=8, callback_threads=True).kept
+    assert env["PJRT_NPROC"] == "64"
+    env = {}
+    platform_setup.apply_platform_settings(env, "cpu", cpu_devices=8)
+    assert "PJRT_NPROC" not in env and "collective_call" not in env["XLA_FLAGS"]

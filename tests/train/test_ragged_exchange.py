@@ -5,7 +5,7 @@ plain buffer makes what each rank received the same on every rank in the program
 the gradient then sums it over the ranks (stop 30's wrong-EP-gradient bug). XLA:CPU cannot run
 the op, so two checks stand in for a GPU run: the stand-in ``ragged_all_to_all_dense`` refuses
 such a buffer, and the EP train step *lowered* with the real op has no all-reduce of a receive
-buffer. Each test also plants the old bug (a plain receive buffer) and sees it caught.
+buffer. Each check also has the old bug (a plain receive buffer) planted and sees it caught.
 """
 
 import re
@@ -99,16 +99,32 @@ def _receive_buffer_sums(text: str) -> tuple[set[str], list[str]]:
 
 
 LOWERED = Layout(expert=2, tensor=2, sequence_parallel=True, num_devices=4)
+# The same layout under FSDP: the step takes no data-manual region (``Step.data_manual``), so the
+# MoE's own region is a checked one, where the receive buffer's type decides the gradient program.
+LOWERED_FSDP = Layout(expert=2, tensor=2, sequence_parallel=True, num_devices=4, fsdp=True)
 
 
-def test_ep_step_with_real_ragged_all_to_all_sums_no_receive_buffer():
-    """The EP step lowered with the real op: receive buffers, and none of them all-reduced.
-
-    Before issue 37's data-manual step this test also planted the old plain buffer and saw the
-    gradient program sum receive buffers over the ranks; in the step as it is now the planted
-    buffer lowers without such a sum (the exchange's hand-written backward and the nested manual
-    regions), so the lowered program no longer shows that bug: the stand-in's refusal
-    (:func:`test_planted_plain_buffer_is_refused_by_the_stand_in`) is what catches it."""
-    buffers, reduced = _receive_buffer_sums(_lowered_ep_step(LOWERED))
+@pytest.mark.parametrize("layout", [LOWERED, LOWERED_FSDP], ids=["data-manual", "fsdp"])
+def test_ep_step_with_real_ragged_all_to_all_sums_no_receive_buffer(layout):
+    """The EP step lowered with the real op: receive buffers, and none of them all-reduced."""
+    buffers, reduced = _receive_buffer_sums(_lowered_ep_step(layout))
     assert buffers, "no ragged_all_to_all in the lowered step: the test would prove nothing"
     assert not reduced, f"receive buffers summed over ranks: {reduced}"
+
+
+def test_planted_plain_buffer_is_caught_in_the_lowered_step(monkeypatch):
+    """The old plain receive buffers, planted, with the real op, under FSDP. Before the one-level
+    gathered exchange (s12-reduce) the gradient program all-reduced the [128, 128] receive buffer
+    over the ranks (3 more all-reduces), which the test above refuses; since, the plain buffer's
+    type meets the exchange's custom VJP and the step fails to trace. Either way it is caught. In
+    the data-manual step the planted buffer lowers to the same program as the fix (its region is
+    unchecked: nothing is typed varying there, the fix's cast is a no-op, the bug cannot arise),
+    so it is planted under FSDP."""
+    _plant_plain_buffer(monkeypatch)
+    try:
+        text = _lowered_ep_step(LOWERED_FSDP)
+    except ValueError as e:
+        assert "argument to VJP function" in str(e), e
+        return
+    buffers, reduced = _receive_buffer_sums(text)
+    assert reduced and set(reduced) <= buffers, reduced

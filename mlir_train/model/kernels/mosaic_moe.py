@@ -27,9 +27,11 @@ counts their work from the operand shapes (the static bound) and the block count
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mlir_train.model.kernels.blocks import BlockKernels, common_vma
@@ -40,6 +42,9 @@ BLOCK_ROWS = 64
 TILE_N = 128
 TILE_K = 64
 STAGES = 4
+# wgmma's accumulator has a multiple of 64 rows: the weight gradient's first width (each rank's
+# expert input or FFN width) must be a multiple of this.
+WEIGHT_GRAD_ROWS = 64
 KERNEL_NAMES = ("moe_block_matmul", "moe_block_matmul_t")
 
 
@@ -143,8 +148,7 @@ def block_matmul_t(lhs_KR, rhs_RN, first_block_E, num_blocks_E, *, block_rows: i
     m, r = lhs_KR.shape
     n = rhs_RN.shape[1]
     e = first_block_E.shape[0]
-    # wgmma's accumulator has a multiple of 64 rows: the weight gradient's first width must be too.
-    b, tile_m, tile_n = block_rows, 64, _tile(n, TILE_N)
+    b, tile_m, tile_n = block_rows, WEIGHT_GRAD_ROWS, _tile(n, TILE_N)
     _check("rows", r, b)
     _check("weight input width", m, tile_m)
     _check("weight output width", n, tile_n)
@@ -221,37 +225,56 @@ def interpret_params():
 
 
 def _interpretable(kernel, interpret):
-    """``kernel`` as it runs: on a GPU as it is; in the interpreter (``interpret`` given) inside a
-    region manual over every mesh axis the caller's region is not, because the interpreter's
-    callbacks are accepted only there (the MoE regions are manual over the token axes only).
-    The operands are whole on those axes there (the same on each rank of them), and so is the
-    result; the kernel itself is the GPU's."""
+    """``kernel`` as it runs: on a GPU as it is; in the interpreter (``interpret`` given) the same
+    kernel, one device's call at a time, on the host (:func:`_on_host`), inside a region manual
+    over every mesh axis the caller's region is not, because JAX accepts callbacks only there
+    (the MoE regions are manual over the token axes only). The operands are whole on those axes
+    there (the same on each rank of them), and so is the result."""
     if interpret is None:
         return kernel
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
-        _interpret_on_many_devices()
-    return replicated_on_remaining_axes(kernel)
+    return replicated_on_remaining_axes(_on_host(kernel))
 
 
-def _interpret_on_many_devices():
-    """jax 0.10.2's Mosaic-GPU interpreter ends each simulated device's kernel by asserting that
-    no barrier is allocated in the memory every device shares, while the other devices may still
-    be inside theirs: with more than about 4 devices it fails at random ("Barrier remains
-    allocated"). The assertion is its own consistency check (each barrier's use is still checked
-    when it is freed); skip it when the interpreter runs on several devices."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    interpret_pallas_call.gpu_callbacks = _GpuCallbacksWithoutGlobalAssert(interpret_pallas_call.gpu_callbacks)
+# One interpreted kernel at a time in this process: the interpreter keeps its simulated GPU
+# memory in one module-level object, which each kernel's run creates and clears.
+_INTERPRETER = threading.Lock()
 
 
-class _GpuCallbacksWithoutGlobalAssert:
-    """The interpreter's callbacks module with ``call_assert_no_barriers_allocated`` a no-op."""
+def _on_host(kernel):
+    """``kernel`` run by a host callback: each device's call traces and runs it as a one-device
+    program, holding :data:`_INTERPRETER`.
 
-    def __init__(self, module):
-        self._module = getattr(module, "_module", module)
+    Why not the interpreter inside the step, as on one device: there it simulates every device of
+    the region at once (``jax_core.get_axis_env``), each device's callbacks meeting the others'
+    at a barrier at the kernel's end. That couples devices that share nothing (each MoE rank's
+    kernel reads its own rows only): a device whose overflow rounds (``dispatch.in_rounds``, a
+    ``lax.cond``) run the kernel more often than another's would wait forever; its ordered
+    callbacks thread an effect token through the step's control flow, and compiling the seed
+    layout so aborted in XLA:CPU's Shardy export (``Check failed: buffer != nullptr`` in
+    ``HloSharding::Validate`` of a region's parameter; the token's part is our reading); and
+    jax 0.10.2 asserts no barrier of *any* device is allocated when one device ends (fails at
+    random beyond about 4 devices). Run per device, the kernel sees one GPU, its code and tiles
+    unchanged. The callbacks hold XLA:CPU pool threads while they wait for the lock: a
+    ``--code-paths gpu`` process sizes the pools for that (``platform_setup``'s
+    ``callback_threads``)."""
+    compiled = jax.jit(kernel)
 
-    def __getattr__(self, name):
-        if name == "call_assert_no_barriers_allocated":
-            return lambda token: token
-        return getattr(self._module, name)
+    def call(*args):
+        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+        traced, out_shape = jax.make_jaxpr(kernel, return_shape=True)(*shapes)
+        return jax.pure_callback(_HostKernel(compiled, traced), out_shape, *args)
+
+    return call
+
+
+class _HostKernel:
+    """The host side of :func:`_on_host`: runs the compiled one-device kernel under the lock.
+    ``kernel_jaxpr`` (the kernel's own program, its ``pallas_call`` inside) is what
+    ``mlir_train.planner.code_paths`` reads to name the kernel the callback runs."""
+
+    def __init__(self, compiled, kernel_jaxpr):
+        self.compiled, self.kernel_jaxpr = compiled, kernel_jaxpr
+
+    def __call__(self, *args):
+        with _INTERPRETER:
+            return np.asarray(self.compiled(*args))
