@@ -3,6 +3,7 @@
     python benchmarks/plan_qwen35.py                       # 3 models x seq 4096, 32k x full SFT, LoRA on 8 x H200
     python benchmarks/plan_qwen35.py --models qwen3.5-35b-a3b --seqs 4096 --modes sft
     python benchmarks/plan_qwen35.py --quick               # a tiny model on 2 devices (the smoke test)
+    python benchmarks/plan_qwen35.py --narrow --no-fewest-compile   # what fits in an afternoon on 2 cores
 
 For each (model, sequence length, full SFT or LoRA) it runs ``python -m mlir_train.plan``'s search
 (:func:`mlir_train.planner.plan.search`): every candidate layout the planner knows for the device
@@ -16,8 +17,14 @@ device. "Fewest" searches device counts (1, 2, 4, ... up to ``--max-devices``) f
 where a layout is estimated to fit, and compiles that layout to confirm it (``--no-fewest-compile``:
 the estimate alone, labelled).
 
-Nothing is extrapolated: every figure is the full-size model's compiled step (its decoder layers
-are scanned, so a compile costs about the same at 4 layers as at 48). Models with the same shapes
+Depth: the 3:1 DeltaNet/attention pattern makes every run of equal layers its own scanned stack
+(``model.transformer.layer_stacks``: 20 stacks for 40 layers), so a full-depth compile costs
+about ten times a 4-layer one (over 25 minutes on this 2-core machine). ``--probe-layers P``
+compiles each layout at P and 2P layers (one and two periods of the pattern) instead and
+extrapolates memory, FLOPs (and Megatron's, beside them) and collectives linearly to the model's
+depth (:func:`extrapolate`); the table marks those figures "(extrap.)". Without it every figure
+is the full-depth compile. The layouts are chosen by the planner's own analytic estimate at full
+depth (:func:`estimated_fits`), as ``--search`` chooses what to compile. Models with the same shapes
 (Qwen3.6-35B-A3B is Qwen3.5-35B-A3B's architecture) are planned once and the row says so.
 Full SFT is bf16 with fp32 master weights and Adam; LoRA is rank 16, alpha 32 on every linear
 layer (the seed's LoRA job). Micro-batch 1, global batch 16 sequences, as the seed's job.
@@ -59,16 +66,17 @@ class Row:
     def cells(self, memory_gib: float) -> list[str]:
         """The table's cells: memory in GiB and its share of the device, FLOPs as a ratio."""
         mem = "-" if self.needed_bytes is None else (
-            f"{self.needed_bytes / GIB:.1f} GiB ({self.needed_bytes / GIB / memory_gib:.0%})"
-            + ("" if self.verdict_from == "compiled" else " est."))
-        flops = "-" if self.flop_ratio is None else f"{self.flop_ratio:.2f}x"
-        fewest = "-" if self.fewest is None else (
-            f"{self.fewest} ({self.fewest_layout})" + ("" if self.fewest_from == "compiled" else " est."))
+            f"{self.needed_bytes / GIB:.1f} GiB ({self.needed_bytes / GIB / memory_gib:.0%})" + SOURCE[self.verdict_from])
+        flops = "-" if self.flop_ratio is None else f"{self.flop_ratio:.2f}x" + SOURCE[self.verdict_from]
+        fewest = "-" if self.fewest is None else f"{self.fewest} ({self.fewest_layout})" + SOURCE[self.fewest_from]
         model = self.model + (f" (= {self.same_as})" if self.same_as else "")
         return [model, _seq(self.seq), "LoRA" if self.mode == "lora" else "full SFT", self.layout or self.note or "none fits",
                 mem, flops, format_collectives(self.collectives), fewest]
 
 
+# How a figure was obtained: the full-depth compile, compiles at two shallower depths extrapolated
+# (--probe-layers), or the planner's analytic estimate alone.
+SOURCE = {"compiled": "", "extrapolated": " (extrap.)", "estimate": " est."}
 HEADER = ["model", "seq", "training", f"best layout on N x H200", "compiled memory / device", "FLOPs / Megatron",
           "collectives / step / device", "fewest H200s (layout)"]
 
@@ -92,9 +100,9 @@ def format_table(rows: list[Row], device_kind: str, memory_gib: float) -> str:
     return "\n".join(lines)
 
 
-def case_argv(model: str, seq: int, mode: str, num_devices: int, global_batch: int) -> list[str]:
+def case_argv(model: str, seq: int, mode: str, num_devices: int, global_batch: int, extra=()) -> list[str]:
     """The sft flags of one case (the planner's own, the device kind, are passed beside them)."""
-    argv = ["--model-name", model, "--seq-length", str(seq), "--micro-batch-size", "1",
+    argv = [*extra, "--model-name", model, "--seq-length", str(seq), "--micro-batch-size", "1",
             "--global-batch-size", str(global_batch), "--bf16", "--num-devices", str(num_devices),
             "--use-distributed-optimizer"]
     return argv + (list(LORA_FLAGS) if mode == "lora" else [])
@@ -118,10 +126,10 @@ def plan_case(model: str, seq: int, mode: str, args) -> Row:
     """The planner's search on ``args.num_devices`` (``--estimate-only``: its analytic ranking
     alone, no compile), then the fewest devices."""
     row = Row(model, seq, mode, args.num_devices)
-    cfg, common = _setup(case_argv(model, seq, mode, args.num_devices, args.global_batch),
-                         args.device_kind, args.xla_cpu)
+    argv = case_argv(model, seq, mode, args.num_devices, args.global_batch, args.flags)
+    cfg, common = _setup(argv, args.device_kind, args.xla_cpu)
     fitting = estimated_fits(cfg, args.num_devices, common, args.narrow)
-    best = next(iter(fitting if args.estimate_only else compiled_fits(cfg, args.num_devices, common, fitting[:args.top])),
+    best = next(iter(fitting if args.estimate_only else compiled_fits(argv, args.num_devices, fitting[:args.top], args)),
                 None)
     if best is not None:
         row.layout, row.needed_bytes, row.verdict_from = best.name, best.needed_bytes, best.verdict_from
@@ -133,7 +141,8 @@ def plan_case(model: str, seq: int, mode: str, args) -> Row:
 
 def estimated_fits(cfg, n: int, common: dict, narrow: bool = False) -> list:
     """The planner's candidates on ``n`` devices (``narrow``: only PP1 CP1 with full recompute and,
-    where there are data ranks, the distributed optimizer) that its analytic estimate says fit, best first (no compile)."""
+    where there are data ranks, the distributed optimizer) that its analytic estimate says fit,
+    best first (no compile)."""
     from mlir_train.planner.plan import candidate_layouts, plan_layout
     from mlir_train.planner.report import Plan
 
@@ -144,32 +153,74 @@ def estimated_fits(cfg, n: int, common: dict, narrow: bool = False) -> list:
     return sorted((p for p in estimates if p.error is None and p.fits), key=Plan.ranking_key)
 
 
-def compiled_fits(cfg, n: int, common: dict, estimated: list) -> list:
-    """``estimated`` compiled for the target, those whose compiled step fits, ranked as the
-    planner's ``--search`` ranks them (compiled step time, then compiled memory)."""
+@dataclasses.dataclass
+class Probed:
+    """A layout's compiled figures at full depth, extrapolated linearly from two shallower compiles."""
+    name: str
+    needed_bytes: int
+    flop_ratio: float
+    collectives: dict[str, dict[str, int]]
+    fits: bool
+    matmul_flops: float
+    verdict_from: str = "extrapolated"
+
+
+def compiled_fits(argv: list[str], n: int, estimated: list, args) -> list:
+    """``estimated`` compiled for the target (``--probe-layers P``: at P and 2P layers, extrapolated
+    to the model's depth: :func:`extrapolate`), those that fit, fewest compiled FLOPs (the
+    planner's compiled step time) then least memory first."""
     from mlir_train.planner.plan import plan_layout
-    from mlir_train.planner.report import Plan, format_plan
+    from mlir_train.planner.report import format_plan
 
     out = []
-    for p in estimated:
-        compiled = plan_layout(cfg, p.candidate, n, **common)
-        print(format_plan(compiled, common["target"] or "cpu", common["assumed_mfu"]), flush=True)
-        if compiled.error is None and compiled.fits:
-            out.append(compiled)
-    return sorted(out, key=Plan.ranking_key)
+    for est in estimated:
+        plans = []
+        for layers in ((args.probe_layers, 2 * args.probe_layers) if args.probe_layers else (None,)):
+            cfg, common = _setup(argv + ([] if layers is None else ["--num-layers", str(layers)]), args.device_kind,
+                                 args.xla_cpu)
+            plans.append(plan_layout(cfg, est.candidate, n, **common))
+            print((f"[{layers} layers] " if layers else "") + format_plan(plans[-1], args.device_kind, 0.4), flush=True)
+        if any(p.error is not None for p in plans):
+            continue
+        best = plans[0] if len(plans) == 1 else extrapolate(*plans, args.probe_layers, args.model_layers, args)
+        if best.fits:
+            out.append(best)
+    key = lambda p: ((p.matmul_flops if isinstance(p, Probed) else p.compiled_matmul_flops) or 0, p.needed_bytes)
+    return sorted(out, key=key)
+
+
+def extrapolate(p1, p2, layers: int, model_layers: int, args) -> Probed:
+    """Figures at ``model_layers`` from compiles at ``layers`` and ``2 * layers``: each is
+    ``a + b * depth`` (the embedding, head and one layer's working set, plus per-layer state,
+    checkpoints, FLOPs and collectives), so the difference of the two compiles is ``layers``
+    layers' share. The analytic estimate and Megatron's FLOPs are linear in depth the same way."""
+    from mlir_train.planner.targets import DEVICE_KINDS, USABLE_FRACTION
+
+    scale = (model_layers - layers) / layers
+    lin = lambda a, b: a + (b - a) * scale
+    needed = int(lin(p1.needed_bytes, p2.needed_bytes))
+    flops = lin(p1.compiled_matmul_flops, p2.compiled_matmul_flops)
+    colls = {}
+    for kind in sorted(set(p1.collectives or {}) | set(p2.collectives or {})):
+        c1, c2 = ((p.collectives or {}).get(kind, {"count": 0, "bytes": 0}) for p in (p1, p2))
+        colls[kind] = {k: int(round(lin(c1[k], c2[k]))) for k in ("count", "bytes")}
+    memory = DEVICE_KINDS[args.device_kind].memory_bytes
+    return Probed(p1.name, needed, flops * p1.num_devices / lin(p1.flops_per_step, p2.flops_per_step), colls,
+                  needed <= USABLE_FRACTION * memory, flops)
 
 
 def fewest_devices(row: Row, args) -> None:
-    """The smallest device count (powers of two up to ``--max-devices``) where a layout is estimated
-    to fit; its best layouts compiled to confirm (the next count if no compiled step fits), or the
-    estimate alone (``--no-fewest-compile``, ``--estimate-only``: labelled est.)."""
+    """The smallest device count (powers of two from ``--min-devices`` up to ``--max-devices``)
+    where a layout is estimated to fit; its best layouts compiled to confirm (the next count if no
+    compiled step fits), or the estimate alone (``--no-fewest-compile``, ``--estimate-only``:
+    labelled est.)."""
     compile_it = args.fewest_compile and not args.estimate_only
     n = args.min_devices
     while n <= args.max_devices:
-        cfg, common = _setup(case_argv(row.model, row.seq, row.mode, n, args.global_batch),
-                             args.device_kind, args.xla_cpu)
+        argv = case_argv(row.model, row.seq, row.mode, n, args.global_batch, args.flags)
+        cfg, common = _setup(argv, args.device_kind, args.xla_cpu)
         fitting = estimated_fits(cfg, n, common, args.narrow)[:args.top]
-        best = next(iter(compiled_fits(cfg, n, common, fitting) if compile_it else fitting), None)
+        best = next(iter(compiled_fits(argv, n, fitting, args) if compile_it else fitting), None)
         if best is not None:
             row.fewest, row.fewest_layout, row.fewest_from = n, best.name, best.verdict_from
             return
@@ -198,22 +249,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="the fewest devices from the estimate alone (labelled est.)")
     p.add_argument("--narrow", action="store_true",
                    help="only PP1 CP1 layouts with the distributed optimizer and full recompute (faster)")
+    p.add_argument("--probe-layers", type=int, default=0,
+                   help="compile at P and 2P layers and extrapolate to the model's depth (0: full depth)")
     p.add_argument("--min-devices", type=int, default=1, help="where the fewest-devices search starts")
     p.add_argument("--estimate-only", action="store_true",
                    help="rank and size layouts by the planner's analytic estimate alone (no compile; labelled est.)")
     p.add_argument("--xla-cpu", action="store_true", help="compile for XLA:CPU (no GPU verdict: estimates)")
-    p.add_argument("--quick", action="store_true", help="qwen3.5-moe-tiny, seq 256, 2 devices (the smoke test)")
+    p.add_argument("--quick", action="store_true", help="qwen3.5-moe-tiny, seq 256, 2 devices, --narrow, padded experts (the smoke test)")
     return p
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
     args = _parser().parse_args(argv)
-    if args.quick:
-        args.models, args.seqs, args.num_devices, args.max_devices, args.global_batch = (
-            ["qwen3.5-moe-tiny"], [256], 2, 2, 2)
+    args.flags = []
+    if args.quick:  # the tiny model's 32-wide experts are below the Mosaic kernels' 64-row blocks
+        args.models, args.seqs, args.num_devices, args.max_devices, args.global_batch, args.narrow = (
+            ["qwen3.5-moe-tiny"], [256], 2, 2, 2, True)
+        args.flags = ["--moe-gemm-backend", "padded"]
     from mlir_train.runtime.platform_setup import configure_platform
 
     configure_platform(compile_only=True, cpu_devices=max(args.num_devices, args.max_devices))
+    from mlir_train.families import get_model_config
     from mlir_train.planner.targets import DEVICE_KINDS
 
     rows, start = [], time.time()
@@ -225,6 +281,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                     done = next(r for r in rows if (r.model, r.seq, r.mode) == (twin, seq, mode))
                     rows.append(dataclasses.replace(done, model=model, same_as=twin))
                     continue
+                args.model_layers = get_model_config(model).num_layers
                 print(f"\n=== {model}, seq {seq}, {mode} on {args.num_devices} x {args.device_kind} "
                       f"({time.time() - start:.0f}s)", flush=True)
                 rows.append(plan_case(model, seq, mode, args))

@@ -48,7 +48,7 @@ def test_lora_rows_plan_the_lora_job():
 def test_fewest_devices_of_a_tiny_model_is_one():
     """From the estimate (no compile, ~5 s): a tiny model fits one device."""
     args = argparse.Namespace(num_devices=2, device_kind="h200", global_batch=2, min_devices=1, max_devices=2, top=1,
-                              fewest_compile=False, estimate_only=False, narrow=True, xla_cpu=True)
+                              fewest_compile=False, estimate_only=False, narrow=True, xla_cpu=True, flags=[])
     row = pq.Row("qwen3.5-moe-tiny", 256, "sft", 2)
     pq.fewest_devices(row, args)
     assert row.fewest == 1 and row.fewest_from == "estimate" and row.fewest_layout.startswith("TP1xPP1xEP1xDP1")
@@ -69,3 +69,25 @@ def test_plan_qwen35_quick():
     for line in rows:
         assert re.search(r"\| \d+\.\d GiB \(\d+%\) \| \d+\.\d\dx \|", line), line
         assert re.search(r"\| 1 \(TP1xPP1x", line), line
+
+
+def test_extrapolation_to_full_depth_is_linear_in_layers():
+    """Compiles at 4 and 8 layers, extrapolated to 40: a + b x depth for memory, FLOPs (and
+    Megatron's FLOPs beside them) and each collective's count and bytes."""
+    from types import SimpleNamespace
+
+    def plan(layers):
+        return SimpleNamespace(name="TP1xPP1xEP8xDP8+distopt recompute=full", num_devices=8,
+                               needed_bytes=(10 + 2 * layers) * GIB, compiled_matmul_flops=1e12 * (1 + layers),
+                               flops_per_step=8e12 * layers,
+                               collectives={"all-to-all": {"count": 4 * layers, "bytes": layers * GIB},
+                                            "all-gather": {"count": 3, "bytes": GIB}})
+
+    args = argparse.Namespace(device_kind="h200")
+    p = pq.extrapolate(plan(4), plan(8), 4, 40, args)
+    assert p.needed_bytes == 90 * GIB and p.fits  # 90 GiB <= 95 % of 141 GiB
+    assert p.matmul_flops == pytest.approx(41e12) and p.flop_ratio == pytest.approx(41e12 * 8 / 320e12)
+    assert p.collectives == {"all-gather": {"count": 3, "bytes": GIB}, "all-to-all": {"count": 160, "bytes": 40 * GIB}}
+    assert not pq.extrapolate(plan(4), plan(8), 4, 80, args).fits  # 170 GiB
+    row = pq.Row("m", 4096, "sft", 8, layout=p.name, needed_bytes=p.needed_bytes, verdict_from=p.verdict_from)
+    assert row.cells(141.0)[4] == "90.0 GiB (64%) (extrap.)"
