@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     from mlir_train.families import get_model_config
     from mlir_train.planner.targets import DEVICE_KINDS
 
+    memory_gib = DEVICE_KINDS[args.device_kind].memory_bytes / GIB
     rows, start = [], time.time()
     for model in args.models:
         twin = next((r.model for r in rows if r.same_as is None and same_shapes(r.model, model)), None)
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 print(f"\n=== {model}, seq {seq}, {mode} on {args.num_devices} x {args.device_kind} "
                       f"({time.time() - start:.0f}s)", flush=True)
                 rows.append(plan_case(model, seq, mode, args))
-    memory_gib = DEVICE_KINDS[args.device_kind].memory_bytes / GIB
+                print(format_table(rows[-1:], args.device_kind, memory_gib), flush=True)  # a row as soon as it is known
     print(f"\n{format_table(rows, args.device_kind, memory_gib)}\n\n({time.time() - start:.0f}s)")
     return rows
 
