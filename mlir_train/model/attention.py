@@ -295,7 +295,7 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
     t = q_BTNH.shape[1]
     if compute_capability is None:
         compute_capability = target_compute_capability()
-    block = flash_block_sizes(t, compute_capability)
+    block = flash_block_sizes(t, compute_capability, head_dim=h)
     if block is None:
         raise ValueError(f"flash attention needs a sequence length (--seq-length) that is a multiple of 16, got {t}")
     # Hopper's 64x64 backward tiles need 8 warps (2 warpgroups) to hold their accumulators
@@ -363,17 +363,24 @@ def docs_flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: b
 HOPPER_BACKWARD_TILE = 64
 
 
-def flash_block_sizes(t: int, compute_capability: str | None = None):
-    """The kernel's tiles for sequence length ``t``: 128-row forward tiles, smaller when ``t``
-    is short; None if ``t`` is not a multiple of 16. Backward tiles: on Hopper (compute
-    capability 9.x) 64x64 where they divide ``t``, which Triton compiles to wgmma (with 8
-    warps, no spills, checked by tests/planner/test_gpu_kernels_ptx.py); elsewhere, and for short
-    sequences, the kernel's default 32x32, which compiles to pre-Hopper ``mma.sync``."""
+def flash_block_sizes(t: int, compute_capability: str | None = None, head_dim: int = 128):
+    """The kernel's tiles for sequence length ``t``: 128-row forward tiles (64 for heads wider
+    than 128), smaller when ``t`` is short; None if ``t`` is not a multiple of 16. Backward
+    tiles: on Hopper (compute capability 9.x) 64x64 where they divide ``t``, which Triton compiles
+    to wgmma (with 8 warps, no spills, checked by tests/planner/test_gpu_kernels_ptx.py);
+    elsewhere, and for short sequences, the kernel's default 32x32, which compiles to pre-Hopper
+    ``mma.sync``.
+
+    The forward kernel keeps its query tile and two pipeline stages of key and value tiles in
+    shared memory, ``2 (bq + 4 bk) head_dim`` bytes in bf16: at 128 x 128 and head_dim 256
+    (Qwen3.5 / Qwen3-Next attention) 320 KiB, over Hopper's 227 KiB per block, and XLA:GPU
+    refuses the program ("Shared memory size limit exceeded: requested 328192, available:
+    232448"); 64 x 64 needs 160 KiB."""
     from jax.experimental.pallas.ops.gpu.attention import BlockSizes
 
     if t % 16:
         return None
-    fwd = math.gcd(t, 128)
+    fwd = math.gcd(t, 128 if head_dim <= 128 else 64)
     hopper = compute_capability is not None and compute_capability.split(".")[0] == "9"
     bwd = HOPPER_BACKWARD_TILE if hopper and t % HOPPER_BACKWARD_TILE == 0 else math.gcd(t, 32)
     return BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd)

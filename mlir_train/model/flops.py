@@ -26,6 +26,12 @@ transformer branch, no MLA, no MTP), for ``B`` sequences of ``s`` tokens, hidden
 * The per-layer terms are the model family's (``ModelConfig.layer_flops``): the formula above is
   the base config's; a family with other token mixers (a gated-DeltaNet layer, a gated
   attention's extra projection) counts them as Megatron's branch for them does.
+* A gated-DeltaNet layer's core is Megatron's recurrent-form ``8 K V`` per token and value head
+  (``gated_deltanet.megatron_flops_per_token``); the chunked algorithm that trains it does
+  ``gated_deltanet.chunk_flops_per_token`` (``6 K V + 4 C K + 2 C V + 2 C (K + V) + 2 (C^2 - 1) / 3``:
+  1.40x the core term at K = V = 128, C = 64, 1.02x a whole Qwen3.5 DeltaNet layer's term), and
+  its compiled forward and backward on H200 are 1.00x three times that chunked count
+  (``tests/planner/test_qwen35_gpu.py``). Model FLOPs (and MFU) keep Megatron's count.
 
 The per-token cost is thus ``6 * N_matmul + 6 * L * q * s`` with ``N_matmul`` the active
 parameters that sit in matmuls (attention projections, active experts, LM head).

@@ -120,7 +120,7 @@ def _flash_flops(rest: str) -> float | None:
         tile = t // int(grid.group(1 if forward else 3))
         tiles = (tile, tile)
     else:
-        blocks = flash_block_sizes(t)
+        blocks = flash_block_sizes(t, head_dim=h)
         tiles = (blocks.block_q, blocks.block_k) if forward else (blocks.block_q_dkv, blocks.block_kv_dkv)
     pairs = _causal_tile_pairs(t, *tiles) * tiles[0] * tiles[1]
     if forward:
