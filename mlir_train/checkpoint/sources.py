@@ -5,9 +5,8 @@ model directory (:class:`HFModel`), a checkpoint of ours (:class:`Ours`, wins wh
 holds one; ``DIR/<step>`` names one step), a Megatron-LM / AIAK checkpoint (:class:`Megatron`,
 legacy ``torch`` or ``torch_dist``), or nothing (:class:`Scratch`). Each Source knows its own
 model config, what resuming from it requires, how to lay its weights (and, for ours, the optimizer
-and the data position) into a run's state (a :class:`~mlir_train.checkpoint.target.Target`), and
-how to write one in its format (``write``: ``--save-hf`` / ``--save-peft``, ``convert``).
-"""
+and the data position) into a run's state (a :class:`~mlir_train.checkpoint.target.Target`), and how
+to write one in its format (``write``: ``--save-hf`` / ``--save-peft``, ``convert``)."""
 
 from __future__ import annotations
 
@@ -218,9 +217,8 @@ class Megatron(Source):
         return mc.model_config(self.checkpoint, name=name, vocab_size=vocab_size, fallback=named)
 
     def stored_model_config(self, vocab_size: int | None = None, model_name: str | None = None) -> ModelConfig:
-        """Its args as our config, the vocabulary unpadded to ``vocab_size`` (default: what it
-        recorded); ``model_name`` (convert's ``--model-name``): the model when its args do not say
-        (a Megatron-Bridge checkpoint), and the release whose HF class it is written as."""
+        """Its args as our config, the vocabulary unpadded to ``vocab_size`` (default: recorded);
+        ``model_name``: the model when its args do not say (Megatron-Bridge) and its HF class."""
         from mlir_train.checkpoint import megatron as mc
 
         named = families.get_model_config(model_name) if model_name else None
@@ -266,9 +264,8 @@ class Megatron(Source):
 
 @dataclasses.dataclass(frozen=True)
 class PeftAdapters(Source):
-    """An HF PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``):
-    LoRA adapters to continue training on their base (``--pretrained-checkpoint``, or the
-    directory its ``base_model_name_or_path`` names)."""
+    """An HF PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``): LoRA
+    adapters to train on their base (``--pretrained-checkpoint``, or its ``base_model_name_or_path``)."""
 
     kind: ClassVar[str] = "peft"
 
@@ -299,8 +296,7 @@ class PeftAdapters(Source):
 
 @dataclasses.dataclass(frozen=True)
 class Scratch(Source):
-    """Random initialisation: no ``--load``, or a missing / empty directory (Megatron starts from
-    scratch there, with a warning)."""
+    """Random initialisation: no ``--load``, or a missing / empty directory (as Megatron, warned)."""
 
 
 def detect(load: str | None, *, step: int | None = None, exit_on_missing: bool = False,
