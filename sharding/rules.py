@@ -51,6 +51,9 @@ PARAM_AXES = (
     "router_exp", # router output columns (one per expert; kept whole, as Megatron does)
     "gdn_key_heads",  # a linear-attention (gated DeltaNet) layer's query/key heads
     "gdn_heads",      # its value heads (each key head's H/G value heads next to it)
+    "token_ranks",    # a leading rank axis of a weight whose gradient each token rank forms from
+                      # its own tokens (the router's): the MoE's token ranks that are not data
+                      # ranks (mlir_train.train.reduction.token_partial)
 )
 ACTIVATION_AXES = (
     "act_batch",
@@ -187,7 +190,8 @@ def rules_for(cfg: Layout, model_dims: Mapping[str, int] | None = None) -> Rules
         folded |= set(cfg.role_axes("tensor"))
     tokens = tuple(a for a in ALL_MESH_AXES if a in set(data) | set(cfg.role_axes("context")) | folded)
     overlays: list[Mapping[str, MeshAxes]] = [
-        {"act_batch": _entry(data), "act_tokens": _entry(tokens), "act_capacity": _entry(tokens)}]
+        {"act_batch": _entry(data), "act_tokens": _entry(tokens), "act_capacity": _entry(tokens),
+         "token_ranks": _entry(tuple(a for a in tokens if a not in data))}]
     if cfg.tensor > 1:
         overlays.append(_on_roles(TENSOR_PARALLEL_OVERRIDES, cfg))
         kv = (model_dims or {}).get("num_kv_heads")

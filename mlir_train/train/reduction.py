@@ -30,6 +30,17 @@ Not under FSDP: its weights stay split over the data ranks and are gathered per 
 gradients are reduce-scattered per micro-batch, as Megatron-FSDP (``optim_grads_params``) and torch
 FSDP2 do; whole gradients on every rank are what FSDP exists to avoid.
 
+The tensor ranks are the same story for one weight. Under ``--sequence-parallel`` (and the MoE
+fold) each MoE token rank that is not a data rank routes its own tokens, so the router weight's
+gradient is partial over those ranks and XLA all-reduces it where it is formed, per MoE layer
+and tick (the seed: 1.50 of its 1.54 GiB of all-reduce). Megatron marks the router weight
+``sequence_parallel`` and all-reduces it once per step (``finalize_model_grads``). Here the
+weights whose logical axes end as :data:`TOKEN_PARTIAL` say are broadcast, before the loops,
+over a leading ``"token_ranks"`` axis split over those ranks (:func:`token_partial`); the router
+forms its logits per rank (``mlir_train.model.moe.router.router_logits``), so each rank's
+gradient stays on its own row, and the broadcast's transpose (the sum over the ranks) is taken
+once after the loops, in float32, with the data ranks' (:func:`summed`).
+
 The unchecked region (``check_vma=False``) transposes nothing here: the gradients are formed
 inside it (``jax.vjp`` per item, ``jax.grad`` per micro-batch). GPipe, whose gradient is
 autodiff through the region, gets the same one reduction from the region's transpose (a psum
@@ -49,6 +60,10 @@ from sharding import active_rules, logical_to_spec, manual_axes_of, mesh_axes_of
 from sharding.logical import axes_tuple
 
 BATCH = "act_batch"
+TOKEN_RANKS = "token_ranks"
+# The weights' own logical axes of the replicated weights whose gradient each MoE token rank
+# forms from its own tokens: the router's (Megatron's sequence_parallel-marked router weight).
+TOKEN_PARTIAL = (("embed", "router_exp"),)
 # The step's sums over rows (a rank's share adds up to the step's) and the router's per-layer
 # values: the mean over balancing groups (a rank's mean over its groups; the step's is the mean
 # over ranks), but global_aux_loss, which is a sum over them.
@@ -97,18 +112,61 @@ def is_names(x: Any) -> bool:
     return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
 
 
+def token_axis(names: tuple) -> int | None:
+    """Where :func:`token_partial` puts a weight's token-rank axis (before its own axes, after
+    any stacking ones), or None for a weight it leaves alone."""
+    for own in TOKEN_PARTIAL:
+        if len(names) >= len(own) and tuple(names[len(names) - len(own):]) == own:
+            return len(names) - len(own)
+    return None
+
+
+def token_partial(weights: Any, names: Any, manual: tuple[str, ...]) -> tuple[Any, Any]:
+    """``(weights, names)`` with each :data:`TOKEN_PARTIAL` weight broadcast over a new
+    ``"token_ranks"`` axis, one row per MoE token rank that is not a data rank (module
+    docstring), for a region manual over ``manual`` (:func:`data_manual_names`). Unchanged where
+    there are no such ranks, or where the MoE's tokens are also split over data ranks the region
+    leaves automatic (each token rank's rows would not be one block of them). Call it outside
+    the loops that form the gradients: the broadcast's transpose is the once-per-step sum
+    (:func:`summed`)."""
+    try:
+        axes, ranks = mesh_axes_of(TOKEN_RANKS)
+    except KeyError:  # a table without the name splits nothing over it
+        axes, ranks = (), 1
+    region = set(mesh_axes_of(BATCH)[0]) if manual else set()
+    if ranks == 1 or set(mesh_axes_of("act_tokens")[0]) - set(axes) - region:
+        return weights, names
+
+    def weight(n, w):
+        at = token_axis(n)
+        return w if at is None else jnp.broadcast_to(jnp.expand_dims(w, at), w.shape[:at] + (ranks,) + w.shape[at:])
+
+    def name(n):
+        at = token_axis(n)
+        return n if at is None else n[:at] + (TOKEN_RANKS,) + n[at:]
+
+    return jax.tree.map(weight, names, weights, is_leaf=is_names), jax.tree.map(name, names, is_leaf=is_names)
+
+
 def with_rank_axis(tree: Any) -> Any:
     """Each rank's partial gradients with a leading axis of 1 (out of the region: one row per
     data rank, named :data:`BATCH`)."""
     return jax.tree.map(lambda x: x[None], tree)
 
 
-def summed(partials: Any, shardings: Any) -> Any:
+def summed(partials: Any, shardings: Any, names: Any = None) -> Any:
     """The data ranks' partial gradients (leading rank axis) summed, in float32, straight into
     ``shardings`` (the master weights': the distributed optimizer's shards make it one
-    reduce-scatter per gradient)."""
-    return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(jnp.sum(g.astype(jnp.float32), axis=0), s),
-                        partials, shardings)
+    reduce-scatter per gradient); with the weights' own ``names``, a gradient that carries
+    :func:`token_partial`'s axis is summed over it too."""
+    def one(g, s, n=None):
+        at = None if n is None or g.ndim != len(n) + 2 else token_axis(n)
+        axes = (0,) if at is None else (0, at + 1)
+        return jax.lax.with_sharding_constraint(jnp.sum(g.astype(jnp.float32), axis=axes), s)
+
+    if names is None:
+        return jax.tree.map(one, partials, shardings)
+    return jax.tree.map(lambda n, g, s: one(g, s, n), names, partials, shardings, is_leaf=is_names)
 
 
 def reduced_aux(aux: dict[str, Any]) -> dict[str, Any]:

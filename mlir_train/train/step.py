@@ -199,13 +199,15 @@ class Step:
             return reduction.reduced_aux(aux), reduction.with_rank_axis(grads)
 
         # The weights enter as their logical axes split them (routed experts over expert ranks,
-        # which are data ranks too); each rank's gradients leave with a leading rank axis.
-        run = logical_shard_map(per_rank, in_names=(self.logical, self.base_logical,
+        # which are data ranks too; the router's over its token ranks); each rank's gradients
+        # leave with a leading rank axis.
+        weights, names = reduction.token_partial(weights, self.logical, manual)
+        run = logical_shard_map(per_rank, in_names=(names, self.base_logical,
                                                     jax.tree.map(reduction.row_names, batch), ()),
-                                out_names=((), reduction.partial_specs(self.logical, manual)), manual=manual,
+                                out_names=((), reduction.partial_specs(names, manual)), manual=manual,
                                 check_vma=False)
         aux, partials = run(weights, base, batch, scale)
-        return aux, reduction.summed(partials, self.master)
+        return aux, reduction.summed(partials, self.master, self.logical)
 
     def micro_batches(self, weights, base, batch, scale, *, cast: bool):
         """``(aux, float32 gradients)`` of ``batch``'s micro-batches, a scan adding each one's into

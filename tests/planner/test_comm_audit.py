@@ -351,6 +351,30 @@ def test_seed_weight_gradients_are_reduced_once_per_step_not_per_tick(seed_quick
     assert [f for f in found if not f["in_loop"] and f["dtype"] == "f32" and f["elements"] >= head_elems], found
 
 
+@pytest.mark.skipif(__import__("tests.helpers", fromlist=["GPU_MISSING"]).GPU_MISSING is not None,
+                    reason="needs the deviceless XLA:GPU compiler")
+def test_seed_router_gradient_is_reduced_over_the_tensor_ranks_once_per_step(seed_quick):
+    """Issue 37 item 4 on the seed layout at toy widths (hidden 256, 16 experts): under SP each
+    tensor rank routes its own tokens, so the router weight's gradient is partial over them. It
+    was all-reduced over the tensor ranks per MoE layer and 1F1B tick (1.50 of the seed's 1.54
+    GiB of all-reduce at full size); now each tensor rank accumulates its own
+    (``reduction.token_partial``) and the sum is taken once, after the ticks."""
+    import math
+    import re
+
+    comps, _ = seed_quick
+    lay = sharding.Layout(**_audit_layouts()["seed"], sequence_parallel=True, distributed_optimizer=True, num_devices=8)
+    loops, router = _loop_computations(comps), math.prod((256, 16))
+    in_loop = []
+    for name in loops:
+        for i in comps[name]:
+            groups = hlo_text.replica_groups(i.attrs) if i.opcode.removesuffix("-start") == "all-reduce" else None
+            if groups and "tensor" in comm.group_axes(tuple(groups[0]), lay.mesh_shape()).split("+"):
+                sizes = [math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", i.result_type)]
+                in_loop += [(name, i.result_type) for n in sizes if n % router == 0]
+    assert not in_loop, in_loop
+
+
 @pytest.fixture(scope="module")
 def seed_quick(tmp_path_factory):
     """The seed layout's ``comm_audit.py --quick`` module, compiled once for the tests below."""

@@ -70,15 +70,25 @@ import jax
 import jax.numpy as jnp
 
 from mlir_train.config.policies import SCORE_FUNCTIONS, RouterConfig, RouterConfigError
-from sharding import logical_shard_map, mesh_axes_of
+from sharding import constrain, logical_shard_map, mesh_axes_of
 
 ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64}  # --moe-router-dtype names: config.policies.ROUTER_DTYPES
 
 
 def router_logits(x_SD: jax.Array, w_DE: jax.Array, dtype=jnp.float32) -> jax.Array:
     """The gating linear in float32 (``--moe-router-dtype fp32``; HF also takes it in fp32),
-    or float64 inside :func:`route_in`'s x64 region."""
-    return jnp.einsum("sd,de->se", x_SD.astype(dtype), w_DE.astype(dtype), precision=jax.lax.Precision.HIGHEST)
+    or float64 inside :func:`route_in`'s x64 region. A weight ``[R, D, E]`` is the trainer's
+    broadcast over the ``R`` token ranks (``mlir_train.train.reduction.token_partial``): each
+    rank's tokens (``x_SD``'s rows split ``[R, S/R]``, as ``"act_tokens"`` splits them) meet their
+    own row, so the weight's gradient stays per rank, summed once per step by the trainer."""
+    hi = jax.lax.Precision.HIGHEST
+    if w_DE.ndim == 2:
+        return jnp.einsum("sd,de->se", x_SD.astype(dtype), w_DE.astype(dtype), precision=hi)
+    (s, d), r = x_SD.shape, w_DE.shape[0]
+    x_RSD = constrain(x_SD.reshape(r, s // r, d), ("token_ranks", None, "act_embed"))
+    w_RDE = constrain(w_DE, ("token_ranks", None, None))
+    logits = jnp.einsum("rsd,rde->rse", x_RSD.astype(dtype), w_RDE.astype(dtype), precision=hi)
+    return logits.reshape(s, -1)
 
 
 def route_in(cfg: "RouterConfig", x_SD: jax.Array, w_DE: jax.Array, valid_S: jax.Array, *, top_k: int,

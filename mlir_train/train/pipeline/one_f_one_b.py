@@ -52,7 +52,8 @@ from mlir_train.model import losses, tree
 from mlir_train.train.pipeline.program import to_segments
 from mlir_train.train.pipeline.schedule import Schedule
 from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_pieces, grad_out_specs, merge, prepare,
-                                             router_terms, run_chunk, stage_shard_map, zero_acc)
+                                             router_terms, run_chunk, seg_grad_zeros, stage_shard_map,
+                                             token_partial_segments, token_ranks_summed, zero_acc)
 from mlir_train.train.reduction import reduced_aux
 
 SCALARS = ("objective", "ce_sum", "loss_tokens", "lm_objective")
@@ -86,8 +87,7 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
     mask = tree.mask(params, trainable)
     stack_masks = [mask["layers"][k] for k in range(len(setup.stack_kinds))]
-    seg_masks = [next(m for m, s in zip(stack_masks, setup.stack_kinds) if s.kind == seg.kind)
-                 for seg in setup.program]
+    segs, setup, seg_masks = token_partial_segments(setup, segs, stack_masks, data_manual)
     run = _OneFOneB(graphdef, setup, stage_axes, balancing, top_k, remat,
                     m=batch["input_ids"].shape[0], p=schedule.stages, r=schedule.virtual,
                     seg_masks=seg_masks, rest_mask={k: v for k, v in mask.items() if k != "layers"})
@@ -103,13 +103,13 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
 
 def _param_grads(params, stacks, g_segs, g_rest, setup: StageSetup, schedule: Schedule):
     """The per-stage, per-data-rank accumulators (leading axes ``[P, data ranks]``) -> gradients
-    shaped like ``params``: summed over the data ranks (the step's one reduction; the caller
-    places the sum in the optimizer's layout, which makes it a reduce-scatter), the segments'
-    back onto the layer stacks (the transpose of :func:`to_segments`), the rest summed over the
-    stages (the embedding's on stage 0, the head's on P-1)."""
+    shaped like ``params``: summed over the data ranks and the router's over its token ranks (the
+    step's one reduction; the caller places it in the optimizer's layout: a reduce-scatter), the
+    segments' back onto the layer stacks (the transpose of :func:`to_segments`), the rest summed
+    over the stages (the embedding's on stage 0, the head's on P-1)."""
     f32 = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), t)
     transpose = jax.linear_transpose(lambda st: to_segments(st, setup.stack_kinds, setup.program, schedule), f32(stacks))
-    (g_stacks,) = transpose(jax.tree.map(lambda x: jnp.sum(x, axis=1), g_segs))
+    (g_stacks,) = transpose(token_ranks_summed(g_segs, setup))
     grads = jax.tree.map(lambda x: jnp.sum(x, axis=(0, 1)), g_rest)
     grads["layers"] = type(params["layers"])({k: g for k, g in enumerate(g_stacks)}) if isinstance(
         params["layers"], dict) else type(params["layers"])(g_stacks)
@@ -246,8 +246,7 @@ class _OneFOneB:
 
         kept = jax.eval_shape(trace, jax.ShapeDtypeStruct((), jnp.int32), zeros_x)
         saved = [jnp.zeros((self.slots,) + k.shape, k.dtype) for k in kept]
-        trained = lambda trees, masks: [tree.split(t, m)[0] for t, m in zip(trees, masks)]
-        carry = (zeros_x, zeros_x, saved, (f32_zeros(trained(segs_RS, self.seg_masks)),
+        carry = (zeros_x, zeros_x, saved, (seg_grad_zeros(segs_RS, self.seg_masks, self.setup),
                                            f32_zeros(tree.split(rest, self.rest_mask)[0])), acc)
         for first, end, forward, backward in self.phases:
             name = {(True, False): "pipeline_warmup", (True, True): "pipeline_steady",

@@ -18,8 +18,8 @@ from mlir_train.model import logical_axes, losses
 from mlir_train.model.moe.dispatch import COUNTS as DISPATCH_COUNTS
 from mlir_train.model.transformer import run_pieces, stack_pieces
 from mlir_train.train.pipeline.program import Segment, layer_order, stage_program, to_segments
-from mlir_train.train.reduction import is_names, partial_specs, row_names
-from sharding import logical_shard_map, mesh_axes_of
+from mlir_train.train.reduction import TOKEN_RANKS, is_names, partial_specs, row_names, token_partial
+from sharding import constrain, logical_shard_map, mesh_axes_of
 
 
 def chunk_forward(stack_graphs, program, states_r, active_r, x, context, remat):
@@ -170,6 +170,48 @@ def grad_out_specs(setup: StageSetup, stage_axes, seg_masks, rest_mask, data_man
                 for names, m in zip(setup.seg_names, seg_masks)], trained(setup.rest_names, rest_mask))
     lead = (stage_axes[0] if len(stage_axes) == 1 else tuple(stage_axes),)
     return partial_specs(g_names, data_manual, lead)
+
+
+def token_partial_segments(setup: StageSetup, segs: list, stack_masks: list,
+                           data_manual: tuple[str, ...] = ()) -> tuple[list, StageSetup, list]:
+    """``(segments, setup, each segment's trained mask)`` (``stack_masks``: per layer stack; the
+    region manual over ``data_manual``) with
+    the segments' trained :data:`~mlir_train.train.reduction.TOKEN_PARTIAL` weights (the
+    router's) broadcast over the MoE token ranks that are not data ranks, before the ticks
+    (:func:`~mlir_train.train.reduction.token_partial`): each of those ranks accumulates its own
+    gradient, summed once after them (:func:`token_ranks_summed`)."""
+    seg_masks = [next(m for m, s in zip(stack_masks, setup.stack_kinds) if s.kind == seg.kind)
+                 for seg in setup.program]
+    out_segs, out_names = [], []
+    for seg, names, mask in zip(segs, setup.seg_names, seg_masks):
+        trained = jax.tree.map(lambda keep, n: n if keep else (), mask, names)
+        seg, expanded = token_partial(seg, trained, data_manual)
+        out_segs.append(seg)
+        out_names.append(jax.tree.map(lambda keep, n, e: e if keep else n, mask, names, expanded))
+    return out_segs, dataclasses.replace(setup, seg_names=out_names), seg_masks
+
+
+def seg_grad_zeros(segs_RS: list, seg_masks: list, setup: StageSetup) -> list:
+    """A stage's float32 gradient accumulators of its trained segment weights (leaves ``[R, S,
+    ...]``; None where frozen), the token-rank axis of :func:`token_partial_segments` kept split
+    over its ranks (left to XLA, the tick loop gathered each tick's router gradient instead)."""
+    def one(names, x, keep):
+        zeros = jnp.zeros(x.shape, jnp.float32) if keep else None
+        return constrain(zeros, names[1:]) if keep and TOKEN_RANKS in names else zeros
+
+    return [jax.tree.map(one, n, s, m, is_leaf=is_names) for n, s, m in zip(setup.seg_names, segs_RS, seg_masks)]
+
+
+def token_ranks_summed(g_segs: list, setup: StageSetup) -> list:
+    """1F1B's per-stage accumulators (``[P, data ranks, R, S, ...]``) summed over the data ranks
+    and, where :func:`token_partial_segments` added it, the token-rank axis: once per step."""
+    def one(names, g):
+        if g is None:
+            return None
+        at = names.index(TOKEN_RANKS) + 1 if TOKEN_RANKS in names else None
+        return jnp.sum(g, axis=1 if at is None else (1, at))
+
+    return [jax.tree.map(one, names, g, is_leaf=is_names) for names, g in zip(setup.seg_names, g_segs)]
 
 
 def stage_shard_map(body, setup: StageSetup, segs, active, rest, batch, scalars, out_names, data_manual=()):
