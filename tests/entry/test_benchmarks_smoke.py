@@ -78,6 +78,7 @@ def test_gpu_h200_cpu_rehearsal():
     assert "| self-check |  | skipped: --skip | - |" in out
 
 
+@pytest.mark.slow  # 87 s on 2 cores; test_gpu_h200_cpu_rehearsal keeps a rehearsal in the default suite
 def test_gpu_h200_cpu_rehearsal_checks():
     """gpu_h200.py's check phases on CPU: the start-up self-check of every GPU kernel at the run's widths
     (interpreted), and the GPU-path-vs-XLA-path step comparison (ragged_dot experts standing in), with
@@ -182,6 +183,7 @@ def test_gpu_compiled_benchmark_quick():  # ~30 s of CPU per layout; deviceless 
     assert "all-to-all" in out
 
 
+@pytest.mark.slow  # 52 s on 2 cores; test_gpu_h200_cpu_rehearsal keeps a rehearsal in the default suite
 def test_gpu_kernels_h200_cpu_rehearsal():
     """gpu_kernels_h200.py's whole path at tiny shapes on CPU (~15 s): every backend row (the Mosaic and
     Pallas kernels in their interpreters), within bf16 error of the float32 reference, repeats bit-identical."""

@@ -314,6 +314,7 @@ def test_tp4_ep8_step_does_megatrons_three_passes_with_the_gpu_flags():
 
 @pytest.mark.skipif(__import__("tests.helpers", fromlist=["GPU_MISSING"]).GPU_MISSING is not None,
                     reason="needs the deviceless XLA:GPU compiler")
+@pytest.mark.slow  # 74 s on 2 cores (a folding compile of its own); the seed and TP4 EP8 pins stay default
 def test_folding_backward_all_gathers_no_gradient_twice(tmp_path):
     """The audit's folding layout (TP2 PP2 EP4 ETP1, SP, 1F1B) at toy widths, compiled with the
     GPU flags in its own process: no buffer the backward produces (a cotangent) is all-gathered
