@@ -123,7 +123,8 @@ def _flash_flops(rest: str) -> float | None:
     # The tiles depend on the target GPU (flash_block_sizes): read them from the launch grid,
     # (T / block_q, B, N) forward, whose tiles are square, and (B, N, T / block_kv_dkv) backward,
     # whose other tiles follow from that one and the head width (flash_backward_tiles).
-    grid = re.search(r"grid_x = (\d+)\D+grid_y = (\d+)\D+grid_z = (\d+)", rest)
+    # As XLA prints it: "grid_x = 16 : i32, grid_y = 1 : i32, grid_z = 4 : i32".
+    grid = re.search(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", rest)
     if grid is not None:
         tile = t // int(grid.group(1 if forward else 3))
         fwd, bwd = (tile, tile), flash_backward_tiles(tile, h)

@@ -123,10 +123,11 @@ def test_flash_attention_with_256_wide_heads_does_not_spill_on_h200(h200_device,
     64-row tiles the forward and both backward loops issue wgmma (the dK/dV loop's two 16-row
     score matmuls are mma.sync); at 32-row tiles everything is mma.sync."""
     from tests.helpers import compiled_attention_grads, one_device_mesh
+    from mlir_train.planner.hlo import matmul_flops
     from mlir_train.planner.kernel_audit import audit_xla_dump
     from mlir_train.model.attention import flash_attention
 
-    compiled_attention_grads(flash_attention, one_device_mesh([h200_device]), t=t, h=256, dump_to=tmp_path)
+    compiled = compiled_attention_grads(flash_attention, one_device_mesh([h200_device]), t=t, h=256, dump_to=tmp_path)
     reports = {r.name: r for r in audit_xla_dump(str(tmp_path))}
     for name in ("mha_forward", "mha_backward"):
         r = reports[name]
@@ -136,3 +137,8 @@ def test_flash_attention_with_256_wide_heads_does_not_spill_on_h200(h200_device,
     if t % 64 == 0:
         backward = reports["mha_backward"]
         assert backward.pipelined_loops == 2 and backward.pipelined_loops_with_wait == 2, backward.row()
+    # The planner reads the tiles from the launch grids: the causal area of square tiles (the
+    # dK/dV loop's 16-row steps cover the same), forward 2 matmuls, backward 7; 4 heads.
+    tile = 64 if t % 64 == 0 else 32
+    area = sum(i + 1 for i in range(t // tile)) * tile * tile
+    assert matmul_flops(compiled.as_text()).attention_flops == 2.0 * 4 * 256 * (2 + 7) * area
