@@ -361,7 +361,8 @@ def docs_flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: b
 HOPPER_BACKWARD_TILE = 64
 # The dK/dV loop's query step for heads wider than 128: on Hopper its two 64 x head_dim float32
 # accumulators (dK, dV) take 128 of a thread's 255 registers over 8 warps at width 256, and
-# 64-row query steps spill (1.6 KB a thread, ptxas), 32-row ones 0.6 KB; 16-row steps do not.
+# 64-row query steps spill (ptxas: 812 + 816 bytes of spill stores + loads a thread), 32-row ones
+# 316 + 332; 16-row steps do not.
 WIDE_HEAD_DKV_QUERY_TILE = 16
 
 
