@@ -7,8 +7,8 @@ Needs jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cuda-nvcc-cu12 (no driver). 
 markdown row per kernel: registers used / limit, spill store + load bytes, and the pipelined
 wgmma loops (backward branches whose body issues wgmma.mma_async) that hold a
 wgmma.wait_group, over all of them. Then the flash attention's Triton kernels at T 4096 with
-the tiles chosen for a pre-Hopper GPU and for Hopper, both compiled for the H200 (ptxas -v on
-XLA's PTX dump).
+the tiles chosen for a pre-Hopper GPU and for Hopper (head_dim 128), and for Hopper at head_dim 256
+(Qwen3.5), all compiled for the H200 (ptxas -v on XLA's PTX dump).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from mlir_train.planner.kernel_audit import audit_kernel, audit_xla_dump, moe_ke
 from mlir_train.planner.targets import compile_only_devices  # noqa: E402
 
 
-def attention_reports(device, compute_capability: str, t: int = 4096):
-    """The flash attention's Triton kernels (forward, backward; Qwen3 head_dim 128, bf16) with
-    the tiles :func:`flash_block_sizes` picks for ``compute_capability``, from XLA's PTX dump."""
+def attention_reports(device, compute_capability: str, t: int = 4096, head_dim: int = 128):
+    """The flash attention's Triton kernels (forward, backward; bf16, head_dim 128 as Qwen3's, 256
+    as Qwen3.5's) with the tiles :func:`flash_block_sizes` picks for ``compute_capability``, from
+    XLA's PTX dump."""
     import tempfile
 
     import jax
@@ -38,8 +39,8 @@ def attention_reports(device, compute_capability: str, t: int = 4096):
 
     mesh = Mesh(np.array([device]), ("d",))
     rep = NamedSharding(mesh, PartitionSpec())
-    q = jax.ShapeDtypeStruct((1, t, 4, 128), jnp.bfloat16, sharding=rep)
-    k = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16, sharding=rep)
+    q = jax.ShapeDtypeStruct((1, t, 4, head_dim), jnp.bfloat16, sharding=rep)
+    k = jax.ShapeDtypeStruct((1, t, 2, head_dim), jnp.bfloat16, sharding=rep)
     seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=rep)
     attend = lambda q, k, v, s: jnp.sum(flash_attention(q, k, v, s, compute_capability=compute_capability)  # noqa: E731
                                         .astype(jnp.float32))
@@ -60,8 +61,10 @@ def main():
     print()
     print("| attention tiles | kernel | registers / limit | spill bytes (st + ld) | wgmma / mma.sync instructions |")
     print("|---|---|---|---|---|")
-    for cc, label in (("8.0", "32x32 backward, 4 warps (pre-Hopper choice)"), ("9.0", "64x64 backward, 8 warps (Hopper)")):
-        for r in attention_reports(device, cc):
+    for cc, h, label in (("8.0", 128, "32x32 backward, 4 warps (pre-Hopper choice)"),
+                         ("9.0", 128, "64x64 backward, 8 warps (Hopper)"),
+                         ("9.0", 256, "head 256: 64x64 forward, dK/dV 16x64, dQ 64x64, 8 warps (Hopper)")):
+        for r in attention_reports(device, cc, head_dim=h):
             print(f"| {label} | {r.name} | {r.registers} / {r.register_limit} | {r.spill_store_bytes} + "
                   f"{r.spill_load_bytes} | {r.wgmma} / {r.mma_sync} |", flush=True)
 

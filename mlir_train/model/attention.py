@@ -298,9 +298,7 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
     block = flash_block_sizes(t, compute_capability, head_dim=h)
     if block is None:
         raise ValueError(f"flash attention needs a sequence length (--seq-length) that is a multiple of 16, got {t}")
-    # Hopper's 64x64 backward tiles need 8 warps (2 warpgroups) to hold their accumulators
-    # without spilling; the kernel would pick 4 for tiles under 128x128.
-    num_warps = 8 if block.block_q_dkv == HOPPER_BACKWARD_TILE else None
+    num_warps = flash_num_warps(block, h)
 
     def run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
         k_BSNH, v_BSNH = (jnp.repeat(a, g, axis=2) for a in (k_BSKH, v_BSKH))
@@ -361,6 +359,11 @@ def docs_flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: b
 
 
 HOPPER_BACKWARD_TILE = 64
+# The dK/dV loop's query step for heads wider than 128: on Hopper its two 64 x head_dim float32
+# accumulators (dK, dV) take 128 of a thread's 255 registers over 8 warps at width 256, and
+# 64-row query steps spill (ptxas: 812 + 816 bytes of spill stores + loads a thread), 32-row ones
+# 316 + 332; 16-row steps do not.
+WIDE_HEAD_DKV_QUERY_TILE = 16
 
 
 def flash_block_sizes(t: int, compute_capability: str | None = None, head_dim: int = 128):
@@ -369,7 +372,8 @@ def flash_block_sizes(t: int, compute_capability: str | None = None, head_dim: i
     tiles: on Hopper (compute capability 9.x) 64x64 where they divide ``t``, which Triton compiles
     to wgmma (with 8 warps, no spills, checked by tests/planner/test_gpu_kernels_ptx.py);
     elsewhere, and for short sequences, the kernel's default 32x32, which compiles to pre-Hopper
-    ``mma.sync``.
+    ``mma.sync``. Heads wider than 128 step the dK/dV loop 16 query rows at a time
+    (:func:`flash_backward_tiles`); :func:`flash_num_warps` gives the warps.
 
     The forward kernel keeps its query tile and two pipeline stages of key and value tiles in
     shared memory, ``2 (bq + 4 bk) head_dim`` bytes in bf16: at 128 x 128 and head_dim 256
@@ -383,7 +387,30 @@ def flash_block_sizes(t: int, compute_capability: str | None = None, head_dim: i
     fwd = math.gcd(t, 128 if head_dim <= 128 else 64)
     hopper = compute_capability is not None and compute_capability.split(".")[0] == "9"
     bwd = HOPPER_BACKWARD_TILE if hopper and t % HOPPER_BACKWARD_TILE == 0 else math.gcd(t, 32)
-    return BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd)
+    q_dkv, kv_dkv, q_dq, kv_dq = flash_backward_tiles(bwd, head_dim)
+    return BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=q_dkv, block_kv_dkv=kv_dkv, block_q_dq=q_dq,
+                      block_kv_dq=kv_dq)
+
+
+def flash_backward_tiles(tile: int, head_dim: int) -> tuple[int, int, int, int]:
+    """The backward kernel's ``(block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq)`` for its
+    key tile ``tile`` (the launch grid's, T / tile programs): square, but for heads wider than 128
+    the dK/dV loop steps :data:`WIDE_HEAD_DKV_QUERY_TILE` query rows (at Hopper's 64 its dK and
+    dV matmuls stay 64-row wgmma, the two 16-row score matmuls become ``mma.sync``; JAX's kernel
+    needs ``block_q_dq == block_kv_dkv``, so the dQ loop keeps ``tile`` x ``tile``)."""
+    if head_dim > 128 and tile > WIDE_HEAD_DKV_QUERY_TILE:
+        return WIDE_HEAD_DKV_QUERY_TILE, tile, tile, tile
+    return tile, tile, tile, tile
+
+
+def flash_num_warps(block, head_dim: int) -> int | None:
+    """Warps for the kernel's tiles ``block``; None: the kernel's own choice (4 for backward
+    tiles under 128 x 128). Hopper's 64-row backward tiles need 8 (2 warpgroups) to
+    hold their accumulators without spilling, and so do the 32-row ones of heads wider than 128
+    (a ``head_dim``-wide dK and dV each); checked by tests/planner/test_gpu_kernels_ptx.py."""
+    if block.block_kv_dkv == HOPPER_BACKWARD_TILE or (head_dim > 128 and block.block_kv_dkv == 32):
+        return 8
+    return None
 
 
 def target_compute_capability() -> str | None:

@@ -101,8 +101,15 @@ def _causal_tile_pairs(t: int, tile_q: int, tile_k: int) -> int:
     return sum(-(-((i + 1) * tile_q) // tile_k) for i in range(t // tile_q))
 
 
+def _dkv_tile_pairs(t: int, tile_q: int, tile_k: int) -> int:
+    """(query tile, key tile) pairs the Pallas backward's causal dK/dV loop visits: per key tile,
+    the query tiles from the one holding its first key on (the same as
+    :func:`_causal_tile_pairs` for square tiles)."""
+    return sum(t // tile_q - (j * tile_k) // tile_q for j in range(t // tile_k))
+
+
 def _flash_flops(rest: str) -> float | None:
-    from mlir_train.model.attention import flash_block_sizes
+    from mlir_train.model.attention import flash_backward_tiles, flash_block_sizes
 
     op_name = re.search(r'op_name="([^"]*)"', rest)
     layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", rest)
@@ -114,18 +121,23 @@ def _flash_flops(rest: str) -> float | None:
         return None
     b, t, n, h = _dims(re.findall(_SHAPE, layouts.group(1))[0])
     # The tiles depend on the target GPU (flash_block_sizes): read them from the launch grid,
-    # (T / block_q, B, N) forward and (B, N, T / block_kv) backward, whose tiles are square.
-    grid = re.search(r"grid_x = (\d+)\D+grid_y = (\d+)\D+grid_z = (\d+)", rest)
+    # (T / block_q, B, N) forward, whose tiles are square, and (B, N, T / block_kv_dkv) backward,
+    # whose other tiles follow from that one and the head width (flash_backward_tiles).
+    # As XLA prints it: "grid_x = 16 : i32, grid_y = 1 : i32, grid_z = 4 : i32".
+    grid = re.search(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", rest)
     if grid is not None:
         tile = t // int(grid.group(1 if forward else 3))
-        tiles = (tile, tile)
+        fwd, bwd = (tile, tile), flash_backward_tiles(tile, h)
     else:
         blocks = flash_block_sizes(t, head_dim=h)
-        tiles = (blocks.block_q, blocks.block_k) if forward else (blocks.block_q_dkv, blocks.block_kv_dkv)
-    pairs = _causal_tile_pairs(t, *tiles) * tiles[0] * tiles[1]
+        fwd = (blocks.block_q, blocks.block_k)
+        bwd = (blocks.block_q_dkv, blocks.block_kv_dkv, blocks.block_q_dq, blocks.block_kv_dq)
     if forward:
-        return 2 * 2.0 * b * n * h * pairs
-    return 2.0 * b * n * h * 7 * pairs  # dK, dV: 4 matmuls a tile pair; dQ: 3, on the same tiles
+        return 2 * 2.0 * b * n * h * _causal_tile_pairs(t, *fwd) * fwd[0] * fwd[1]
+    q_dkv, kv_dkv, q_dq, kv_dq = bwd
+    dkv = _dkv_tile_pairs(t, q_dkv, kv_dkv) * q_dkv * kv_dkv
+    dq = _causal_tile_pairs(t, q_dq, kv_dq) * q_dq * kv_dq
+    return 2.0 * b * n * h * (4 * dkv + 3 * dq)  # dK, dV: 4 matmuls a tile pair; dQ: 3
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,6 +84,23 @@ def test_flash_attention_tiles_follow_the_target():
     assert flash_block_sizes(48, "9.0").block_q_dkv == 16  # 64 must divide t
 
 
+def test_flash_attention_tiles_for_256_wide_heads():
+    """Heads wider than 128 (Qwen3.5 / Qwen3-Next) step the dK/dV loop 16 query rows at a time and
+    keep 8 warps; the 128-wide heads' tiles and warps are the ones pinned above."""
+    from mlir_train.model.attention import flash_block_sizes, flash_num_warps
+
+    def tiles(t, cc, h):
+        b = flash_block_sizes(t, cc, head_dim=h)
+        return (b.block_q, b.block_k, b.block_q_dkv, b.block_kv_dkv, b.block_q_dq, b.block_kv_dq), flash_num_warps(b, h)
+
+    assert tiles(4096, "9.0", 256) == ((64, 64, 16, 64, 64, 64), 8)
+    assert tiles(4096, "9.0", 128) == ((128, 128, 64, 64, 64, 64), 8)
+    assert tiles(4128, "9.0", 256) == ((32, 32, 16, 32, 32, 32), 8)  # 64 does not divide t: 32-row tiles
+    assert tiles(4096, None, 256) == ((64, 64, 16, 32, 32, 32), 8)
+    assert tiles(4096, None, 128) == ((128, 128, 32, 32, 32, 32), None)
+    assert tiles(48, "9.0", 256) == ((16, 16, 16, 16, 16, 16), None)
+
+
 def test_flash_attention_backward_uses_wgmma_without_spills_on_h200(h200_device, tmp_path):
     """The Pallas-Triton attention, compiled under a mesh of H200s (its tiles follow the mesh's
     devices), forward and backward, read from XLA's per-module PTX with ptxas -v (~10 s)."""
@@ -97,3 +114,31 @@ def test_flash_attention_backward_uses_wgmma_without_spills_on_h200(h200_device,
         r = reports[name]
         assert r.wgmma > 0 and r.mma_sync == 0, (r.row(), r.wgmma, r.mma_sync)
         assert r.spill_bytes == 0 and r.registers <= r.register_limit, r.row()
+
+
+@pytest.mark.parametrize("t", [1024, 1056])  # 64 x 64 Hopper tiles; 32 x 32 where 64 does not divide t
+def test_flash_attention_with_256_wide_heads_does_not_spill_on_h200(h200_device, tmp_path, t):
+    """Qwen3.5 / Qwen3-Next's 256-wide heads (flash_block_sizes' wide-head tiles): forward, and the
+    backward kernel's dK/dV and dQ loops, without spills, read with ptxas -v (~10 s each). At
+    64-row tiles the forward and both backward loops issue wgmma (the dK/dV loop's two 16-row
+    score matmuls are mma.sync); at 32-row tiles everything is mma.sync."""
+    from tests.helpers import compiled_attention_grads, one_device_mesh
+    from mlir_train.planner.hlo import matmul_flops
+    from mlir_train.planner.kernel_audit import audit_xla_dump
+    from mlir_train.model.attention import flash_attention
+
+    compiled = compiled_attention_grads(flash_attention, one_device_mesh([h200_device]), t=t, h=256, dump_to=tmp_path)
+    reports = {r.name: r for r in audit_xla_dump(str(tmp_path))}
+    for name in ("mha_forward", "mha_backward"):
+        r = reports[name]
+        assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, r.row()
+        assert r.registers <= r.register_limit, r.row()
+        assert (r.wgmma > 0) == (t % 64 == 0) and r.wgmma + r.mma_sync > 0, (r.row(), r.wgmma, r.mma_sync)
+    if t % 64 == 0:
+        backward = reports["mha_backward"]
+        assert backward.pipelined_loops == 2 and backward.pipelined_loops_with_wait == 2, backward.row()
+    # The planner reads the tiles from the launch grids: the causal area of square tiles (the
+    # dK/dV loop's 16-row steps cover the same), forward 2 matmuls, backward 7; 4 heads.
+    tile = 64 if t % 64 == 0 else 32
+    area = sum(i + 1 for i in range(t // tile)) * tile * tile
+    assert matmul_flops(compiled.as_text()).attention_flops == 2.0 * 4 * 256 * (2 + 7) * area

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from mlir_train.planner.hlo import analyze, matmul_flops
-from mlir_train.planner.hlo_kernels import _causal_tile_pairs
+from mlir_train.planner.hlo_kernels import _causal_tile_pairs, _dkv_tile_pairs
 
 HLO = """
 %body (p: (s32[], f32[4,4])) -> (s32[], f32[4,4]) {
@@ -42,6 +42,14 @@ def test_counts_an_xla_cpu_compile():
 def test_causal_tile_pairs():
     assert _causal_tile_pairs(256, 128, 128) == 3  # 1 + 2
     assert _causal_tile_pairs(128, 32, 32) == 10
+
+
+def test_dkv_tile_pairs_cover_the_causal_area_of_any_query_step():
+    """The Pallas backward's dK/dV loop starts each key tile at its first key's query row: square
+    tiles visit the causal pairs, 16-row query steps under 64-wide key tiles (256-wide heads) the
+    same area."""
+    assert _dkv_tile_pairs(128, 32, 32) == _causal_tile_pairs(128, 32, 32) == 10
+    assert _dkv_tile_pairs(4096, 16, 64) * 16 * 64 == _causal_tile_pairs(4096, 64, 64) * 64 * 64
 
 
 def test_loop_bodies_count_their_known_trip_count():

@@ -62,7 +62,7 @@ def test_flash_attention_tiles_fit_256_wide_heads():
 def test_flash_attention_with_256_wide_heads_compiles_for_h200(h200_devices, tmp_path):
     """Qwen3.5 / Qwen3-Next attention heads are 256 wide: the flash forward's tiles shrink to
     64 x 64 there (flash_block_sizes), which fits the H200's shared memory; its wgmma loops do not
-    spill in the forward (~15 s alone)."""
+    spill, forward or backward (~15 s alone)."""
     from mlir_train.model.attention import flash_attention
     from mlir_train.planner.kernel_audit import audit_xla_dump
     from tests.helpers import compiled_attention_grads
@@ -71,7 +71,7 @@ def test_flash_attention_with_256_wide_heads_compiles_for_h200(h200_devices, tmp
     reports = {r.name: r for r in audit_xla_dump(str(tmp_path))}
     fwd, bwd = reports["mha_forward"], reports["mha_backward"]
     assert fwd.spill_bytes == 0 and fwd.registers <= fwd.register_limit, fwd.row()
-    # The dK/dV kernel's two 64 x 256 float32 accumulators do not fit 8 warps' registers: it
-    # compiles (wgmma) but spills ~0.8 KB a thread; a known cost, not yet tuned (README).
-    assert bwd.wgmma > 0 and bwd.spill_bytes < 4096, bwd.row()
+    # The dK/dV loop steps 16 query rows at this width (flash_backward_tiles): no spills
+    # (tests/planner/test_gpu_kernels_ptx.py pins it in the default suite).
+    assert bwd.wgmma > 0 and bwd.spill_bytes == 0, bwd.row()
 
