@@ -170,9 +170,9 @@ class CodePaths:
 
     def dispatch(self) -> str:
         """The MoE exchange: the dispatcher whose named scope its all-to-alls were traced under
-        (``model.moe.dispatch.DISPATCHERS``), the exchange (the real ``ragged_all_to_all``, its
-        stand-in, or the padded dispatcher's dense ``all_to_all``), its rounds (the first, and up
-        to how many on overflow) and its collectives; "none" without one."""
+        (``model.moe.dispatch.DISPATCHERS``), its collectives, the exchange (the real
+        ``ragged_all_to_all``, its stand-in, or the padded dispatcher's dense ``all_to_all``) and
+        its rounds (the first, and up to how many on overflow); "none" without one."""
         found: dict[str, list[Op]] = {}
         for op in self.ops:
             if op.primitive not in ("all_to_all", "ragged_all_to_all"):
@@ -232,18 +232,17 @@ class CodePaths:
 
 
 def _exchange(label: str, ops: list[Op]) -> str:
-    """One dispatcher's exchange, from its all-to-alls (see :meth:`CodePaths.dispatch`)."""
-    stand_in = [op for op in ops if STAND_IN_SCOPE in op.scopes]
-    kind = ("ragged all-to-all" if any(op.primitive == "ragged_all_to_all" for op in ops) else
-            f"ragged all-to-all's stand-in {STAND_IN_SCOPE}" if stand_in else "dense all-to-all")
+    """One dispatcher's exchange, from its all-to-alls (see :meth:`CodePaths.dispatch`):
+    ``label: collectives (the exchange; its rounds; how many in the overflow rounds)``."""
+    stand_in = sum(STAND_IN_SCOPE in op.scopes for op in ops)
+    parts = ["ragged all-to-all" if any(op.primitive == "ragged_all_to_all" for op in ops) else
+             f"{stand_in} in the ragged all-to-all's stand-in {STAND_IN_SCOPE}" if stand_in else "dense all-to-all"]
     rounds = max(int(op.scope(ROUNDS_SCOPE) or 1) for op in ops)
-    kind += f", up to {rounds} rounds (the first always, the rest on overflow)" if rounds > 1 else ", 1 round"
-    overflow = sum(OVERFLOW_SCOPE in op.scopes for op in ops)
+    parts.append(f"up to {rounds} rounds, the first always, the rest on overflow" if rounds > 1 else "1 round")
+    if overflow := sum(OVERFLOW_SCOPE in op.scopes for op in ops):
+        parts.append(f"{overflow} in the overflow rounds")
     counts = Counter(op.primitive for op in ops)
-    notes = ([f"{len(stand_in)} in the stand-in"] if stand_in else []) + (
-        [f"{overflow} in the overflow rounds"] if overflow else [])
-    return (f"{label}: {kind}; " + ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
-            + (f" ({', '.join(notes)})" if notes else ""))
+    return f"{label}: " + ", ".join(f"{k} x{n}" for k, n in sorted(counts.items())) + f" ({'; '.join(parts)})"
 
 
 def compiled_collectives(text: str) -> tuple[dict[str, int], tuple[str, ...]]:

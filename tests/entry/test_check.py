@@ -174,7 +174,8 @@ def assert_gpu_paths_ran(out: list[str], *, overflow: bool = False) -> None:
     assert out[-1].startswith("PASS "), text
     rows = {line.split("layout:", 1)[0].strip(): line.split("layout:", 1)[1] for line in out if " layout: " in line}
     dispatch = rows["MoE dispatch"].strip()
-    assert dispatch.startswith("grouped") and "ragged all-to-all's stand-in ragged_all_to_all_dense" in dispatch, text
+    assert dispatch.startswith("grouped") and " in the ragged all-to-all's stand-in ragged_all_to_all_dense" in dispatch, \
+        text
     assert "unscoped" not in dispatch, text
     for kernel in ("moe_block_matmul", "moe_block_matmul_t"):
         assert f"kernel {kernel} (Mosaic-GPU, interpreted, in a host callback) x" in rows["expert matmuls"], text
