@@ -102,3 +102,26 @@ def test_scopes_are_read_through_sub_programs_and_transforms():
     ops = read_jaxpr(jax.make_jaxpr(jax.grad(step))(jnp.ones((4, 4))))
     dots = [op for op in ops if op.primitive == "dot_general"]
     assert len(dots) >= 2 and all(op.scope(dispatch.DISPATCH_SCOPE) == "grouped" for op in dots), dots
+
+
+def test_the_gpu_programs_own_exchange_and_compiled_kernels_are_named(h200_devices):
+    """What a GPU run gets (deviceless H200s, EP2, traced only): the grouped dispatcher on the real
+    ``ragged_all_to_all``, the Mosaic-GPU block kernels and Triton flash kernels compiled, no
+    host callback."""
+    from mlir_train.train.build import build_trainer
+    from mlir_train.train.optim import make_optimizer
+    from mlir_train.train.trainer import BATCH_KEYS, StepConfig
+    from sharding import make_mesh
+
+    parallel = Layout(expert=2, num_devices=2)
+    trainer = build_trainer(MOE_TP2, StepConfig(num_micro_batches=1, compute_dtype="bfloat16"),
+                            make_optimizer(lr_schedule=1e-4, weight_decay=0.1), parallel,
+                            make_mesh(parallel, devices=h200_devices[:2]), options=kernel_options("gpu", is_moe=True))
+    batch = {k: jax.ShapeDtypeStruct((1, 2, 256), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                     sharding=trainer.batch_sharding) for k in BATCH_KEYS}
+    traced, _ = trainer.trace_train_step(trainer.abstract_state(), batch)
+    rows = dict(CodePaths.of(traced.jaxpr).rows())
+    assert re.match(r"grouped: all_to_all x\d+, ragged_all_to_all x\d+ \(ragged all-to-all; ", rows["MoE dispatch"]), rows
+    for kernel in ("moe_block_matmul", "moe_block_matmul_t"):
+        assert f"kernel {kernel} (Mosaic-GPU, compiled) x" in rows["expert matmuls"], rows
+    assert "Triton mha_forward (compiled) x" in rows["kernels"] and "host callback" not in rows["kernels"], rows
