@@ -164,20 +164,26 @@ def run_check_on_gpu_paths(tmp_path, layout_flags, iters=1) -> list[str]:
 
 
 def assert_gpu_paths_ran(out: list[str], *, overflow: bool = False) -> None:
-    """PASS, and the program (not the flags) shows the ragged exchange (its receive buffers,
-    ``ragged_into_zeros``) and the kernels' host callbacks in the compiled step.
-
-    Not yet asserted, because the table does not say it yet (seen on the seed layout): the
-    dispatcher's name (the all-to-alls' recorded tracebacks stop below ``ep_grouped*``:
-    "unrecognised") and the Mosaic-GPU kernels by name inside the callbacks (the kernels row
-    lists the flash kernels only)."""
+    """PASS, and the program (not the flags) shows the GPU paths: the MoE dispatch row names a
+    grouped dispatcher (``ep_grouped``, or ``ep_grouped_gathered`` where the expert-tensor ranks
+    hold their own tokens; its named scope) exchanging through the ragged all-to-all's stand-in;
+    the expert-matmul row names the Mosaic-GPU block kernels that host callbacks run,
+    interpreted; the kernels row lists them next to the flash kernels; the compiled step has the
+    callbacks. ``overflow``: the exchange has overflow rounds and the table its overflow-rows column."""
     text = "\n".join(out)
     assert out[-1].startswith("PASS "), text
     rows = {line.split("layout:", 1)[0].strip(): line.split("layout:", 1)[1] for line in out if " layout: " in line}
-    assert "ragged_into_zeros" in rows["MoE dispatch"], text
+    dispatch = rows["MoE dispatch"].strip()
+    assert dispatch.startswith("grouped") and " in the ragged all-to-all's stand-in ragged_all_to_all_dense" in dispatch, \
+        text
+    assert "unscoped" not in dispatch, text
+    for kernel in ("moe_block_matmul", "moe_block_matmul_t"):
+        assert f"kernel {kernel} (Mosaic-GPU, interpreted, in a host callback) x" in rows["expert matmuls"], text
+        assert f"Mosaic-GPU {kernel} (interpreted, in a host callback) x" in rows["kernels"], text
+    assert "Triton mha_forward (interpreted) x" in rows["kernels"], text
     assert "xla_ffi_python_cpu_callback" in rows["collectives"], text
     if overflow:
-        assert "ep overflow rows" in text, text
+        assert "in the overflow rounds" in dispatch and "ep overflow rows" in text, text
 
 
 @pytest.mark.slow  # the seed layout: 38 min on 2 shared cores (load 9), its one layout iteration 35 min

@@ -86,6 +86,26 @@ def ragged_collective_for(platform: str) -> Callable | None:
     return jax.lax.ragged_all_to_all if platform in ("gpu", "cuda", "rocm", "tpu") else None
 
 
+# Named scopes (``jax.named_scope``: the name stacks of the jaxpr's ops, ``op_name`` metadata in
+# the HLO, nothing else of the program) that say which code issued an expert-parallel exchange:
+# ``mlir_train.planner.code_paths`` reads them (``python -m mlir_train.check``'s table). Each EP
+# dispatcher runs under ``DISPATCH_SCOPE + name`` (:data:`DISPATCHERS`), the rounds of
+# :func:`in_rounds` under ``ROUNDS_SCOPE + max rounds``, the stand-in under :data:`STAND_IN_SCOPE`.
+DISPATCH_SCOPE = "moe_dispatch_"
+DISPATCHERS = {"padded": "padded", "ragged": "ragged", "grouped": "grouped",
+               "gathered": "grouped, gathered over the expert-tensor ranks (ETP = TP with SP)"}
+ROUNDS_SCOPE = "moe_rounds_max"
+STAND_IN_SCOPE = "ragged_all_to_all_dense"
+
+
+def dispatcher_scope(name: str):
+    """The named scope of EP dispatcher ``name`` (a key of :data:`DISPATCHERS`), as a context
+    manager or decorator."""
+    assert name in DISPATCHERS, name
+    return jax.named_scope(DISPATCH_SCOPE + name)
+
+
+@jax.named_scope(STAND_IN_SCOPE)
 def ragged_all_to_all_dense(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
     """``jax.lax.ragged_all_to_all``'s documented semantics from a dense ``all_to_all``, typed as
     the real op types its result: like ``output``, the buffer the slices land in (its varying
@@ -329,9 +349,10 @@ def in_rounds(round_fn, args, ints, n_rounds, max_rounds: int):
     traced. The rounds' rows are disjoint, so the sum adds zeros: the result is exactly the
     one-buffer result.
     """
-    if max_rounds <= 1:
-        return round_fn(0, args, ints)
-    return _rounds(round_fn, max_rounds, args, ints, n_rounds)
+    with jax.named_scope(f"{ROUNDS_SCOPE}{max_rounds}"):
+        if max_rounds <= 1:
+            return round_fn(0, args, ints)
+        return _rounds(round_fn, max_rounds, args, ints, n_rounds)
 
 
 def _first_round(round_fn, ints, axes):

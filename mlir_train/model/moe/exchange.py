@@ -17,8 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mlir_train.model.moe.dispatch import (ExpertsPlan, block_grouping, further_rounds, in_rounds, round_up,
-                                           sort_assignments)
+from mlir_train.model.moe.dispatch import (ExpertsPlan, block_grouping, dispatcher_scope, further_rounds, in_rounds,
+                                           round_up, sort_assignments)
 from mlir_train.model.moe.experts import grouped_experts, swiglu_down
 from sharding import varying_axes
 
@@ -109,6 +109,7 @@ def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 
     return y_SD, jnp.stack([jnp.zeros((), jnp.float32), overflow, further_rounds(n_rounds)])
 
 
+@dispatcher_scope("ragged")
 def ep_ragged(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree=lambda n: n):
     """Dropless dispatch with ``ragged_all_to_all``: one slice per (destination, expert).
 
@@ -133,6 +134,7 @@ def ep_ragged(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes,
     return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 8, layout, experts)
 
 
+@dispatcher_scope("grouped")
 def ep_grouped(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree=lambda n: n):
     """Dropless expert-parallel dispatch onto the block kernels: as :func:`ep_ragged`, one
     ``ragged_all_to_all`` slice per (destination, local expert), but each local expert's rows
@@ -169,6 +171,7 @@ def _block_receive_layout(plan: ExpertsPlan, sk: tuple[int, int], ep: int):
 GATHER_CHUNK_FACTOR = 1.0  # the gathered exchange's rounds: at most this x the S*K rows a balanced routing brings
 
 
+@dispatcher_scope("gathered")
 def ep_grouped_gathered(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, gather_axes,
                         agree=lambda n: n):
     """:func:`ep_ragged`'s exchange where the expert width F is split over ranks that hold their

@@ -260,6 +260,7 @@ def _check_expert_split(e: int, ep: int, ep_axes, manual_axes) -> None:
         )
 
 
+@moe_dispatch.dispatcher_scope("padded")
 def _ep_padded(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weights, ep_axes, ep: int, manual_axes,
                w_axes):
     """The padded dispatcher across expert ranks, inside :func:`expert_parallel`'s region (see
