@@ -191,3 +191,39 @@ def assert_gpu_paths_ran(out: list[str], *, overflow: bool = False) -> None:
 def test_layouts_pass_on_the_gpu_code_paths(name, tmp_path):
     out = run_check_on_gpu_paths(tmp_path, GPU_PATH_LAYOUTS[name])
     assert_gpu_paths_ran(out, overflow=name == "ep8-overflow")
+
+
+def test_every_iteration_starts_both_runs_from_the_one_devices_state():
+    """Each iteration compares one step: the layout starts from the one device's state after the
+    iteration before, so float noise of one step does not grow through the next (top-k routing
+    flips, Adam's normalised update) into a false FAIL; a wrong step still shows in every
+    iteration's update."""
+    from mlir_train.run import certify
+
+    class Trainer:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+
+        def global_batch(self, rows):
+            return jnp.asarray(rows["x"], jnp.float32)
+
+    starts = {"layout": [], "one device": []}
+
+    def step(name, scale):
+        def run(state, batch):
+            starts[name].append(float(state["params"]["w"][0]))
+            new = {"params": {"w": state["params"]["w"] + scale * batch}, "opt_state": {"m": state["opt_state"]["m"] + batch}}
+            return new, {"lm loss": jnp.float32(1.0), "grad-norm": jnp.float32(1.0)}
+        return run
+
+    init = {"params": {"w": jnp.ones(4)}, "opt_state": {"m": jnp.zeros(4)}}
+    c = certify.Certificate(None, certify.Side("layout", None), certify.Side("one device", None), "float32", [],
+                            certify.TOLERANCES["float32"])
+    c.layout.init = c.reference.init = jax.device_get({"params": init["params"]})
+    steps = [(Trainer(), step("layout", 1.001), init), (Trainer(), step("one device", 1.0), init)]
+    certify._train_in_step(c, steps, [{"x": np.full(4, 1.0)}, {"x": np.full(4, 2.0)}, {"x": np.full(4, 4.0)}],
+                           log=lambda *_: None)
+    assert starts["one device"] == [1.0, 2.0, 4.0]
+    assert starts["layout"] == starts["one device"]  # not 1, 2.001, 4.003: the one device's state each time
+    assert c.compared == 3 and c.moved
+    assert c.worst[0] == pytest.approx(1e-3, rel=1e-3) and c.worst[1].endswith("iteration 1")
+    assert c.worst_moments == (0.0, "")
