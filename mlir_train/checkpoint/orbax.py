@@ -165,7 +165,8 @@ def save_weights(directory: str, model_cfg: ModelConfig, params: Any, *, convert
     mgr = CheckpointManager(directory)
     if mgr.latest_step() is not None:
         raise CheckpointError(f"{directory} already holds checkpoints {mgr.steps()}; give an empty directory")
-    meta = {"model": model_cfg.as_dict(), "layer_storage": LAYER_STORAGE, "consumed_samples": 0, "converted_from": os.path.abspath(converted_from)}
+    meta = {"model": model_cfg.as_dict(), "layer_storage": LAYER_STORAGE,
+            "consumed_samples": 0, "converted_from": os.path.abspath(converted_from)}
     mgr.save(0, {"params": params}, meta | ({"hf_origin": hf_origin} if hf_origin else {}), force=True)
     mgr.close()
 

@@ -114,7 +114,8 @@ def period_of(runs: list[Run]) -> tuple[int, int, int] | None:
     for q in range(1, len(runs) // 2 + 1):
         for start in range(0, len(runs) - 2 * q + 1):
             reps = 1
-            while start + (reps + 1) * q <= len(runs) and key[start + reps * q:start + (reps + 1) * q] == key[start:start + q]:
+            nxt = lambda i: key[start + i * q:start + (i + 1) * q]
+            while start + (reps + 1) * q <= len(runs) and nxt(reps) == nxt(0):
                 reps += 1
             cover = reps * sum(c for _, c in key[start:start + q])
             if reps >= 2 and cover > best_cover:

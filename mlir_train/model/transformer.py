@@ -49,7 +49,7 @@ from mlir_train.model.attention import SEGMENT_ID_IMPLS, attention_mask
 from mlir_train.model.layers import RMSNorm, param, rope_tables
 from mlir_train.model.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
 from mlir_train.model.options import ModelOptions
-from mlir_train.model.periods import PeriodScan, Run, Stack, decoder_plan, layer_stacks
+from mlir_train.model.periods import PeriodScan, Run, decoder_plan, layer_stacks
 from mlir_train.model.recompute import checkpointed
 from sharding import constrain
 from sharding.context import context_parallel_size, sequence_order
@@ -192,8 +192,8 @@ def _constrain_logits(logits_BTV: jax.Array) -> jax.Array:
 def run_layers(stacks: list[nnx.Module], stack_kinds, x_BTD, context: tuple,
                remat: RecomputePolicy | str = "none") -> tuple[jax.Array, dict[str, Any]]:
     """``x`` through every decoder layer, in layer order, as :func:`periods.decoder_plan` scans
-    them (``stacks``: the stacked modules, one per :class:`Stack` of ``stack_kinds``); router
-    stats with a leading MoE-layer axis in layer order."""
+    them (``stacks``: the stacked modules, one per :class:`~mlir_train.model.periods.Stack` of
+    ``stack_kinds``); router stats with a leading MoE-layer axis in layer order."""
     split = [nnx.split(s) for s in stacks]
     parts: list[tuple[np.ndarray, dict]] = []  # (global layer of each row, stats [rows, ...])
 

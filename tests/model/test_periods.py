@@ -90,7 +90,8 @@ def test_the_forward_is_one_scan_over_the_periods():
 
 def _per_run(model, ids):
     """The previous program: every run its own scan."""
-    context = model.layer_context(jnp.ones(ids.shape, jnp.int32), jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    context = model.layer_context(jnp.ones(ids.shape, jnp.int32), positions)
     x, stats = model.embed_tokens(ids), []
     for r in layer_runs(model.stack_kinds):
         graph, state = nnx.split(model.layers[r.stack])
