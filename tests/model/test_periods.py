@@ -101,7 +101,7 @@ def _per_run(model, ids):
     return model.final_norm(x), {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]}
 
 
-# fp32: the loss is bit-identical, gradients differ by XLA's fusion order (up to 6e-5 of a leaf's largest)
+# fp32: the loss to 1e-6, gradients to XLA's fusion order (seen: up to 6e-5 of a leaf's largest)
 @pytest.mark.parametrize("remat", ["full", pytest.param("none", marks=pytest.mark.slow)])
 def test_the_period_scan_equals_the_per_run_scans(remat):
     cfg = _cfg(8)  # two periods (10 layers, with a remainder, is the same code and twice the compile)
@@ -115,7 +115,7 @@ def test_the_period_scan_equals_the_per_run_scans(remat):
 
     (l1, (h1, s1)), g1 = jax.jit(jax.value_and_grad(lambda s: loss(s, lambda m, i: m.hidden_states(i)), has_aux=True))(state)
     (l0, (h0, s0)), g0 = jax.jit(jax.value_and_grad(lambda s: loss(s, _per_run), has_aux=True))(state)
-    assert float(l1) == float(l0)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     np.testing.assert_allclose(h1, h0, rtol=1e-6, atol=1e-6)
     for k in s0:
         np.testing.assert_allclose(s1[k], s0[k], rtol=1e-6, atol=1e-6, err_msg=k)
