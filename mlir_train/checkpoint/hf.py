@@ -82,7 +82,7 @@ class _Tensors:
     def read(self, files: Files, i: int, e: int | None = None) -> np.ndarray:
         """Our array of the ``i``-th layer of the stack (expert ``e``), or of a global parameter."""
         ext, part_shapes = self.layers[i]
-        layer = None if self.bound.first is None else self.bound.first + i
+        layer = None if self.bound.first is None else self.bound.layers[i]
         if e is not None and "{e}" not in ext.name:  # every expert in one tensor, on its leading axis
             arr = files.read(self.name(ext, layer), (slice(e, e + 1),))[0]
         else:
@@ -117,7 +117,7 @@ def _locate(files: Files, table: Table, bound: Bound, shapes: dict, experts: int
 
 
 def _layers(bound: Bound) -> list[int | None]:
-    return [None] if bound.first is None else list(range(bound.first, bound.first + bound.count))
+    return [None] if bound.first is None else list(bound.layers)
 
 
 def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict,
@@ -290,11 +290,11 @@ def _write(writer: ShardWriter, table: Table, bound: Bound, flat: dict, host) ->
     for i in range(bound.count):
         layer = [host(v[i]) for v in values]  # one layer at a time: a stacked expert tensor can be tens of GB
         if bound.row.stacked != EXPERT:
-            writer.add(tensors.name(ext, bound.first + i), ext.codec.join(layer))
+            writer.add(tensors.name(ext, bound.layers[i]), ext.codec.join(layer))
         elif "{e}" in ext.name:
             for e in range(layer[0].shape[0]):
-                writer.add(tensors.name(ext, bound.first + i, e), ext.codec.join([p[e] for p in layer]))
+                writer.add(tensors.name(ext, bound.layers[i], e), ext.codec.join([p[e] for p in layer]))
         else:
-            writer.add(tensors.name(ext, bound.first + i),
+            writer.add(tensors.name(ext, bound.layers[i]),
                        np.stack([ext.codec.join([p[e] for p in layer]) for e in range(layer[0].shape[0])]))
     return set(paths)

@@ -61,6 +61,11 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_
                 "intermediate_size", "num_experts", "moe_intermediate_size", "decoder_sparse_step",
                 "mlp_only_layers", "tie_word_embeddings")
 NUMERIC_FIELDS = ("top_k", "norm_topk_prob", "rope_theta", "rope_scaling_factor", "rms_norm_eps")
+# How the decoder layers' parameters are stored (``params["layers"][k]``): one stack per layer
+# kind (mlir_train.model.periods). Checkpoints written before it have no such field and stored
+# one stack per run of consecutive equal layers: the same for a model of one kind (the released
+# Qwen3), another tree for a mixed one (Qwen3.5's 3:1 pattern, Qwen3 with mlp_only_layers).
+LAYER_STORAGE = "stack-per-kind"
 
 # ----- a run's state --------------------------------------------------------------------------
 def model_config(meta: dict[str, Any]) -> ModelConfig:
@@ -77,6 +82,22 @@ def check_model(meta: dict[str, Any], model_cfg: ModelConfig, where: str) -> Non
         raise CheckpointError(f"{where} was written for a different model ({saved.name}): " + "; ".join(bad))
     if soft := diff(NUMERIC_FIELDS):
         log.info(f"note: {where} differs from this run in " + "; ".join(soft))
+
+
+def check_layer_storage(meta: dict[str, Any], where: str) -> None:
+    """Refuse a checkpoint of a mixed-kind model written with the old one-stack-per-run tree
+    (:data:`LAYER_STORAGE`): its layers would restore into the wrong stacks."""
+    if meta.get("layer_storage") == LAYER_STORAGE:
+        return
+    saved = model_config(meta)
+    kinds = saved.layer_kinds()
+    runs = 1 + sum(a != b for a, b in zip(kinds, kinds[1:]))
+    if runs != len(set(kinds)):
+        raise CheckpointError(
+            f"{where} stores {saved.name}'s decoder layers as {runs} stacks, one per run of equal layers (the tree "
+            f"before one stack per layer kind, {len(set(kinds))} here); this version cannot restore it. Load and "
+            "export it with the version that wrote it (--save-hf, or mlir_train.convert), then --load the HF "
+            "directory")
 
 
 def resume_check(meta: dict[str, Any], where: str, *, load_optim: bool, load_rng: bool, finetune: bool) -> None:
@@ -118,6 +139,7 @@ def load_state(directory: str, target: Target, *, load_optim: bool = True, finet
     if verify:
         mgr.check_step(step)
     meta = mgr.read_meta(step)
+    check_layer_storage(meta, directory)
     abstract = {k: v for k, v in target.abstract_state().items() if k in ARRAY_ITEMS}
     with_optim = load_optim and not finetune and "opt_state" in meta["items"]
     if not with_optim:
@@ -143,7 +165,8 @@ def save_weights(directory: str, model_cfg: ModelConfig, params: Any, *, convert
     mgr = CheckpointManager(directory)
     if mgr.latest_step() is not None:
         raise CheckpointError(f"{directory} already holds checkpoints {mgr.steps()}; give an empty directory")
-    meta = {"model": model_cfg.as_dict(), "consumed_samples": 0, "converted_from": os.path.abspath(converted_from)}
+    meta = {"model": model_cfg.as_dict(), "layer_storage": LAYER_STORAGE,
+            "consumed_samples": 0, "converted_from": os.path.abspath(converted_from)}
     mgr.save(0, {"params": params}, meta | ({"hf_origin": hf_origin} if hf_origin else {}), force=True)
     mgr.close()
 

@@ -110,7 +110,7 @@ def _say_what_serves(path, policy, table: Table, stack_kinds, found, zeros, layo
     else:
         log.info(f"{path}: serve with vllm serve BASE --enable-lora --lora-modules NAME={path} --max-lora-rank {fit}")
     dense_only = [r.lora for r in table.rows if r.moe is False and r.lora in found]
-    dense_layers = {l for s in stack_kinds if not s.kind.moe for l in range(s.first, s.first + s.count)}
+    dense_layers = {l for s in stack_kinds if not s.kind.moe for l in s.layers}
     if dense_only and any(s.kind.moe for s in stack_kinds) and not dense_layers <= set(mlp_only_layers):
         log.warning(f"{path}: adapters on the dense layers' {', '.join(dict.fromkeys(t.short for t in dense_only))} "
                     "of a model with MoE layers: vLLM 0.33 binds them only when the served config.json lists those "

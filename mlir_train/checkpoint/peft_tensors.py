@@ -103,22 +103,22 @@ def to_peft(adapters: dict, table: Table, stack_kinds, num_experts: int, *, shar
     all experts of a layer) -> PEFT's tensors by name. ``weights``: the base's weights (anything
     with ``.shape``, our tree), which give the per-expert layout's zero adapters their shapes."""
     out: dict[str, np.ndarray] = {}
-    for i, (first, n, kind) in enumerate(stack_kinds):
+    for i, (kind, layers) in enumerate(stack_kinds):
         stack = adapters["layers"].get(i, {})
         found = adapters_of(table, stack, kind)
         for ad in found:
             lora = _get(stack, ad.path)
-            for l in range(n):
+            for l, layer in enumerate(layers):
                 a, b = np.asarray(lora["a"][l]), np.asarray(lora["b"][l])
                 if ad.expert and layout == "fused":
-                    module = _module(table, first + l, _fused_module(ad, found))
+                    module = _module(table, layer, _fused_module(ad, found))
                     out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = \
                         _fused_expert(a, b, num_experts, shared)
                     continue
                 for e in range(num_experts) if ad.expert else (None,):
                     ae, be = (a, b) if e is None or shared else (a[e], b[e])
                     for t, (pa, pb) in zip(ad.targets, _linear(ae, be, len(ad.targets))):
-                        module = _module(table, first + l, t.peft, e)
+                        module = _module(table, layer, t.peft, e)
                         _unclaimed(out, module, t)
                         out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = pa, pb
         zero = zero_targets(table, stack, kind) if layout == "per-expert" else []
@@ -126,7 +126,7 @@ def to_peft(adapters: dict, table: Table, stack_kinds, num_experts: int, *, shar
             if weights is None:
                 raise ValueError("to_peft: a per-expert export with unadapted expert weights needs the base's weights")
             rank = np.shape(_get(stack, found[0].path)["a"])[-1]
-            out |= _zeros(table, zero, first, n, num_experts, rank, weights["layers"][i])
+            out |= _zeros(table, zero, layers, num_experts, rank, weights["layers"][i])
     return out
 
 
@@ -159,16 +159,17 @@ def _fused_expert(a, b, num_experts: int, shared: bool) -> tuple[np.ndarray, np.
             np.ascontiguousarray(b_ERO.transpose(2, 1, 0).reshape(-1, r * e)))
 
 
-def _zeros(table: Table, rows, first: int, n: int, num_experts: int, rank: int, weights: dict) -> dict[str, np.ndarray]:
+def _zeros(table: Table, rows, layers: tuple[int, ...], num_experts: int, rank: int,
+           weights: dict) -> dict[str, np.ndarray]:
     """Exact zero adapters at ``rank`` for the expert weights of ``rows`` in a stack (``weights``: its base's)."""
     out = {}
     for row in rows:
         shape = tuple(_get(weights, row.path).shape[2:])  # [L, E, in..., out...]: one expert's
         n_in = row.hf[0].codec.n_in if row.hf and isinstance(row.hf[0].codec, Linear) else 1
         fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-        for l in range(n):
+        for layer in layers:
             for e in range(num_experts):
-                module = _module(table, first + l, row.lora.peft, e)
+                module = _module(table, layer, row.lora.peft, e)
                 out[f"{module}.lora_A.weight"] = np.zeros((rank, fan_in), np.float32)
                 out[f"{module}.lora_B.weight"] = np.zeros((fan_out, rank), np.float32)
     return out
@@ -230,21 +231,21 @@ def from_peft(tensors: dict[str, np.ndarray], like: dict, table: Table, stack_ki
     adapter ``like`` has must be there with its shape, and nothing else may be (but zeros)."""
     take = _Taker(tensors, where)
     out: dict = {"layers": {}}
-    for i, (first, n, kind) in enumerate(stack_kinds):
+    for i, (kind, layers) in enumerate(stack_kinds):
         stack_like, stack = like["layers"][i], {}
         found = adapters_of(table, stack_like, kind)
         for ad in found:
             lora = _get(stack_like, ad.path)
             a_shape, b_shape = tuple(lora["a"].shape[1:]), tuple(lora["b"].shape[1:])
             pairs = []
-            for l in range(n):
+            for layer in layers:
                 if ad.expert and layout == "fused":
-                    module = _module(table, first + l, _fused_module(ad, found))
+                    module = _module(table, layer, _fused_module(ad, found))
                     pairs.append(_fused_from_peft(take, module, a_shape, b_shape, num_experts, shared))
                 elif ad.expert:
-                    pairs.append(_experts_from_peft(take, table, first + l, ad, a_shape, b_shape, num_experts, shared))
+                    pairs.append(_experts_from_peft(take, table, layer, ad, a_shape, b_shape, num_experts, shared))
                 else:
-                    pairs.append(_modules_from_peft(take, [_module(table, first + l, t.peft) for t in ad.targets],
+                    pairs.append(_modules_from_peft(take, [_module(table, layer, t.peft) for t in ad.targets],
                                                     a_shape, b_shape))
             stack.setdefault(ad.path[0], {})[ad.path[1]] = {"a": np.stack([p[0] for p in pairs]),
                                                             "b": np.stack([p[1] for p in pairs])}

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import jax
 
 from mlir_train.checkpoint import integrity
-from mlir_train.checkpoint.orbax import CheckpointManager
+from mlir_train.checkpoint.orbax import LAYER_STORAGE, CheckpointManager
 from mlir_train.config.models import ModelConfig
 from mlir_train.runtime import log
 from mlir_train.runtime.errors import CheckpointError
@@ -28,6 +28,7 @@ def run_json(*, iteration: int, global_batch_size: int, loader, seed: int, model
         "data_loader": {k: int(v) for k, v in loader.state().items()},
         "rng": {"seed": int(seed)},  # the only randomness: init and data order (no dropout)
         "model": model_cfg.as_dict(),
+        "layer_storage": LAYER_STORAGE,
         "tokenizer_size": int(tokenizer_size),
         "parallel": dataclasses.asdict(parallel) if dataclasses.is_dataclass(parallel) else dict(parallel),
         "args": json.loads(json.dumps(flags, default=str)),

@@ -224,13 +224,22 @@ class Param:
 @dataclasses.dataclass(frozen=True)
 class Bound:
     """A row bound to one parameter of a model: its full path (``("layers", i, ...)`` for a
-    stack's), and the stack's first layer, layer count and kind (None for a global row)."""
+    stack's), and the stack's layers (row ``i`` is layer ``layers[i]``) and kind (None for a
+    global row)."""
 
     row: Param
     path: tuple
-    first: int | None = None
-    count: int = 0
+    layers: tuple[int, ...] | None = None
     kind: LayerKind | None = None
+
+    @property
+    def first(self) -> int | None:
+        """The stack's first layer (None for a global row: what ``is None`` tests ask)."""
+        return None if self.layers is None else self.layers[0]
+
+    @property
+    def count(self) -> int:
+        return 0 if self.layers is None else len(self.layers)
 
     @property
     def name(self) -> str:
@@ -284,7 +293,7 @@ class Table:
             if row is None:
                 raise CheckpointError(f"{what}parameter {'/'.join(map(str, path))} of the model has no row in the "
                                       f"{self.family} parameter table")
-            out.append(Bound(row, path, *((stack.first, stack.count, stack.kind) if stack is not None else ())))
+            out.append(Bound(row, path, *((stack.layers, stack.kind) if stack is not None else ())))
         return out
 
     def parts(self, row: Param, ext: Ext | Megatron, kind: LayerKind | None, fmt: str) -> tuple[Param, ...]:

@@ -6,7 +6,8 @@ builds on, attention, MoE, LoRA, losses, recompute, and how a model is built to 
 from mlir_train.model.moe.block import MOE_IMPLS, MoE
 from mlir_train.model.options import ModelOptions
 from mlir_train.model.platform import kernel_options
-from mlir_train.model.transformer import REMAT_POLICIES, CausalLM, Stack, init_model, layer_stacks, logical_axes, run_stack
+from mlir_train.model.periods import Stack, layer_stacks
+from mlir_train.model.transformer import REMAT_POLICIES, CausalLM, init_model, logical_axes, run_stack
 
 __all__ = ["MOE_IMPLS", "MoE", "REMAT_POLICIES", "CausalLM", "ModelOptions", "Stack", "init_model", "kernel_options",
            "layer_stacks", "logical_axes", "run_stack"]

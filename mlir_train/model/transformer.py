@@ -3,11 +3,13 @@
 
 A family (:mod:`mlir_train.families`) subclasses :class:`CausalLM` with its decoder layer
 (:meth:`CausalLM.make_layer`). Decoder layers are built stacked (every layer parameter has a
-leading ``"layers"`` axis) and run with ``jax.lax.scan``, so compile time does not grow with
-depth and the stack can later be split into pipeline stages along that axis. Consecutive layers
-of the same :class:`~mlir_train.config.models.LayerKind` (dense MLP or MoE, per HF's
-``decoder_sparse_step`` / ``mlp_only_layers``) form one stack (:class:`Stack`); the released
-Qwen3 models are a single stack.
+leading ``"layers"`` axis): one :class:`~mlir_train.model.periods.Stack` per
+:class:`~mlir_train.config.models.LayerKind` (dense MLP or MoE, per HF's ``decoder_sparse_step``
+/ ``mlp_only_layers``; Qwen3.5's DeltaNet or attention), its rows the layers of that kind in layer
+order; the released Qwen3 models are a single stack. They run with ``jax.lax.scan``
+(:func:`run_layers`): a repeating pattern of kinds is one scan over its periods
+(:mod:`mlir_train.model.periods`), so compile time does not grow with depth, and the stacks can
+be split into pipeline stages along the layer axis.
 
 Calling convention::
 
@@ -33,8 +35,9 @@ losses formed from them.
 
 from __future__ import annotations
 
-import itertools
-from typing import Any, NamedTuple
+from typing import Any
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,7 @@ from mlir_train.model.attention import SEGMENT_ID_IMPLS, attention_mask
 from mlir_train.model.layers import RMSNorm, param, rope_tables
 from mlir_train.model.losses import linear_cross_entropy_sum, weighted_linear_cross_entropy
 from mlir_train.model.options import ModelOptions
+from mlir_train.model.periods import PeriodScan, Run, decoder_plan, layer_stacks
 from mlir_train.model.recompute import checkpointed
 from sharding import constrain
 from sharding.context import context_parallel_size, sequence_order
@@ -83,29 +87,6 @@ def stacked(make, n: int, rngs: nnx.Rngs):
         if isinstance(var, nnx.Param):
             var.set_metadata("logical_axes", ("layers",) + tuple(var.get_metadata()["logical_axes"]))
     return stack
-
-
-class Stack(NamedTuple):
-    """One stack of consecutive decoder layers of one kind: its first layer's index, its
-    length and its :class:`~mlir_train.config.models.LayerKind`."""
-
-    first: int
-    count: int
-    kind: LayerKind
-
-    @property
-    def moe(self) -> bool:
-        return self.kind.moe
-
-
-def layer_stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
-    """The stacks a model of ``cfg`` is built of: runs of consecutive layers of one kind."""
-    stacks, start = [], 0
-    for kind, group in itertools.groupby(cfg.layer_kinds()):
-        n = len(list(group))
-        stacks.append(Stack(start, n, kind))
-        start += n
-    return tuple(stacks)
 
 
 class CausalLM(nnx.Module):
@@ -195,12 +176,7 @@ class CausalLM(nnx.Module):
             positions = jnp.broadcast_to(sequence_order(t), (b, t))
         context = self.layer_context(segment_ids, positions)
         x_BTD = self.embed_tokens(input_ids_BT)
-        stats: list[dict[str, jax.Array]] = []
-        for stack, kinds in zip(self.layers, self.stack_kinds):
-            x_BTD, s = run_stack(stack, x_BTD, context, self.remat, offsets=(kinds.first,))
-            if s:
-                stats.append(s)
-        router_stats = {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]} if stats else {}
+        x_BTD, router_stats = run_layers(list(self.layers), self.stack_kinds, x_BTD, context, self.remat)
         return self.final_norm(x_BTD), router_stats
 
     def __call__(self, input_ids_BT, *, segment_ids=None, positions=None, return_router_stats: bool = False):
@@ -211,6 +187,54 @@ class CausalLM(nnx.Module):
 
 def _constrain_logits(logits_BTV: jax.Array) -> jax.Array:
     return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
+
+
+def run_layers(stacks: list[nnx.Module], stack_kinds, x_BTD, context: tuple,
+               remat: RecomputePolicy | str = "none") -> tuple[jax.Array, dict[str, Any]]:
+    """``x`` through every decoder layer, in layer order, as :func:`periods.decoder_plan` scans
+    them (``stacks``: the stacked modules, one per :class:`~mlir_train.model.periods.Stack` of
+    ``stack_kinds``); router stats with a leading MoE-layer axis in layer order."""
+    split = [nnx.split(s) for s in stacks]
+    parts: list[tuple[np.ndarray, dict]] = []  # (global layer of each row, stats [rows, ...])
+
+    def run(run: Run, state, x):
+        return run_pieces(split[run.stack][0], stack_pieces(state, None, remat, (run.first,)), x, context)
+
+    for item in decoder_plan(stack_kinds, remat):
+        if isinstance(item, Run):
+            state = jax.tree.map(lambda a: a[item.row:item.row + item.count], split[item.stack][1])
+            x_BTD, s = run(item, state, x_BTD)
+            parts.append((np.arange(item.first, item.first + item.count), s))
+            continue
+        x_BTD, got = _period_scan(item, [st for _, st in split], run, x_BTD)
+        for r, s in zip(item.runs, got):  # s: [reps, count, ...]
+            layers = r.first + item.layers * np.arange(item.reps)[:, None] + np.arange(r.count)
+            parts.append((layers.reshape(-1), jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), s)))
+    parts = [(l, s) for l, s in parts if s]
+    if not parts:
+        return x_BTD, {}
+    order = np.argsort(np.concatenate([l for l, _ in parts]), kind="stable")
+    stats = jax.tree.map(lambda *a: jnp.concatenate(a)[order], *[s for _, s in parts])
+    return x_BTD, stats
+
+
+def _period_scan(item: PeriodScan, states: list, run, x_BTD):
+    """One ``lax.scan`` over ``item``'s periods: its xs are each stack's rows of these periods,
+    ``[reps, rows per period, ...]`` (a reshape when the stack's rows are all here); the body runs
+    one period's runs in order. Returns ``x`` and each run's stats ``[reps, count, ...]``."""
+    per, first = item.per_stack(), item.first_row()
+    xs = {k: jax.tree.map(lambda a: a[first[k]:first[k] + item.reps * n].reshape(item.reps, n, *a.shape[1:]),
+                          states[k]) for k, n in per.items()}
+
+    def body(x, xs):
+        out = []
+        for r in item.runs:
+            at = r.row - first[r.stack]
+            x, s = run(r, jax.tree.map(lambda a: a[at:at + r.count], xs[r.stack]), x)
+            out.append(s)
+        return x, out
+
+    return jax.lax.scan(body, x_BTD, xs)
 
 
 def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: RecomputePolicy | str = "none",

@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -284,17 +285,15 @@ class Step:
     def with_expert_bias(self, params, tokens_LE):
         """``params`` with every MoE stack's ``expert_bias`` moved by Megatron's
         ``get_updated_expert_bias`` from ``tokens_LE`` (the step's routed load, MoE layers in order)."""
-        layers, first = dict(params["layers"]), 0
+        layers = dict(params["layers"])
+        moe_index = np.cumsum([k.moe for k in self.model_cfg.layer_kinds()]) - 1  # each layer's MoE row
         for i, stack in enumerate(self.stack_kinds):
             if not stack.moe:
                 continue
-            n = stack.count
-            stack = dict(layers[i])
+            stack, rows = dict(layers[i]), moe_index[list(stack.layers)]
             mlp = dict(stack["mlp"])
-            mlp["expert_bias"] = updated_expert_bias(mlp["expert_bias"], tokens_LE[first:first + n],
-                                                     self.cfg.expert_bias_update_rate)
+            mlp["expert_bias"] = updated_expert_bias(mlp["expert_bias"], tokens_LE[rows], self.cfg.expert_bias_update_rate)
             stack["mlp"], layers[i] = mlp, stack
-            first += n
         return {**params, "layers": layers}
 
     def metrics(self, aux, grad_norm, finite, scale, n_loss_tokens):

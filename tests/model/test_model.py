@@ -121,7 +121,7 @@ def test_mixed_dense_and_moe_layers_follow_hf_rules():
     cfg = TINY.replace(num_layers=6, decoder_sparse_step=2, mlp_only_layers=(3,))
     assert cfg.moe_layers() == (False, True, False, False, False, True)
     model = init_model(cfg)
-    assert [(s.first, s.count, s.moe) for s in model.stack_kinds] == [(0, 1, False), (1, 1, True), (2, 3, False), (5, 1, True)]
+    assert [(s.layers, s.moe) for s in model.stack_kinds] == [((0, 2, 3, 4), False), ((1, 5), True)]  # one stack per kind
     _, stats = model(_tokens(), return_router_stats=True)
     assert stats["tokens_per_expert"].shape == (2, TINY.num_experts)
 

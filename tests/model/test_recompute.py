@@ -233,7 +233,7 @@ def test_stage_program_records_where_each_run_starts():
     schedule = make_schedule(8, 2)  # layers 0-3 on stage 0, 4-7 on stage 1
     # kinds: dense, dense, moe x 3, dense x 3 -> stage 0 = [d d][m m], stage 1 = [m][d d d]
     dense, moe = LayerKind(moe=False), LayerKind(moe=True)
-    program = stage_program(schedule, (Stack(0, 2, dense), Stack(2, 3, moe), Stack(5, 3, dense)))
+    program = stage_program(schedule, (Stack(dense, (0, 1, 5, 6, 7)), Stack(moe, (2, 3, 4))))
     # stage 1's MoE run starts its chunk (position 0), stage 0's at position 2
     assert [(seg.is_moe, seg.offsets) for seg in program] == [(False, (0,)), (True, (0, 2)), (False, (1,))]
 

@@ -22,7 +22,7 @@ import pytest
 
 from mlir_train.families import get_model_config
 from mlir_train.train.pipeline import make_schedule, stage_program
-from mlir_train.model.transformer import layer_stacks
+from mlir_train.model.periods import layer_stacks
 from sharding.layout import Layout
 from tests.helpers import assert_step_matches, train_one_step
 from tests.train.test_qwen3_5_layouts import _largest_differences

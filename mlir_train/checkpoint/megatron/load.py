@@ -27,7 +27,7 @@ from mlir_train.checkpoint.megatron.read import MegatronCheckpoint, MegatronChec
 from mlir_train.checkpoint.megatron.source import EXPERT_STYLES, Source, expert_pattern, open_source
 from mlir_train.config.models import ModelConfig
 from mlir_train.families.table import EXPERT, VOCAB, Bound, Table
-from mlir_train.model.transformer import layer_stacks
+from mlir_train.model.periods import layer_stacks
 
 
 # ----- what the checkpoint must hold, and nothing more --------------------------------------------------
@@ -152,10 +152,10 @@ def _callback(source: Source, table: Table, bound: Bound, shapes: dict, vocab: i
         return shards.whole_callback(read, dtype)
 
     def one(l: int, e: int | None) -> np.ndarray:
-        what = (f"layer {bound.first + l}" + (f" expert {e}" if e is not None else "")
-                + f" {bound.name} (from {table.megatron_layers}{bound.first + l}.{mt.name})")
+        what = (f"layer {bound.layers[l]}" + (f" expert {e}" if e is not None else "")
+                + f" {bound.name} (from {table.megatron_layers}{bound.layers[l]}.{mt.name})")
         try:
-            arr = _ours_from(source, bound, part_shapes, bound.first + l, e, vocab)
+            arr = _ours_from(source, bound, part_shapes, bound.layers[l], e, vocab)
         except ValueError as err:  # e.g. a reshape of a tensor of another shape than the config's
             if isinstance(err, MegatronCheckpointError):
                 raise

@@ -25,7 +25,7 @@ from mlir_train.checkpoint.megatron.read import MegatronCheckpointError, import_
 from mlir_train.config.sections import padded_vocab_size
 from mlir_train.config.models import ModelConfig
 from mlir_train.families.table import VOCAB, Param, Table
-from mlir_train.model.transformer import layer_stacks
+from mlir_train.model.periods import layer_stacks
 
 if TYPE_CHECKING:
     from sharding.layout import Layout
@@ -40,7 +40,7 @@ def save_params(params: dict, cfg: ModelConfig, dst: str, layout: Layout, *, mak
 
     if os.path.isdir(dst) and os.listdir(dst):
         raise MegatronCheckpointError(f"{dst} is not empty; give an empty or new directory")
-    stacks = layer_stacks(cfg)  # (first layer, count, kind) per stack, as the model builds them
+    stacks = layer_stacks(cfg)  # each kind's layers, as the model builds them
     flat = dict(leaves(params))
     for bound in families.family_of(cfg).params.bind(flat, stacks, f"{dst}: "):
         if bound.row.megatron is None:
@@ -53,8 +53,8 @@ def save_params(params: dict, cfg: ModelConfig, dst: str, layout: Layout, *, mak
         return tree
 
     def layer_array(path, l: int, e: int | None):
-        si = next(i for i, (first, n, _) in enumerate(stacks) if first <= l < first + n)
-        x = leaf_of(params["layers"][si], path)[l - stacks[si][0]]
+        si = next(i for i, s in enumerate(stacks) if l in s.layers)
+        x = leaf_of(params["layers"][si], path)[stacks[si].layers.index(l)]
         return np.asarray(jax.device_get(x if e is None else x[e]), np.float32)
 
     def global_array(path):

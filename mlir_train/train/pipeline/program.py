@@ -1,8 +1,9 @@
 """The stage program: which decoder layers every chunk of every stage runs, and how the
 weights are stored for it.
 
-Every decoder-layer parameter is stacked ``[L_k, ...]`` per layer stack (one stack for the
-released Qwen3 models; consecutive dense/MoE runs otherwise) with the logical axis
+Every decoder-layer parameter is stacked ``[L_k, ...]`` per layer stack (one stack per layer
+kind, its rows the layers of that kind in layer order: :mod:`mlir_train.model.periods`; one stack
+for the released Qwen3 models) with the logical axis
 ``"layers"``, which the pipeline rule table maps to the ``"stage"`` mesh axis, so the stored
 (and checkpointed) weights are the real layers split contiguously over the stages (a stack
 whose length P does not divide is stored whole on every stage, :func:`storage_axes`). Inside
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlir_train.config.models import LayerKind
+from mlir_train.model.periods import layer_runs
 from mlir_train.train.pipeline.schedule import Schedule, to_stages
 
 
@@ -64,12 +66,13 @@ class Segment:
 
 def run_period(kinds: list[LayerKind]) -> int:
     """The smallest ``q`` with ``kinds[i] == kinds[i + q]`` for every ``i``: the period of the
-    stacks' kinds (2 for dense/MoE alternation and for Qwen3.5's DeltaNet/attention runs)."""
+    runs' kinds (2 for dense/MoE alternation and for Qwen3.5's DeltaNet/attention runs)."""
     return next(q for q in range(1, len(kinds) + 1) if all(kinds[i] == kinds[i + q] for i in range(len(kinds) - q)))
 
 
 def _chunk_runs(chunk: list[int], stack_of: np.ndarray) -> list[list[int]]:
-    """A chunk's layers split into runs at stack boundaries."""
+    """A chunk's layers split into runs at the model's run boundaries (``stack_of``: each
+    layer's run)."""
     runs: list[list[int]] = []
     for l in chunk:
         if runs and stack_of[l] == stack_of[runs[-1][-1]]:
@@ -82,23 +85,21 @@ def _chunk_runs(chunk: list[int], stack_of: np.ndarray) -> list[list[int]]:
 def stage_program(schedule: Schedule, stack_kinds) -> list[Segment]:
     """Every chunk runs the same sequence of segments (SPMD: one program on every stage).
 
-    A chunk's layers split into runs at stack boundaries, and the runs line up on the stacks'
-    kind sequence repeated with its period (:func:`run_period`: dense / MoE alternating, or
+    A chunk's layers split into runs (:func:`periods.layer_runs`: consecutive layers of one
+    kind), and the runs line up on the model's run kinds repeated with its period (:func:`run_period`: dense / MoE alternating, or
     Qwen3.5's DeltaNet x 3 / attention x 1), a chunk's first run at its stack's place in the
     period; a segment is as long as the longest run mapped to it. Even splits of a single
     stack give one segment without padding; a period of layers that divides the stage length
     gives one segment per run without padding; a split that breaks the period pads the
     chunks' missing runs (identity slots)."""
-    kinds = [s.kind for s in stack_kinds]
+    runs = layer_runs(stack_kinds)
+    kinds = [r.kind for r in runs]
     period = run_period(kinds)
-    stack_of = np.concatenate([[k] * n for k, (_, n, _) in enumerate(stack_kinds)])
+    stack_of = np.concatenate([[k] * r.count for k, r in enumerate(runs)])  # each layer's run
     num_layers = len(stack_of)
     kind_row, moe_row = np.zeros(num_layers, np.int64), np.cumsum([kinds[k].moe for k in stack_of]) - 1
-    counter: dict[LayerKind, int] = {}
-    for l in range(num_layers):
-        kind = kinds[stack_of[l]]
-        kind_row[l] = counter.get(kind, 0)
-        counter[kind] = kind_row[l] + 1
+    for r in runs:  # a layer's row in its kind's stack
+        kind_row[r.first:r.first + r.count] = np.arange(r.row, r.row + r.count)
     chunks = schedule.chunk_layers(num_layers)
     p, r = schedule.stages, schedule.virtual
     placed: dict[tuple[int, int], list[list[int]]] = {}  # (stage, chunk) -> layers per program segment
@@ -165,8 +166,8 @@ def storage_axes(logical: dict[str, Any], stack_kinds, stages: int) -> dict[str,
     divide (a short run of a mixed dense/MoE model, or an uneven split's odd total) keeps its
     ``"layers"`` axis unsplit, i.e. every stage stores it whole and computes the layers it runs."""
     layers = dict(logical["layers"])
-    for k, (_, n, _) in enumerate(stack_kinds):
-        if n % stages:
+    for k, stack in enumerate(stack_kinds):
+        if stack.count % stages:
             layers[k] = jax.tree.map(lambda names: tuple(None if a == "layers" else a for a in names), layers[k],
                                      is_leaf=lambda x: isinstance(x, tuple))
     return {**logical, "layers": layers}
