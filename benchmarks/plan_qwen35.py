@@ -12,8 +12,9 @@ target (deviceless XLA:GPU for H200s) and ranked by the compiled figures. The ta
 compiled layout: its compiled memory per device (arguments + unaliased outputs + temporaries), its
 compiled matmul FLOPs over Megatron's model FLOPs for the same model and batch
 (:func:`mlir_train.model.flops.num_floating_point_operations`, whose gated-DeltaNet layers count
-Megatron-LM's ``gated_delta_net`` term), and the collectives of its optimized HLO per step and
-device. "Fewest" searches device counts (1, 2, 4, ... up to ``--max-devices``) for the smallest one
+Megatron-LM's ``gated_delta_net`` term), and the collective traffic of its optimized HLO per step
+and device against Megatron's analytic volume, per kind (:func:`traffic`, as ``comm_audit``: a
+ragged all-to-all at the rows it moves at a balanced routing, not its receive buffers). "Fewest" searches device counts (1, 2, 4, ... up to ``--max-devices``) for the smallest one
 where a layout is estimated to fit, and compiles that layout to confirm it (``--no-fewest-compile``:
 the estimate alone, labelled).
 
@@ -21,7 +22,7 @@ Depth: the 3:1 DeltaNet/attention pattern makes every run of equal layers its ow
 (``model.transformer.layer_stacks``: 20 stacks for 40 layers), so a full-depth compile costs
 about ten times a 4-layer one (over 25 minutes on this 2-core machine). ``--probe-layers P``
 compiles each layout at P and 2P layers (one and two periods of the pattern) instead and
-extrapolates memory, FLOPs (and Megatron's, beside them) and collectives linearly to the model's
+extrapolates memory, FLOPs (and Megatron's, beside them) and collective traffic (and Megatron's) linearly to the model's
 depth (:func:`extrapolate`); the table marks those figures "(extrap.)". Without it every figure
 is the full-depth compile. The layouts are chosen by the planner's own analytic estimate at full
 depth (:func:`estimated_fits`), as ``--search`` chooses what to compile. Models with the same shapes
@@ -56,7 +57,7 @@ class Row:
     needed_bytes: int | None = None
     verdict_from: str = "compiled"  # "compiled" | "estimate"
     flop_ratio: float | None = None
-    collectives: dict[str, dict[str, int]] | None = None
+    collectives: dict[str, dict[str, int]] | None = None  # :func:`traffic`: per Megatron kind
     fewest: int | None = None
     fewest_layout: str | None = None
     fewest_from: str = "compiled"
@@ -78,19 +79,35 @@ class Row:
 # (--probe-layers), or the planner's analytic estimate alone.
 SOURCE = {"compiled": "", "extrapolated": " (extrap.)", "estimate": " est."}
 HEADER = ["model", "seq", "training", f"best layout on N x H200", "compiled memory / device", "FLOPs / Megatron",
-          "collectives / step / device", "fewest H200s (layout)"]
+          "collective traffic / step / device (vs Megatron)", "fewest H200s (layout)"]
 
 
 def _seq(seq: int) -> str:
     return f"{seq // 1024}k" if seq % 1024 == 0 and seq >= 8192 else str(seq)
 
 
+def traffic(plan) -> dict[str, dict[str, int]] | None:
+    """A compiled plan's collectives per Megatron kind as ``comm_audit`` prints them: the bytes a
+    device moves per step (ragged all-to-alls at the rows they carry at a balanced routing, not
+    their receive buffers: ``Plan.comm_comparison``) beside Megatron's analytic volume."""
+    if isinstance(plan, Probed):  # already per Megatron kind, extrapolated
+        return plan.collectives
+    if plan.comm_comparison is None:  # not compiled
+        return None
+    return {r["kind"]: {"bytes": r["compiled_bytes"], "megatron": r["megatron_bytes"]} for r in plan.comm_comparison}
+
+
 def format_collectives(colls: dict[str, dict[str, int]] | None) -> str:
-    """``all-gather 48 x 3.1 GiB`` per kind, largest first (counts are executions per step)."""
+    """``all-to-all 60.0 GiB (1.00x)`` per kind, largest first: traffic per step and device, and
+    its ratio to Megatron's volume (``Megatron: none`` where its count has none)."""
     if colls is None:
         return "-"
-    parts = [(c["bytes"], f"{kind} {c['count']} x {c['bytes'] / GIB:.2f} GiB") for kind, c in colls.items() if c["count"]]
-    return ", ".join(text for _, text in sorted(parts, reverse=True)) or "none"
+    def text(kind, c):
+        mega = c.get("megatron", 0)
+        return f"{kind} {c['bytes'] / GIB:.2f} GiB ({c['bytes'] / mega:.2f}x)" if mega else \
+            f"{kind} {c['bytes'] / GIB:.2f} GiB (Megatron: none)"
+    parts = [(c["bytes"], text(kind, c)) for kind, c in colls.items() if c["bytes"]]
+    return ", ".join(t for _, t in sorted(parts, reverse=True)) or "none"
 
 
 def format_table(rows: list[Row], device_kind: str, memory_gib: float) -> str:
@@ -133,7 +150,7 @@ def plan_case(model: str, seq: int, mode: str, args) -> Row:
                 None)
     if best is not None:
         row.layout, row.needed_bytes, row.verdict_from = best.name, best.needed_bytes, best.verdict_from
-        row.flop_ratio, row.collectives = best.flop_ratio, best.collectives
+        row.flop_ratio, row.collectives = best.flop_ratio, traffic(best)
     if args.fewest:
         fewest_devices(row, args)
     return row
@@ -192,7 +209,7 @@ def compiled_fits(argv: list[str], n: int, estimated: list, args) -> list:
 def extrapolate(p1, p2, layers: int, model_layers: int, args) -> Probed:
     """Figures at ``model_layers`` from compiles at ``layers`` and ``2 * layers``: each is
     ``a + b * depth`` (the embedding, head and one layer's working set, plus per-layer state,
-    checkpoints, FLOPs and collectives), so the difference of the two compiles is ``layers``
+    checkpoints, FLOPs and collective traffic), so the difference of the two compiles is ``layers``
     layers' share. The analytic estimate and Megatron's FLOPs are linear in depth the same way."""
     from mlir_train.planner.targets import DEVICE_KINDS, USABLE_FRACTION
 
@@ -201,9 +218,10 @@ def extrapolate(p1, p2, layers: int, model_layers: int, args) -> Probed:
     needed = int(lin(p1.needed_bytes, p2.needed_bytes))
     flops = lin(p1.compiled_matmul_flops, p2.compiled_matmul_flops)
     colls = {}
-    for kind in sorted(set(p1.collectives or {}) | set(p2.collectives or {})):
-        c1, c2 = ((p.collectives or {}).get(kind, {"count": 0, "bytes": 0}) for p in (p1, p2))
-        colls[kind] = {k: int(round(lin(c1[k], c2[k]))) for k in ("count", "bytes")}
+    t1, t2 = traffic(p1) or {}, traffic(p2) or {}
+    for kind in sorted(set(t1) | set(t2)):
+        c1, c2 = (t.get(kind, {"bytes": 0, "megatron": 0}) for t in (t1, t2))
+        colls[kind] = {k: int(round(lin(c1[k], c2[k]))) for k in ("bytes", "megatron")}
     memory = DEVICE_KINDS[args.device_kind].memory_bytes
     return Probed(p1.name, needed, flops * p1.num_devices / lin(p1.flops_per_step, p2.flops_per_step), colls,
                   needed <= USABLE_FRACTION * memory, flops)
