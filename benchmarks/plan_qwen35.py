@@ -185,7 +185,9 @@ class Probed:
 def compiled_fits(argv: list[str], n: int, estimated: list, args) -> list:
     """``estimated`` compiled for the target (``--probe-layers P``: at P and 2P layers, extrapolated
     to the model's depth: :func:`extrapolate`), those that fit, fewest compiled FLOPs (the
-    planner's compiled step time) then least memory first."""
+    planner's compiled step time) then least memory first. A layout XLA refuses to compile is
+    printed with its error and passed over (``--top N``: the next estimated layout stands in);
+    ``--first-fit`` stops at the first that compiles and fits (the rest uncompiled)."""
     from mlir_train.planner.plan import plan_layout
     from mlir_train.planner.report import format_plan
 
@@ -202,6 +204,8 @@ def compiled_fits(argv: list[str], n: int, estimated: list, args) -> list:
         best = plans[0] if len(plans) == 1 else extrapolate(*plans, args.probe_layers, args.model_layers, args)
         if best.fits:
             out.append(best)
+            if getattr(args, "first_fit", False):
+                break
     key = lambda p: ((p.matmul_flops if isinstance(p, Probed) else p.compiled_matmul_flops) or 0, p.needed_bytes)
     return sorted(out, key=key)
 
@@ -261,6 +265,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device-kind", default="h200")
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--top", type=int, default=1, help="estimated-best layouts compiled per case (default 1)")
+    p.add_argument("--first-fit", action="store_true",
+                   help="compile the --top estimated layouts in the estimate's order only until one compiles and fits")
     p.add_argument("--max-devices", type=int, default=64)
     p.add_argument("--no-fewest", dest="fewest", action="store_false", help="skip the fewest-devices search")
     p.add_argument("--no-fewest-compile", dest="fewest_compile", action="store_false",

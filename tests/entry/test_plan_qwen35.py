@@ -95,3 +95,28 @@ def test_extrapolation_to_full_depth_is_linear_in_layers():
     assert pq.traffic(p) is p.collectives and pq.traffic(SimpleNamespace(comm_comparison=None)) is None  # not compiled
     row = pq.Row("m", 4096, "sft", 8, layout=p.name, needed_bytes=p.needed_bytes, verdict_from=p.verdict_from)
     assert row.cells(141.0)[4] == "90.0 GiB (64%) (extrap.)"
+
+
+def test_a_layout_xla_refuses_is_passed_over(monkeypatch):
+    """The estimate's best does not compile (an XLA error): the next estimated layout stands in,
+    and --first-fit compiles no further once one fits."""
+    from types import SimpleNamespace
+
+    import mlir_train.planner.plan as planner
+    import mlir_train.planner.report as report
+
+    compiled = []
+
+    def fake_plan_layout(cfg, candidate, n, **_):
+        compiled.append(candidate)
+        return SimpleNamespace(error="INVALID_ARGUMENT: Reshape" if candidate == "A" else None, fits=True,
+                               compiled_matmul_flops=1.0, needed_bytes=GIB, name=candidate)
+
+    monkeypatch.setattr(planner, "plan_layout", fake_plan_layout)
+    monkeypatch.setattr(report, "format_plan", lambda plan, *a: plan.name)
+    monkeypatch.setattr(pq, "_setup", lambda *a: (None, {}))
+    estimated = [SimpleNamespace(candidate=c) for c in "ABC"]
+    args = argparse.Namespace(probe_layers=0, device_kind="h200", xla_cpu=False, first_fit=True)
+    assert [p.name for p in pq.compiled_fits([], 8, estimated, args)] == ["B"] and compiled == ["A", "B"]
+    args.first_fit, compiled[:] = False, []
+    assert [p.name for p in pq.compiled_fits([], 8, estimated, args)] == ["B", "C"] and compiled == ["A", "B", "C"]
