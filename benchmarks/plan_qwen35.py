@@ -145,7 +145,7 @@ def plan_case(model: str, seq: int, mode: str, args) -> Row:
     row = Row(model, seq, mode, args.num_devices)
     argv = case_argv(model, seq, mode, args.num_devices, args.global_batch, args.flags)
     cfg, common = _setup(argv, args.device_kind, args.xla_cpu)
-    fitting = estimated_fits(cfg, args.num_devices, common, args.narrow)
+    fitting = estimated_fits(cfg, args.num_devices, common, args.narrow, *_narrow_splits(args))
     best = next(iter(fitting if args.estimate_only else compiled_fits(argv, args.num_devices, fitting[:args.top], args)),
                 None)
     if best is not None:
@@ -156,16 +156,20 @@ def plan_case(model: str, seq: int, mode: str, args) -> Row:
     return row
 
 
-def estimated_fits(cfg, n: int, common: dict, narrow: bool = False) -> list:
-    """The planner's candidates on ``n`` devices (``narrow``: only PP1 CP1 with full recompute and,
-    where there are data ranks, the distributed optimizer) that its analytic estimate says fit,
-    best first (no compile)."""
+def _narrow_splits(args) -> tuple[int, int]:
+    return getattr(args, "narrow_pipeline", 1), getattr(args, "narrow_context", 1)
+
+
+def estimated_fits(cfg, n: int, common: dict, narrow: bool = False, pipeline: int = 1, context: int = 1) -> list:
+    """The planner's candidates on ``n`` devices (``narrow``: only PP ``pipeline``, CP ``context``
+    (1, 1 unless asked) with full recompute and, where there are data ranks, the distributed
+    optimizer) that its analytic estimate says fit, best first (no compile)."""
     from mlir_train.planner.plan import candidate_layouts, plan_layout
     from mlir_train.planner.report import Plan
 
     cands = [c for c in candidate_layouts(cfg, n) if not narrow or (
-        c.pipeline == 1 and c.context == 1 and c.recompute.name == "full"
-        and (c.distributed_optimizer or n == c.tensor))]  # ZeRO needs data ranks
+        c.pipeline == pipeline and c.context == context and c.recompute.name == "full"
+        and (c.distributed_optimizer or n == c.tensor * c.pipeline * c.context))]  # ZeRO needs data ranks
     estimates = [plan_layout(cfg, c, n, compile_step=False, **common) for c in cands]
     return sorted((p for p in estimates if p.error is None and p.fits), key=Plan.ranking_key)
 
@@ -241,7 +245,7 @@ def fewest_devices(row: Row, args) -> None:
     while n <= args.max_devices:
         argv = case_argv(row.model, row.seq, row.mode, n, args.global_batch, args.flags)
         cfg, common = _setup(argv, args.device_kind, args.xla_cpu)
-        fitting = estimated_fits(cfg, n, common, args.narrow)[:args.top]
+        fitting = estimated_fits(cfg, n, common, args.narrow, *_narrow_splits(args))[:args.top]
         best = next(iter(compiled_fits(argv, n, fitting, args) if compile_it else fitting), None)
         if best is not None:
             row.fewest, row.fewest_layout, row.fewest_from = n, best.name, best.verdict_from
@@ -273,6 +277,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the fewest devices from the estimate alone (labelled est.)")
     p.add_argument("--narrow", action="store_true",
                    help="only PP1 CP1 layouts with the distributed optimizer and full recompute (faster)")
+    p.add_argument("--narrow-pipeline", type=int, default=1, metavar="PP",
+                   help="--narrow's pipeline size (default 1): the layouts with PP stages instead")
+    p.add_argument("--narrow-context", type=int, default=1, metavar="CP",
+                   help="--narrow's context-parallel size (default 1): the layouts with CP ranks instead")
     p.add_argument("--probe-layers", type=int, default=0,
                    help="compile at P and 2P layers and extrapolate to the model's depth (0: full depth)")
     p.add_argument("--min-devices", type=int, default=1, help="where the fewest-devices search starts")

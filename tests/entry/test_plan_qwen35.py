@@ -120,3 +120,14 @@ def test_a_layout_xla_refuses_is_passed_over(monkeypatch):
     assert [p.name for p in pq.compiled_fits([], 8, estimated, args)] == ["B"] and compiled == ["A", "B"]
     args.first_fit, compiled[:] = False, []
     assert [p.name for p in pq.compiled_fits([], 8, estimated, args)] == ["B", "C"] and compiled == ["A", "B", "C"]
+
+
+def test_narrow_takes_a_pipeline_or_context_size():
+    """--narrow-pipeline 2: only PP2 layouts are sized (from the estimate, no compile)."""
+    args = pq._parser().parse_args(["--narrow", "--narrow-pipeline", "2"])
+    assert pq._narrow_splits(args) == (2, 1) and pq._narrow_splits(argparse.Namespace()) == (1, 1)
+    argv = pq.case_argv("qwen3.5-moe-tiny", 256, "sft", 4, 4)
+    cfg, common = pq._setup(argv, "h200", True)
+    fits = pq.estimated_fits(cfg, 4, common, True, *pq._narrow_splits(args))
+    assert fits and {p.candidate.pipeline for p in fits} == {2}
+    assert "TP2xPP2xEP1xDP1 recompute=full" in {p.name for p in fits}  # no data ranks: no ZeRO, still sized
