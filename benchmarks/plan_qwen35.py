@@ -203,6 +203,8 @@ def compiled_fits(argv: list[str], n: int, estimated: list, args) -> list:
                                  args.xla_cpu)
             plans.append(plan_layout(cfg, est.candidate, n, **common))
             print((f"[{layers} layers] " if layers else "") + format_plan(plans[-1], args.device_kind, 0.4), flush=True)
+            if plans[-1].error is not None:  # the deeper probe would not compile either: not tried
+                break
         if any(p.error is not None for p in plans):
             continue
         best = plans[0] if len(plans) == 1 else extrapolate(*plans, args.probe_layers, args.model_layers, args)

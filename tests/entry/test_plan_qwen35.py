@@ -120,6 +120,8 @@ def test_a_layout_xla_refuses_is_passed_over(monkeypatch):
     assert [p.name for p in pq.compiled_fits([], 8, estimated, args)] == ["B"] and compiled == ["A", "B"]
     args.first_fit, compiled[:] = False, []
     assert [p.name for p in pq.compiled_fits([], 8, estimated, args)] == ["B", "C"] and compiled == ["A", "B", "C"]
+    args.probe_layers, compiled[:] = 4, []  # probes at 4 and 8 layers: the 4-layer failure stops the 8-layer one
+    assert pq.compiled_fits([], 8, estimated[:1], args) == [] and compiled == ["A"]
 
 
 def test_narrow_takes_a_pipeline_or_context_size():
