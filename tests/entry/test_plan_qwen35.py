@@ -126,10 +126,24 @@ def test_a_layout_xla_refuses_is_passed_over(monkeypatch):
 
 def test_narrow_takes_a_pipeline_or_context_size():
     """--narrow-pipeline 2: only PP2 layouts are sized (from the estimate, no compile)."""
-    args = pq._parser().parse_args(["--narrow", "--narrow-pipeline", "2"])
+    args = pq._parser().parse_args(["--narrow", "--narrow-pipeline", "2", "--skip", "TP4xPP1xEP2xDP2+distopt recompute=full"])
+    assert args.skip == ["TP4xPP1xEP2xDP2+distopt recompute=full"]
     assert pq._narrow_splits(args) == (2, 1) and pq._narrow_splits(argparse.Namespace()) == (1, 1)
     argv = pq.case_argv("qwen3.5-moe-tiny", 256, "sft", 4, 4)
     cfg, common = pq._setup(argv, "h200", True)
     fits = pq.estimated_fits(cfg, 4, common, True, *pq._narrow_splits(args))
     assert fits and {p.candidate.pipeline for p in fits} == {2}
     assert "TP2xPP2xEP1xDP1 recompute=full" in {p.name for p in fits}  # no data ranks: no ZeRO, still sized
+
+
+def test_skipped_layouts_are_not_compiled(monkeypatch):
+    from types import SimpleNamespace
+
+    seen = []
+    monkeypatch.setattr(pq, "_setup", lambda *a: (None, {}))
+    monkeypatch.setattr(pq, "estimated_fits", lambda *a: [SimpleNamespace(name=n) for n in ("A", "B")])
+    monkeypatch.setattr(pq, "compiled_fits", lambda argv, n, estimated, args: seen.extend(p.name for p in estimated) or [])
+    args = pq._parser().parse_args(["--skip", "A", "--no-fewest"])
+    args.flags = []
+    row = pq.plan_case("qwen3.5-moe-tiny", 256, "sft", args)
+    assert seen == ["B"] and row.layout is None
