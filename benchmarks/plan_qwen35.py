@@ -146,7 +146,7 @@ def plan_case(model: str, seq: int, mode: str, args) -> Row:
     argv = case_argv(model, seq, mode, args.num_devices, args.global_batch, args.flags)
     cfg, common = _setup(argv, args.device_kind, args.xla_cpu)
     fitting = [p for p in estimated_fits(cfg, args.num_devices, common, args.narrow, *_narrow_splits(args))
-               if p.name not in getattr(args, "skip", ())]
+               if not {p.name, p.name.split(" ")[0]} & set(getattr(args, "skip", ()))]
     best = next(iter(fitting if args.estimate_only else compiled_fits(argv, args.num_devices, fitting[:args.top], args)),
                 None)
     if best is not None:
@@ -275,7 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--first-fit", action="store_true",
                    help="compile the --top estimated layouts in the estimate's order only until one compiles and fits")
     p.add_argument("--skip", nargs="+", default=[], metavar="LAYOUT",
-                   help="layouts (as the table names them) not compiled on --num-devices, e.g. one XLA is known to refuse")
+                   help="layouts not compiled on --num-devices, as the table names them, with or without the "
+                        "' recompute=...' (e.g. one XLA is known to refuse)")
     p.add_argument("--max-devices", type=int, default=64)
     p.add_argument("--no-fewest", dest="fewest", action="store_false", help="skip the fewest-devices search")
     p.add_argument("--no-fewest-compile", dest="fewest_compile", action="store_false",

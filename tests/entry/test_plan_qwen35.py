@@ -141,9 +141,9 @@ def test_skipped_layouts_are_not_compiled(monkeypatch):
 
     seen = []
     monkeypatch.setattr(pq, "_setup", lambda *a: (None, {}))
-    monkeypatch.setattr(pq, "estimated_fits", lambda *a: [SimpleNamespace(name=n) for n in ("A", "B")])
+    monkeypatch.setattr(pq, "estimated_fits", lambda *a: [SimpleNamespace(name=n) for n in ("A", "B", "C recompute=full")])
     monkeypatch.setattr(pq, "compiled_fits", lambda argv, n, estimated, args: seen.extend(p.name for p in estimated) or [])
-    args = pq._parser().parse_args(["--skip", "A", "--no-fewest"])
+    args = pq._parser().parse_args(["--skip", "A", "C", "--no-fewest"])  # "C": without its recompute
     args.flags = []
     row = pq.plan_case("qwen3.5-moe-tiny", 256, "sft", args)
     assert seen == ["B"] and row.layout is None
