@@ -12,8 +12,9 @@ target (deviceless XLA:GPU for H200s) and ranked by the compiled figures. The ta
 compiled layout: its compiled memory per device (arguments + unaliased outputs + temporaries), its
 compiled matmul FLOPs over Megatron's model FLOPs for the same model and batch
 (:func:`mlir_train.model.flops.num_floating_point_operations`, whose gated-DeltaNet layers count
-Megatron-LM's ``gated_delta_net`` term), and the collectives of its optimized HLO per step and
-device. "Fewest" searches device counts (1, 2, 4, ... up to ``--max-devices``) for the smallest one
+Megatron-LM's ``gated_delta_net`` term), and the collective traffic of its optimized HLO per step
+and device against Megatron's analytic volume, per kind (:func:`traffic`, as ``comm_audit``: a
+ragged all-to-all at the rows it moves at a balanced routing, not its receive buffers). "Fewest" searches device counts (1, 2, 4, ... up to ``--max-devices``) for the smallest one
 where a layout is estimated to fit, and compiles that layout to confirm it (``--no-fewest-compile``:
 the estimate alone, labelled).
 
@@ -21,7 +22,7 @@ Depth: the 3:1 DeltaNet/attention pattern makes every run of equal layers its ow
 (``model.transformer.layer_stacks``: 20 stacks for 40 layers), so a full-depth compile costs
 about ten times a 4-layer one (over 25 minutes on this 2-core machine). ``--probe-layers P``
 compiles each layout at P and 2P layers (one and two periods of the pattern) instead and
-extrapolates memory, FLOPs (and Megatron's, beside them) and collectives linearly to the model's
+extrapolates memory, FLOPs (and Megatron's, beside them) and collective traffic (and Megatron's) linearly to the model's
 depth (:func:`extrapolate`); the table marks those figures "(extrap.)". Without it every figure
 is the full-depth compile. The layouts are chosen by the planner's own analytic estimate at full
 depth (:func:`estimated_fits`), as ``--search`` chooses what to compile. Models with the same shapes
@@ -56,7 +57,7 @@ class Row:
     needed_bytes: int | None = None
     verdict_from: str = "compiled"  # "compiled" | "estimate"
     flop_ratio: float | None = None
-    collectives: dict[str, dict[str, int]] | None = None
+    collectives: dict[str, dict[str, int]] | None = None  # :func:`traffic`: per Megatron kind
     fewest: int | None = None
     fewest_layout: str | None = None
     fewest_from: str = "compiled"
@@ -78,19 +79,35 @@ class Row:
 # (--probe-layers), or the planner's analytic estimate alone.
 SOURCE = {"compiled": "", "extrapolated": " (extrap.)", "estimate": " est."}
 HEADER = ["model", "seq", "training", f"best layout on N x H200", "compiled memory / device", "FLOPs / Megatron",
-          "collectives / step / device", "fewest H200s (layout)"]
+          "collective traffic / step / device (vs Megatron)", "fewest H200s (layout)"]
 
 
 def _seq(seq: int) -> str:
     return f"{seq // 1024}k" if seq % 1024 == 0 and seq >= 8192 else str(seq)
 
 
+def traffic(plan) -> dict[str, dict[str, int]] | None:
+    """A compiled plan's collectives per Megatron kind as ``comm_audit`` prints them: the bytes a
+    device moves per step (ragged all-to-alls at the rows they carry at a balanced routing, not
+    their receive buffers: ``Plan.comm_comparison``) beside Megatron's analytic volume."""
+    if isinstance(plan, Probed):  # already per Megatron kind, extrapolated
+        return plan.collectives
+    if plan.comm_comparison is None:  # not compiled
+        return None
+    return {r["kind"]: {"bytes": r["compiled_bytes"], "megatron": r["megatron_bytes"]} for r in plan.comm_comparison}
+
+
 def format_collectives(colls: dict[str, dict[str, int]] | None) -> str:
-    """``all-gather 48 x 3.1 GiB`` per kind, largest first (counts are executions per step)."""
+    """``all-to-all 60.0 GiB (1.00x)`` per kind, largest first: traffic per step and device, and
+    its ratio to Megatron's volume (``Megatron: none`` where its count has none)."""
     if colls is None:
         return "-"
-    parts = [(c["bytes"], f"{kind} {c['count']} x {c['bytes'] / GIB:.2f} GiB") for kind, c in colls.items() if c["count"]]
-    return ", ".join(text for _, text in sorted(parts, reverse=True)) or "none"
+    def text(kind, c):
+        mega = c.get("megatron", 0)
+        return f"{kind} {c['bytes'] / GIB:.2f} GiB ({c['bytes'] / mega:.2f}x)" if mega else \
+            f"{kind} {c['bytes'] / GIB:.2f} GiB (Megatron: none)"
+    parts = [(c["bytes"], text(kind, c)) for kind, c in colls.items() if c["bytes"]]
+    return ", ".join(t for _, t in sorted(parts, reverse=True)) or "none"
 
 
 def format_table(rows: list[Row], device_kind: str, memory_gib: float) -> str:
@@ -128,27 +145,32 @@ def plan_case(model: str, seq: int, mode: str, args) -> Row:
     row = Row(model, seq, mode, args.num_devices)
     argv = case_argv(model, seq, mode, args.num_devices, args.global_batch, args.flags)
     cfg, common = _setup(argv, args.device_kind, args.xla_cpu)
-    fitting = estimated_fits(cfg, args.num_devices, common, args.narrow)
+    fitting = [p for p in estimated_fits(cfg, args.num_devices, common, args.narrow, *_narrow_splits(args))
+               if not {p.name, p.name.split(" ")[0]} & set(getattr(args, "skip", ()))]
     best = next(iter(fitting if args.estimate_only else compiled_fits(argv, args.num_devices, fitting[:args.top], args)),
                 None)
     if best is not None:
         row.layout, row.needed_bytes, row.verdict_from = best.name, best.needed_bytes, best.verdict_from
-        row.flop_ratio, row.collectives = best.flop_ratio, best.collectives
+        row.flop_ratio, row.collectives = best.flop_ratio, traffic(best)
     if args.fewest:
         fewest_devices(row, args)
     return row
 
 
-def estimated_fits(cfg, n: int, common: dict, narrow: bool = False) -> list:
-    """The planner's candidates on ``n`` devices (``narrow``: only PP1 CP1 with full recompute and,
-    where there are data ranks, the distributed optimizer) that its analytic estimate says fit,
-    best first (no compile)."""
+def _narrow_splits(args) -> tuple[int, int]:
+    return getattr(args, "narrow_pipeline", 1), getattr(args, "narrow_context", 1)
+
+
+def estimated_fits(cfg, n: int, common: dict, narrow: bool = False, pipeline: int = 1, context: int = 1) -> list:
+    """The planner's candidates on ``n`` devices (``narrow``: only PP ``pipeline``, CP ``context``
+    (1, 1 unless asked) with full recompute and, where there are data ranks, the distributed
+    optimizer) that its analytic estimate says fit, best first (no compile)."""
     from mlir_train.planner.plan import candidate_layouts, plan_layout
     from mlir_train.planner.report import Plan
 
     cands = [c for c in candidate_layouts(cfg, n) if not narrow or (
-        c.pipeline == 1 and c.context == 1 and c.recompute.name == "full"
-        and (c.distributed_optimizer or n == c.tensor))]  # ZeRO needs data ranks
+        c.pipeline == pipeline and c.context == context and c.recompute.name == "full"
+        and (c.distributed_optimizer or n == c.tensor * c.pipeline * c.context))]  # ZeRO needs data ranks
     estimates = [plan_layout(cfg, c, n, compile_step=False, **common) for c in cands]
     return sorted((p for p in estimates if p.error is None and p.fits), key=Plan.ranking_key)
 
@@ -168,7 +190,9 @@ class Probed:
 def compiled_fits(argv: list[str], n: int, estimated: list, args) -> list:
     """``estimated`` compiled for the target (``--probe-layers P``: at P and 2P layers, extrapolated
     to the model's depth: :func:`extrapolate`), those that fit, fewest compiled FLOPs (the
-    planner's compiled step time) then least memory first."""
+    planner's compiled step time) then least memory first. A layout XLA refuses to compile is
+    printed with its error and passed over (``--top N``: the next estimated layout stands in);
+    ``--first-fit`` stops at the first that compiles and fits (the rest uncompiled)."""
     from mlir_train.planner.plan import plan_layout
     from mlir_train.planner.report import format_plan
 
@@ -180,11 +204,15 @@ def compiled_fits(argv: list[str], n: int, estimated: list, args) -> list:
                                  args.xla_cpu)
             plans.append(plan_layout(cfg, est.candidate, n, **common))
             print((f"[{layers} layers] " if layers else "") + format_plan(plans[-1], args.device_kind, 0.4), flush=True)
+            if plans[-1].error is not None:  # the deeper probe would not compile either: not tried
+                break
         if any(p.error is not None for p in plans):
             continue
         best = plans[0] if len(plans) == 1 else extrapolate(*plans, args.probe_layers, args.model_layers, args)
         if best.fits:
             out.append(best)
+            if getattr(args, "first_fit", False):
+                break
     key = lambda p: ((p.matmul_flops if isinstance(p, Probed) else p.compiled_matmul_flops) or 0, p.needed_bytes)
     return sorted(out, key=key)
 
@@ -192,7 +220,7 @@ def compiled_fits(argv: list[str], n: int, estimated: list, args) -> list:
 def extrapolate(p1, p2, layers: int, model_layers: int, args) -> Probed:
     """Figures at ``model_layers`` from compiles at ``layers`` and ``2 * layers``: each is
     ``a + b * depth`` (the embedding, head and one layer's working set, plus per-layer state,
-    checkpoints, FLOPs and collectives), so the difference of the two compiles is ``layers``
+    checkpoints, FLOPs and collective traffic), so the difference of the two compiles is ``layers``
     layers' share. The analytic estimate and Megatron's FLOPs are linear in depth the same way."""
     from mlir_train.planner.targets import DEVICE_KINDS, USABLE_FRACTION
 
@@ -201,9 +229,10 @@ def extrapolate(p1, p2, layers: int, model_layers: int, args) -> Probed:
     needed = int(lin(p1.needed_bytes, p2.needed_bytes))
     flops = lin(p1.compiled_matmul_flops, p2.compiled_matmul_flops)
     colls = {}
-    for kind in sorted(set(p1.collectives or {}) | set(p2.collectives or {})):
-        c1, c2 = ((p.collectives or {}).get(kind, {"count": 0, "bytes": 0}) for p in (p1, p2))
-        colls[kind] = {k: int(round(lin(c1[k], c2[k]))) for k in ("count", "bytes")}
+    t1, t2 = traffic(p1) or {}, traffic(p2) or {}
+    for kind in sorted(set(t1) | set(t2)):
+        c1, c2 = (t.get(kind, {"bytes": 0, "megatron": 0}) for t in (t1, t2))
+        colls[kind] = {k: int(round(lin(c1[k], c2[k]))) for k in ("bytes", "megatron")}
     memory = DEVICE_KINDS[args.device_kind].memory_bytes
     return Probed(p1.name, needed, flops * p1.num_devices / lin(p1.flops_per_step, p2.flops_per_step), colls,
                   needed <= USABLE_FRACTION * memory, flops)
@@ -219,7 +248,7 @@ def fewest_devices(row: Row, args) -> None:
     while n <= args.max_devices:
         argv = case_argv(row.model, row.seq, row.mode, n, args.global_batch, args.flags)
         cfg, common = _setup(argv, args.device_kind, args.xla_cpu)
-        fitting = estimated_fits(cfg, n, common, args.narrow)[:args.top]
+        fitting = estimated_fits(cfg, n, common, args.narrow, *_narrow_splits(args))[:args.top]
         best = next(iter(compiled_fits(argv, n, fitting, args) if compile_it else fitting), None)
         if best is not None:
             row.fewest, row.fewest_layout, row.fewest_from = n, best.name, best.verdict_from
@@ -243,12 +272,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device-kind", default="h200")
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--top", type=int, default=1, help="estimated-best layouts compiled per case (default 1)")
+    p.add_argument("--first-fit", action="store_true",
+                   help="compile the --top estimated layouts in the estimate's order only until one compiles and fits")
+    p.add_argument("--skip", nargs="+", default=[], metavar="LAYOUT",
+                   help="layouts not compiled on --num-devices, as the table names them, with or without the "
+                        "' recompute=...' (e.g. one XLA is known to refuse)")
     p.add_argument("--max-devices", type=int, default=64)
     p.add_argument("--no-fewest", dest="fewest", action="store_false", help="skip the fewest-devices search")
     p.add_argument("--no-fewest-compile", dest="fewest_compile", action="store_false",
                    help="the fewest devices from the estimate alone (labelled est.)")
     p.add_argument("--narrow", action="store_true",
                    help="only PP1 CP1 layouts with the distributed optimizer and full recompute (faster)")
+    p.add_argument("--narrow-pipeline", type=int, default=1, metavar="PP",
+                   help="--narrow's pipeline size (default 1): the layouts with PP stages instead")
+    p.add_argument("--narrow-context", type=int, default=1, metavar="CP",
+                   help="--narrow's context-parallel size (default 1): the layouts with CP ranks instead")
     p.add_argument("--probe-layers", type=int, default=0,
                    help="compile at P and 2P layers and extrapolate to the model's depth (0: full depth)")
     p.add_argument("--min-devices", type=int, default=1, help="where the fewest-devices search starts")
