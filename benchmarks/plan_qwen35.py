@@ -18,9 +18,10 @@ ragged all-to-all at the rows it moves at a balanced routing, not its receive bu
 where a layout is estimated to fit, and compiles that layout to confirm it (``--no-fewest-compile``:
 the estimate alone, labelled).
 
-Depth: the 3:1 DeltaNet/attention pattern makes every run of equal layers its own scanned stack
-(``model.transformer.layer_stacks``: 20 stacks for 40 layers), so a full-depth compile costs
-about ten times a 4-layer one (over 25 minutes on this 2-core machine). ``--probe-layers P``
+Depth: when every run of equal layers of the 3:1 DeltaNet/attention pattern was its own scanned
+stack (20 for 40 layers) a full-depth compile cost about ten times a 4-layer one (over 25 minutes on
+this 2-core machine); the decoder now scans over the pattern's periods (``model.periods``), not yet
+re-timed here. ``--probe-layers P``
 compiles each layout at P and 2P layers (one and two periods of the pattern) instead and
 extrapolates memory, FLOPs (and Megatron's, beside them) and collective traffic (and Megatron's) linearly to the model's
 depth (:func:`extrapolate`); the table marks those figures "(extrap.)". Without it every figure
