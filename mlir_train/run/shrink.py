@@ -11,7 +11,10 @@ router, balancing and LoRA flags untouched; head dim kept (the kernels' tiles de
 A vocabulary above :data:`VOCAB_LIMIT` shrinks too, and the batches' token ids are folded into
 it (the check compares layouts, which the words do not change). The batch keeps its
 micro-batch size and data-parallel split, with at most ``max(2, 2 x PP)`` micro-batches, and rows
-of at most :data:`SEQ` tokens (still divisible as CP, TP and SP need). Every change is listed.
+of at most :data:`SEQ` tokens (still divisible as CP, TP and SP need). Under ``--code-paths gpu``,
+whose MoE kernels are interpreted call by call, smaller still: top-k at most :data:`GPU_TOP_K`, 1 layer
+a stage for a model of one layer kind, rows of :data:`GPU_SEQ` tokens and PP micro-batches (1 without a
+pipeline). Every change is listed.
 """
 
 from __future__ import annotations
