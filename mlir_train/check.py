@@ -140,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         certificate = certify.certify(cfg, num_devices=num_devices, iters=own.check_iters,
                                       precision=own.check_precision, keep_size=own.check_full_size,
                                       log=log.info)
+        if cfg.extras.code_paths == "gpu":
+            from mlir_train.model.kernels.mosaic_moe import CALLS
+
+            log.info(f"--code-paths gpu: interpreted Mosaic-GPU MoE kernel calls: {CALLS['run']} run, "
+                     f"{CALLS['reused']} reused (the same kernel on the same operands as a recent call)")
     print("\n".join(certify.report(certificate)), flush=True)
     return 0 if certificate.passed else 1
 

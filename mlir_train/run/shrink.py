@@ -11,7 +11,10 @@ router, balancing and LoRA flags untouched; head dim kept (the kernels' tiles de
 A vocabulary above :data:`VOCAB_LIMIT` shrinks too, and the batches' token ids are folded into
 it (the check compares layouts, which the words do not change). The batch keeps its
 micro-batch size and data-parallel split, with at most ``max(2, 2 x PP)`` micro-batches, and rows
-of at most :data:`SEQ` tokens (still divisible as CP, TP and SP need). Every change is listed.
+of at most :data:`SEQ` tokens (still divisible as CP, TP and SP need). Under ``--code-paths gpu``,
+whose MoE kernels are interpreted call by call, smaller still: top-k at most :data:`GPU_TOP_K`, 1 layer
+a stage for a model of one layer kind, rows of :data:`GPU_SEQ` tokens and PP micro-batches (1 without a
+pipeline). Every change is listed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ LARGE_PARAMS = 50_000_000   # above this a CPU step takes seconds per device: th
 HIDDEN, DENSE_FFN, MOE_FFN = 128, 128, 64
 VOCAB_LIMIT, VOCAB = 8192, 2048
 SEQ = 128
+# Under ``--code-paths gpu`` each MoE kernel call is interpreted, about 70 ms a used 64-row block on
+# this CPU, once per device, micro-batch and round: rows of :data:`GPU_SEQ` tokens, at most
+# :data:`GPU_TOP_K` experts a token and the fewest micro-batches the layout takes (PP of them with
+# a pipeline, else 1) keep a check of the seed layout near a minute with every feature still run.
+GPU_SEQ, GPU_TOP_K = 64, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +76,11 @@ def _shrink_model(cfg: RunConfig, model: ModelConfig) -> tuple[RunConfig, ModelC
     p = cfg.parallel
     tp = p.tensor_model_parallel_size
     changes: list[str] = []
-    num_layers, parallel_changes = layer_plan(cfg, model.num_layers)
+    # Under --code-paths gpu a model of one layer kind keeps 1 layer a stage: each layer's MoE kernels
+    # are interpreted once per device.
+    one_kind = len(set(model.moe_layers())) == 1
+    num_layers, parallel_changes = layer_plan(cfg, model.num_layers,
+                                              per_stage=1 if cfg.extras.code_paths == "gpu" and one_kind else 2)
     kinds = shrunk_kinds(model.moe_layers(), num_layers)
     sizes = dict(num_layers=num_layers, hidden_size=min(model.hidden_size, HIDDEN),
                  intermediate_size=_round_up(min(model.intermediate_size, DENSE_FFN), tp))
@@ -77,7 +89,9 @@ def _shrink_model(cfg: RunConfig, model: ModelConfig) -> tuple[RunConfig, ModelC
         sizes["vocab_size"] = padded_vocab_size(VOCAB, cfg.model.make_vocab_size_divisible_by, tp)
     if model.is_moe:
         etp = p.expert_tensor_parallel_size or tp
-        sizes["num_experts"] = _experts(cfg, model)
+        if cfg.extras.code_paths == "gpu":
+            sizes["top_k"] = min(model.top_k, GPU_TOP_K)
+        sizes["num_experts"] = _experts(cfg, model, sizes.get("top_k", model.top_k))
         ffn = _round_up(min(model.moe_intermediate_size, MOE_FFN), etp)
         if cfg.extras.code_paths == "gpu":  # each rank's FFN width a whole Mosaic-GPU weight-gradient tile
             ffn = _round_up(ffn, etp * WEIGHT_GRAD_ROWS)
@@ -89,7 +103,7 @@ def _shrink_model(cfg: RunConfig, model: ModelConfig) -> tuple[RunConfig, ModelC
         raise ConfigError(f"check: cannot shrink {model.name} (its layer kinds are not the MoE pattern alone); "
                           "run it at its own size with --check-full-size")
     for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "num_experts",
-                  "moe_intermediate_size", "vocab_size"):
+                  "top_k", "moe_intermediate_size", "vocab_size"):
         _change(changes, field, getattr(model, field), getattr(small, field))
     if model.is_moe and len(set(model.moe_layers())) > 1:
         changes.append("MoE layers " + _pattern(model.moe_layers()) + " -> " + _pattern(kinds))
@@ -117,23 +131,23 @@ def _heads(heads: int, kv: int, tp: int) -> dict[str, int]:
     return {"num_heads": kv_small * group, "num_kv_heads": kv_small}
 
 
-def _experts(cfg: RunConfig, model: ModelConfig) -> int:
-    """The fewest experts (at least 2 x top-k and 4) that EP and the router's groups divide, with
+def _experts(cfg: RunConfig, model: ModelConfig, top_k: int) -> int:
+    """The fewest experts (at least 2 x ``top_k`` and 4) that EP and the router's groups divide, with
     enough experts in the allowed groups for the top-k."""
     m, p = cfg.moe, cfg.parallel
     ep = p.expert_model_parallel_size
     groups = m.moe_router_num_groups or (ep if m.moe_router_topk_limited_devices else 1)
     group_topk = m.moe_router_group_topk or m.moe_router_topk_limited_devices or groups
     step = math.lcm(ep, groups)
-    e = _round_up(max(2 * model.top_k, 4), step)
-    while group_topk * (e // groups) < model.top_k:
+    e = _round_up(max(2 * top_k, 4), step)
+    while group_topk * (e // groups) < top_k:
         e += step
     return min(e, model.num_experts)  # the model's own count already fits the layout
 
 
-def layer_plan(cfg: RunConfig, num_layers: int) -> tuple[int, list[tuple[str, object, object]]]:
+def layer_plan(cfg: RunConfig, num_layers: int, per_stage: int = 2) -> tuple[int, list[tuple[str, object, object]]]:
     """The shrunk layer count for the pipeline flags, and the pipeline / recompute flags changed
-    with it (``(flag, before, after)``): 2 layers a stage (1 a chunk with virtual stages, at most 2
+    with it (``(flag, before, after)``): ``per_stage`` layers a stage (1 a chunk with virtual stages, at most 2
     chunks a stage), uneven first / last stages of 1 layer (the last of 2 if both are given at PP 2)."""
     p = cfg.parallel
     pp = p.pipeline_model_parallel_size
@@ -153,7 +167,7 @@ def layer_plan(cfg: RunConfig, num_layers: int) -> tuple[int, list[tuple[str, ob
         changes += [("--num-layers-per-virtual-pipeline-stage", per_virtual, 1),
                     ("--num-virtual-stages-per-pipeline-rank", p.num_virtual_stages_per_pipeline_rank, None)]
     else:
-        layers = 2 * pp
+        layers = per_stage * pp
     recompute = cfg.training.recompute_num_layers
     if recompute is not None:
         changes.append(("--recompute-num-layers", recompute, 1))
@@ -180,14 +194,16 @@ def shrunk_kinds(kinds: tuple, layers: int) -> tuple:
 
 
 def _shrink_batch(cfg: RunConfig, num_devices: int) -> tuple[RunConfig, list[str]]:
-    """Rows of at most :data:`SEQ` tokens and at most ``max(2, 2 x PP)`` micro-batches."""
+    """Rows of at most :data:`SEQ` tokens and at most ``max(2, 2 x PP)`` micro-batches (under
+    ``--code-paths gpu``: :data:`GPU_SEQ` tokens and PP micro-batches, 1 without a pipeline)."""
     t, p, changes = cfg.training, cfg.parallel, []
+    gpu = cfg.extras.code_paths == "gpu"
     layout = layout_of(p, num_devices)
     dp = layout.data_parallel
     mbs = t.micro_batch_size or 1
     gbs = t.global_batch_size or mbs * dp
     micro = gbs // (mbs * dp) if gbs % (mbs * dp) == 0 else None  # the layout check names a bad split
-    most = max(2, 2 * layout.pipeline)
+    most = layout.pipeline if gpu else max(2, 2 * layout.pipeline)
     training, data = {}, {}
     if micro is not None and micro > most:
         training["global_batch_size"] = most * mbs * dp
@@ -196,7 +212,8 @@ def _shrink_batch(cfg: RunConfig, num_devices: int) -> tuple[RunConfig, list[str
     sp = p.sequence_parallel and p.tensor_model_parallel_size > 1
     multiple = math.lcm(2 * p.context_parallel_size, p.tensor_model_parallel_size * p.context_parallel_size
                         if sp else 1, 16)
-    if seq is not None and seq > SEQ:
-        data["seq_length"] = _round_up(SEQ, multiple)
+    longest = GPU_SEQ if gpu else SEQ
+    if seq is not None and seq > longest:
+        data["seq_length"] = _round_up(longest, multiple)
         changes.append(f"--seq-length {seq} -> {data['seq_length']}")
     return cfg.replace(training=training, data=data), changes
