@@ -236,7 +236,7 @@ def test_every_iteration_starts_both_runs_from_the_one_devices_state():
     iteration's update."""
     from mlir_train.run import certify
 
-    class Trainer:
+    class Steps:  # what the certificate asks of a trainer
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
 
         def global_batch(self, rows):
@@ -255,7 +255,7 @@ def test_every_iteration_starts_both_runs_from_the_one_devices_state():
     c = certify.Certificate(None, certify.Side("layout", None), certify.Side("one device", None), "float32", [],
                             certify.TOLERANCES["float32"])
     c.layout.init = c.reference.init = jax.device_get({"params": init["params"]})
-    steps = [(Trainer(), step("layout", 1.001), init), (Trainer(), step("one device", 1.0), init)]
+    steps = [(Steps(), step("layout", 1.001), init), (Steps(), step("one device", 1.0), init)]
     certify._train_in_step(c, steps, [{"x": np.full(4, 1.0)}, {"x": np.full(4, 2.0)}, {"x": np.full(4, 4.0)}],
                            log=lambda *_: None)
     assert starts["one device"] == [1.0, 2.0, 4.0]

@@ -88,16 +88,16 @@ def test_uneven_mixed_pipeline_equals_one_device(schedule):
 def test_stage_program_pads_uneven_and_mixed_stages():
     # 23 + 25 layers of one stack over two stages: one segment of 25 slots, 2 padding on stage 0
     moe = LayerKind(moe=True)
-    (seg,) = stage_program(make_schedule(48, 2, first_stage_layers=23), (Stack(0, 48, moe),))
+    (seg,) = stage_program(make_schedule(48, 2, first_stage_layers=23), (Stack(moe, tuple(range(48))),))
     assert seg.src.shape == (2, 1, 25) and seg.active.sum() == 48 and not seg.active[0, 0, 23:].any()
     np.testing.assert_array_equal(seg.src[1, 0], np.arange(23, 48))
     # a dense/MoE period that divides the stage length: no padding at all
-    kinds = tuple(Stack(i, 1, LayerKind(moe=i % 2 == 1)) for i in range(8))  # D M D M D M D M, one stack per layer
+    kinds = (Stack(LayerKind(moe=False), (0, 2, 4, 6)), Stack(LayerKind(moe=True), (1, 3, 5, 7)))  # D M D M D M D M
     program = stage_program(make_schedule(8, 2), kinds)
     assert [s.is_moe for s in program] == [False, True] * 2 and all(s.active.all() for s in program)
     np.testing.assert_array_equal(program[1].src[:, 0, 0], [0, 2])  # MoE rows (layers 1 and 5)
     # even single stack: the plain [P, R, V] view of the stored stack (no data moves for R = 1)
-    (seg,) = stage_program(Schedule(stages=2, virtual=2), (Stack(0, 8, moe),))
+    (seg,) = stage_program(Schedule(stages=2, virtual=2), (Stack(moe, tuple(range(8))),))
     np.testing.assert_array_equal(seg.src, to_stages(jnp.arange(8), Schedule(stages=2, virtual=2)))
 
 
