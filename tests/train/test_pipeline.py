@@ -85,6 +85,22 @@ def test_uneven_mixed_pipeline_equals_one_device(schedule):
     assert_same_step(out, ref)
 
 
+# Dense / MoE alternating (D M D M ...): a chunk of two or more periods runs them as one scan over the
+# periods (train/pipeline/program.py's period scans): 8 layers PP2 (2 periods a stage), 4 layers as
+# 1 | 3 (stage 0 [D], stage 1 [M D M]: (D, M) x 2 with padding), 16 layers interleaved (chunks of 4).
+ALTERNATING = {"1f1b-even": (8, {}, None), "1f1b-1|3": (4, dict(first_stage_layers=1), None),
+               "interleaved": (16, {}, 4)}
+
+
+@pytest.mark.parametrize("name", list(ALTERNATING))
+def test_period_scan_pipeline_equals_one_device(name):
+    layers, uneven, per_virtual = ALTERNATING[name]
+    cfg = PIPELINE_CFG.replace(num_layers=layers, mlp_only_layers=tuple(range(0, layers, 2)))
+    ref = pipeline_step(Layout(num_devices=1), jax.devices()[:1], cfg=cfg)
+    out = pipeline_step(Layout(pipeline=2, num_devices=2), jax.devices()[:2], per_virtual, cfg=cfg, **uneven)
+    assert_same_step(out, ref)
+
+
 def test_stage_program_pads_uneven_and_mixed_stages():
     # 23 + 25 layers of one stack over two stages: one segment of 25 slots, 2 padding on stage 0
     moe = LayerKind(moe=True)
