@@ -107,11 +107,13 @@ def test_stage_program_pads_uneven_and_mixed_stages():
     (seg,) = stage_program(make_schedule(48, 2, first_stage_layers=23), (Stack(moe, tuple(range(48))),))
     assert seg.src.shape == (2, 1, 25) and seg.active.sum() == 48 and not seg.active[0, 0, 23:].any()
     np.testing.assert_array_equal(seg.src[1, 0], np.arange(23, 48))
-    # a dense/MoE period that divides the stage length: no padding at all
+    # a dense/MoE period that divides the stage length: no padding at all; two periods a stage,
+    # one scan over them (each segment holds its run's slots of both periods, period-major)
     kinds = (Stack(LayerKind(moe=False), (0, 2, 4, 6)), Stack(LayerKind(moe=True), (1, 3, 5, 7)))  # D M D M D M D M
     program = stage_program(make_schedule(8, 2), kinds)
-    assert [s.is_moe for s in program] == [False, True] * 2 and all(s.active.all() for s in program)
-    np.testing.assert_array_equal(program[1].src[:, 0, 0], [0, 2])  # MoE rows (layers 1 and 5)
+    assert [(s.is_moe, s.count, s.periods) for s in program] == [(False, 1, 2), (True, 1, 2)]
+    assert all(s.active.all() for s in program)
+    np.testing.assert_array_equal(program[1].src[:, 0], [[0, 1], [2, 3]])  # MoE rows (layers 1 3 | 5 7)
     # even single stack: the plain [P, R, V] view of the stored stack (no data moves for R = 1)
     (seg,) = stage_program(Schedule(stages=2, virtual=2), (Stack(moe, tuple(range(8))),))
     np.testing.assert_array_equal(seg.src, to_stages(jnp.arange(8), Schedule(stages=2, virtual=2)))
