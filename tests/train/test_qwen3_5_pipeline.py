@@ -42,6 +42,9 @@ CASES = {  # name: (model, layers, pipeline schedule arguments)
     "moe8-PP2-1f1b-first3": ("qwen3.5-moe-tiny", 8, dict(kind="1f1b", first_stage_layers=3)),
     "next8-PP2-interleaved": ("qwen3-next-tiny", 8, dict(kind="1f1b", virtual=2)),
     "next4-PP2-1f1b": ("qwen3-next-tiny", 4, dict(kind="1f1b")),
+    # one scan over the periods inside a chunk (moe8 first3 above is one too: (D x 3, A) x 2, padded)
+    "moe16-PP2-1f1b": ("qwen3.5-moe-tiny", 16, dict(kind="1f1b")),
+    "moe32-PP2-interleaved": ("qwen3.5-moe-tiny", 32, dict(kind="1f1b", virtual=8)),
 }
 
 
