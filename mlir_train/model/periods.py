@@ -17,7 +17,8 @@ whose runs get the same pieces share one period scan; where a policy's grouping 
 one period to the next (``block`` over its first N layers, ``uniform`` groups that do not divide
 the period) the periods split into several period scans, or, for a single period, into
 per-run scans. Pure planning (no JAX): the model's forward (:func:`transformer.run_layers`)
-and the pipeline's stage program (:mod:`mlir_train.train.pipeline.program`) use it.
+and the pipeline's stage program (:mod:`mlir_train.train.pipeline.program`: a chunk's segments,
+:func:`plan_periods`) use it.
 """
 
 from __future__ import annotations

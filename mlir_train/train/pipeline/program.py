@@ -10,7 +10,12 @@ whose length P does not divide is stored whole on every stage, :func:`storage_ax
 the step every chunk runs the same *stage program* (:func:`stage_program`): a list of
 segments, each a run of same-kind layers ``[P, R, S, ...]``, with padding slots that are
 identity layers (``run_stack(active=...)``: they add nothing to the activations, their router
-statistics are masked and their weights get exactly zero gradient). Layer
+statistics are masked and their weights get exactly zero gradient). Where a chunk's segments
+repeat (two or more periods of the model's layer pattern: Qwen3.5's [D x 3, A], dense / MoE
+alternation), the repeats are one *period scan*: one segment per run of the period holding that
+run's slots of every period, and the chunk runs one ``lax.scan`` over the periods
+(:func:`_period_scans`, planned by :func:`mlir_train.model.periods.plan_periods` as the
+unpipelined decoder is), so the stage program does not grow with depth. Layer
 ``l = (r * P + s) * V + j`` is chunk ``r``, layer ``j`` of stage ``s`` (Megatron's interleaved
 assignment); ``--decoder-first/last-pipeline-num-layers`` give the first/last stage their own
 count and the middle stages share the rest, as Megatron does. For an even split of one stack
