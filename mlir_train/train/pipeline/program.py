@@ -169,7 +169,8 @@ def _period_scans(segments: list[Segment], remat: RecomputePolicy | str) -> list
 
 
 def _canonical(seg: Segment, schedule: Schedule) -> bool:
-    """Whether the segment is the plain ``to_stages`` view of its (single) stack."""
+    """Whether the segment is the plain ``to_stages`` view of its kind's rows (the caller checks
+    that it holds all of them: a period scan's segment can be the view of a kind's first rows)."""
     p, r, v = seg.src.shape
     return bool(seg.active.all()) and np.array_equal(
         seg.src, np.arange(p * r * v).reshape(r, p, v).swapaxes(0, 1))
@@ -184,7 +185,7 @@ def to_segments(stacks: list[Any], stack_kinds, program: list[Segment], schedule
     out = []
     for seg in program:
         tree = by_kind[seg.kind]
-        if _canonical(seg, schedule):
+        if jax.tree.leaves(tree)[0].shape[0] == seg.src.size and _canonical(seg, schedule):
             out.append(jax.tree.map(lambda x: to_stages(x, schedule), tree))
         else:  # uneven or mixed: XLA moves the layers a stage runs but does not store
             flat = seg.src.reshape(-1)
