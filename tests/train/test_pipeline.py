@@ -88,18 +88,22 @@ def test_uneven_mixed_pipeline_equals_one_device(schedule):
 # Dense / MoE alternating (D M D M ...): a chunk of two or more periods runs them as one scan over the
 # periods (train/pipeline/program.py's period scans): 8 layers PP2 (2 periods a stage), 4 layers as
 # 1 | 3 (stage 0 [D], stage 1 [M D M]: (D, M) x 2 with padding), 16 layers interleaved (chunks of 4).
-# Each took ~100 s at load 9 on the 2 shared cores: the padded one stays in the default suite (with
-# test_cli_uneven_mixed_pipeline_matches_pp1's M D M D over 1 | 3), the others are slow.
-ALTERNATING = {"1f1b-even": (8, {}, None), "1f1b-1|3": (4, dict(first_stage_layers=1), None),
-               "interleaved": (16, {}, 4)}
+# Each took ~100 s cold at load 9 on the 2 shared cores (22 s with the compile cache warm): the padded
+# one stays in the default suite, the others are slow (so is test_cli_uneven_mixed_pipeline_matches_pp1,
+# whose M D M D over 1 | 3 is a period scan too).
+PP2 = Layout(pipeline=2, num_devices=2)
+ALTERNATING = {"1f1b-even": (8, {}, None, PP2), "1f1b-1|3": (4, dict(first_stage_layers=1), None, PP2),
+               "interleaved": (16, {}, 4, PP2),
+               # the period form's reshape [periods * S, ...] -> [periods, S, ...] under tensor and expert splits
+               "TP2xPP2xEP2": (8, {}, None, Layout(tensor=2, pipeline=2, expert=2, num_devices=8))}
 
 
 @pytest.mark.parametrize("name", [n if n == "1f1b-1|3" else pytest.param(n, marks=pytest.mark.slow) for n in ALTERNATING])
 def test_period_scan_pipeline_equals_one_device(name):
-    layers, uneven, per_virtual = ALTERNATING[name]
+    layers, uneven, per_virtual, layout = ALTERNATING[name]
     cfg = PIPELINE_CFG.replace(num_layers=layers, mlp_only_layers=tuple(range(0, layers, 2)))
     ref = pipeline_step(Layout(num_devices=1), jax.devices()[:1], cfg=cfg)
-    out = pipeline_step(Layout(pipeline=2, num_devices=2), jax.devices()[:2], per_virtual, cfg=cfg, **uneven)
+    out = pipeline_step(layout, jax.devices()[:layout.num_devices], per_virtual, cfg=cfg, **uneven)
     assert_same_step(out, ref)
 
 
