@@ -108,7 +108,7 @@ def run_model(args):
     from mlir_train.families import build_model, get_model_config
     from mlir_train.model import ModelOptions
     from tests.helpers import named_leaves
-    from tests.model.test_periods import _per_run
+    from tests.model.test_periods import _per_run, _probe_loss
 
     cfg = get_model_config(args.model, vocab_size=512, num_layers=8)
     graph, state = nnx.split(build_model(cfg, ModelOptions(remat="none")))
@@ -127,10 +127,9 @@ def run_model(args):
 
     def loss(state):
         h, stats = run(nnx.merge(graph, state), ids)
-        p = stats["probs_per_expert"]
         if args.loss == "squares":  # RMS-normalised states: their sum of squares hardly depends on the weights
-            return jnp.sum(h ** 2) + jnp.sum(p)
-        return jnp.sum(h * jnp.cos(jnp.arange(h.size).reshape(h.shape))) + jnp.sum(p * jnp.sin(jnp.arange(p.size).reshape(p.shape)))
+            return jnp.sum(h ** 2) + jnp.sum(stats["probs_per_expert"])
+        return _probe_loss(h, stats)
 
     value, grads = jax.jit(jax.value_and_grad(loss))(state)
     np.savez(_file(args, args.run, args.bits), **dict(named_leaves(grads)), **{"metric:loss": np.asarray(value)})
