@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3-Next train exactly like one device under DP, TP + SP, EP, ETP 1 and LoRA.
+"""Qwen3.5 / Qwen3-Next train exactly like one device under DP, TP + SP, EP, ETP 1, LoRA, and CP alone, with TP and with PP.
 
 One optimizer step of a tiny Qwen3.5-MoE (a gated-DeltaNet layer and a gated-attention layer,
 routed experts and a gated shared expert) and of the tiny Qwen3-Next (its dense first layer) on
