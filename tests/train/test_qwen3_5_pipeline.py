@@ -8,7 +8,8 @@ statistics, gradients, updated parameters). The splits: an uneven one that break
 (4 layers as [D D D] | [A]: each stage pads the run it lacks), an even one (8 layers, a whole
 period per stage), interleaved 1F1B (2 stages x 2 chunks of 2 layers: [D D] [D A] per stage),
 Megatron's --decoder-first-pipeline-num-layers 3 of 8 ([D D D] | [A D D D A]), Qwen3-Next's
-dense first layer (four layer kinds). PP x CP is ``tests/train/test_qwen3_5_layouts.py``'s. The step cases are slow (see below).
+dense first layer (four layer kinds). PP x CP is refused for the family (see
+``tests/train/test_qwen3_5_layouts.py``). The step cases are slow (see below).
 """
 
 from __future__ import annotations
