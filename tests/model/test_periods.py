@@ -101,7 +101,26 @@ def _per_run(model, ids):
     return model.final_norm(x), {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]}
 
 
-# fp32: the loss to 1e-6, gradients to XLA's fusion order (seen: up to 6e-5 of a leaf's largest)
+# The loss reads the final states and the router's probabilities against fixed probes. It was the sum of
+# their squares, but RMS-normalised states have a nearly constant sum of squares (and the probabilities
+# sum to one per token), so every gradient was a small remainder of cancelling terms: in float32 the
+# per-run program was itself up to 8.1e-5 of a leaf's largest from float64 and the period scan 9.3e-5,
+# while in float64 the two agreed to 1.9e-13 (benchmarks/float64_reference.py --loss squares). The 6e-5
+# difference seen with recompute none was that float32 noise, in every leaf (worst: the MLPs' down_proj,
+# the embedding, the DeltaNet's norm), not the scan. Against probes the two float32 programs differ by
+# at most 2.4e-6 (the decay gate's a_log / dt_bias / wa, each program 1.3e-5 from float64: its gradient is
+# the noisiest, as in tests/train/test_qwen3_5_layouts.py), 6.5e-7 elsewhere; the loss, a sum of terms
+# of both signs, by 1.3e-6 of itself. Tolerances: 4x each leaf's float32 error against float64.
+GRAD_TOL = 1e-5
+DECAY_GATE_TOL = 5e-5
+
+
+def _probe_loss(h, stats):
+    p = stats["probs_per_expert"]
+    return (jnp.sum(h.astype(jnp.float32) * jnp.cos(jnp.arange(h.size).reshape(h.shape)))
+            + jnp.sum(p * jnp.sin(jnp.arange(p.size).reshape(p.shape))))
+
+
 @pytest.mark.parametrize("remat", ["full", pytest.param("none", marks=pytest.mark.slow)])
 def test_the_period_scan_equals_the_per_run_scans(remat):
     cfg = _cfg(8)  # two periods (10 layers, with a remainder, is the same code and twice the compile)
@@ -111,17 +130,19 @@ def test_the_period_scan_equals_the_per_run_scans(remat):
 
     def loss(state, run):
         h, stats = run(nnx.merge(graph, state), ids)
-        return jnp.sum(h.astype(jnp.float32) ** 2) + jnp.sum(stats["probs_per_expert"]), (h, stats)
+        return _probe_loss(h, stats), (h, stats)
 
     (l1, (h1, s1)), g1 = jax.jit(jax.value_and_grad(lambda s: loss(s, lambda m, i: m.hidden_states(i)), has_aux=True))(state)
     (l0, (h0, s0)), g0 = jax.jit(jax.value_and_grad(lambda s: loss(s, _per_run), has_aux=True))(state)
-    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5)
     np.testing.assert_allclose(h1, h0, rtol=1e-6, atol=1e-6)
     for k in s0:
         np.testing.assert_allclose(s1[k], s0[k], rtol=1e-6, atol=1e-6, err_msg=k)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g0)):
         scale = float(jnp.max(jnp.abs(b)))
-        np.testing.assert_allclose(a, b, rtol=0, atol=2e-4 * scale, err_msg=jax.tree_util.keystr(path))
+        key = jax.tree_util.keystr(path)
+        tol = DECAY_GATE_TOL if any(leaf in key for leaf in ("a_log_H", "dt_bias_H", "wa_DH")) else GRAD_TOL
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * scale, err_msg=key)
 
 
 def test_an_old_per_run_checkpoint_is_refused_by_name():
