@@ -15,8 +15,8 @@ dense first layer (four layer kinds), and the period scans: 16 layers (two whole
 stage), 32 layers interleaved in chunks of 8 (two a chunk), the 3 | 5 split above ((D x 3, A) x 2
 with padding slots). Seen (2026-12-04, load 7-9, fp32 one step): moe16 1F1B 236 s, gradient
 2.1e-6 of its largest; moe8 first3 151 s, 2.2e-6; moe32 interleaved 207 s, 2.0e-6; moe4 3|1 42 s,
-4.2e-6 and moe8 interleaved 36 s, 4.0e-6 (compile cache warm); loss 7.6e-8 relative or equal. PP x CP is refused for the family (see
-``tests/train/test_qwen3_5_layouts.py``). The step cases are slow (see below).
+4.2e-6 and moe8 interleaved 36 s, 4.0e-6 (compile cache warm); loss 7.6e-8 relative or equal. PP x CP is
+tested in ``tests/train/test_qwen3_5_layouts.py`` (slow whole steps against one device). The step cases are slow (see below).
 """
 
 from __future__ import annotations
