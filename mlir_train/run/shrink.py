@@ -14,7 +14,9 @@ micro-batch size and data-parallel split, with at most ``max(2, 2 x PP)`` micro-
 of at most :data:`SEQ` tokens (still divisible as CP, TP and SP need). Under ``--code-paths gpu``,
 whose MoE kernels are interpreted call by call, smaller still: top-k at most :data:`GPU_TOP_K`, 1 layer
 a stage for a model of one layer kind, rows of :data:`GPU_SEQ` tokens and PP micro-batches (1 without a
-pipeline). Every change is listed.
+pipeline); and, shrunk or not, each rank's expert width a whole Mosaic-GPU weight-gradient tile
+(:data:`~mlir_train.model.kernels.mosaic_moe.WEIGHT_GRAD_ROWS` rows, which the kernel needs). Every
+change is listed.
 """
 
 from __future__ import annotations
@@ -38,33 +40,54 @@ SEQ = 128
 # :data:`GPU_TOP_K` experts a token and the fewest micro-batches the layout takes (PP of them with
 # a pipeline, else 1) keep a check of the seed layout near a minute with every feature still run.
 GPU_SEQ, GPU_TOP_K = 64, 2
+WIDENED = (f"each rank's expert width rounded up to the Mosaic-GPU weight-gradient tile ({WEIGHT_GRAD_ROWS} rows) "
+           "that --code-paths gpu interprets")
 
 
 @dataclasses.dataclass(frozen=True)
 class Shrunk:
-    """The run the check compares: its flags and model, what changed (``"hidden 2048 -> 128"``)
-    and the vocabulary the batches' token ids are folded into (None: not folded)."""
+    """The run the check compares: its flags and model, what changed (``"hidden 2048 -> 128"``) and
+    why (``model_why``), and the vocabulary the batches' token ids are folded into (None: not folded)."""
 
     cfg: RunConfig
     model: ModelConfig
     model_changes: tuple[str, ...] = ()
     batch_changes: tuple[str, ...] = ()
     fold_vocab: int | None = None
+    model_why: str = ""
 
 
 def shrink(cfg: RunConfig, model: ModelConfig, num_devices: int, *, keep_size: bool = False) -> Shrunk:
-    """``cfg`` and ``model`` small enough for a CPU (``keep_size``: as they are)."""
+    """``cfg`` and ``model`` small enough for a CPU (``keep_size``: as they are). Under ``--code-paths
+    gpu`` each rank's expert width is a whole Mosaic-GPU weight-gradient tile, shrunk or not (the
+    kernel refuses a part of one)."""
     if keep_size:
         return Shrunk(cfg, model)
-    model_changes: list[str] = []
-    fold = None
+    small, pattern_changes, fold = model, [], None
+    why = WIDENED
     if model.num_params() > LARGE_PARAMS:
-        cfg, small, model_changes = _shrink_model(cfg, model)
+        cfg, small, pattern_changes = _shrink_model(cfg, model)
         if small.vocab_size < model.vocab_size:
             fold = small.vocab_size
-        model = small
+        why = f"shrunk to a tiny {model.family} of the same layout and features"
+    small = _kernel_widths(cfg, small)
+    model_changes: list[str] = []
+    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "num_experts",
+                  "top_k", "moe_intermediate_size", "vocab_size"):
+        _change(model_changes, field, getattr(model, field), getattr(small, field))
     cfg, batch_changes = _shrink_batch(cfg, num_devices)
-    return Shrunk(cfg, model, tuple(model_changes), tuple(batch_changes), fold)
+    return Shrunk(cfg, small, tuple(model_changes + pattern_changes), tuple(batch_changes), fold, why)
+
+
+def _kernel_widths(cfg: RunConfig, model: ModelConfig) -> ModelConfig:
+    """``model`` with each rank's expert FFN width a whole Mosaic-GPU weight-gradient tile
+    (:data:`WEIGHT_GRAD_ROWS`) under ``--code-paths gpu``: the kernel's tiles, not the layout, need it."""
+    if cfg.extras.code_paths != "gpu" or not model.is_moe:
+        return model
+    p = cfg.parallel
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    ffn = _round_up(model.moe_intermediate_size, etp * WEIGHT_GRAD_ROWS)
+    return model if ffn == model.moe_intermediate_size else model.replace(moe_intermediate_size=ffn)
 
 
 def _change(changes: list[str], what: str, before, after) -> None:
@@ -92,19 +115,13 @@ def _shrink_model(cfg: RunConfig, model: ModelConfig) -> tuple[RunConfig, ModelC
         if cfg.extras.code_paths == "gpu":
             sizes["top_k"] = min(model.top_k, GPU_TOP_K)
         sizes["num_experts"] = _experts(cfg, model, sizes.get("top_k", model.top_k))
-        ffn = _round_up(min(model.moe_intermediate_size, MOE_FFN), etp)
-        if cfg.extras.code_paths == "gpu":  # each rank's FFN width a whole Mosaic-GPU weight-gradient tile
-            ffn = _round_up(ffn, etp * WEIGHT_GRAD_ROWS)
-        sizes["moe_intermediate_size"] = ffn
+        sizes["moe_intermediate_size"] = _round_up(min(model.moe_intermediate_size, MOE_FFN), etp)
     small = model.replace(name=f"{model.name} (shrunk)", **sizes)
     if model.is_moe:
         small = small.with_moe_layers(kinds)
     if small.moe_layers() != kinds:
         raise ConfigError(f"check: cannot shrink {model.name} (its layer kinds are not the MoE pattern alone); "
                           "run it at its own size with --check-full-size")
-    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "num_experts",
-                  "top_k", "moe_intermediate_size", "vocab_size"):
-        _change(changes, field, getattr(model, field), getattr(small, field))
     if model.is_moe and len(set(model.moe_layers())) > 1:
         changes.append("MoE layers " + _pattern(model.moe_layers()) + " -> " + _pattern(kinds))
     changes += [f"{flag} {before} -> {after}" for flag, before, after in parallel_changes]

@@ -119,6 +119,24 @@ def test_the_gpu_code_paths_shrink_to_the_fewest_interpreted_kernel_calls():
     assert shrink(cli.parse(seed), mixed, num_devices=8).model.num_layers == 4  # 2 kinds: 2 layers a stage
 
 
+def test_the_gpu_code_paths_widen_a_small_models_experts_to_the_kernel_tile():
+    """A model too small to shrink still gets each rank's expert width a whole Mosaic-GPU
+    weight-gradient tile under ``--code-paths gpu`` (qwen3.5-moe-tiny's 64 over ETP2 was refused as
+    32), said as a change with its reason; nothing changes on the default paths."""
+    from mlir_train.run.shrink import WIDENED
+
+    flags = ["--model-name", "qwen3.5-moe-tiny", "--tensor-model-parallel-size", "2", "--expert-model-parallel-size",
+             "2", "--sequence-parallel"]
+    model = get_model_config("qwen3.5-moe-tiny", vocab_size=1792)
+    small = shrink(cli.parse(flags + ["--code-paths", "gpu"]), model, num_devices=8)
+    assert small.model.moe_intermediate_size == 128 and small.model.name == model.name
+    assert small.model_changes == ("moe_intermediate_size 64 -> 128",) and small.model_why == WIDENED
+    assert small.model.moe_layers() == model.moe_layers() and small.model.num_layers == model.num_layers
+    assert shrink(cli.parse(flags), model, num_devices=8).model == model
+    etp1 = shrink(cli.parse(flags + ["--expert-tensor-parallel-size", "1", "--code-paths", "gpu"]), model, 8)
+    assert etp1.model == model and not etp1.model_changes  # 64 a rank: one tile
+
+
 def test_layer_patterns_keep_their_kinds():
     assert shrunk_kinds((0,) * 3 + (1,) * 45, 4) == (0, 1, 1, 1)
     assert shrunk_kinds((0, 1) * 24, 4) == (0, 1, 0, 1)  # more runs than layers: the first layers
