@@ -141,6 +141,25 @@ def test_layer_patterns_keep_their_kinds():
     assert shrunk_kinds((0,) * 3 + (1,) * 45, 4) == (0, 1, 1, 1)
     assert shrunk_kinds((0, 1) * 24, 4) == (0, 1, 0, 1)  # more runs than layers: the first layers
     assert shrunk_kinds((1,) * 10 + (0,) * 2 + (1,) * 10, 4) == (1, 1, 0, 1)  # the spare layer to the first long run
+    assert shrunk_kinds(("G", "G", "G", "A") * 10, 2) == ("G", "A")  # every kind, the missing ones last
+    assert shrunk_kinds(("G", "G", "G", "A") * 10, 4) == ("G", "G", "G", "A")
+
+
+def test_a_qwen3_5_model_shrinks_keeping_its_attention_layers():
+    """The 3:1 DeltaNet/attention pattern keeps both mixers (before, 2 shrunk layers were both
+    DeltaNet: the check never ran attention, nor the flash kernel at head 256), said as a change;
+    no dense FFN appears where the model has none."""
+    from mlir_train.config.models import LayerKind
+
+    model = get_model_config("qwen3.5-35b-a3b", vocab_size=248320)
+    small = shrink(cli.parse(["--model-name", "qwen3.5-35b-a3b", "--expert-model-parallel-size", "2",
+                              "--code-paths", "gpu"]), model, num_devices=8)
+    m = small.model
+    assert m.layer_kinds() == (LayerKind(True, "gated_deltanet"), LayerKind(True, "attention")), m.layer_kinds()
+    assert m.head_dim == 256 and m.intermediate_size == 0 and m.moe_intermediate_size == 64
+    assert "mixers (A attention, G gated_deltanet) " + "GGGA" * 10 + " -> GA" in small.model_changes
+    pp2 = shrink(cli.parse(["--model-name", "qwen3.5-35b-a3b", "--pipeline-model-parallel-size", "2"]), model, 8)
+    assert "".join(k.mixer[0] for k in pp2.model.layer_kinds()) == "ggga"  # 2 layers a stage
 
 
 def test_code_paths_name_a_kernel_and_whether_it_is_interpreted():
