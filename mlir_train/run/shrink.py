@@ -62,6 +62,11 @@ def shrink(cfg: RunConfig, model: ModelConfig, num_devices: int, *, keep_size: b
     gpu`` each rank's expert width is a whole Mosaic-GPU weight-gradient tile, shrunk or not (the
     kernel refuses a part of one)."""
     if keep_size:
+        if _kernel_widths(cfg, model) != model:
+            raise ConfigError(f"--check-full-size --code-paths gpu: {model.name}'s expert width "
+                              f"{model.moe_intermediate_size} is not a whole {WEIGHT_GRAD_ROWS}-row Mosaic-GPU "
+                              "weight-gradient tile on each expert-tensor rank, which the kernel needs; drop "
+                              "--check-full-size (the check widens it) or use --moe-gemm-backend padded")
         return Shrunk(cfg, model)
     small, pattern_changes, fold = model, [], None
     why = WIDENED
