@@ -282,7 +282,7 @@ def assert_gpu_paths_ran(out: list[str], *, overflow: bool = False, flash: bool 
 # The rest are slow; each alone through this test at load 6-9 (2026-12-04; largest relative difference):
 # pp2-interleaved-ep2 284 s (7.8e-5), cp2-ep2 99 s (2.4e-4), qwen3.5-ep2 259 s (2.6e-4; 205 s on 2 devices:
 # compiles dominate, so ~60-75 s unloaded, over the default suite's budget), qwen3.5-tiny-ep2 403 s (1.4e-4),
-# qwen3.5-tiny-pp2-ep2 680 s (1.4e-4), qwen3.5-tiny-tp2-ep2-sp 384 s by hand (3.9e-4).
+# qwen3.5-tiny-pp2-ep2 680 s (1.4e-4), qwen3.5-tiny-tp2-ep2-sp 460 s (3.9e-4); folding rerun 85 s.
 DEFAULT_SUITE = ("seed", "folding", "ep8-overflow", "lora")
 
 
