@@ -107,6 +107,19 @@ class ModelConfig:
         """This config with MoE exactly at ``pattern``'s layers (``--moe-layer-freq``)."""
         return self.replace(decoder_sparse_step=1, mlp_only_layers=tuple(i for i, moe in enumerate(pattern) if not moe))
 
+    def with_layer_kinds(self, kinds: tuple[LayerKind, ...]) -> "ModelConfig":
+        """This config of ``len(kinds)`` layers, each of its kind."""
+        small = self.replace(num_layers=len(kinds), **self.mixer_fields(tuple(k.mixer for k in kinds)))
+        return small.with_moe_layers(tuple(k.moe for k in kinds)) if self.is_moe else small
+
+    def mixer_fields(self, mixers: tuple[str, ...]) -> dict[str, Any]:
+        """The fields that give the layers these token mixers (a family with other mixers than
+        attention names its own)."""
+        others = set(mixers) - {"attention"}
+        if others:
+            raise ValueError(f"{self.name}: this family's layers have attention only, not {sorted(others)}")
+        return {}
+
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 

@@ -328,8 +328,7 @@ def report(c: Certificate) -> list[str]:
     out = [f"layout: {layout} on {lay.run.parallel.device_count()} CPU devices, against one CPU device; "
            f"{len(lay.metrics)} iteration(s) on the same batches, each from the same state; --code-paths {code_paths}"]
     if c.shrunk.model_changes:
-        out.append(f"model: shrunk to a tiny {model.family} of the same layout and features: "
-                   + ", ".join(c.shrunk.model_changes))
+        out.append(f"model: {c.shrunk.model_why}: " + ", ".join(c.shrunk.model_changes))
     out.append(f"model: {model.name}, {model.num_layers} layers, hidden {model.hidden_size}, heads "
                f"{model.num_heads}/{model.num_kv_heads} x {model.head_dim}"
                + (f", {model.num_experts} experts top-{model.top_k} of width {model.moe_intermediate_size}"

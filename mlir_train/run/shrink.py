@@ -14,7 +14,9 @@ micro-batch size and data-parallel split, with at most ``max(2, 2 x PP)`` micro-
 of at most :data:`SEQ` tokens (still divisible as CP, TP and SP need). Under ``--code-paths gpu``,
 whose MoE kernels are interpreted call by call, smaller still: top-k at most :data:`GPU_TOP_K`, 1 layer
 a stage for a model of one layer kind, rows of :data:`GPU_SEQ` tokens and PP micro-batches (1 without a
-pipeline). Every change is listed.
+pipeline); and, shrunk or not, each rank's expert width a whole Mosaic-GPU weight-gradient tile
+(:data:`~mlir_train.model.kernels.mosaic_moe.WEIGHT_GRAD_ROWS` rows, which the kernel needs). Every
+change is listed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import dataclasses
 import math
 
 from mlir_train.config.flags import RunConfig
-from mlir_train.config.models import ModelConfig
+from mlir_train.config.models import LayerKind, ModelConfig
 from mlir_train.config.sections import padded_vocab_size
 from mlir_train.model.kernels.mosaic_moe import WEIGHT_GRAD_ROWS
 from mlir_train.runtime.errors import ConfigError
@@ -38,33 +40,59 @@ SEQ = 128
 # :data:`GPU_TOP_K` experts a token and the fewest micro-batches the layout takes (PP of them with
 # a pipeline, else 1) keep a check of the seed layout near a minute with every feature still run.
 GPU_SEQ, GPU_TOP_K = 64, 2
+WIDENED = (f"each rank's expert width rounded up to the Mosaic-GPU weight-gradient tile ({WEIGHT_GRAD_ROWS} rows) "
+           "that --code-paths gpu interprets")
 
 
 @dataclasses.dataclass(frozen=True)
 class Shrunk:
-    """The run the check compares: its flags and model, what changed (``"hidden 2048 -> 128"``)
-    and the vocabulary the batches' token ids are folded into (None: not folded)."""
+    """The run the check compares: its flags and model, what changed (``"hidden 2048 -> 128"``) and
+    why (``model_why``), and the vocabulary the batches' token ids are folded into (None: not folded)."""
 
     cfg: RunConfig
     model: ModelConfig
     model_changes: tuple[str, ...] = ()
     batch_changes: tuple[str, ...] = ()
     fold_vocab: int | None = None
+    model_why: str = ""
 
 
 def shrink(cfg: RunConfig, model: ModelConfig, num_devices: int, *, keep_size: bool = False) -> Shrunk:
-    """``cfg`` and ``model`` small enough for a CPU (``keep_size``: as they are)."""
+    """``cfg`` and ``model`` small enough for a CPU (``keep_size``: as they are). Under ``--code-paths
+    gpu`` each rank's expert width is a whole Mosaic-GPU weight-gradient tile, shrunk or not (the
+    kernel refuses a part of one)."""
     if keep_size:
+        if _kernel_widths(cfg, model) != model:
+            raise ConfigError(f"--check-full-size --code-paths gpu: {model.name}'s expert width "
+                              f"{model.moe_intermediate_size} is not a whole {WEIGHT_GRAD_ROWS}-row Mosaic-GPU "
+                              "weight-gradient tile on each expert-tensor rank, which the kernel needs; drop "
+                              "--check-full-size (the check widens it) or use --moe-gemm-backend padded")
         return Shrunk(cfg, model)
-    model_changes: list[str] = []
-    fold = None
+    small, pattern_changes, fold = model, [], None
+    why = WIDENED
     if model.num_params() > LARGE_PARAMS:
-        cfg, small, model_changes = _shrink_model(cfg, model)
+        cfg, small, pattern_changes = _shrink_model(cfg, model)
         if small.vocab_size < model.vocab_size:
             fold = small.vocab_size
-        model = small
+        why = f"shrunk to a tiny {model.family} of the same layout and features"
+    small = _kernel_widths(cfg, small)
+    model_changes: list[str] = []
+    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "num_experts",
+                  "top_k", "moe_intermediate_size", "vocab_size"):
+        _change(model_changes, field, getattr(model, field), getattr(small, field))
     cfg, batch_changes = _shrink_batch(cfg, num_devices)
-    return Shrunk(cfg, model, tuple(model_changes), tuple(batch_changes), fold)
+    return Shrunk(cfg, small, tuple(model_changes + pattern_changes), tuple(batch_changes), fold, why)
+
+
+def _kernel_widths(cfg: RunConfig, model: ModelConfig) -> ModelConfig:
+    """``model`` with each rank's expert FFN width a whole Mosaic-GPU weight-gradient tile
+    (:data:`WEIGHT_GRAD_ROWS`) under ``--code-paths gpu``: the kernel's tiles, not the layout, need it."""
+    if cfg.extras.code_paths != "gpu" or not model.is_moe:
+        return model
+    p = cfg.parallel
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    ffn = _round_up(model.moe_intermediate_size, etp * WEIGHT_GRAD_ROWS)
+    return model if ffn == model.moe_intermediate_size else model.replace(moe_intermediate_size=ffn)
 
 
 def _change(changes: list[str], what: str, before, after) -> None:
@@ -78,12 +106,17 @@ def _shrink_model(cfg: RunConfig, model: ModelConfig) -> tuple[RunConfig, ModelC
     changes: list[str] = []
     # Under --code-paths gpu a model of one layer kind keeps 1 layer a stage: each layer's MoE kernels
     # are interpreted once per device.
-    one_kind = len(set(model.moe_layers())) == 1
+    before = model.layer_kinds()
     num_layers, parallel_changes = layer_plan(cfg, model.num_layers,
-                                              per_stage=1 if cfg.extras.code_paths == "gpu" and one_kind else 2)
-    kinds = shrunk_kinds(model.moe_layers(), num_layers)
-    sizes = dict(num_layers=num_layers, hidden_size=min(model.hidden_size, HIDDEN),
-                 intermediate_size=_round_up(min(model.intermediate_size, DENSE_FFN), tp))
+                                              per_stage=1 if cfg.extras.code_paths == "gpu" and len(set(before)) == 1
+                                              else 2)
+    kinds = shrunk_kinds(before, num_layers)
+    if set(kinds) != set(before):
+        raise ConfigError(f"check: {num_layers} layers cannot hold each of {model.name}'s {len(set(before))} layer "
+                          "kinds; run it at its own size with --check-full-size")
+    sizes = dict(hidden_size=min(model.hidden_size, HIDDEN),
+                 intermediate_size=_round_up(min(model.intermediate_size, DENSE_FFN), tp) if model.intermediate_size
+                 else 0)
     sizes.update(_heads(model.num_heads, model.num_kv_heads, tp))
     if model.vocab_size > VOCAB_LIMIT:
         sizes["vocab_size"] = padded_vocab_size(VOCAB, cfg.model.make_vocab_size_divisible_by, tp)
@@ -92,29 +125,29 @@ def _shrink_model(cfg: RunConfig, model: ModelConfig) -> tuple[RunConfig, ModelC
         if cfg.extras.code_paths == "gpu":
             sizes["top_k"] = min(model.top_k, GPU_TOP_K)
         sizes["num_experts"] = _experts(cfg, model, sizes.get("top_k", model.top_k))
-        ffn = _round_up(min(model.moe_intermediate_size, MOE_FFN), etp)
-        if cfg.extras.code_paths == "gpu":  # each rank's FFN width a whole Mosaic-GPU weight-gradient tile
-            ffn = _round_up(ffn, etp * WEIGHT_GRAD_ROWS)
-        sizes["moe_intermediate_size"] = ffn
-    small = model.replace(name=f"{model.name} (shrunk)", **sizes)
-    if model.is_moe:
-        small = small.with_moe_layers(kinds)
-    if small.moe_layers() != kinds:
-        raise ConfigError(f"check: cannot shrink {model.name} (its layer kinds are not the MoE pattern alone); "
+        sizes["moe_intermediate_size"] = _round_up(min(model.moe_intermediate_size, MOE_FFN), etp)
+    small = model.replace(name=f"{model.name} (shrunk)", **sizes).with_layer_kinds(kinds)
+    if small.layer_kinds() != kinds:
+        raise ConfigError(f"check: cannot shrink {model.name} (its layer kinds do not follow from their pattern); "
                           "run it at its own size with --check-full-size")
-    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "num_experts",
-                  "top_k", "moe_intermediate_size", "vocab_size"):
-        _change(changes, field, getattr(model, field), getattr(small, field))
-    if model.is_moe and len(set(model.moe_layers())) > 1:
-        changes.append("MoE layers " + _pattern(model.moe_layers()) + " -> " + _pattern(kinds))
+    changes += _pattern_changes(before, kinds)
     changes += [f"{flag} {before} -> {after}" for flag, before, after in parallel_changes]
     fields = {flag.lstrip("-").replace("-", "_"): after for flag, _, after in parallel_changes}
     training = {k: fields.pop(k) for k in list(fields) if k == "recompute_num_layers"}
     return cfg.replace(parallel=fields, training=training), small, changes
 
 
-def _pattern(moe: tuple[bool, ...]) -> str:
-    return "".join("M" if m else "D" for m in moe)
+def _pattern_changes(before: tuple[LayerKind, ...], after: tuple[LayerKind, ...]) -> list[str]:
+    """The MoE pattern (``M`` / ``D``) and the token mixers' (their initials) where the model mixes them."""
+    changes = []
+    if len({k.moe for k in before}) > 1:
+        changes.append("MoE layers " + "".join("M" if k.moe else "D" for k in before) + " -> "
+                       + "".join("M" if k.moe else "D" for k in after))
+    if len({k.mixer for k in before}) > 1:
+        names = ", ".join(f"{m[0].upper()} {m}" for m in sorted({k.mixer for k in before}))
+        changes.append(f"mixers ({names}) " + "".join(k.mixer[0].upper() for k in before) + " -> "
+                       + "".join(k.mixer[0].upper() for k in after))
+    return changes
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -177,7 +210,8 @@ def layer_plan(cfg: RunConfig, num_layers: int, per_stage: int = 2) -> tuple[int
 def shrunk_kinds(kinds: tuple, layers: int) -> tuple:
     """``kinds`` (one per layer) in ``layers`` layers: each run of one kind keeps at least one layer
     and the rest go to the runs by length; a pattern of more runs than layers (e.g. every other
-    layer MoE) keeps its first ``layers``."""
+    layer MoE, or 3 DeltaNet layers to 1 attention) keeps its first layers, and as its last ones
+    each kind they lack (in the order the pattern first has them)."""
     runs: list[list] = []
     for kind in kinds:
         if runs and runs[-1][0] == kind:
@@ -185,7 +219,10 @@ def shrunk_kinds(kinds: tuple, layers: int) -> tuple:
         else:
             runs.append([kind, 1])
     if len(runs) > layers:
-        return tuple(kinds[:layers])
+        first = layers
+        while first and first + len(set(kinds) - set(kinds[:first])) > layers:
+            first -= 1
+        return tuple(kinds[:first]) + tuple(k for k in dict.fromkeys(kinds) if k not in kinds[:first])[:layers - first]
     share = [1] * len(runs)
     for _ in range(layers - len(runs)):  # the next layer to the run furthest below its share
         i = max(range(len(runs)), key=lambda j: runs[j][1] / len(kinds) - share[j] / layers)

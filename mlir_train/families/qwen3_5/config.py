@@ -84,6 +84,9 @@ class Qwen35Config(ModelConfig):
         return tuple(LayerKind(moe=moe, mixer=ATTENTION if t == FULL else GATED_DELTANET)
                      for moe, t in zip(self.moe_layers(), self.mixers()))
 
+    def mixer_fields(self, mixers: tuple[str, ...]) -> dict[str, Any]:
+        return {"layer_types": tuple(FULL if m == ATTENTION else LINEAR for m in mixers)}
+
     def layout_dims(self) -> dict[str, int]:
         return super().layout_dims() | dict(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                                             gdn_key_heads=self.linear_num_key_heads,
