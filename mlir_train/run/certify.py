@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from mlir_train.checkpoint import sources
 from mlir_train.config.flags import RunConfig
@@ -92,6 +93,9 @@ class Certificate:
     initial: str = ""                     # "" when the initial weights are identical, else where they differ
     worst: tuple[float, str] = (0.0, "")  # the largest relative update difference and its tensor
     worst_moments: tuple[float, str] = (0.0, "")  # the same of the optimizer state (Adam's moments)
+    # the largest update difference over tol.params that Adam's direction from each run's own
+    # moments shows too (:func:`_compare_iteration`): (update difference, direction difference, tensor)
+    explained: tuple[float, float, str] = (0.0, 0.0, "")
     moved: bool = False   # whether any iteration moved a parameter of the one device
     compared: int = 0     # the iterations compared
     failures: list[str] = dataclasses.field(default_factory=list)
@@ -253,23 +257,61 @@ def worst_difference(got: Any, want: Any) -> tuple[float, str]:
     """The largest ``|got - want| / |want|`` (L2 over each tensor; 0 where both are 0) and its path."""
     worst = (0.0, "")
     for (path, a), (_, b) in zip(_leaves(got), _leaves(want)):
-        norm = float(np.linalg.norm(b))
-        diff = float(np.linalg.norm(a - b)) / norm if norm else (0.0 if not np.any(a) else np.inf)
+        diff = _relative_l2(a, b)
         if not diff <= worst[0]:
             worst = (diff, path)
     return worst
 
 
+def adam_directions(state: dict, training) -> dict[str, np.ndarray]:
+    """Adam's normalised direction ``m_hat / (sqrt(v_hat) + eps)`` of each trained tensor, from
+    ``state``'s own moments (path -> array, the parameters' paths); ``{}`` without Adam."""
+    found = [s for s in jax.tree.leaves(state["opt_state"], is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+             if isinstance(s, optax.ScaleByAdamState)]
+    if training is None or training.optimizer != "adam" or len(found) != 1:
+        return {}
+    t = float(np.asarray(found[0].count))
+    nu = dict(_leaves(found[0].nu))
+    return {path: (m / (1 - training.adam_beta1 ** t))
+            / (np.sqrt(nu[path] / (1 - training.adam_beta2 ** t)) + training.adam_eps)
+            for path, m in _leaves(found[0].mu)}
+
+
+def _relative_l2(a: np.ndarray, b: np.ndarray) -> float:
+    norm = float(np.linalg.norm(b))
+    return float(np.linalg.norm(a - b)) / norm if norm else (0.0 if not np.any(a) else np.inf)
+
+
 def _compare_iteration(c: Certificate, i: int, before: dict, lay_end: dict, ref_end: dict) -> None:
     """Iteration ``i``'s update (end minus ``before``, the state both started from) and optimizer
-    state, layout against one device; the worst of each over the iterations is kept."""
+    state, layout against one device; the worst of each over the iterations is kept.
+
+    Adam's update is ``-lr (d + wd p)`` with ``d = m_hat / (sqrt(v_hat) + eps)``: an element whose
+    gradient is within float32's reordering noise of zero has a ``d`` of any size in [-1, 1], so a
+    small tensor (the DeltaNet's per-head ``a_log``) can differ by percents in its update while its
+    moments agree to 1e-6. Such a difference is *explained* (kept apart, reported, not failed) when
+    ``d`` computed from each run's own moments differs as much (at least half as much, relative):
+    ``p`` is the same before, so the updates differ by ``lr`` times the directions' difference. The
+    moments are still compared (:attr:`Tolerance.moments`), and an update the optimizer applied
+    wrongly differs without its directions differing."""
     step = lambda end: jax.tree.map(lambda a, a0: a - a0, end["params"], before["params"])
     ref_step = step(ref_end)
     c.moved = c.moved or any(np.any(x) for _, x in _leaves(ref_step))
-    for field, (diff, path) in (("worst", worst_difference(step(lay_end), ref_step)),
-                                ("worst_moments", worst_difference(lay_end["opt_state"], ref_end["opt_state"]))):
-        if not diff <= getattr(c, field)[0]:
-            setattr(c, field, (diff, f"{path}, iteration {i}"))
+    training = c.shrunk.cfg.training if c.shrunk is not None else None
+    dirs = [adam_directions(end, training) for end in (lay_end, ref_end)]
+    for (path, a), (_, b) in zip(_leaves(step(lay_end)), _leaves(ref_step)):
+        diff = _relative_l2(a, b)
+        if diff > c.tolerance.params and path in dirs[1]:
+            moved = _relative_l2(dirs[0][path], dirs[1][path])
+            if diff <= c.tolerance.params + 2 * moved:
+                if diff > c.explained[0]:
+                    c.explained = (diff, moved, f"{path}, iteration {i}")
+                continue
+        if not diff <= c.worst[0]:
+            c.worst = (diff, f"{path}, iteration {i}")
+    diff, path = worst_difference(lay_end["opt_state"], ref_end["opt_state"])
+    if not diff <= c.worst_moments[0]:
+        c.worst_moments = (diff, f"{path}, iteration {i}")
     c.compared = i
 
 
@@ -354,6 +396,10 @@ def report(c: Certificate) -> list[str]:
         out.append(f"each iteration from the same state (the one device's): parameters' largest relative update "
                    f"difference {c.worst[0]:.1e} ({c.worst[1]}); optimizer state's (gradient moments) "
                    f"{c.worst_moments[0]:.1e} ({c.worst_moments[1]})")
+        if c.explained[2]:
+            out.append(f"explained, not failed: the update of {c.explained[2]} differs by {c.explained[0]:.1e}, as "
+                       f"Adam's direction m/(sqrt(v)+eps) from each run's own moments does ({c.explained[1]:.1e}): "
+                       f"gradients within float32 noise of zero, amplified by Adam's normalisation")
     if c.passed:
         out.append(f"PASS {layout}: trains as one device over {len(lay.metrics)} iteration(s) ({c.dtype}; largest "
                    f"relative difference {_worst(c):.1e})")

@@ -327,3 +327,37 @@ def test_every_iteration_starts_both_runs_from_the_one_devices_state():
     assert c.compared == 3 and c.moved
     assert c.worst[0] == pytest.approx(1e-3, rel=1e-3) and c.worst[1].endswith("iteration 1")
     assert c.worst_moments == (0.0, "")
+
+
+def test_an_update_difference_adams_own_directions_show_is_explained_a_wrong_update_fails():
+    """Adam's first step moves each element by ``lr g / (|g| + eps)``: an element whose gradient
+    is within float32 noise of zero (here 2e-8 against 1e-8) moves by a different fraction of
+    ``lr`` in the two runs. That difference is reported as explained (the directions from each
+    run's own moments differ as much), not failed; an update applied wrongly from the same
+    moments fails."""
+    import types
+
+    import optax
+
+    from mlir_train.run import certify
+
+    training = types.SimpleNamespace(optimizer="adam", adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
+    shrunk = types.SimpleNamespace(cfg=types.SimpleNamespace(training=training))
+    lr, before = 1e-3, {"params": {"w": np.zeros(2)}}
+
+    def end(g, scale=1.0):
+        g = np.asarray(g)
+        adam = optax.ScaleByAdamState(count=np.asarray(1), mu={"w": 0.1 * g}, nu={"w": 0.001 * g * g})
+        return {"params": {"w": -scale * lr * g / (np.abs(g) + 1e-8)}, "opt_state": (adam,)}
+
+    def compare(lay, ref):
+        c = certify.Certificate(shrunk, certify.Side("layout", None), certify.Side("one device", None), "float32",
+                                [], certify.TOLERANCES["float32"])
+        certify._compare_iteration(c, 1, before, lay, ref)
+        return c
+
+    c = compare(end([1.0, 1e-8]), end([1.0, 2e-8]))
+    assert c.worst[0] < 1e-6 and c.worst_moments[0] < 1e-7  # the moments agree to 1e-8 of the largest
+    assert c.explained[0] == pytest.approx(0.139, rel=0.01) and c.explained[2] == "w, iteration 1"
+    c = compare(end([1.0, 2e-8], scale=1.02), end([1.0, 2e-8]))  # same moments, 2 % more lr: a wrong update
+    assert c.worst[0] == pytest.approx(0.02, rel=1e-3) and c.explained == (0.0, 0.0, "")
