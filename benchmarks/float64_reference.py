@@ -40,6 +40,7 @@ LAYOUTS = {  # name: Layout fields; the whole-step cases of tests/train/test_qwe
     "one": None,
     "dp8": {},
     "cp2": dict(context=2),
+    "cp2ep2": dict(context=2, expert=2),
     "tp2": dict(tensor=2, sequence_parallel=True),
     "cp2tp2": dict(context=2, tensor=2, sequence_parallel=True),
     "cp2pp2": dict(context=2, pipeline=2),
@@ -52,6 +53,9 @@ def _parse():
     p.add_argument("--run", choices=[*LAYOUTS, "periods", "per-run"])
     p.add_argument("--bits", type=int, choices=[32, 64], default=32)
     p.add_argument("--model", default="qwen3.5-moe-tiny")
+    p.add_argument("--layers", type=int, default=2,
+                   help="the step runs' depth: 2 is one DeltaNet and one attention layer; more follow the model's "
+                        "own pattern (3 DeltaNet, 1 attention)")
     p.add_argument("--compare", choices=[*LAYOUTS, "periods"])
     p.add_argument("--loss", choices=["squares", "probe"], default="probe",
                    help="the model runs' loss: the sum of squares of the final hidden states plus the router's "
@@ -61,14 +65,14 @@ def _parse():
 
 
 def _file(args, run, bits):
-    loss = f"-{args.loss}" if run in ("periods", "per-run") else ""
+    loss = f"-{args.loss}" if run in ("periods", "per-run") else ("" if args.layers == 2 else f"-L{args.layers}")
     return os.path.join(args.dir, f"{args.model}-{run}{loss}-{bits}.npz")
 
 
 def _weights(args, run):
     """The float32-drawn initial weights every run starts from (written by the first float32 run)."""
     import numpy as np
-    path = os.path.join(args.dir, f"{args.model}-{'model' if run in ('periods', 'per-run') else 'step'}-init.npz")
+    path = os.path.join(args.dir, f"{args.model}-{'model' if run in ('periods', 'per-run') else 'step'}{'' if args.layers == 2 else f'-L{args.layers}'}-init.npz")
     return path, (dict(np.load(path)) if os.path.exists(path) else None)
 
 
@@ -80,7 +84,8 @@ def run_step(args):
     from sharding.layout import Layout
     from tests.helpers import named_leaves, train_one_step
 
-    cfg = get_model_config(args.model, vocab_size=512, num_layers=2, layer_types=MIXED)
+    mixers = dict(layer_types=MIXED) if args.layers == 2 else {}
+    cfg = get_model_config(args.model, vocab_size=512, num_layers=args.layers, **mixers)
     path, init = _weights(args, args.run)
 
     def start(trainer, state):
