@@ -17,7 +17,8 @@ whose runs get the same pieces share one period scan; where a policy's grouping 
 one period to the next (``block`` over its first N layers, ``uniform`` groups that do not divide
 the period) the periods split into several period scans, or, for a single period, into
 per-run scans. Pure planning (no JAX): the model's forward (:func:`transformer.run_layers`)
-and the pipeline's stage program (:mod:`mlir_train.train.pipeline.program`) use it.
+and the pipeline's stage program (:mod:`mlir_train.train.pipeline.program`: a chunk's segments,
+:func:`plan_periods`) use it.
 """
 
 from __future__ import annotations
@@ -126,16 +127,24 @@ def period_of(runs: list[Run]) -> tuple[int, int, int] | None:
 def decoder_plan(stacks, remat: RecomputePolicy | str = "none") -> list[Run | PeriodScan]:
     """The model's layers as the scans that run them, in order: single runs and period scans
     (the module docstring says when which)."""
-    runs = layer_runs(stacks)
+    policy = RecomputePolicy.of(remat)
+    return plan_periods(layer_runs(stacks), lambda r: tuple(policy.pieces(r.count, (r.first,))))
+
+
+def plan_periods(runs: list, pieces) -> list:
+    """``runs`` (anything with ``kind`` and ``count``, in order) as single runs and
+    period scans (:class:`PeriodScan`) over the repeating part (:func:`period_of`), consecutive periods
+    grouped while every run's recompute ``pieces(run)`` is the same (a lone period stays single
+    runs). :func:`decoder_plan` plans the model's layers with it, the pipeline's stage program
+    (:func:`mlir_train.train.pipeline.program.stage_program`) a chunk's segments."""
     found = period_of(runs)
     if found is None:
         return list(runs)
     start, q, reps = found
-    policy = RecomputePolicy.of(remat)
     periods = [tuple(runs[start + p * q:start + (p + 1) * q]) for p in range(reps)]
-    pieces = [tuple(tuple(policy.pieces(r.count, (r.first,))) for r in period) for period in periods]
-    plan: list[Run | PeriodScan] = list(runs[:start])
-    for _, group in itertools.groupby(range(reps), key=lambda p: pieces[p]):
+    keys = [tuple(pieces(r) for r in period) for period in periods]
+    plan: list = list(runs[:start])
+    for _, group in itertools.groupby(range(reps), key=lambda p: keys[p]):
         group = list(group)
         if len(group) == 1:
             plan.extend(periods[group[0]])

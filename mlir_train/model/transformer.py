@@ -255,22 +255,26 @@ def run_stack(stack: DecoderLayer, x_BTD, context: tuple, remat: RecomputePolicy
 
 
 def stack_pieces(state, active_V: jax.Array | None, remat: RecomputePolicy | str = "none",
-                 offsets: tuple[int, ...] = (0,)) -> list[tuple[Any, jax.Array | None, int]]:
+                 offsets: tuple[int, ...] = (0,), lead: int = 0) -> list[tuple[Any, jax.Array | None, int]]:
     """A stacked layer state cut into the pieces ``remat`` scans separately:
     ``(state, active, group)`` each, the leaves ``[length, ...]``, or ``[length / group, group,
-    ...]`` where ``group`` layers are checkpointed together (0: none, 1: each layer). Kept apart
+    ...]`` where ``group`` layers are checkpointed together (0: none, 1: each layer); after
+    ``lead`` leading axes that are kept (1: a pipeline segment's periods, ``[periods, layers,
+    ...]``, each period cut alike). Kept apart
     from :func:`run_pieces` so a caller that holds the pieces' residuals (the 1F1B pipeline)
     can differentiate with respect to the pieces themselves: then the weights a piece's
     backward needs are the pieces it was given, not slices made inside."""
-    count = jax.tree.leaves(state)[0].shape[0]
+    count = jax.tree.leaves(state)[0].shape[lead]
     pieces = []
     for start, length, size in RecomputePolicy.of(remat).pieces(count, offsets):
         piece_state, piece_active = state, active_V
         if (start, length) != (0, count):
-            piece_state, piece_active = jax.tree.map(lambda a: a[start:start + length], (state, active_V))
+            piece_state, piece_active = jax.tree.map(
+                lambda a: jax.lax.slice_in_dim(a, start, start + length, axis=lead), (state, active_V))
         if size > 1:
-            piece_state, piece_active = jax.tree.map(lambda a: a.reshape(length // size, size, *a.shape[1:]),
-                                                     (piece_state, piece_active))
+            piece_state, piece_active = jax.tree.map(
+                lambda a: a.reshape(*a.shape[:lead], length // size, size, *a.shape[lead + 1:]),
+                (piece_state, piece_active))
         pieces.append((piece_state, piece_active, size))
     return pieces
 

@@ -85,17 +85,41 @@ def test_uneven_mixed_pipeline_equals_one_device(schedule):
     assert_same_step(out, ref)
 
 
+# Dense / MoE alternating (D M D M ...): a chunk of two or more periods runs them as one scan over the
+# periods (train/pipeline/program.py's period scans): 8 layers PP2 (2 periods a stage), 4 layers as
+# 1 | 3 (stage 0 [D], stage 1 [M D M]: (D, M) x 2 with padding), 16 layers interleaved (chunks of 4).
+# Each took ~100 s cold at load 9 on the 2 shared cores (22 s with the compile cache warm): the padded
+# one stays in the default suite, the others are slow (so is test_cli_uneven_mixed_pipeline_matches_pp1,
+# whose M D M D over 1 | 3 is a period scan too).
+PP2 = Layout(pipeline=2, num_devices=2)
+ALTERNATING = {"1f1b-even": (8, {}, None, PP2), "1f1b-1|3": (4, dict(first_stage_layers=1), None, PP2),
+               "interleaved": (16, {}, 4, PP2),
+               # the period form's reshape [periods * S, ...] -> [periods, S, ...] under tensor and expert splits
+               "TP2xPP2xEP2": (8, {}, None, Layout(tensor=2, pipeline=2, expert=2, num_devices=8))}
+
+
+@pytest.mark.parametrize("name", [n if n == "1f1b-1|3" else pytest.param(n, marks=pytest.mark.slow) for n in ALTERNATING])
+def test_period_scan_pipeline_equals_one_device(name):
+    layers, uneven, per_virtual, layout = ALTERNATING[name]
+    cfg = PIPELINE_CFG.replace(num_layers=layers, mlp_only_layers=tuple(range(0, layers, 2)))
+    ref = pipeline_step(Layout(num_devices=1), jax.devices()[:1], cfg=cfg)
+    out = pipeline_step(layout, jax.devices()[:layout.num_devices], per_virtual, cfg=cfg, **uneven)
+    assert_same_step(out, ref)
+
+
 def test_stage_program_pads_uneven_and_mixed_stages():
     # 23 + 25 layers of one stack over two stages: one segment of 25 slots, 2 padding on stage 0
     moe = LayerKind(moe=True)
     (seg,) = stage_program(make_schedule(48, 2, first_stage_layers=23), (Stack(moe, tuple(range(48))),))
     assert seg.src.shape == (2, 1, 25) and seg.active.sum() == 48 and not seg.active[0, 0, 23:].any()
     np.testing.assert_array_equal(seg.src[1, 0], np.arange(23, 48))
-    # a dense/MoE period that divides the stage length: no padding at all
+    # a dense/MoE period that divides the stage length: no padding at all; two periods a stage,
+    # one scan over them (each segment holds its run's slots of both periods, period-major)
     kinds = (Stack(LayerKind(moe=False), (0, 2, 4, 6)), Stack(LayerKind(moe=True), (1, 3, 5, 7)))  # D M D M D M D M
     program = stage_program(make_schedule(8, 2), kinds)
-    assert [s.is_moe for s in program] == [False, True] * 2 and all(s.active.all() for s in program)
-    np.testing.assert_array_equal(program[1].src[:, 0, 0], [0, 2])  # MoE rows (layers 1 and 5)
+    assert [(s.is_moe, s.count, s.periods) for s in program] == [(False, 1, 2), (True, 1, 2)]
+    assert all(s.active.all() for s in program)
+    np.testing.assert_array_equal(program[1].src[:, 0], [[0, 1], [2, 3]])  # MoE rows (layers 1 3 | 5 7)
     # even single stack: the plain [P, R, V] view of the stored stack (no data moves for R = 1)
     (seg,) = stage_program(Schedule(stages=2, virtual=2), (Stack(moe, tuple(range(8))),))
     np.testing.assert_array_equal(seg.src, to_stages(jnp.arange(8), Schedule(stages=2, virtual=2)))

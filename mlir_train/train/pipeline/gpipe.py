@@ -41,7 +41,7 @@ def pipeline_loss(graphdef, params: dict[str, Any], batch: dict[str, jax.Array],
     ``data_manual`` (:func:`~mlir_train.train.reduction.data_manual_names`) each data rank runs
     its own rows, and the region's transpose sums the weights' gradients once, after the ticks.
     """
-    stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
+    stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule, remat)
     m = batch["input_ids"].shape[0]
 
     def body(segs_1RS, active_1RS, rest, batch, scalars):

@@ -84,7 +84,7 @@ def pipeline_value_and_grad(graphdef, params: dict[str, Any], batch: dict[str, j
     with one ``ppermute``. Each stage runs ``M*R + P - 1`` forward and as many backward halves
     (seed, M = 64, P = 2: 65 each, where one loop of ``M*R + R*P + P - 2`` ticks ran 66 of both).
     """
-    stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule)
+    stage_axes, setup, stacks, rest, segs, active = prepare(graphdef, params, schedule, remat)
     mask = tree.mask(params, trainable)
     stack_masks = [mask["layers"][k] for k in range(len(setup.stack_kinds))]
     segs, setup, seg_masks = token_partial_segments(setup, segs, stack_masks, data_manual)

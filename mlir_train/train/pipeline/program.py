@@ -10,7 +10,12 @@ whose length P does not divide is stored whole on every stage, :func:`storage_ax
 the step every chunk runs the same *stage program* (:func:`stage_program`): a list of
 segments, each a run of same-kind layers ``[P, R, S, ...]``, with padding slots that are
 identity layers (``run_stack(active=...)``: they add nothing to the activations, their router
-statistics are masked and their weights get exactly zero gradient). Layer
+statistics are masked and their weights get exactly zero gradient). Where a chunk's segments
+repeat (two or more periods of the model's layer pattern: Qwen3.5's [D x 3, A], dense / MoE
+alternation), the repeats are one *period scan*: one segment per run of the period holding that
+run's slots of every period, and the chunk runs one ``lax.scan`` over the periods
+(:func:`_period_scans`, planned by :func:`mlir_train.model.periods.plan_periods` as the
+unpipelined decoder is), so the stage program does not grow with depth. Layer
 ``l = (r * P + s) * V + j`` is chunk ``r``, layer ``j`` of stage ``s`` (Megatron's interleaved
 assignment); ``--decoder-first/last-pipeline-num-layers`` give the first/last stage their own
 count and the middle stages share the rest, as Megatron does. For an even split of one stack
@@ -34,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlir_train.config.models import LayerKind
-from mlir_train.model.periods import layer_runs
+from mlir_train.config.policies import RecomputePolicy
+from mlir_train.model.periods import layer_runs, plan_periods
 from mlir_train.train.pipeline.schedule import Schedule, to_stages
 
 
@@ -54,6 +60,11 @@ class Segment:
     # method's per-chunk layer positions: one value unless stages start this run differently)
     offsets: tuple[int, ...] = (0,)
     moe_rows: np.ndarray | None = None  # [P, R, S] int
+    # A segment of a period scan holds its run in ``periods`` periods, period-major (slot
+    # ``p * S / periods + j`` is period p's j-th); the consecutive segments of one ``scan`` run
+    # as one lax.scan over the periods. ``offsets`` are then period 0's.
+    periods: int = 1
+    scan: int | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -62,6 +73,11 @@ class Segment:
     @property
     def slots(self) -> int:
         return self.src.shape[-1]
+
+    @property
+    def count(self) -> int:
+        """Slots per period (what :func:`periods.plan_periods` lines up)."""
+        return self.slots // self.periods
 
 
 def run_period(kinds: list[LayerKind]) -> int:
@@ -82,7 +98,7 @@ def _chunk_runs(chunk: list[int], stack_of: np.ndarray) -> list[list[int]]:
     return runs
 
 
-def stage_program(schedule: Schedule, stack_kinds) -> list[Segment]:
+def stage_program(schedule: Schedule, stack_kinds, remat: RecomputePolicy | str = "none") -> list[Segment]:
     """Every chunk runs the same sequence of segments (SPMD: one program on every stage).
 
     A chunk's layers split into runs (:func:`periods.layer_runs`: consecutive layers of one
@@ -91,7 +107,8 @@ def stage_program(schedule: Schedule, stack_kinds) -> list[Segment]:
     period; a segment is as long as the longest run mapped to it. Even splits of a single
     stack give one segment without padding; a period of layers that divides the stage length
     gives one segment per run without padding; a split that breaks the period pads the
-    chunks' missing runs (identity slots)."""
+    chunks' missing runs (identity slots). Where the segments repeat (two or more periods of
+    the pattern in a chunk, padded or not) they become one period scan (:func:`_period_scans`)."""
     runs = layer_runs(stack_kinds)
     kinds = [r.kind for r in runs]
     period = run_period(kinds)
@@ -124,11 +141,36 @@ def stage_program(schedule: Schedule, stack_kinds) -> list[Segment]:
         kind = kinds[g % period]
         segments.append(Segment(kind=kind, src=src, active=active, offsets=tuple(sorted(offsets)),
                                 moe_rows=rows_moe if kind.moe else None))
-    return segments
+    return _period_scans(segments, remat)
+
+
+def _period_scans(segments: list[Segment], remat: RecomputePolicy | str) -> list[Segment]:
+    """The chunk program's repeating segments as period scans: :func:`periods.plan_periods`
+    (the plan the unpipelined decoder uses) over the segments, each period scan's segments
+    merged period-major into one per run of the period (``periods``, ``scan``: its first
+    segment's index). Recompute means the same layers as with a scan per segment: periods
+    only scan together while every segment's pieces (``remat.pieces(slots, offsets)``) are
+    the same; where a policy's groups do not line up with the period (``block`` over part of
+    a chunk, ``uniform`` groups that do not divide it) the periods that differ stay one scan
+    per segment."""
+    policy = RecomputePolicy.of(remat)
+    out: list[Segment] = []
+    for item in plan_periods(segments, lambda seg: tuple(policy.pieces(seg.count, seg.offsets))):
+        if isinstance(item, Segment):
+            out.append(item)
+            continue
+        at, q = segments.index(item.runs[0]), len(item.runs)
+        for i, first in enumerate(item.runs):
+            parts = [segments[at + p * q + i] for p in range(item.reps)]
+            cat = lambda name: np.concatenate([getattr(x, name) for x in parts], axis=-1)
+            out.append(dataclasses.replace(first, src=cat("src"), active=cat("active"), periods=item.reps, scan=at,
+                                           moe_rows=cat("moe_rows") if first.is_moe else None))
+    return out
 
 
 def _canonical(seg: Segment, schedule: Schedule) -> bool:
-    """Whether the segment is the plain ``to_stages`` view of its (single) stack."""
+    """Whether the segment is the plain ``to_stages`` view of its kind's rows (the caller checks
+    that it holds all of them: a period scan's segment can be the view of a kind's first rows)."""
     p, r, v = seg.src.shape
     return bool(seg.active.all()) and np.array_equal(
         seg.src, np.arange(p * r * v).reshape(r, p, v).swapaxes(0, 1))
@@ -143,7 +185,7 @@ def to_segments(stacks: list[Any], stack_kinds, program: list[Segment], schedule
     out = []
     for seg in program:
         tree = by_kind[seg.kind]
-        if _canonical(seg, schedule):
+        if jax.tree.leaves(tree)[0].shape[0] == seg.src.size and _canonical(seg, schedule):
             out.append(jax.tree.map(lambda x: to_stages(x, schedule), tree))
         else:  # uneven or mixed: XLA moves the layers a stage runs but does not store
             flat = seg.src.reshape(-1)

@@ -7,6 +7,7 @@ per-stage accumulators they add to (per (chunk, slot), back in layer order by
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -29,19 +30,49 @@ def chunk_forward(stack_graphs, program, states_r, active_r, x, context, remat):
 
 def chunk_pieces(program, states_r, active_r, remat):
     """Every segment's layer state cut into the pieces its recompute policy scans
-    (:func:`~mlir_train.model.transformer.stack_pieces`), one list per segment."""
-    return [stack_pieces(state, None if seg.active.all() else on, remat, seg.offsets)
-            for seg, state, on in zip(program, states_r, active_r)]
+    (:func:`~mlir_train.model.transformer.stack_pieces`), one list per segment; a period scan's
+    segment ``[periods, slots per period, ...]``, each period cut alike."""
+    out = []
+    for seg, state, on in zip(program, states_r, active_r):
+        on = None if seg.active.all() else on
+        if seg.periods > 1:
+            state, on = jax.tree.map(lambda a: a.reshape(seg.periods, seg.count, *a.shape[1:]), (state, on))
+        out.append(stack_pieces(state, on, remat, seg.offsets, lead=int(seg.periods > 1)))
+    return out
 
 
 def run_chunk(stack_graphs, program, pieces_r, x, context):
-    """:func:`chunk_forward` from the pieces of :func:`chunk_pieces`."""
+    """:func:`chunk_forward` from the pieces of :func:`chunk_pieces`: a segment at a time, or
+    the segments of one period scan as one ``lax.scan`` over their periods."""
     stats = []
-    for seg, pieces in zip(program, pieces_r):
-        x, st = run_pieces(stack_graphs[seg.kind], pieces, x, context)
-        if seg.is_moe:
-            stats.append(st)
-    return x, stats
+    for _, group in itertools.groupby(range(len(program)), key=lambda i: program[i].scan):
+        group = list(group)
+        if program[group[0]].scan is None:
+            for i in group:
+                x, st = run_pieces(stack_graphs[program[i].kind], pieces_r[i], x, context)
+                stats.append((program[i], st))
+        else:
+            x, got = _period_scan(stack_graphs, [program[i] for i in group], [pieces_r[i] for i in group], x, context)
+            stats.extend(zip([program[i] for i in group], got))
+    return x, [st for seg, st in stats if seg.is_moe]
+
+
+def _period_scan(stack_graphs, segs, pieces_r, x, context):
+    """One ``lax.scan`` over the periods of a period scan's segments (pieces with a leading
+    period axis); each segment's stats ``[periods * slots per period, ...]``, period-major."""
+    sizes = [[size for _, _, size in pieces] for pieces in pieces_r]
+    xs = [[(state, on) for state, on, _ in pieces] for pieces in pieces_r]
+
+    def body(x, xs):
+        out = []
+        for seg, group_sizes, arrays in zip(segs, sizes, xs):
+            pieces = [(state, on, size) for (state, on), size in zip(arrays, group_sizes)]
+            x, st = run_pieces(stack_graphs[seg.kind], pieces, x, context)
+            out.append(st)
+        return x, out
+
+    x, got = jax.lax.scan(body, x, xs)
+    return x, [jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), st) for st in got]
 
 
 def router_terms(program, stats, active_r, keep, balancing, top_k, m, counts=None, micro_index=None,
@@ -115,13 +146,13 @@ class StageSetup:
     rest_names: dict  # the non-layer weights' logical axes
 
 
-def _setup(graphdef, params, schedule):
+def _setup(graphdef, params, schedule, remat):
     stages_axes, p = mesh_axes_of("layers")
     if p != schedule.stages:
         raise ValueError(f"'layers' is split over {p} devices but the schedule has {schedule.stages} stages")
     model = nnx.merge(graphdef, params)
     kinds = model.stack_kinds
-    program = stage_program(schedule, kinds)
+    program = stage_program(schedule, kinds, remat)
     graphs = {}
     for k, s in enumerate(kinds):
         graphs.setdefault(s.kind, nnx.split(model.layers[k])[0])
@@ -144,11 +175,11 @@ def merge(graphdef, setup, rest):
     return nnx.merge(graphdef, {**rest, "layers": setup.placeholder})
 
 
-def prepare(graphdef, params, schedule):
-    """What every schedule starts from: the stage axes and stage program, the layer stacks and
-    the rest of the weights, the stacks as the program's segments and each segment's
-    active-slot mask."""
-    stage_axes, setup = _setup(graphdef, params, schedule)
+def prepare(graphdef, params, schedule, remat):
+    """What every schedule starts from: the stage axes and stage program (its period scans
+    planned for ``remat``), the layer stacks and the rest of the weights, the stacks as the
+    program's segments and each segment's active-slot mask."""
+    stage_axes, setup = _setup(graphdef, params, schedule, remat)
     stacks, rest = _split_params(params, setup)
     segs = to_segments(stacks, setup.stack_kinds, setup.program, schedule)
     active = [jnp.asarray(seg.active) for seg in setup.program]
