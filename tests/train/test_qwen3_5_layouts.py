@@ -44,7 +44,7 @@ from mlir_train.config.policies import LoRAPolicy
 from mlir_train.families import get_model_config
 from mlir_train.model import ModelOptions
 from sharding.layout import Layout
-from tests.helpers import LR, MODELS, assert_step_matches, named_leaves, random_lora_b, train_one_step
+from tests.helpers import DECAY_GATE_TOLS, LR, MODELS, assert_step_matches, named_leaves, random_lora_b, train_one_step
 
 MIXED = ("linear_attention", "full_attention")
 CFGS = {
@@ -70,14 +70,6 @@ CASES = {
     "next-CP2xPP2": ("next", Layout(context=2, pipeline=2), None),
 }
 
-# The decay gate's gradients (g = -exp(a_log) softplus(x wa + dt_bias)) are sums over every token of
-# terms that cancel: one device's own float32 gradient of a_log / dt_bias is DECAY_GATE_NOISE of its
-# largest element away from the float64 one, ~10x any other leaf's (figures: the module docstring).
-# Two float32 runs that sum in different orders differ by up to the sum of their two errors; the
-# tolerance is that with a margin of 2. That the layouts compute the same function is shown in
-# float64 (1e-13), by benchmarks/float64_reference.py and tests/model/test_gdn_context.py.
-DECAY_GATE_NOISE = 1.8e-5
-DECAY_GATE_TOLS = {leaf: 4 * DECAY_GATE_NOISE for leaf in ("a_log_H", "dt_bias_H", "wa_DH")}
 
 
 @functools.cache

