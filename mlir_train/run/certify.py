@@ -298,9 +298,11 @@ def _compare_iteration(c: Certificate, i: int, before: dict, lay_end: dict, ref_
     ref_step = step(ref_end)
     c.moved = c.moved or any(np.any(x) for _, x in _leaves(ref_step))
     training = c.shrunk.cfg.training if c.shrunk is not None else None
-    dirs = [adam_directions(end, training) for end in (lay_end, ref_end)]
+    dirs = None  # computed once, only when an update differs beyond the tolerance
     for (path, a), (_, b) in zip(_leaves(step(lay_end)), _leaves(ref_step)):
         diff = _relative_l2(a, b)
+        if diff > c.tolerance.params and dirs is None:
+            dirs = [adam_directions(end, training) for end in (lay_end, ref_end)]
         if diff > c.tolerance.params and path in dirs[1]:
             moved = _relative_l2(dirs[0][path], dirs[1][path])
             if diff <= c.tolerance.params + 2 * moved:
