@@ -158,8 +158,8 @@ def moe_backends(sizes_E, capacity):
     out = []
     if SMOKE:
         try:
-            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # CPU only
-            out.append(("mosaic blocks", moe_blocks(mosaic_block_kernels(InterpretGPUParams()), sizes_E), None))
+            from mlir_train.model.kernels.mosaic_moe import interpret_params  # CPU only
+            out.append(("mosaic blocks", moe_blocks(mosaic_block_kernels(interpret_params()), sizes_E), None))
         except ImportError as e:
             out.append(("mosaic blocks", None, f"no Mosaic-GPU interpreter in this jax ({e})"))
     else:
@@ -188,9 +188,7 @@ def moe_inputs(case: MoECase, seed=0):
 
 # ----- attention backends: fn(q_BTNH, k_BSKH, v_BSKH) -> o_BTNH, causal -------------------------
 def attention_backends():
-    from mlir_train.model.attention import flash_attention
-
-    from mlir_train.model.attention import docs_flash_attention
+    from mlir_train.model.attention import docs_flash_attention, flash_attention, pallas_mha_missing
 
     def pallas(q, k, v):
         return flash_attention(q, k, v, jnp.ones(q.shape[:2], jnp.int32), interpret=SMOKE)
@@ -200,7 +198,8 @@ def attention_backends():
 
     tokamax, why = _tokamax()
     tk = (lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True)) if tokamax else None
-    return [("pallas mha", pallas, None), ("mlir docs-flash", docs, None), ("tokamax dot_product_attention", tk, why),
+    missing = pallas_mha_missing()
+    return [("pallas mha", None if missing else pallas, missing), ("mlir docs-flash (default)", docs, None), ("tokamax dot_product_attention", tk, why),
             ("xla masked", xla_attention, None)]
 
 

@@ -417,8 +417,9 @@ class ExtraFlags:
                                  help="attention: mlir (our Pallas-Triton flash attention, mlir_train.model.kernels.docs_flash: "
                                       "skips other documents' tiles forward and backward), tokamax (tokamax's "
                                       "Mosaic-GPU flash attention, skips other documents' key blocks in the forward; needs tokamax), pallas-mha (JAX's Pallas "
-                                      "Triton flash attention), xla (masked / blocked XLA ops); auto: the platform's "
-                                      "default (GPU pallas-mha, else xla; xla under context parallelism). "
+                                      "Triton flash attention; jax < 0.12 only, JAX removed it), xla (masked / blocked XLA "
+                                      "ops); auto: the platform's default (GPU mlir, else xla; xla under context "
+                                      "parallelism). "
                                       "(Megatron's --attention-backend is accepted as a no-op)")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -23,19 +24,42 @@ from mlir_train.runtime.platform_setup import platform_name
 from sharding import logical_shard_map, mesh_axes_of, varying_axes
 
 # How attention runs: "xla" is masked_attention below (any platform; it computes the whole
-# [T, S] score matrix, masked half included); "flash" is the Pallas (Triton) FlashAttention
-# kernel of jax.experimental.pallas.ops.gpu.attention, GPU only, which takes the packed
-# documents' segment ids, skips the key blocks above the causal diagonal in the forward and
-# both backward passes, and never materialises the scores; "tokamax" is tokamax's Mosaic-GPU flash
-# attention (mlir_train.model.kernels.tokamax_ops.tokamax_attention), GPU only, whose forward also
-# skips the key blocks of the packed row's earlier documents. The GPU default stays "flash": the
-# compiled FLOPs (benchmarks/README.md) are within 2 % of tokamax's on one document per row and
-# above them only on packed rows, and tokamax's kernel wants --seq-length a multiple of 128.
-# "docs-flash" is our Pallas (Triton) kernel (mlir_train.model.kernels.docs_flash, --attention-kernel mlir),
-# GPU only, whose forward and both backward passes skip the tiles outside a tile's documents.
+# [T, S] score matrix, masked half included); "docs-flash" is our Pallas (Triton) kernel
+# (mlir_train.model.kernels.docs_flash, --attention-kernel mlir), GPU only, whose forward and both
+# backward passes skip the tiles outside a tile's documents; "flash" is the Pallas (Triton)
+# FlashAttention kernel of jax.experimental.pallas.ops.gpu.attention (--attention-kernel pallas-mha),
+# GPU only, on the jax versions that still ship it (removed in jax 0.12: pallas_mha_missing);
+# "tokamax" is tokamax's Mosaic-GPU flash attention
+# (mlir_train.model.kernels.tokamax_ops.tokamax_attention), GPU only, whose forward also skips the
+# key blocks of the packed row's earlier documents. The GPU default is "docs-flash" on every
+# supported jax: it is our code, so it exists in each of them (JAX's Pallas-Triton mha, the
+# default before, is gone from 0.12.1; JAX's current Mosaic-GPU attention takes no segment ids, so
+# it cannot keep packed documents apart), `check --code-paths gpu` certifies it interpreted (tokamax's
+# kernels have no interpreter), and its compiled FLOPs (benchmarks/README.md) are within 0.1 % of
+# the mha kernel's on one document per row and below Megatron's causal count on packed rows, where
+# mha and tokamax are above it. tokamax's kernel also wants --seq-length a multiple of 128.
 ATTENTION_IMPLS = ("xla", "flash", "tokamax", "docs-flash")
-DEFAULT_ATTENTION_IMPL = {"cpu": "xla", "gpu": "flash", "tpu": "xla"}
+DEFAULT_ATTENTION_IMPL = {"cpu": "xla", "gpu": "docs-flash", "tpu": "xla"}
 SEGMENT_ID_IMPLS = ("flash", "tokamax", "docs-flash")  # the kernels that take the segment ids, not a [B, T, S] mask
+
+
+PALLAS_MHA_MODULE = "jax.experimental.pallas.ops.gpu.attention"
+
+
+@functools.cache
+def pallas_mha_missing() -> str | None:
+    """None where this jax ships JAX's Pallas-Triton FlashAttention (``"flash"``,
+    ``--attention-kernel pallas-mha``), else why not: deprecated in jax 0.11.2, removed in 0.12."""
+    import importlib
+
+    try:
+        importlib.import_module(PALLAS_MHA_MODULE)
+    except ImportError as e:
+        return (f"--attention-kernel pallas-mha needs {PALLAS_MHA_MODULE}, which jax {jax.__version__} does not "
+                f"ship (JAX removed it in 0.12: {e}); use --attention-kernel auto (our docs-flash kernel, the GPU "
+                "default), mlir (the same), tokamax or xla")
+    return None
+
 
 
 def attention_mask(segment_ids_BT: jax.Array, order_T: jax.Array | None = None) -> jax.Array:
@@ -283,6 +307,9 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
     The tiles follow the GPU the program is built for (:func:`flash_block_sizes`):
     ``compute_capability`` ("9.0"), or by default that of the mesh's devices
     (:func:`target_compute_capability`)."""
+    missing = pallas_mha_missing()
+    if missing:
+        raise ValueError(missing)
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
     if mesh_axes_of("act_seq")[1] > 1:
@@ -304,7 +331,7 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
         k_BSNH, v_BSNH = (jnp.repeat(a, g, axis=2) for a in (k_BSKH, v_BSKH))
         return pallas_attention.mha(
             q_BTNH, k_BSNH, v_BSNH, segment_ids_BT, sm_scale=1.0 / math.sqrt(h), causal=True,
-            block_sizes=block, num_warps=num_warps, interpret=interpret,
+            block_sizes=pallas_attention.BlockSizes(**block._asdict()), num_warps=num_warps, interpret=interpret,
         )
 
     if mesh_axes_of("act_batch")[1] == 1 and mesh_axes_of("act_heads")[1] == 1:
@@ -325,9 +352,11 @@ def kernel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation: 
     if q_BTNH.shape[1] % 128:
         raise ValueError(f"--attention-kernel tokamax needs a sequence length (--seq-length) that is a multiple of "
                          f"128 (its forward reduces the document starts per 128 queries), got {q_BTNH.shape[1]}; "
-                         "use --attention-kernel pallas-mha or xla")
+                         "use --attention-kernel mlir or xla")
+    group = q_BTNH.shape[2] // k_BSKH.shape[2]
 
     def run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+        k_BSKH, v_BSKH = rank_kv_heads(k_BSKH, v_BSKH, q_BTNH.shape[2], group)
         return tokamax_ops.tokamax_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, implementation=implementation)
 
     if mesh_axes_of("act_batch")[1] == 1 and mesh_axes_of("act_heads")[1] == 1:
@@ -348,7 +377,10 @@ def docs_flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: b
         raise ValueError(f"--attention-kernel mlir needs a sequence length (--seq-length) that is a multiple of 16, "
                          f"got {q_BTNH.shape[1]}")
 
+    group = q_BTNH.shape[2] // k_BSKH.shape[2]
+
     def run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+        k_BSKH, v_BSKH = rank_kv_heads(k_BSKH, v_BSKH, q_BTNH.shape[2], group)
         return docs_flash.docs_flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, interpret=interpret)
 
     if mesh_axes_of("act_batch")[1] == 1 and mesh_axes_of("act_heads")[1] == 1:
@@ -356,6 +388,30 @@ def docs_flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: b
     heads, kv = ("act_batch", None, "act_heads", None), ("act_batch", None, "act_kv_heads", None)
     return logical_shard_map(run, in_names=(heads, kv, kv, ("act_batch", None)), out_names=heads,
                              manual=("act_batch", "act_heads"), check_vma=False)(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+
+
+class FlashTiles(typing.NamedTuple):
+    """The Pallas mha kernel's tiles, by the fields of its ``BlockSizes``."""
+
+    block_q: int
+    block_k: int
+    block_q_dkv: int
+    block_kv_dkv: int
+    block_q_dq: int
+    block_kv_dq: int
+
+
+def rank_kv_heads(k_BSKH, v_BSKH, n_local: int, group: int):
+    """Inside a region manual over the heads: the kv heads of this rank's ``n_local`` query heads
+    (``group`` query heads a kv head). Where TP exceeds the kv heads each rank holds every kv head
+    (``sharding.mesh.kv_heads_replicated``) and its query heads all belong to one, picked by its
+    tensor rank; otherwise the rank's kv heads are already its own."""
+    if k_BSKH.shape[2] * group == n_local:
+        return k_BSKH, v_BSKH
+    head_axes, tp = mesh_axes_of("act_heads")
+    assert tp > 1 and n_local <= group and group % n_local == 0, (k_BSKH.shape, n_local, group, tp)
+    first = jax.lax.axis_index(head_axes) * n_local // group
+    return tuple(jax.lax.dynamic_slice_in_dim(a, first, 1, axis=2) for a in (k_BSKH, v_BSKH))
 
 
 HOPPER_BACKWARD_TILE = 64
@@ -379,16 +435,15 @@ def flash_block_sizes(t: int, compute_capability: str | None = None, head_dim: i
     shared memory, ``2 (bq + 4 bk) head_dim`` bytes in bf16: at 128 x 128 and head_dim 256
     (Qwen3.5 / Qwen3-Next attention) 320 KiB, over Hopper's 227 KiB per block, and XLA:GPU
     refuses the program ("Shared memory size limit exceeded: requested 328192, available:
-    232448"); 64 x 64 needs 160 KiB."""
-    from jax.experimental.pallas.ops.gpu.attention import BlockSizes
-
+    232448"); 64 x 64 needs 160 KiB. The tiles are a :class:`FlashTiles` (the kernel's ``BlockSizes``
+    fields), so the planner prices them on a jax that no longer ships the kernel."""
     if t % 16:
         return None
     fwd = math.gcd(t, 128 if head_dim <= 128 else 64)
     hopper = compute_capability is not None and compute_capability.split(".")[0] == "9"
     bwd = HOPPER_BACKWARD_TILE if hopper and t % HOPPER_BACKWARD_TILE == 0 else math.gcd(t, 32)
     q_dkv, kv_dkv, q_dq, kv_dq = flash_backward_tiles(bwd, head_dim)
-    return BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=q_dkv, block_kv_dkv=kv_dkv, block_q_dq=q_dq,
+    return FlashTiles(block_q=fwd, block_k=fwd, block_q_dkv=q_dkv, block_kv_dkv=kv_dkv, block_q_dq=q_dq,
                       block_kv_dq=kv_dq)
 
 

@@ -11,7 +11,7 @@ The platform itself is named by :func:`mlir_train.runtime.platform_setup.platfor
 
 from __future__ import annotations
 
-from mlir_train.model.attention import DEFAULT_ATTENTION_IMPL
+from mlir_train.model.attention import DEFAULT_ATTENTION_IMPL, pallas_mha_missing
 from mlir_train.model.moe.dispatch import DEFAULT_MOE_IMPL, ragged_all_to_all_dense
 from mlir_train.model.options import ModelOptions
 
@@ -40,7 +40,8 @@ def kernel_options(platform: str, *, is_moe: bool, context_parallel: int = 1, mo
     on every platform: the kernels mask causally from position 0 of one sequence shared
     by queries and keys, which the load-balanced layout's two chunks per rank are not
     (:func:`~mlir_train.model.attention.context_parallel_attention`); naming a kernel there is refused.
-    A GPU kernel named off GPU is refused (ValueError naming the flag), never replaced.
+    A GPU kernel named off GPU is refused (ValueError naming the flag), never replaced, and so is
+    ``--attention-kernel pallas-mha`` on a jax that no longer ships it (:func:`pallas_mha_missing`).
 
     ``code_paths`` (``--code-paths``) "gpu" on CPU: the options a GPU run gets, with the kernels
     in the Pallas / Mosaic-GPU interpreters tiled for compute capability 9.0 and the ragged
@@ -62,6 +63,8 @@ def kernel_options(platform: str, *, is_moe: bool, context_parallel: int = 1, mo
             raise ValueError(f"{flag} {choice}: a GPU kernel, and this run compiles for {platform}; "
                              f"use {flag} auto or {flag} {OFF_GPU[flag]}"
                              + (" (or --code-paths gpu: the GPU kernels interpreted on CPU)" if platform == "cpu" else ""))
+    if attention_backend == "pallas-mha" and pallas_mha_missing():
+        raise ValueError(pallas_mha_missing())
     if context_parallel > 1:
         if attention_backend not in ("auto", "xla"):
             raise ValueError(f"--attention-kernel {attention_backend} does not run with --context-parallel-size "

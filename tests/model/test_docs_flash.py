@@ -74,21 +74,29 @@ def test_equals_masked_attention_bf16():
     _check(2, jnp.bfloat16, atol=6e-2, rtol=5e-2)
 
 
-def test_under_data_and_tensor_parallelism():
-    """The kernels run per (batch, head) shard in a manual region: same values as unsharded."""
+@pytest.mark.parametrize("tp", [2, 4])  # TP4 over 2 kv heads: each rank holds both, uses its query heads' one
+def test_under_data_and_tensor_parallelism(tp):
+    """The kernels run per (batch, head) shard in a manual region: same values and gradients as
+    unsharded, also where TP exceeds the kv heads (the heads replicated, each rank picking its own)."""
     import sharding
     from sharding import Layout
 
     from mlir_train.model.attention import docs_flash_attention as sharded
 
-    b, t, kv, g, h = 4, 32, 2, 2, 16
-    q, k, v, _ = _case(g, jnp.float32, seed=1, b=b, t=t, kv=kv, h=h)
+    b, t, kv, g, h = 2, 32, 2, 2, 16
+    q, k, v, w = _case(g, jnp.float32, seed=1, b=b, t=t, kv=kv, h=h)
     seg = jnp.asarray(np.repeat(np.array([[1] * 20 + [2] * 12]), b, axis=0), jnp.int32)
-    ref = masked_attention(q.reshape(b, t, kv, g, h), k, v, attention_mask(seg)).reshape(q.shape)
-    cfg = Layout(tensor=2, num_devices=8)  # DP4 x TP2
-    with jax.set_mesh(sharding.make_mesh(cfg)), sharding.use_rules(sharding.rules_for(cfg)):
-        got = jax.jit(lambda q, k, v, s: sharded(q, k, v, s, interpret=True))(q, k, v, seg)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-4)
+    ref_fn = lambda q, k, v: jnp.sum(masked_attention(q.reshape(b, t, kv, g, h), k, v, attention_mask(seg))
+                                     .reshape(q.shape) * w)
+    cfg = Layout(tensor=tp, num_devices=2 * tp)  # DP2 x TP
+    rules = sharding.rules_for(cfg, {"num_kv_heads": kv})
+    with jax.set_mesh(sharding.make_mesh(cfg)), sharding.use_rules(rules):
+        got_fn = lambda q, k, v: jnp.sum(sharded(q, k, v, seg, interpret=True) * w)
+        got, got_g = jax.jit(jax.value_and_grad(got_fn, argnums=(0, 1, 2)))(q, k, v)
+    ref, ref_g = jax.value_and_grad(ref_fn, argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-5)
+    for name, a, r in zip(("dq", "dk", "dv"), got_g, ref_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=2e-5, rtol=1e-4, err_msg=name)
 
 
 def test_flag_selects_it_and_refuses_context_parallelism_and_cpu():
@@ -154,6 +162,43 @@ def test_h200_compile_holds_the_kernels_and_their_ptx_uses_wgmma_without_spills(
         r = reports[name]
         assert r.wgmma > 0 and r.mma_sync == 0, (r.row(), r.wgmma, r.mma_sync)
         assert r.spill_bytes == 0 and r.registers <= r.register_limit, r.row()
+
+
+@pytest.mark.parametrize("t", [1024, 1056])  # 64-row tiles; 32-row where 64 does not divide t
+def test_h200_ptx_for_256_wide_heads_does_not_spill(h200_mesh, tmp_path, t):
+    """Qwen3.5 / Qwen3-Next's 256-wide heads, the GPU default's tiles for them
+    (:meth:`Tiles.for_head_dim`: 8 warps forward and dQ, a 16 x 64 dK/dV loop): no kernel spills
+    (the 128-wide tiles spilled 48 / 356 / 1296 bytes here), registers within the limit, wgmma at
+    64-row tiles; the planner counts each kernel by its own tiles (about 10 s each)."""
+    from tests.helpers import compiled_attention_grads
+    from mlir_train.planner.hlo import matmul_flops
+    from mlir_train.planner.kernel_audit import audit_xla_dump
+    from mlir_train.model.attention import docs_flash_attention
+
+    hlo = compiled_attention_grads(docs_flash_attention, h200_mesh, t=t, h=256, dump_to=tmp_path).as_text()
+    reports = {r.name: r for r in audit_xla_dump(str(tmp_path)) if r.name.startswith("docs_flash_")}
+    tile = 64 if t % 64 == 0 else 32
+    assert sorted(reports) == sorted([f"docs_flash_fwd_q{tile}_k{tile}", f"docs_flash_dq_q{tile}_k{tile}",
+                                      f"docs_flash_dkv_q16_k{tile}"]), sorted(reports)
+    for r in reports.values():
+        assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, r.row()
+        assert r.registers <= r.register_limit, r.row()
+        assert (r.wgmma > 0) == (t % 64 == 0) and r.wgmma + r.mma_sync > 0, (r.row(), r.wgmma, r.mma_sync)
+    calls = {c.kind: c for c in matmul_flops(hlo).attention_calls}
+    assert (calls["dkv"].tile_q, calls["dkv"].tile_k) == (16, tile) and calls["fwd"].tile_q == tile
+
+
+def test_wide_head_tiles_equal_masked_attention():
+    """The wide-head tile set (the dK/dV kernel on its own 16 x 32 tiles, dQ and forward 32 x 32)
+    in the interpreter: forward and dq, dk, dv equal masked_attention on packed rows."""
+    _check(2, jnp.float32, atol=2e-5, rtol=1e-5, tiles=Tiles(32, 32, 32, 32, fwd_warps=8, dq_warps=8, dkv_q=16, dkv_k=32))
+
+
+def test_tiles_for_head_dim():
+    assert Tiles.for_head_dim(128) == Tiles() and Tiles().dkv == (64, 64)
+    wide = Tiles.for_head_dim(256)
+    assert (wide.fwd_warps, wide.dq_warps, wide.dkv_warps, wide.dkv) == (8, 8, 8, (16, 64))
+    assert wide.fit(1056).dkv == (16, 32) and wide.fit(1056).fwd_q == 32
 
 
 def test_kernel_self_check_passes_in_the_interpreter(capsys):

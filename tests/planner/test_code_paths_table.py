@@ -54,7 +54,7 @@ def test_padded_dispatcher_is_named_on_cpu():
 def test_grouped_dispatcher_and_host_callback_kernels_are_named():
     """--code-paths gpu's EP2 step: the grouped dispatcher on the ragged all-to-all's typed
     stand-in, and the Mosaic-GPU block kernels that host callbacks run (interpreted) named in
-    the expert-matmul and kernel rows, next to the interpreted flash kernels."""
+    the expert-matmul and kernel rows, next to the interpreted docs-flash kernels (the GPU attention default)."""
     rows = traced_rows(Layout(expert=2, num_devices=2), kernel_options("cpu", is_moe=True, code_paths="gpu"))
     assert rows["MoE dispatch"].startswith("grouped: all_to_all x"), rows
     assert " in the ragged all-to-all's stand-in ragged_all_to_all_dense; " in rows["MoE dispatch"], rows
@@ -64,8 +64,8 @@ def test_grouped_dispatcher_and_host_callback_kernels_are_named():
     kernels = rows["kernels"]
     assert "Mosaic-GPU moe_block_matmul (interpreted, in a host callback) x" in kernels, rows
     assert "Mosaic-GPU moe_block_matmul_t (interpreted, in a host callback) x" in kernels, rows
-    assert "Triton mha_forward (interpreted) x" in kernels, rows
-    assert rows["attention"].startswith("kernel mha_backward (Triton, interpreted) x"), rows
+    assert "Triton docs_flash_fwd_q32_k32 (interpreted) x" in kernels, rows  # the GPU default at seq 32
+    assert "kernel docs_flash_" in rows["attention"] and "(Triton, interpreted) x" in rows["attention"], rows
 
 
 @pytest.mark.parametrize("name", ["gathered", "overflow"])
@@ -124,4 +124,4 @@ def test_the_gpu_programs_own_exchange_and_compiled_kernels_are_named(h200_devic
     assert re.match(r"grouped: all_to_all x\d+, ragged_all_to_all x\d+ \(ragged all-to-all; ", rows["MoE dispatch"]), rows
     for kernel in ("moe_block_matmul", "moe_block_matmul_t"):
         assert f"kernel {kernel} (Mosaic-GPU, compiled) x" in rows["expert matmuls"], rows
-    assert "Triton mha_forward (compiled) x" in rows["kernels"] and "host callback" not in rows["kernels"], rows
+    assert "Triton docs_flash_fwd_q64_k64 (compiled) x" in rows["kernels"] and "host callback" not in rows["kernels"], rows

@@ -32,7 +32,7 @@ def test_flag_is_listed_parsed_and_reaches_every_layer(capsys):
     auto = resolve(cli.parse(BASE), model, num_devices=1, platform="cpu").options
     assert (auto.attention_impl, auto.moe_impl, auto.kernel_interpret) == ("xla", "padded", False)
     options = resolve(cli.parse(BASE + ["--code-paths", "gpu"]), model, num_devices=1, platform="cpu").options
-    assert (options.attention_impl, options.moe_impl, options.moe_kernels) == ("flash", "grouped", "mosaic-interpret")
+    assert (options.attention_impl, options.moe_impl, options.moe_kernels) == ("docs-flash", "grouped", "mosaic-interpret")
     assert options.kernel_interpret and options.compute_capability == "9.0"
     assert options.ragged_all_to_all is dispatch.ragged_all_to_all_dense
     built = nnx.eval_shape(lambda: init_model(model, options=options))
@@ -103,7 +103,7 @@ def test_dense_tp2_sp_whole_step_on_gpu_paths_equals_one_device():
     from sharding.layout import Layout
 
     options = kernel_options("cpu", is_moe=False, code_paths="gpu")
-    assert (options.attention_impl, options.kernel_interpret, options.compute_capability) == ("flash", True, "9.0")
+    assert (options.attention_impl, options.kernel_interpret, options.compute_capability) == ("docs-flash", True, "9.0")
     got = train_one_step(MODELS["dense"], Layout(tensor=2, sequence_parallel=True, num_devices=8), options)
     assert_step_matches(got, train_one_step(MODELS["dense"], None, options), moe=False)
 

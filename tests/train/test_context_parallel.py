@@ -132,7 +132,9 @@ def test_blocked_attention_equals_masked_attention(order):
                                                             block=8)))
     a, ga = jax.value_and_grad(ref, argnums=(0, 1, 2))(q, k, v)
     z, gz = jax.value_and_grad(got, argnums=(0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(z, a, rtol=1e-6)
+    # A sum of 2048 sines of float32 softmax outputs: its last bits depend on the summation order,
+    # which changes between XLA versions (jax 0.12.1: 2.1e-6 relative).
+    np.testing.assert_allclose(z, a, rtol=5e-6)
     for x, y in zip(gz, ga):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-6 * np.abs(y).max())
 
@@ -151,7 +153,7 @@ def test_seq_length_is_checked_as_megatron_does():
 def test_flash_attention_is_not_picked_under_context_parallelism():
     from mlir_train.model import kernel_options
 
-    assert kernel_options("gpu", is_moe=False).attention_impl == "flash"
+    assert kernel_options("gpu", is_moe=False).attention_impl == "docs-flash"
     assert kernel_options("gpu", is_moe=False, context_parallel=2).attention_impl == "xla"
 
 

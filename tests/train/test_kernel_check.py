@@ -28,17 +28,15 @@ def _broken_block_kernels(scale=1.1):
 
 
 def test_interpreted_kernels_pass(capsys):
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError:  # pragma: no cover - depends on the jax build
-        pytest.skip("this jax has no Mosaic-GPU interpreter")
-    kernels = kernel_check.selected("flash", mosaic_block_kernels(InterpretGPUParams()), interpret=True)
-    assert [k.key for k in kernels] == ["flash", "mosaic-interpret"]
+    from mlir_train.model.kernels.mosaic_moe import interpret_params
+
+    kernels = kernel_check.selected("docs-flash", mosaic_block_kernels(interpret_params()), interpret=True)
+    assert [k.key for k in kernels] == ["docs-flash", "mosaic-interpret"]
     assert kernel_check.self_check(kernels, SHAPES) == {}
     out = capsys.readouterr().out
     line = re.search(r"^mlir-train: kernel self-check took (\d+\.\d)s \(float32, tolerance 5e-03\): (.*)$", out, re.M)
     assert line, out
-    assert "flash attention (Pallas-Triton mha) ok" in line.group(2)
+    assert "document-skipping flash attention (our Pallas-Triton, --attention-kernel mlir) ok" in line.group(2)
     assert "MoE expert matmuls (mosaic-interpret block kernels) ok" in line.group(2)
     print(f"self-check on the CPU interpreters: {line.group(1)} s")
 
@@ -133,9 +131,7 @@ def test_auto_fallback_changes_the_model_options(monkeypatch):
 def test_long_sequences_check_against_the_blocked_reference(monkeypatch):
     """Past REFERENCE_SCORES the reference is blocked_attention on one kv group (a 32k-token
     run's [heads, T, T] float32 scores would not fit): it still tells a right kernel from a wrong one."""
-    from mlir_train.model.attention import flash_block_sizes  # noqa: F401  (the Pallas import the flash path needs)
-
     monkeypatch.setattr(kernel_check, "REFERENCE_SCORES", 0)
-    right = lambda q, k, v, seg: kernel_check.ATTENTION_KERNELS["flash"][1](True)(q, k, v, seg)
+    right = lambda q, k, v, seg: kernel_check.ATTENTION_KERNELS["docs-flash"][1](True)(q, k, v, seg)
     assert kernel_check.check_attention(right, SHAPES) < 1e-4
     assert kernel_check.check_attention(lambda q, k, v, seg: q, SHAPES) > 0.1

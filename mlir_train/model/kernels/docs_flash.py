@@ -53,12 +53,31 @@ class Tiles:
     dq_warps: int = 4
     dkv_warps: int = 8
     num_stages: int = 2
+    dkv_q: int | None = None  # the dK/dV kernel's own query x key tiles; None: bwd_q x bwd_k
+    dkv_k: int | None = None
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> "Tiles":
+        """The tiles for ``head_dim``: the defaults up to 128; for wider heads (Qwen3.5 / Qwen3-Next's
+        256) twice the warps in the forward and dQ kernels (their 64 x 256 float32 accumulator is
+        128 registers a thread over 4 warps: ptxas spilled 48 and 356 bytes), and a dK/dV loop that
+        steps 16 query rows over its 64 keys (its two 64 x 256 accumulators spilled 1296 bytes at 64 x 64,
+        580 at 32 x 64; at 16 x 64 none, and the dK/dV matmuls stay wgmma). Read from ptxas for an
+        H200 by tests/planner/test_docs_flash_ptx.py."""
+        if head_dim <= 128:
+            return cls()
+        return cls(fwd_warps=8, dq_warps=8, dkv_q=16, dkv_k=64)
+
+    @property
+    def dkv(self) -> tuple[int, int]:
+        return (self.dkv_q or self.bwd_q, self.dkv_k or self.bwd_k)
 
     def fit(self, t: int) -> "Tiles":
         """The tiles shrunk (to gcd with ``t``) so that they divide ``t``."""
         g = lambda b: math.gcd(t, b)
+        dkv_q, dkv_k = self.dkv
         return dataclasses.replace(self, fwd_q=g(self.fwd_q), fwd_k=g(self.fwd_k), bwd_q=g(self.bwd_q),
-                                   bwd_k=g(self.bwd_k))
+                                   bwd_k=g(self.bwd_k), dkv_q=g(dkv_q), dkv_k=g(dkv_k))
 
 
 def document_bounds(segment_ids_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -208,6 +227,7 @@ def _backward(q, k, v, seg, start, end, o, lse, do, tiles: Tiles, interpret: boo
         interpret=interpret,
         name=f"docs_flash_dq_q{bq}_k{bk}",
     )(q, k, v, do, lse, delta, seg, start)
+    bq, bk = tiles.dkv
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, bq=bq, bk=bk, groups=g),
         grid=(t // bk, b, kv),
@@ -259,8 +279,8 @@ def docs_flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, tiles: Tiles
         raise ValueError(f"docs-flash attention wants S == T and N a multiple of K: q {q_BTNH.shape}, k {k_BSKH.shape}")
     if h & (h - 1):
         raise ValueError(f"docs-flash attention wants a power-of-two head dim, got {h}")
-    tiles = (tiles or Tiles()).fit(t)
-    if min(tiles.fwd_q, tiles.fwd_k, tiles.bwd_q, tiles.bwd_k) < 16:
+    tiles = (tiles or Tiles.for_head_dim(h)).fit(t)
+    if min(tiles.fwd_q, tiles.fwd_k, tiles.bwd_q, tiles.bwd_k, *tiles.dkv) < 16:
         raise ValueError(f"docs-flash attention needs a sequence length (--seq-length) that is a multiple of 16, "
                          f"got {t}")
     return _attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT.astype(jnp.int32), tiles, interpret)

@@ -218,9 +218,13 @@ def mosaic_block_kernels(interpret=None) -> BlockKernels:
 
 
 def interpret_params():
-    """Parameters that run the kernels in the Mosaic-GPU interpreter (jax 0.10.2 spells them
-    only privately)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    """Parameters that run the kernels in the Mosaic-GPU interpreter: public as
+    ``jax.experimental.pallas.mosaic_gpu.InterpretGPUParams`` from jax 0.11.2 (its interpreter
+    reworked there); jax 0.10.2 spells them only privately."""
+    try:
+        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+    except ImportError:  # jax < 0.11.2
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
 
