@@ -6,7 +6,7 @@ Imports nothing from ``mlir_train``: the model only ever names logical axes.
 from sharding.table import sharding_rows, sharding_table
 from sharding.logical import Rules, active_rules, constrain, constrain_cotangent, logical_to_spec, tree_shardings, tree_specs, use_rules
 from sharding.manual import (logical_shard_map, manual_axes_of, manual_now, mesh_axes_of,
-                             replicated_on_remaining_axes, split_size, varying_axes)
+                             replicated_on_remaining_axes, split_size, varying_axes, vary_over)
 from sharding.mesh import kv_heads_replicated, make_mesh, validate
 from sharding.layout import ALL_MESH_AXES, DATA_AXES, MESH_AXES, Layout, LayoutError
 from sharding.rules import (
@@ -63,5 +63,6 @@ __all__ = [
     "use_rules",
     "validate",
     "varying_axes",
+    "vary_over",
     "zero_spec",
 ]

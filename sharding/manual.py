@@ -167,6 +167,17 @@ def varying_axes(x) -> frozenset[str]:
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
 
 
+def vary_over(x, axes):
+    """``x`` typed varying over every manual axis of ``axes`` (``jax.lax.pcast``; a no-op on the
+    axes it already varies over, and outside checked regions). jax 0.12 refuses a collective over
+    axes on which its operand is in mixed states (varying over some, invariant over others), and a
+    ``ragged_all_to_all`` whose operands are not all typed alike; the forward costs nothing, the
+    gradient of a cast is a sum over the added axes."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def replicated_on_remaining_axes(fn: Callable) -> Callable:
     """``fn`` in a region manual over every mesh axis the current region is not, its operands and
     result whole (the same) on those axes; ``fn`` itself where none remain (no mesh, one device,

@@ -135,7 +135,8 @@ def check_receive_buffer(operand, output, ints, axis_name) -> None:
     """Refuse (ValueError) a ragged all-to-all's ``output`` buffer whose varying manual axes do
     not cover the operand's, the offsets' and sizes' and the exchange's own axes: the real op
     would type what each rank receives as the same on every rank, and its gradient would then be
-    summed over the ranks. Outside a checked manual region nothing is typed, nothing refused."""
+    summed over the ranks. Then :func:`check_ragged_typing`, the rule jax 0.12's primitive applies.
+    Outside a checked manual region nothing is typed, nothing refused."""
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     needed = set().union(varying_axes(operand), *(varying_axes(i) for i in ints))
     if varying_axes(operand):  # inside a checked region: the exchange varies over its own axes
@@ -148,6 +149,32 @@ def check_receive_buffer(operand, output, ints, axis_name) -> None:
             f"{list(axes)}); jax.lax.ragged_all_to_all types its result like the buffer, so its gradient would be "
             f"summed over those ranks. Make the buffer varying first: jax.lax.pcast(buffer, {tuple(missing)}, "
             "to='varying') (model.moe.exchange.ragged_into_zeros does)")
+    check_ragged_typing(operand, output, ints, axis_name)
+
+
+RAGGED_ARGS = ("operand", "output", "input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+
+
+def check_ragged_typing(operand, output, ints, axis_name) -> None:
+    """jax 0.12's ``ragged_all_to_all`` primitive: the operand, the output buffer and the four
+    offset / size arrays vary over the same manual axes, and the operand over the exchange's own
+    (its wrapper casts them while ``jax_auto_pcast`` is on, jax's default today and not
+    tomorrow: our exchange casts them itself, :func:`~mlir_train.model.moe.exchange.typed_alike`).
+    Applied by the stand-in on every jax, so a CPU test sees what a GPU run on 0.12 refuses.
+    Nothing is checked outside a checked manual region (no argument typed varying)."""
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    vmas = [frozenset(varying_axes(x)) for x in (operand, output, *ints)]
+    if not any(vmas):
+        return
+    if not set(axes) <= vmas[0]:
+        raise ValueError(f"ragged_all_to_all: the operand varies over {sorted(vmas[0])}, not over the exchange's "
+                         f"axes {list(axes)} (jax 0.12 refuses it); cast it: "
+                         f"sharding.vary_over(operand, {tuple(axes)})")
+    odd = {n: sorted(v) for n, v in zip(RAGGED_ARGS, vmas) if v != vmas[0]}
+    if odd:
+        raise ValueError(f"ragged_all_to_all: its arguments vary over different manual axes (operand "
+                         f"{sorted(vmas[0])}; {odd}); jax 0.12's ragged_all_to_all requires them alike. Cast "
+                         "them first (model.moe.exchange.typed_alike)")
 
 
 def sort_assignments(plan: ExpertsPlan, weights_SK, experts_SK):

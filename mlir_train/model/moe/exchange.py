@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from mlir_train.model.moe.dispatch import (ExpertsPlan, block_grouping, dispatcher_scope, further_rounds, in_rounds,
                                            round_up, sort_assignments)
 from mlir_train.model.moe.experts import grouped_experts, swiglu_down
-from sharding import varying_axes
+from sharding import varying_axes, vary_over
 
 
 def exchange_capacity(plan: ExpertsPlan, s: int, k: int, ep: int, align: int,
@@ -252,9 +252,20 @@ def _into_zeros(ragged_a2a, shapes, axis_name, operand, input_offsets, send_size
     # The result takes the output buffer's type (jax 0.10.2's rule): mark the fresh zeros varying
     # as the rows that land in them are, or the region would treat what each rank receives as
     # the same on every rank (and the experts' custom VJP would sum its gradient over the ranks).
-    ints = (input_offsets, send_sizes, output_offsets, recv_sizes)
+    # jax 0.12's primitive wants all six typed alike, the operand varying over the exchange's axes
+    # (its wrapper casts them while jax_auto_pcast is on, the default it plans to turn off): cast here.
+    operand, *ints = typed_alike(axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes)
     output = _varying_zeros((rows,) + tuple(shape[1:]), dtype, operand, *ints)
     return ragged_a2a(operand, output, *ints, axis_name=axis_name)
+
+
+def typed_alike(axis_name, *xs):
+    """``xs`` each typed varying over every manual axis any of them varies over, and over the
+    exchange's ``axis_name``: the typing jax 0.12's ``ragged_all_to_all`` requires of its operands
+    (:func:`~mlir_train.model.moe.dispatch.check_ragged_typing`)."""
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    vma = tuple(sorted(set(axes).union(*(varying_axes(x) for x in xs))))
+    return [vary_over(x, vma) for x in xs]
 
 
 def _varying_zeros(shape, dtype, *like):
@@ -279,9 +290,13 @@ def _into_zeros_bwd(ragged_a2a, shapes, axis_name, res, ct):
     def a2a(v):
         return jax.lax.all_to_all(v, axis_name, 0, 0, tiled=True)
 
-    ints = (a2a(output_offsets), recv_sizes, a2a(input_offsets), send_sizes)
+    ct, *ints = typed_alike(axis_name, ct, a2a(output_offsets), recv_sizes, a2a(input_offsets), send_sizes)
     operand_ct = ragged_a2a(ct, _varying_zeros(shape, dtype, ct, *ints), *ints, axis_name=axis_name)
     # The operand's cotangent has the operand's type: varying over the manual axes it varies over.
+    # Axes the forward cast it to vary over (typed_alike) are summed back, as a cast's transpose is.
+    extra = tuple(a for a in sorted(varying_axes(operand_ct)) if a not in vma)
+    if extra:
+        operand_ct = jax.lax.psum(operand_ct, extra)
     missing = tuple(a for a in vma if a not in varying_axes(operand_ct))
     if missing:
         operand_ct = jax.lax.pcast(operand_ct, missing, to="varying")

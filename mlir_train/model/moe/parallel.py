@@ -92,7 +92,7 @@ from mlir_train.model.moe import dispatch as moe_dispatch
 from mlir_train.model.moe import exchange
 from mlir_train.model.moe.dispatch import ExpertsPlan, constrained_swiglu
 from mlir_train.model.moe.experts import swiglu_experts
-from sharding import logical_shard_map, manual_now, mesh_axes_of, split_size, varying_axes
+from sharding import logical_shard_map, manual_now, mesh_axes_of, split_size, varying_axes, vary_over
 
 
 def run_experts(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, weights):
@@ -215,7 +215,8 @@ def expert_parallel(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, valid_S, we
     tp_axes = _kernel_tp_axes(plan) if dispatcher == "grouped" else ()
     w_axes = width_token_axes()
     # Every rank of the region takes the same branch of the dispatchers' overflow rounds.
-    agree = lambda n: jax.lax.pmax(n, manual_axes + tp_axes)
+    # (typed varying over all of them first: jax 0.12 refuses a pmax over axes in mixed states)
+    agree = lambda n: jax.lax.pmax(vary_over(n, manual_axes + tp_axes), manual_axes + tp_axes)
 
     def body(x_SD, weights_SK, experts_SK, valid_S, wg, wu, wd):
         if dispatcher == "ragged":
