@@ -17,7 +17,12 @@ import socket
 @functools.cache
 def megatron():
     """Shim once, initialise a one-rank gloo world, and return ``(torch, moe_utils, make_router)``;
-    ``make_router(**config)`` builds a ``TopKRouter`` from ``TransformerConfig`` fields."""
+    ``make_router(**config)`` builds a ``TopKRouter`` from ``TransformerConfig`` fields. Skips the
+    calling test where torch or megatron-core is absent (the newest-jax lane: the default lane runs it)."""
+    import pytest
+
+    pytest.importorskip("torch", reason="megatron-core's router is the reference: needs torch (the default lane)")
+    pytest.importorskip("megatron.core", reason="megatron-core's router is the reference (the default lane)")
     import torch
     import torch.distributed as dist
 

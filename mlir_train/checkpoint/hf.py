@@ -147,7 +147,7 @@ def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict,
 def _sharding_for(mesh, rules):
     def sharding_for(var) -> jax.sharding.Sharding:
         if mesh is None:
-            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return jax.sharding.make_single_device_sharding(jax.devices()[0])
         spec = logical_to_spec(var.get_metadata()["logical_axes"], rules, mesh.axis_names)
         # A dimension its mesh axes do not divide (a short layer stack of a mixed dense/MoE
         # model under PP) is loaded unsplit; the trainer stores it that way too.

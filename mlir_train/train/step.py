@@ -219,7 +219,13 @@ class Step:
         def micro(carry, xs):
             acc, counts = carry  # counts: global_aux_loss's running expert counts, or None
             mb, i = xs
-            (_, aux), g = grad_fn(weights, mb, scale, counts, i, base, cast)
+            w = weights
+            if cast:
+                # FSDP gathers per use: the master weights tied to this micro-batch, so that no
+                # compiler moves their gather out of the loop (jax 0.12.1's XLA:CPU did, with its
+                # loop-invariant code motion off), which would hold every weight whole for the step.
+                w, mb = jax.lax.optimization_barrier((w, mb))
+            (_, aux), g = grad_fn(w, mb, scale, counts, i, base, cast)
             if cast:  # FSDP: reduce-scattered into the master layout per micro-batch
                 g = jax.tree.map(jax.lax.with_sharding_constraint, g, self.master)
             acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)

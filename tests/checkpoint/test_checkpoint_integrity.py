@@ -253,7 +253,12 @@ def test_load_falls_back_past_a_flipped_bit_and_resumes_exactly(shared, tmp_path
     assert any(n.startswith("4.corrupt-") for n in os.listdir(ck))
     assert integrity.verify_main(["verify", ck]) == 0
 
-    # Our Megatron export carries checksums too: a flipped bit there is named on reading it.
+    # Our Megatron export carries checksums too: a flipped bit there is named on reading it. Writing
+    # one needs torch (its pickles), absent from the newest-jax lane: the default lane runs this part.
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return
     from mlir_train import convert
     from mlir_train.checkpoint import megatron as mc
 

@@ -79,7 +79,7 @@ def _abstract(cfg):
 
 
 def _single_device(shapes):
-    return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), shapes)
+    return jax.tree.map(lambda _: jax.sharding.make_single_device_sharding(jax.devices()[0]), shapes)
 
 
 def _logits(graphdef, params, tokens):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (HF reference models); the default lane has it")
 from flax import nnx
 
 from mlir_train.config.models import ModelConfig
