@@ -35,5 +35,7 @@ def h200_devices():
     try:
         return gpu_topology_devices(DEVICE_KINDS["h200"].target_config())
     except Exception as e:  # noqa: BLE001 - any failure to build the topology means no GPU compiler here
-        pytest.skip(f"no deviceless XLA:GPU compiler (install jax-cuda12-plugin, jax-cuda12-pjrt, "
-                    f"nvidia-cuda-nvcc-cu12): {type(e).__name__}: {str(e)[:200]}")
+        from mlir_train.planner.targets import gpu_compiler_missing
+
+        pytest.skip(f"no deviceless XLA:GPU compiler ({gpu_compiler_missing() or 'the topology failed'}): "
+                    f"{type(e).__name__}: {str(e)[:200]}")

@@ -54,7 +54,8 @@ import dataclasses
 from collections import Counter, defaultdict
 
 from mlir_train.planner.hlo_cost import (COLLECTIVE_KINDS, NO_TRAFFIC, FusionAccess, collective_bytes, dot_flops,
-                                         fusion_access, is_kernel_call, launch_bytes, overlapped_starts)
+                                         fusion_access, is_kernel_call, launch_bytes, overlapped_starts,
+                                         wraps_collective)
 from mlir_train.planner.hlo_kernels import (AttentionCall, DocsFlashCall, KernelCall, custom_call_target,
                                             read_custom_call)
 from mlir_train.planner.hlo_text import (Instruction, arrays_of, computations, in_scope, inferred_trip_count,
@@ -205,8 +206,11 @@ class _Reader:
         self.exclude_scope = exclude_scope
         self.comps, self.entry = comps, entry
         self.types = {name: {i.name: i.result_type for i in instrs} for name, instrs in comps.items()}
-        self.memo: dict[str, _Tally] = {}
+        self.memo: dict = {}  # computation (or (computation, its wrapper's overlap)) -> _Tally
         self._overlap: dict[str, tuple[bool, bool]] = {}  # the current computation's async starts
+        # Inside an async fusion wrapping a collective (jax 0.12.1's Triton collective fusions):
+        # the wrapper's (overlapped, with matmuls), which its collective takes; None elsewhere.
+        self._wrapper: tuple[bool, bool] | None = None
         self._access: dict[str, tuple] = {}  # fused computation -> what it reads of its operands
         # Instructions met in the reachable computations, each once.
         self.loops, self.unknown_loops, self.conditionals, self.uncounted_names = 0, 0, 0, []
@@ -220,19 +224,26 @@ class _Reader:
             return min if any(in_scope(ins.attrs, s) for s in self.min_scopes) else max
         return max if self.branch == "max" else min
 
-    def tally(self, comp: str) -> _Tally:
-        if comp not in self.memo:
+    def tally(self, comp: str, wrapper: tuple[bool, bool] | None = None) -> _Tally:
+        """What ``comp`` costs per execution; ``wrapper``: it is the fused computation of an
+        async fusion wrapping a collective, scheduled with that (overlapped, with matmuls)."""
+        key = comp if wrapper is None else (comp, wrapper)
+        if key not in self.memo:
             t = _Tally()
-            self._overlap = overlapped_starts(self.comps.get(comp, []), self._does_matmul)
-            for ins in self.comps.get(comp, []):
-                self._instruction(ins, comp, t)
-            self.memo[comp] = t
-        return self.memo[comp]
+            saved_wrapper, self._wrapper = self._wrapper, wrapper
+            self._overlap = overlapped_starts(self.comps.get(comp, []), self._does_matmul, self.comps)
+            try:
+                for ins in self.comps.get(comp, []):
+                    self._instruction(ins, comp, t)
+            finally:
+                self._wrapper = saved_wrapper
+            self.memo[key] = t
+        return self.memo[key]
 
     def _fusion_access(self, ins: Instruction) -> FusionAccess | None:
         """:func:`~mlir_train.planner.hlo_cost.fusion_access` of the computation a fusion calls,
         read once per computation; None for any other instruction."""
-        called = computations(ins.attrs, "calls") if ins.opcode == "fusion" else []
+        called = computations(ins.attrs, "calls") if ins.opcode in ("fusion", "fusion-start") else []
         if not called or called[0] not in self.comps:
             return None
         if called[0] not in self._access:
@@ -263,7 +274,7 @@ class _Reader:
             t.ragged += ragged
             t.coll[base][0] += 1
             t.coll[base][1] += nbytes
-            overlapped, matmul = self._overlap.get(ins.name, (False, False))
+            overlapped, matmul = self._overlap.get(ins.name, self._wrapper or (False, False))
             pairs = source_target_pairs(ins.attrs)
             groups = replica_groups(ins.attrs)
             first = tuple(sorted({d for p in pairs for d in p})) if pairs else (tuple(groups[0]) if groups else ())
@@ -288,9 +299,10 @@ class _Reader:
         if op not in ("while", "conditional") and not op.endswith(("-done", "-update")):
             # A fusion's inside stays on chip: its HBM traffic is the fusion's operands and result.
             callees = computations(ins.attrs, "calls") + (computations(ins.attrs, "to_apply") if op == "call" else [])
+            wrapper = self._overlap.get(ins.name, (False, False)) if wraps_collective(ins, self.comps) else None
             for called in callees:
                 saved = self._overlap
-                t.add(self.tally(called), 1, hbm=op in ("call", "async-start"))
+                t.add(self.tally(called, wrapper), 1, hbm=op in ("call", "async-start"))
                 self._overlap = saved
 
     def _matmul(self, t: _Tally, flops: float, batched: bool, attrs: str) -> None:

@@ -64,14 +64,33 @@ def collective_bytes(ins: Instruction, types: dict[str, str]) -> tuple[int, int]
     return max(ins_bytes, bytes_of(outs)), ragged
 
 
-def overlapped_starts(instrs: list[Instruction], does_matmul) -> dict[str, tuple[bool, bool]]:
+def wraps_collective(ins: Instruction, comps: dict[str, list[Instruction]]) -> bool:
+    """Whether ``ins`` is an async fusion (``fusion-start``) whose fused computation holds a
+    collective: newer XLA:GPU (jax 0.12.1) emits small all-reduces as Triton collective fusions
+    (``kind=kCustom``, ``"kind":"__triton_collective"``), a ``fusion-start`` / ``fusion-done``
+    pair around a synchronous ``all-reduce`` where jax 0.10.2 had ``all-reduce-start`` /
+    ``-done``."""
+    if ins.opcode != "fusion-start":
+        return False
+    return any(i.opcode.removesuffix("-start") in COLLECTIVE_KINDS
+               for c in computations(ins.attrs, "calls") for i in comps.get(c, []))
+
+
+def overlapped_starts(instrs: list[Instruction], does_matmul,
+                      comps: dict[str, list[Instruction]] | None = None) -> dict[str, tuple[bool, bool]]:
     """For every async collective start of one scheduled computation: (compute is scheduled
     between it and its done, that compute includes matmul work). A start marked ``is_sync``
-    runs synchronously: never overlapped."""
+    runs synchronously: never overlapped. An async fusion wrapping a collective
+    (:func:`wraps_collective`; ``comps``, the module's computations, to look inside) is such a
+    start too, and is no compute for another's overlap; any other async fusion
+    (``fusion-start``, e.g. jax 0.12.1's dynamic-slice fusions) is compute, as the plain fusion
+    it was in jax 0.10.2."""
+    comps = comps or {}
     starts: dict[str, int] = {}
     out: dict[str, tuple[bool, bool]] = {}
+    wrappers = {ins.name for ins in instrs if wraps_collective(ins, comps)}
     for i, ins in enumerate(instrs):
-        if ins.opcode.endswith("-start") and ins.opcode[:-6] in COLLECTIVE_KINDS:
+        if (ins.opcode.endswith("-start") and ins.opcode[:-6] in COLLECTIVE_KINDS) or ins.name in wrappers:
             starts[ins.name] = i
         elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in starts:
             s = starts.pop(ins.operands[0])
@@ -79,8 +98,8 @@ def overlapped_starts(instrs: list[Instruction], does_matmul) -> dict[str, tuple
             if '"is_sync":true' in start.attrs:
                 out[start.name] = (False, False)
                 continue
-            between = [x for x in instrs[s + 1:i] if x.opcode not in _NOT_COMPUTE
-                       and not x.opcode.endswith(("-start", "-done", "-update"))]
+            between = [x for x in instrs[s + 1:i] if x.opcode not in _NOT_COMPUTE and x.name not in wrappers
+                       and (x.opcode == "fusion-start" or not x.opcode.endswith(("-start", "-done", "-update")))]
             out[start.name] = (bool(between), any(does_matmul(x) for x in between))
     return out
 

@@ -11,7 +11,8 @@ nothing, so the FLOPs of these calls are read from their operands, attributes an
   from the operand shapes. The kernels compute only the used blocks, so the work a step does
   is that bound times (used block rows / R), which depends on the routing: see
   :meth:`KernelCall.flops_for_rows`. Other ``mosaic_gpu`` calls are listed, uncounted;
-* tokamax's kernels (their ``op_name`` carries the op as JSON): the Mosaic-GPU / Triton ragged
+* tokamax's kernels (their metadata carries the op as JSON: ``metadata_payload`` from tokamax 0.0.17,
+  ``op_name`` in 0.0.12; :func:`_tokamax_json`): the Mosaic-GPU / Triton ragged
   dots of ``--moe-gemm-backend tokamax`` as block kernels (:class:`KernelCall`), the Mosaic-GPU
   flash attention's forward and backward kernels by their tile loops (:class:`AttentionCall`;
   one document per row, :meth:`AttentionCall.flops` for packed rows);
@@ -217,24 +218,80 @@ def _docs_flash_call(rest: str) -> DocsFlashCall | None:
     return DocsFlashCall(kernel.group(1), b, t, n, h, int(kernel.group(2)), int(kernel.group(3)))
 
 
+_TOKAMAX_KINDS = ("RaggedDot", "PallasMosaicGpuFlashAttention", "PallasMosaicGpuFlashAttentionVjp")
+
+
+def _tokamax_ops(text: str) -> list[dict]:
+    """Every ``tokamax:{...}`` JSON object in ``text`` (an attribute's value, quotes unescaped), in order."""
+    ops, at = [], text.find("tokamax:{")
+    while at >= 0:
+        try:
+            op, end = json.JSONDecoder().raw_decode(text, at + len("tokamax:"))
+        except ValueError:
+            end = at + len("tokamax:{")
+        else:
+            ops.append(op)
+        at = text.find("tokamax:{", end)
+    return ops
+
+
 def _tokamax_json(rest: str):
+    """The tokamax op a kernel call belongs to, from its metadata: tokamax >= 0.0.17 sets it as the
+    ``xla_metadata_payload`` (``set_xla_metadata``), which optimized HLO prints as the metadata's
+    ``metadata_payload="tokamax:{...}"`` (nested ops stacked outermost-first,
+    ``tokamax:{A}/tokamax:{B}``: the innermost op whose kind is read here, the kernel's own); tokamax
+    0.0.12 named a scope ``tokamax:{...}``, so the JSON is in ``op_name`` (the first one)."""
+    payload = re.search(r'metadata_payload="((?:[^"\\]|\\.)*)"', rest)
+    if payload is not None and "tokamax:{" in payload.group(1):
+        ops = _tokamax_ops(payload.group(1).replace('\\"', '"'))
+        known = [op for op in ops if str((op.get("op") or {}).get("__type", "")).endswith(_TOKAMAX_KINDS)]
+        if known or ops:
+            return (known or ops)[-1]
     op_name = re.search(r'op_name="((?:[^"\\]|\\.)*)"', rest)
     if op_name is None or "tokamax:{" not in op_name.group(1):
         return None
-    text = op_name.group(1).replace('\\"', '"')
-    try:
-        return json.JSONDecoder().raw_decode(text[text.index("tokamax:{") + len("tokamax:"):])[0]
-    except ValueError:
+    ops = _tokamax_ops(op_name.group(1).replace('\\"', '"'))
+    return ops[0] if ops else None
+
+
+# tokamax's Mosaic-GPU ragged-dot kernels by their own names (``pallas_mosaic_gpu_kernel_sm90`` /
+# ``_sm100``): the forward form and the ragged-contracting (weight-gradient) form.
+_TOKAMAX_RAGGED_NAMES = re.compile(r"(?:^|[/(])(ragged_dot|ragged_contracting_dim_dot)_sm\d+(?:[/)]|$)")
+
+
+def _tokamax_ragged_dot_by_name(rest: str, result_shape) -> KernelCall | None:
+    """A tokamax Mosaic-GPU ragged dot whose metadata lost the op's JSON, read from its kernel's
+    name and operand shapes. tokamax 0.0.17's payload (``set_xla_metadata``) does not survive a
+    ``shard_map`` in jax 0.12.1 (every kernel of the training step runs in one): its ``op_name``
+    still ends in ``ragged_dot_sm90/mpmd_map`` or ``ragged_contracting_dim_dot_sm90/mpmd_map``.
+    The row tile is then tokamax's default ``block_m`` (64; no config to read)."""
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", rest)
+    if op_name is None or layouts is None or result_shape is None:
         return None
+    kernel = _TOKAMAX_RAGGED_NAMES.search(op_name.group(1))
+    if kernel is None:
+        return None
+    matrices = [_dims(a) for a in re.findall(r"(?:bf16|f16|f32|f8e4m3fn|f8e5m2)\[[0-9,]*\]", layouts.group(1))]
+    matrices = [m for m in matrices if len(m) == 2]
+    if kernel.group(1) == "ragged_contracting_dim_dot" and len(result_shape) == 3:  # [R, K] x [R, N] -> [E, K, N]
+        _, k, n = result_shape
+        rows = [m[0] for m in matrices if m[1] == n]
+        return KernelCall("tokamax_ragged_dot_t", rows[-1], 2.0 * rows[-1] * k * n) if rows else None
+    if kernel.group(1) == "ragged_dot" and len(result_shape) == 2:  # [R, K] x [E, K, N] -> [R, N]
+        r, n = result_shape
+        ks = [m[1] for m in matrices if m[0] == r]
+        return KernelCall("tokamax_ragged_dot", r, 2.0 * r * ks[0] * n) if ks else None
+    return None
 
 
 def _tokamax_call(rest: str, result_shape, result_text: str):
-    """A tokamax kernel call (its op_name carries the op as JSON) as a :class:`KernelCall` (ragged
+    """A tokamax kernel call (its metadata carries the op as JSON, :func:`_tokamax_json`) as a :class:`KernelCall` (ragged
     dot: 2 R K N over the ``R`` lhs rows, computed for the rows of the groups only, each rounded up
     to the kernel's ``block_m``) or an :class:`AttentionCall`; None for anything else."""
     op = _tokamax_json(rest)
     if op is None:
-        return None
+        return _tokamax_ragged_dot_by_name(rest, result_shape)
     kind = op.get("op", {}).get("__type", "")
     config = op.get("op", {}).get("config") or {}
     args = op.get("arguments", {})

@@ -210,15 +210,11 @@ def audit_kernel(fn, *args, device) -> list[KernelReport]:
 
 
 def ptxas_path() -> str | None:
-    """``ptxas`` from the nvidia-cuda-nvcc wheel, else from PATH."""
-    import importlib.util
-    import shutil
+    """``ptxas`` from an nvidia nvcc wheel (CUDA 12 or 13), else from PATH
+    (:func:`mlir_train.planner.targets.ptxas_path`)."""
+    from mlir_train.planner.targets import ptxas_path as find
 
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        if os.path.exists(os.path.join(root, "bin", "ptxas")):
-            return os.path.join(root, "bin", "ptxas")
-    return shutil.which("ptxas")
+    return find()
 
 
 def audit_xla_dump(dump_dir: str, arch: str = "sm_90a") -> list[KernelReport]:

@@ -318,7 +318,7 @@ def compile_without_cache(lowered, compiler_options: dict | None = None):
 
 def gpu_topology_devices(target_config: str, num_devices: int = 8):
     """Compile-only devices of ``num_devices`` GPUs described by ``target_config`` (a text
-    ``GpuTargetConfigProto``); needs jax-cuda12-plugin and ``JAX_PLATFORMS=cpu`` without a GPU."""
+    ``GpuTargetConfigProto``); needs a jax CUDA plugin (cuda12 or cuda13) and ``JAX_PLATFORMS=cpu`` without a GPU."""
     from jax.experimental import topologies
 
     topo = topologies.get_topology_desc(platform="cuda", target_config=target_config, topology=f"1x1x{num_devices}")

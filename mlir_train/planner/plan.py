@@ -17,7 +17,9 @@ config's, padded as Megatron pads it).
 
 The compiler is the target's: for h100/h200/b200 the step is compiled by XLA:GPU for N
 compile-only devices of that kind (deviceless, :mod:`mlir_train.planner.targets`; no GPU needed, but
-``jax-cuda12-plugin``, ``jax-cuda12-pjrt`` and ``nvidia-cuda-nvcc-cu12`` must be installed),
+a jax CUDA plugin and ptxas must be installed: ``jax-cuda12-plugin``, ``jax-cuda12-pjrt`` and
+``nvidia-cuda-nvcc-cu12`` for jax 0.10.2, ``jax-cuda13-plugin``, ``jax-cuda13-pjrt`` and
+``nvidia-cuda-nvcc`` for jax 0.12.1; :func:`mlir_train.planner.targets.gpu_compiler_missing`),
 with the GPU runtime settings ``mlir_train.sft`` uses there (:mod:`mlir_train.runtime.platform_setup`),
 and with the MoE implementation the mesh's platform selects. Per device it reports:
 

@@ -3,9 +3,10 @@
 Each NVIDIA kind has a device description under ``mlir_train/targets/<kind>.txtpb`` (a text
 ``GpuTargetConfigProto``: SM count, clocks, memory, compute capability, cuDNN version), taken
 from openxla/xla ``xla/backends/gpu/target_config/specs/`` (file, commit and the one field
-jaxlib 0.10.2 refuses are noted at the top of each file). With ``jax-cuda12-plugin``,
-``jax-cuda12-pjrt`` and ``nvidia-cuda-nvcc-cu12`` (``ptxas``) installed, jax compiles for such
-a device on a CPU-only machine: :func:`compile_only_devices` returns N of them, to build a
+jaxlib 0.10.2 refuses are noted at the top of each file). With a jax CUDA plugin installed
+(``jax-cuda12-plugin`` + ``jax-cuda12-pjrt`` + ``nvidia-cuda-nvcc-cu12`` for jax 0.10.2,
+``jax-cuda13-plugin`` + ``jax-cuda13-pjrt`` + CUDA 13's ``nvidia-cuda-nvcc`` for jax 0.12.1;
+:func:`cuda_plugin`, :func:`ptxas_path`), jax compiles for such a device on a CPU-only machine: :func:`compile_only_devices` returns N of them, to build a
 ``Mesh`` from and ``jit(...).lower(...).compile()`` against. ``JAX_PLATFORMS=cpu`` must be set
 before any backend starts (:func:`mlir_train.runtime.platform_setup.configure_platform` does it), or
 the plugin tries to find a real GPU.
@@ -93,15 +94,61 @@ def spec_bf16_tflops(kind: DeviceKind) -> float:
     return 2 * cores * units * ops * clock / 1e3
 
 
+# The CUDA plugin's module per CUDA major version (jax-cuda12-plugin, published up to jax 0.12.0.1: the
+# project's jax 0.10.2 set; jax-cuda13-plugin, from jax 0.7.2 on: the only one for jax 0.12.1), and the directories where the nvcc wheels put
+# ``ptxas``: nvidia-cuda-nvcc-cu12 in ``nvidia/cuda_nvcc/bin``, CUDA 13's nvidia-cuda-nvcc in
+# ``nvidia/cu13/bin``.
+CUDA_PLUGINS = ("xla_cuda13", "xla_cuda12")
+_PTXAS_PACKAGES = ("nvidia.cu13", "nvidia.cuda_nvcc")
+
+
+def cuda_plugin() -> str | None:
+    """The installed jax CUDA plugin's module under ``jax_plugins`` (``xla_cuda13`` or
+    ``xla_cuda12``), or None."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return None
+    for name in CUDA_PLUGINS:
+        if importlib.util.find_spec(f"jax_plugins.{name}") is not None:
+            return name
+    return None
+
+
+def ptxas_path() -> str | None:
+    """``ptxas`` from an nvidia nvcc wheel (CUDA 13's ``nvidia-cuda-nvcc`` or
+    ``nvidia-cuda-nvcc-cu12``), else from PATH; None where there is none."""
+    for package in _PTXAS_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(package)
+        except ImportError:  # "nvidia" itself absent
+            spec = None
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            if os.path.exists(os.path.join(root, "bin", "ptxas")):
+                return os.path.join(root, "bin", "ptxas")
+    return shutil.which("ptxas")
+
+
+def _install_hint() -> str:
+    """What to pip install for deviceless compiles with the installed jax: the CUDA 12 set up to
+    jax 0.10 (as the test extra pins it), the CUDA 13 set after."""
+    try:
+        from importlib import metadata
+
+        version = metadata.version("jax")
+    except Exception:  # noqa: BLE001 - no jax metadata: name the newer set
+        version = "0.12"
+    major_minor = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    if major_minor and major_minor <= (0, 10):
+        return f"jax-cuda12-plugin=={version} jax-cuda12-pjrt=={version} nvidia-cuda-nvcc-cu12"
+    return f"jax-cuda13-plugin=={version} jax-cuda13-pjrt=={version} nvidia-cuda-nvcc"
+
+
 def gpu_compiler_missing() -> str | None:
     """Why deviceless XLA:GPU compiles cannot run here, or None when they can."""
-    if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        return "jax-cuda12-plugin is not installed (pip install jax-cuda12-plugin==<jax version> " \
-               "jax-cuda12-pjrt==<jax version> nvidia-cuda-nvcc-cu12)"
-    nvcc = importlib.util.find_spec("nvidia.cuda_nvcc")
-    paths = list(nvcc.submodule_search_locations or []) if nvcc else []
-    if not shutil.which("ptxas") and not any(os.path.exists(os.path.join(p, "bin", "ptxas")) for p in paths):
-        return "ptxas not found (pip install nvidia-cuda-nvcc-cu12, or put CUDA's bin directory on PATH)"
+    if cuda_plugin() is None:
+        return f"no jax CUDA plugin is installed (jax-cuda13-plugin or jax-cuda12-plugin; pip install {_install_hint()})"
+    if ptxas_path() is None:
+        return ("ptxas not found (pip install nvidia-cuda-nvcc for CUDA 13 or nvidia-cuda-nvcc-cu12 for CUDA 12, "
+                "or put CUDA's bin directory on PATH)")
     return None
 
 

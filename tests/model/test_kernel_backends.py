@@ -13,7 +13,7 @@ from mlir_train.model import ModelOptions, kernel_options
 from mlir_train.model.moe import dispatch as moe_dispatch
 from mlir_train.model.kernels.blocks import xla_block_kernels
 from mlir_train.model.moe import experts as moe_experts
-from mlir_train.model.attention import attention_mask, masked_attention
+from mlir_train.model.attention import attention_mask, masked_attention, pallas_mha_missing
 from sharding import Layout
 
 
@@ -26,10 +26,33 @@ def _tokamax():
 def test_auto_keeps_todays_choices():
     assert kernel_options("cpu", is_moe=True) == ModelOptions(attention_impl="xla", moe_impl="padded", moe_platform="cpu")
     gpu = kernel_options("gpu", is_moe=True)
-    assert gpu.moe_impl == "grouped" and gpu.moe_kernels is None and gpu.attention_impl == "flash"
+    assert gpu.moe_impl == "grouped" and gpu.moe_kernels is None and gpu.attention_impl == "docs-flash"
     assert kernel_options("gpu", is_moe=False, context_parallel=2) == ModelOptions(attention_impl="xla")
-    assert kernel_options("gpu", is_moe=True, moe_backend="tokamax", attention_backend="pallas-mha") == ModelOptions(
-        attention_impl="flash", moe_impl="grouped", moe_platform="gpu", moe_kernels="tokamax")
+    assert kernel_options("gpu", is_moe=True, moe_backend="tokamax", attention_backend="mlir") == ModelOptions(
+        attention_impl="docs-flash", moe_impl="grouped", moe_platform="gpu", moe_kernels="tokamax")
+    if pallas_mha_missing() is None:  # jax < 0.12: JAX's own Pallas-Triton mha stays selectable
+        assert kernel_options("gpu", is_moe=False, attention_backend="pallas-mha").attention_impl == "flash"
+
+
+def test_pallas_mha_is_refused_by_name_where_jax_removed_it(monkeypatch):
+    """jax 0.12 removed jax.experimental.pallas.ops.gpu.attention: --attention-kernel pallas-mha is
+    refused naming the flag, the jax version and the alternatives, never swapped for another kernel;
+    the default never needs it."""
+    from mlir_train.model import attention, platform
+
+    message = attention.pallas_mha_missing.__wrapped__()
+    if message is None:  # this jax still ships it: make it look removed
+        import importlib
+
+        real = importlib.import_module
+        monkeypatch.setattr(importlib, "import_module", lambda name, *a: (_ for _ in ()).throw(
+            ImportError("gone")) if name == attention.PALLAS_MHA_MODULE else real(name, *a))
+        message = attention.pallas_mha_missing.__wrapped__()
+    assert "--attention-kernel pallas-mha" in message and jax.__version__ in message and "auto" in message
+    monkeypatch.setattr(platform, "pallas_mha_missing", lambda: message)
+    with pytest.raises(ValueError, match="--attention-kernel pallas-mha needs"):
+        kernel_options("gpu", is_moe=True, attention_backend="pallas-mha")
+    assert kernel_options("gpu", is_moe=True).attention_impl == "docs-flash"
     assert kernel_options("gpu", is_moe=True, moe_backend="padded").moe_impl == "padded"
 
 
@@ -37,7 +60,7 @@ def test_auto_keeps_todays_choices():
     (dict(platform="cpu", moe_backend="tokamax"), "--moe-gemm-backend tokamax: a GPU kernel"),
     (dict(platform="cpu", moe_backend="mosaic"), "--moe-gemm-backend mosaic: a GPU kernel"),
     (dict(platform="cpu", attention_backend="tokamax"), "--attention-kernel tokamax: a GPU kernel"),
-    (dict(platform="gpu", attention_backend="pallas-mha", context_parallel=2), "--attention-kernel pallas-mha does not"),
+    (dict(platform="gpu", attention_backend="pallas-mha", context_parallel=2), "--attention-kernel pallas-mha (does not|needs jax)"),
     (dict(platform="gpu", attention_backend="flash"), "--attention-kernel 'flash'"),
 ])
 def test_refusals_name_the_flag(kwargs, message):
@@ -165,3 +188,79 @@ def test_tokamax_attention_compiles_and_skips_other_documents_on_h200(h200_devic
     packed = sum(c.flops(starts) for c in flops.attention_calls)
     fwd_one, fwd_packed = (sum(c.flops(s) for c in flops.attention_calls if c.kind == "fwd") for s in (None, starts))
     assert fwd_packed < 0.45 * fwd_one and packed < one_doc
+
+
+# ----- tokamax's versions: the GPU kernel by name, a missing one named by flag -------------------
+def test_tokamax_moe_names_the_gpu_kernel_and_guards_the_device(monkeypatch):
+    """The block kernels ask tokamax for ``"mosaic_gpu"`` by name (its ``"mosaic"`` picks the GPU or
+    the TPU kernel from the default device's kind string), and, since a named implementation skips
+    tokamax's own device check from 0.0.17, refuse a non-GPU default device themselves, naming the
+    flag: on CPU, never a silent dense fallback (tokamax 0.0.12 and 0.0.17)."""
+    tokamax = _tokamax()
+    from mlir_train.model.kernels.tokamax_ops import tokamax_block_kernels
+
+    asked = []
+    monkeypatch.setattr(tokamax, "ragged_dot", lambda *a, implementation=None, **k: asked.append(implementation))
+    kernels = tokamax_block_kernels(8)
+    x, w, nb = jnp.ones((16, 4)), jnp.ones((2, 4, 4)), jnp.asarray([1, 1], jnp.int32)
+    with pytest.raises(ValueError, match="--moe-gemm-backend tokamax: tracing on a cpu default device"):
+        kernels.matmul(x, w, None, 2, None, nb)
+    monkeypatch.setattr("mlir_train.model.kernels.tokamax_ops._check_gpu_device", lambda flag: None)
+    with pytest.raises(Exception):  # the stub returns None; what it was asked for is what counts
+        kernels.matmul(x, w, None, 2, None, nb)
+    assert asked == ["mosaic_gpu"]
+
+
+def test_tokamax_missing_implementation_names_the_flag(monkeypatch):
+    """tokamax registers an implementation only where its imports succeed (from 0.0.17 ``"triton"``
+    needs jax_triton and triton): a missing one is an ImportError naming the flag and what to install,
+    raised when the kernels are built, not a KeyError or a fallback at trace time."""
+    _tokamax()
+    from tokamax._src.ops.attention import api as attention_api
+    from tokamax._src.ops.ragged_dot import api
+
+    from mlir_train.model.kernels.tokamax_ops import tokamax_attention, tokamax_block_kernels
+
+    monkeypatch.setattr(api, "IMPLEMENTATIONS", {"xla": api.IMPLEMENTATIONS["xla"], "mosaic_gpu": None})
+    with pytest.raises(ImportError, match=r"--moe-gemm-backend tokamax: tokamax .* no 'triton' ragged dot.*jax-triton"):
+        tokamax_block_kernels(8, implementation_t="triton")
+    assert tokamax_block_kernels(8).name == "tokamax"
+    monkeypatch.setattr(api, "IMPLEMENTATIONS", {"xla": api.IMPLEMENTATIONS["xla"]})
+    with pytest.raises(ImportError, match=r"--moe-gemm-backend tokamax: .* no 'mosaic_gpu' ragged dot"):
+        tokamax_block_kernels(8)
+    assert tokamax_block_kernels(8, implementation="xla").name == "tokamax-xla"
+    monkeypatch.setattr(attention_api, "IMPLEMENTATIONS", {"xla": attention_api.IMPLEMENTATIONS["xla"]})
+    q = jnp.ones((1, 8, 2, 16))
+    with pytest.raises(ImportError, match=r"--attention-kernel tokamax: .* no 'mosaic_gpu' flash attention"):
+        tokamax_attention(q, q, q, jnp.ones((1, 8), jnp.int32))
+
+
+def test_tokamax_kernels_are_read_in_the_compiled_hlo_on_h200(h200_devices):
+    """~5 s: tokamax's Mosaic-GPU ragged dots (forward and ragged-contracting) compiled for H200 are
+    read by the planner as tokamax kernels, whichever version put the op's JSON where (0.0.12:
+    ``op_name``; 0.0.17: ``metadata_payload``), and no dense dot is left."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from mlir_train.model.kernels.tokamax_ops import tokamax_block_kernels
+    from mlir_train.planner.hlo import matmul_flops
+    from mlir_train.planner.moe_audit import compile_without_cache
+    from mlir_train.runtime.platform_setup import compile_target
+    from tests.helpers import one_device_mesh
+
+    mesh = one_device_mesh(h200_devices)
+    rep = NamedSharding(mesh, PartitionSpec())
+    kernels = tokamax_block_kernels(64)
+    r, k, n, e = 512, 256, 128, 4
+
+    def f(x, w, num_blocks):
+        y = kernels.matmul(x, w, None, jnp.int32(r // 64), None, num_blocks)
+        return y, kernels.matmul_t(x.T, y, None, jnp.int32(r // 64), None, num_blocks)
+
+    args = (jax.ShapeDtypeStruct((r, k), jnp.bfloat16, sharding=rep), jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16, sharding=rep),
+            jax.ShapeDtypeStruct((e,), jnp.int32, sharding=rep))
+    with compile_target(mesh):
+        lowered = jax.jit(f).lower(*args)
+    flops = matmul_flops(compile_without_cache(lowered).as_text())
+    assert sorted((c.name, c.rows, c.flops_bound) for c in flops.kernels) == [
+        ("tokamax_ragged_dot", r, 2.0 * r * k * n), ("tokamax_ragged_dot_t", r, 2.0 * r * k * n)]
+    assert flops.dot_flops == 0

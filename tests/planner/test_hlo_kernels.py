@@ -1,6 +1,7 @@
 """mlir_train.planner.hlo and its kernel recognisers (hlo_kernels) on hand-written HLO and on an XLA:CPU compile (no GPU needed)."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 from mlir_train.planner.hlo import analyze, matmul_flops
@@ -173,3 +174,118 @@ def test_the_overflow_rounds_conditionals_carry_the_scope_the_planner_reads():
     names = re.findall(r"conditional\(.*op_name=\"([^\"]*)\"", text)
     assert names and all(dispatch.OVERFLOW_SCOPE in n for n in names), names
     assert analyze(text).conditionals >= 2
+
+
+# ----- tokamax's kernel metadata: 0.0.12 (op_name) and 0.0.17 (metadata_payload) ---------------
+# One tokamax Mosaic-GPU ragged dot ([512, 256] x [4, 256, 128], block_m 64) as each version's
+# optimized HLO prints it (deviceless H200 compiles; backend configs and unread JSON fields cut).
+_RAGGED_JSON = ('{\\"op\\":{\\"__type\\":\\"tokamax._src.ops.ragged_dot.pallas_mosaic_gpu.PallasMosaicGpuRaggedDot\\",'
+                '\\"config\\":{\\"block_m\\":64,\\"block_n\\":64,\\"block_k\\":128}},\\"arguments\\":{\\"group_sizes\\":'
+                '{\\"num_groups\\":4,\\"total_size\\":512},\\"lhs\\":\\"bf16[512,256]\\",\\"rhs\\":\\"bf16[4,256,128]\\"}}')
+TOKAMAX_0012 = ('  %mpmd_map.2 = bf16[512,128]{1,0} custom-call(%g6, %g5, %x.1, %w.1), custom_call_target="mosaic_gpu_v2", '
+                'operand_layout_constraints={s32[11]{0}, s32[11]{0}, bf16[512,256]{1,0}, bf16[4,256,128]{2,1,0}}, '
+                'api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(f)/tokamax:' + _RAGGED_JSON
+                + '/ragged_dot_sm90/mpmd_map" scheduling_name="mpmd_map.2"}')
+TOKAMAX_0017 = ('  %mpmd_map.2 = bf16[512,128]{1,0} custom-call(%x.1, %w.1, %g6, %g3), custom_call_target="mosaic_gpu_v2", '
+                'operand_layout_constraints={bf16[512,256]{1,0}, bf16[4,256,128]{2,1,0}, s32[11]{0}, s32[11]{0}}, '
+                'api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(f)/ragged_dot_sm90/mpmd_map" '
+                'scheduling_name="mpmd_map.2" stack_frame_id=55 metadata_payload="tokamax:' + _RAGGED_JSON + '"}')
+
+
+def _module(line: str) -> str:
+    return ("HloModule m\n\nENTRY %main (x.1: bf16[512,256], w.1: bf16[4,256,128]) -> bf16[512,128] {\n"
+            "  %x.1 = bf16[512,256]{1,0} parameter(0)\n  %w.1 = bf16[4,256,128]{2,1,0} parameter(1)\n"
+            "  %g6 = s32[11]{0} constant({...})\n  %g5 = s32[11]{0} constant({...})\n  %g3 = s32[11]{0} constant({...})\n"
+            f"  ROOT{line[line.index('%mpmd_map.2') - 1:]}\n}}\n")
+
+
+@pytest.mark.parametrize("line", [TOKAMAX_0012, TOKAMAX_0017], ids=["tokamax-0.0.12-op_name", "tokamax-0.0.17-payload"])
+def test_tokamax_ragged_dot_is_read_from_either_versions_metadata(line):
+    """tokamax 0.0.17 moved the op's JSON from a ``tokamax:{...}`` name scope (``op_name``) to the
+    XLA metadata payload (``metadata_payload="tokamax:{...}"``): both read as the same kernel."""
+    from mlir_train.planner.hlo_kernels import KernelCall
+
+    (k,) = matmul_flops(_module(line)).kernels
+    assert k == KernelCall("tokamax_ragged_dot", 512, 2.0 * 512 * 256 * 128, 64)
+
+
+def test_tokamax_payload_of_nested_ops_reads_the_innermost():
+    """tokamax 0.0.17 stacks nested ops' payloads outermost-first (``tokamax:{A}/tokamax:{B}``):
+    the kernel is the innermost op's."""
+    from mlir_train.planner.hlo_kernels import _tokamax_json
+
+    outer = '{\\"op\\":{\\"__type\\":\\"my.Outer\\"},\\"arguments\\":{}}'
+    line = TOKAMAX_0017.replace('metadata_payload="tokamax:', f'metadata_payload="tokamax:{outer}/tokamax:')
+    assert _tokamax_json(line)["op"]["__type"].endswith("PallasMosaicGpuRaggedDot")
+    assert _tokamax_json('metadata={op_name="jit(f)/dot"}') is None
+
+
+# ----- XLA:GPU of jax 0.12.1: async fusions -----------------------------------------------------
+# jax 0.12.1's XLA:GPU wraps small all-reduces in Triton collective fusions run asynchronously
+# (fusion-start / fusion-done around a synchronous all-reduce, where 0.10.2 had all-reduce-start /
+# -done) and runs dynamic-slice fusions asynchronously (a layer's weights sliced out of the stack).
+ASYNC_FUSIONS = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_all-reduce.1 (p0: f32[1,128]) -> f32[1,128] {
+  %p0 = f32[1,128]{1,0} parameter(0)
+  ROOT %ar = f32[1,128]{1,0} all-reduce(%p0), replica_groups={{0,1}}, to_apply=%add, backend_config={"is_sync":true}
+}
+
+%fused_dynamic_slice.1 (q0: bf16[24,64,128], q1: s32[]) -> bf16[1,64,128] {
+  %q0 = bf16[24,64,128]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%q0, %q1, %z, %z), dynamic_slice_sizes={1,64,128}
+}
+
+ENTRY %main (x: f32[1,128], w: bf16[24,64,128], i: s32[], a: f32[128,128]) -> (f32[1,128], bf16[1,64,128], f32[128,128]) {
+  %x = f32[1,128]{1,0} parameter(0)
+  %w = bf16[24,64,128]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %a = f32[128,128]{1,0} parameter(3)
+  %fs = ((f32[1,128]{1,0}), f32[1,128]{1,0}, u32[]) fusion-start(%x), kind=kCustom, calls=%fused_all-reduce.1, backend_config={"fusion_backend_config":{"kind":"__triton_collective"}}
+  %ds = ((bf16[24,64,128]{2,1,0}, s32[]), bf16[1,64,128]{2,1,0}, u32[]) fusion-start(%w, %i), kind=kLoop, calls=%fused_dynamic_slice.1
+  %d = f32[128,128]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %fd = f32[1,128]{1,0} fusion-done(%fs)
+  %dd = bf16[1,64,128]{2,1,0} fusion-done(%ds)
+  ROOT %t = (f32[1,128]{1,0}, bf16[1,64,128]{2,1,0}, f32[128,128]{1,0}) tuple(%fd, %dd, %d)
+}
+"""
+
+
+def test_async_fusions_of_newer_xla():
+    """The all-reduce inside an async Triton collective fusion is counted once, overlapped (with
+    the matmul scheduled between the fusion's start and done); the async dynamic-slice fusion
+    reads the slice, not the whole stack, as its plain-fusion form did."""
+    stats = analyze(ASYNC_FUSIONS)
+    assert stats.collectives["all-reduce"].count == 1 and stats.collectives["all-reduce"].bytes == 512
+    row = stats.overlap()["all-reduce"]
+    assert (row["count"], row["overlapped"], row["matmul_overlapped"]) == (1, 1, 1)
+    matmul = 3 * 128 * 128 * 4                  # the dot: two operands and its result
+    all_reduce = 2 * 512                        # the collective fusion's operand and result
+    dynamic_slice = 2 * 64 * 128 * 2 + 4        # the slice read and written, the index
+    context = 2 * 4                             # each start's u32 context scalar, counted as written
+    assert stats.hbm_bytes == matmul + all_reduce + dynamic_slice + context
+
+
+def test_tokamax_ragged_dot_inside_shard_map_is_read_by_its_kernel_name():
+    """Inside a ``shard_map`` (every kernel of a training step) jax 0.12.1 drops tokamax 0.0.17's
+    metadata payload: the kernel is read from its name (``ragged_dot_sm90``,
+    ``ragged_contracting_dim_dot_sm90``) and operand shapes, at tokamax's default 64-row tile."""
+    from mlir_train.planner.hlo_kernels import KernelCall
+
+    line = TOKAMAX_0017[:TOKAMAX_0017.index(" metadata_payload=")].replace("jit(f)/", "jit(f)/shard_map/") + "}"
+    (k,) = matmul_flops(_module(line)).kernels
+    assert k == KernelCall("tokamax_ragged_dot", 512, 2.0 * 512 * 256 * 128, 64)
+    grad = ('  %mpmd_map.2 = f32[4,256,128]{2,1,0} custom-call(%g6, %g3, %x.1, %w.1), custom_call_target="mosaic_gpu_v2", '
+            'operand_layout_constraints={s32[4]{0}, s32[4]{0}, bf16[256,512]{1,0}, bf16[512,128]{1,0}}, '
+            'api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(f)/transpose(jvp())/shard_map/'
+            'ragged_contracting_dim_dot_sm90/mpmd_map"}')
+    (k,) = matmul_flops(_module(grad)).kernels
+    assert k == KernelCall("tokamax_ragged_dot_t", 512, 2.0 * 512 * 256 * 128, 64)

@@ -17,7 +17,13 @@ tokamax picks a kernel from ``jax.extend.backend.get_default_device()`` at trace
 deviceless compile for H200 must trace under ``jax.default_device(<a topology device>)``
 (:func:`mlir_train.runtime.platform_setup.compile_target`), or ``tokamax.ragged_dot`` with its default
 implementation quietly lowers to XLA's dense ``ragged_dot``. The implementations here are always
-named, so a wrong device is an error, never a silent dense fallback.
+named, and named exactly (``"mosaic_gpu"``, not tokamax's ``"mosaic"``, which it resolves by the
+default device's kind string to the GPU or the TPU kernel), so a wrong device is an error, never a
+silent dense fallback. From tokamax 0.0.17 a named implementation skips tokamax's own device check
+(its ``bypass_device_check`` defaults to True then), so the GPU kernels are guarded here
+(:func:`_check_gpu_device`) on every version; and its ``"triton"`` ragged dot is a jax_triton
+kernel (0.0.12's was Pallas-Triton), present only with the ``jax_triton`` and ``triton`` packages:
+:func:`_ragged_dot_implementation` names the flag and what to install where one is missing.
 
 tokamax is imported lazily: the CPU path never needs it (:func:`require_tokamax`).
 """
@@ -63,15 +69,45 @@ def _check_gpu_device(flag: str):
             "default device (a deviceless compile traces under mlir_train.runtime.platform_setup.compile_target(mesh))")
 
 
+def _ragged_dot_implementation(name: str) -> str:
+    """``name`` if this tokamax has that ragged-dot implementation, else an ImportError naming
+    ``--moe-gemm-backend tokamax`` and what is missing (tokamax registers an implementation only
+    where its imports succeed: ``mosaic_gpu`` needs jax's Mosaic GPU, ``triton`` from tokamax 0.0.17
+    jax_triton and triton)."""
+    if name == "xla":
+        return name
+    from tokamax._src.ops.ragged_dot import api
+
+    if name in api.IMPLEMENTATIONS:
+        return name
+    from importlib import metadata
+
+    try:
+        version = metadata.version("tokamax")
+    except metadata.PackageNotFoundError:
+        version = "?"
+    need = {"triton": "the jax-triton and triton packages (pip install jax-triton triton; tokamax >= 0.0.17's "
+                      "'triton' ragged dot is a jax_triton kernel)",
+            "mosaic_gpu": "jax's Mosaic GPU (jax.experimental.mosaic.gpu; a jaxlib with CUDA support)"}.get(
+        name, "an implementation this tokamax does not have")
+    raise ImportError(f"{MOE_FLAG} tokamax: tokamax {version} has no {name!r} ragged dot here "
+                      f"(it has {', '.join(sorted(api.IMPLEMENTATIONS))}); it needs {need}, or choose another {MOE_FLAG}")
+
+
 def tokamax_block_kernels(block_rows: int = 64, *, implementation: str | None = None,
                           implementation_t: str = "mosaic") -> BlockKernels:
     """``tokamax.ragged_dot`` on the block layout: expert ``e``'s group is its
     ``num_blocks_E[e] * block_rows`` rows. ``implementation`` None: Mosaic-GPU forward / input
-    gradients, ``implementation_t`` weight gradients (GPU only); ``"xla"``: tokamax's reference (XLA's
-    ``ragged_dot``), which runs anywhere (the CPU tests compare it with our reference).
+    gradients, ``implementation_t`` weight gradients (GPU only; ``"mosaic"``, the Mosaic-GPU kernel, or
+    ``"triton"``); ``"xla"``: tokamax's reference (XLA's ``ragged_dot``), which runs anywhere (the CPU
+    tests compare it with our reference). A GPU implementation this tokamax lacks is an ImportError
+    naming ``--moe-gemm-backend`` (:func:`_ragged_dot_implementation`), raised here, before tracing.
     Rows after the last group (spare blocks) are set to zero: the kernels leave them unwritten."""
     tokamax = require_tokamax(MOE_FLAG)
-    matmul_impl, matmul_t_impl = (implementation, implementation) if implementation else ("mosaic", implementation_t)
+    # "mosaic" is tokamax's name for "the Mosaic kernel of the default device's kind": name the GPU one.
+    matmul_impl, matmul_t_impl = ((implementation, implementation) if implementation
+                                  else ("mosaic_gpu", "mosaic_gpu" if implementation_t == "mosaic" else implementation_t))
+    matmul_impl, matmul_t_impl = _ragged_dot_implementation(matmul_impl), _ragged_dot_implementation(matmul_t_impl)
     contracting = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
@@ -120,6 +156,10 @@ def tokamax_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation:
     require_tokamax(ATTENTION_FLAG)
     from tokamax._src.ops.attention import api, base
 
+    if implementation not in api.IMPLEMENTATIONS:
+        raise ImportError(f"{ATTENTION_FLAG} tokamax: this tokamax has no {implementation!r} flash attention here "
+                          f"(it has {', '.join(sorted(api.IMPLEMENTATIONS))}; 'mosaic_gpu' needs jax's Mosaic GPU); "
+                          f"choose another {ATTENTION_FLAG}")
     if implementation != "xla":
         _check_gpu_device(ATTENTION_FLAG)
     h = q_BTNH.shape[-1]
