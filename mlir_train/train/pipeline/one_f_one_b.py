@@ -55,6 +55,7 @@ from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chun
                                              router_terms, run_chunk, seg_grad_zeros, stage_shard_map,
                                              token_partial_segments, token_ranks_summed, zero_acc)
 from mlir_train.train.reduction import reduced_aux
+from sharding import constrain, mesh_axes_of
 
 SCALARS = ("objective", "ce_sum", "loss_tokens", "lm_objective")
 
@@ -475,7 +476,16 @@ def _add_grads(grads, chunk, mb, g_states, g_embedded):
     # B*T rows), not through a zero [V, D] buffer per tick as the lookup's transpose would.
     if grads[1].get("embed") is None:  # a frozen embedding
         return (g_segs, grads[1])
-    g_embed = grads[1]["embed"].at[mb["input_ids"]].add(g_embedded.astype(jnp.float32))
+    ids = mb["input_ids"]
+    if mesh_axes_of("act_seq")[1] > 1:
+        # Under context parallelism the rows' tokens come whole over the context ranks first (an
+        # all-gather of this micro-batch's [B, T, D] gradient, where XLA would otherwise all-reduce
+        # partial [V, D] sums over them): jax 0.12.1's SPMD partitioner aborts (a CHECK in
+        # AllReduceAlongShardingDims, from HandleScatter) on the scatter-add of context-split rows
+        # into the tensor-split vocabulary under CP x TP x PP.
+        ids = constrain(ids, ("act_batch", None))
+        g_embedded = constrain(g_embedded, ("act_batch", None, None))
+    g_embed = grads[1]["embed"].at[ids].add(g_embedded.astype(jnp.float32))
     return (g_segs, dict(grads[1], embed=g_embed))
 
 
