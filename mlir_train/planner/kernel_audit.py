@@ -217,6 +217,13 @@ def ptxas_path() -> str | None:
     return find()
 
 
+def ptx_dumped(dump_dir: str) -> bool:
+    """Whether XLA wrote its kernels' PTX into the ``--xla_dump_to`` directory: jaxlib 0.10.2 (CUDA
+    12 plugin) does; jaxlib 0.11.2 / 0.12.1 with the CUDA 13 plugin wrote none here (15 files, HLO,
+    buffer assignment and thunks only), so :func:`audit_xla_dump` has nothing to read there."""
+    return bool(glob.glob(os.path.join(dump_dir, "*.ptx")))
+
+
 def audit_xla_dump(dump_dir: str, arch: str = "sm_90a") -> list[KernelReport]:
     """Reports for the kernels whose PTX XLA wrote into an ``--xla_dump_to`` directory (its
     fusions and Pallas-Triton kernels, one ``.ptx`` per module), with registers and spills from

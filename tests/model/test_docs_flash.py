@@ -157,11 +157,20 @@ def test_h200_compile_holds_the_kernels_and_their_ptx_uses_wgmma_without_spills(
     flops = matmul_flops(hlo)
     assert sorted(c.kind for c in flops.attention_calls) == ["dkv", "dq", "fwd"], flops
     assert flops.dot_flops == 0 and " dot(" not in hlo and "__cublas" not in hlo
+    _require_ptx(tmp_path)
     reports = {r.name: r for r in audit_xla_dump(str(tmp_path))}
     for name in ("docs_flash_fwd_q64_k64", "docs_flash_dq_q64_k64", "docs_flash_dkv_q64_k64"):
         r = reports[name]
         assert r.wgmma > 0 and r.mma_sync == 0, (r.row(), r.wgmma, r.mma_sync)
         assert r.spill_bytes == 0 and r.registers <= r.register_limit, r.row()
+
+
+def _require_ptx(dump_dir):
+    from mlir_train.planner.kernel_audit import ptx_dumped
+
+    if not ptx_dumped(str(dump_dir)):
+        pytest.skip(f"jax {jax.__version__}'s XLA wrote no PTX into --xla_dump_to (jaxlib 0.10.2's does): the "
+                    "machine-code audit runs in the default lane; the compiled program was checked above")
 
 
 @pytest.mark.parametrize("t", [1024, 1056])  # 64-row tiles; 32-row where 64 does not divide t
@@ -176,16 +185,17 @@ def test_h200_ptx_for_256_wide_heads_does_not_spill(h200_mesh, tmp_path, t):
     from mlir_train.model.attention import docs_flash_attention
 
     hlo = compiled_attention_grads(docs_flash_attention, h200_mesh, t=t, h=256, dump_to=tmp_path).as_text()
-    reports = {r.name: r for r in audit_xla_dump(str(tmp_path)) if r.name.startswith("docs_flash_")}
+    calls = {c.kind: c for c in matmul_flops(hlo).attention_calls}
     tile = 64 if t % 64 == 0 else 32
+    assert (calls["dkv"].tile_q, calls["dkv"].tile_k) == (16, tile) and calls["fwd"].tile_q == tile
+    _require_ptx(tmp_path)
+    reports = {r.name: r for r in audit_xla_dump(str(tmp_path)) if r.name.startswith("docs_flash_")}
     assert sorted(reports) == sorted([f"docs_flash_fwd_q{tile}_k{tile}", f"docs_flash_dq_q{tile}_k{tile}",
                                       f"docs_flash_dkv_q16_k{tile}"]), sorted(reports)
     for r in reports.values():
         assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, r.row()
         assert r.registers <= r.register_limit, r.row()
         assert (r.wgmma > 0) == (t % 64 == 0) and r.wgmma + r.mma_sync > 0, (r.row(), r.wgmma, r.mma_sync)
-    calls = {c.kind: c for c in matmul_flops(hlo).attention_calls}
-    assert (calls["dkv"].tile_q, calls["dkv"].tile_k) == (16, tile) and calls["fwd"].tile_q == tile
 
 
 def test_wide_head_tiles_equal_masked_attention():
