@@ -193,10 +193,12 @@ def test_recompute_in_a_layout_equals_one_device(case, pp1_reference):
     parallel, policy, schedule = LAYOUT_CASES[case]
     state, metrics = _pipeline_step(parallel, policy, schedule=schedule)
     ref_state, ref_metrics = pp1_reference
-    for key in ("lm loss", "grad-norm", "load_balancing_loss", "z_loss"):
-        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=2e-5, err_msg=key)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state["params"]), jax.tree.leaves(ref_state["params"])):
-        np.testing.assert_allclose(a, b, atol=5e-5, err_msg=jax.tree_util.keystr(path))
+    # The layout tests' comparison (tests/helpers.assert_same_step): losses, the gradients read from Adam's
+    # first moment, and the updated weights, where a noise-level gradient (|g| < 1e-6) may step anywhere in
+    # +-lr (jax 0.12.1's summation order moved one k_proj weight of EP2xTP2-selective 5.5e-5, lr 1e-3).
+    from tests.helpers import assert_same_step
+
+    assert_same_step((state, metrics, None), (ref_state, ref_metrics, None))
 
 
 @pytest.mark.slow  # ~17-35 s; the unpipelined memory order and PP2 equality stay in the default suite
