@@ -488,3 +488,67 @@ def test_mixed_dense_and_moe_layers(mcore_mixed, fmt):
     _, cfg, graphdef, params = _load(os.path.join(mcore_mixed, fmt))
     assert cfg.mlp_only_layers == (0, 3) and cfg.moe_layers() == (False, True, True, False)
     assert np.abs(_logits(graphdef, params, tokens) - ref).max() <= TOL
+
+
+class _RunsCode:
+    """What a hostile checkpoint pickles in its args: unpickling calls os.system(...)."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(mcore_small, tmp_path, capsys, fmt):
+    """A model_optim_rng.pt (or torch_dist common.pt) whose args reduce to os.system: convert and
+    sft --load refuse it in one line naming the file and the global, and the command never runs."""
+    import torch
+
+    marker = tmp_path / "ran"
+    dst = str(tmp_path / fmt)
+    shutil.copytree(os.path.join(mcore_small, fmt), dst)
+    target = next(os.path.join(root, f) for root, _, files in os.walk(dst) for f in files
+                  if f in ("model_optim_rng.pt", "common.pt"))
+    sd = torch.load(target, weights_only=False)
+    sd["args"].hostile = _RunsCode(f"touch {marker}")
+    torch.save(sd, target)
+    assert convert.main([dst, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and target in err[0] and ("posix.system" in err[0] or "os.system" in err[0]), err
+    assert "never" in err[0] and not marker.exists()
+    with pytest.raises(SystemExit) as exc:
+        sft.main(_argv(tmp_path, "--load", dst, "--train-iters", "1"))
+    assert exc.value.code == 2 and not marker.exists()
+    assert "system, which reading a Megatron checkpoint never loads" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_stub_unpickler_refuses_code_and_keeps_data():
+    """The unpickler alone: containers, numpy arrays, Namespace and torch dtypes come back as data;
+    Megatron's classes and torch functions as inert stubs; builtins.eval / os.system refused."""
+    import argparse
+
+    import torch
+
+    from mlir_train.checkpoint.megatron import read
+
+    def load(obj):
+        return read._unpickler_for("x.pt")(__import__("io").BytesIO(pickle.dumps(obj))).load()
+
+    ns = argparse.Namespace(a=1, dtype=torch.bfloat16, arr=np.arange(3, dtype=np.float32), act=torch.nn.functional.gelu)
+    got = load({"args": ns, "s": {1, 2}})
+    assert got["args"].a == 1 and got["args"].dtype is torch.bfloat16 and got["s"] == {1, 2}
+    np.testing.assert_array_equal(got["args"].arr, np.arange(3, dtype=np.float32))
+    assert "stub" in repr(got["args"].act)
+    for hostile in (_RunsCode("true"),):
+        with pytest.raises(read.UnsafePickleError, match=r"x\.pt: its pickle names (posix|os)\.system"):
+            load({"args": hostile})
+
+    class Evil:
+        def __reduce__(self):
+            return (eval, ("1 + 1",))
+
+    with pytest.raises(read.UnsafePickleError, match="builtins.eval"):
+        load(Evil())

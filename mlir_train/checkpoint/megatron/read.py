@@ -63,21 +63,83 @@ def _stub_class(module: str, name: str) -> type:
                            "__call__": __call__, "__module__": f"stub:{module}"})
 
 
+# What a Megatron checkpoint's pickles may name and get for real: containers, argparse's Namespace (args),
+# torch's and numpy's tensor / array rebuilders, dtypes and sizes, and torch DCP's metadata classes. Anything
+# of Megatron's family becomes an inert stub; anything else under torch (a function in args) too; any other
+# global (os.system, builtins.eval, subprocess...) is refused: reading a checkpoint never runs its code.
+_SAFE_GLOBALS = {
+    "builtins": {"set", "frozenset", "slice", "complex", "bytearray", "range", "object"},
+    "collections": {"OrderedDict", "defaultdict", "deque"},
+    "argparse": {"Namespace"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # DCP's checkpoint_id
+    "datetime": {"datetime", "date", "time", "timedelta", "timezone"},
+    "uuid": {"UUID"},
+    "_codecs": {"encode"},  # numpy's byte payloads under pickle protocol 2
+    "copyreg": {"_reconstructor"},
+    "torch": {"Size", "device", "dtype", "layout", "memory_format", "finfo", "iinfo"},
+    "torch._utils": {"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+                     "_rebuild_parameter_with_state", "_rebuild_device_tensor_from_numpy", "_rebuild_qtensor"},
+    "torch._tensor": {"_rebuild_from_type_v2"},
+    "torch.serialization": {"_get_layout"},
+    "numpy": {"ndarray", "dtype"},
+    "numpy.core.multiarray": {"_reconstruct", "scalar"},
+    "numpy._core.multiarray": {"_reconstruct", "scalar"},
+    "torch.distributed.checkpoint.metadata": "*",
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+}
+
+
+def _safe_global(module: str, name: str, found: Any) -> bool:
+    allowed = _SAFE_GLOBALS.get(module)
+    if allowed == "*" or (allowed and name in allowed):
+        return True
+    try:  # torch's dtypes (torch.bfloat16), numpy's dtype classes and scalar types: data, not code
+        import torch
+
+        if isinstance(found, (torch.dtype, torch.layout, torch.memory_format)) or (
+                isinstance(found, type) and issubclass(found, torch.storage._StorageBase | torch.storage.TypedStorage)):
+            return True
+    except ImportError:
+        pass
+    return module.split(".")[0] == "numpy" and isinstance(found, type) and (
+        issubclass(found, (np.generic, np.dtype)))
+
+
+class UnsafePickleError(MegatronCheckpointError):
+    """A checkpoint's pickle names a global that reading it would run (os.system, eval, ...)."""
+
+
 class _StubUnpickler(pickle.Unpickler):
-    """Megatron (and TE, Apex, ...) classes become stubs; everything else unpickles normally,
-    and a class that no longer exists becomes a stub too rather than failing the whole file."""
+    """Megatron (and TE, Apex, ...) classes become stubs, as does anything else under torch that is
+    not data (a function stored in args); tensors, arrays and containers unpickle normally
+    (:data:`_SAFE_GLOBALS`); any other global is refused (:class:`UnsafePickleError`), so no
+    code a checkpoint holds ever runs. ``source`` names the file in the error."""
+
+    source = "the checkpoint"
 
     def find_class(self, module: str, name: str):
-        if module.split(".")[0] in _STUB_PREFIXES:
+        top = module.split(".")[0]
+        if top in _STUB_PREFIXES:
             return _stub_class(module, name)
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return _stub_class(module, name)
+        if top in ("torch", "numpy", "builtins", "collections", "argparse", "_codecs", "copyreg", "pathlib", "datetime",
+                   "uuid"):
+            try:
+                found = super().find_class(module, name)
+            except (ImportError, AttributeError):
+                found = None
+            if found is not None and _safe_global(module, name, found):
+                return found
+            if top == "torch":
+                return _stub_class(module, name)
+        raise UnsafePickleError(
+            f"{self.source}: its pickle names {module}.{name}, which reading a Megatron checkpoint never "
+            "loads (a checkpoint holds tensors, args and Megatron's own classes; this one would run code). "
+            "Refused; if it is a genuine checkpoint, convert it where you trust it, or report the name")
 
 
-_pickle_module = types.SimpleNamespace(
-    Unpickler=_StubUnpickler, load=lambda f, **kw: _StubUnpickler(f, **kw).load(), __name__="mlir_train_stub_pickle")
+def _unpickler_for(source: str):
+    return type("_Unpickler", (_StubUnpickler,), {"source": source})
 
 
 def import_torch():
@@ -91,9 +153,15 @@ def import_torch():
 
 
 def torch_load(path: str, *, mmap: bool = True) -> Any:
+    """One torch file of a Megatron checkpoint, through :class:`_StubUnpickler` (never runs its code)."""
     torch = import_torch()
+    unpickler = _unpickler_for(path)
+    pickle_module = types.SimpleNamespace(Unpickler=unpickler, load=lambda f, **kw: unpickler(f, **kw).load(),
+                                          __name__="mlir_train_stub_pickle")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=_pickle_module)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=pickle_module)
+    except UnsafePickleError:
+        raise
     except RuntimeError as e:
         if mmap and "mmap" in str(e):  # an old (non-zip) torch.save file cannot be memory-mapped
             return torch_load(path, mmap=False)
@@ -122,7 +190,7 @@ class DistReader:
         class Reader(FileSystemReader):
             def read_metadata(self, *a, **k):
                 with open(os.path.join(directory, ".metadata"), "rb") as f:
-                    md = _StubUnpickler(f).load()
+                    md = _unpickler_for(os.path.join(directory, ".metadata"))(f).load()
                 if getattr(md, "storage_meta", None) is None:
                     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -137,6 +205,8 @@ class DistReader:
         try:
             self.metadata = self.reader.read_metadata()
         except Exception as e:  # noqa: BLE001 - any unpickling failure: name the file
+            if isinstance(e, UnsafePickleError):
+                raise
             raise MegatronCheckpointError(f"{directory}/.metadata: cannot read it ({type(e).__name__}: {e})") from e
         self.reader.set_up_storage_reader(self.metadata, True)
 
