@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> list[Plan]:
         plan = plan_layout(cfg, c, num_devices, **common)
         print(format_plan(plan, own.device_kind, own.assumed_mfu))
         write_json(own.json, [plan])
+        if plan.error:  # the one layout asked for has no plan: an error (exit 2), not a report
+            raise ConfigError(f"no plan for {plan.name} on {num_devices} devices: {plan.error}")
         return [plan]
     ranked = search(cfg, num_devices, common, device_kind=own.device_kind, top=own.search_top)
     write_json(own.json, ranked)
@@ -483,4 +485,7 @@ def choose_compiler(kind: DeviceKind, *, force_cpu: bool = False) -> tuple[str |
 
 
 if __name__ == "__main__":
-    main()
+    from mlir_train.runtime.errors import exit_on_user_error
+
+    with exit_on_user_error():
+        main()

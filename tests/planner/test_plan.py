@@ -195,3 +195,16 @@ def test_a_plan_leads_with_one_step_time_and_says_where_it_comes_from():
     assert "Megatron's model FLOPs at 40% of peak (--assumed-mfu), an estimate" in step_time_line(estimate, 0.4)
     assert "--peak-tflops" in step_time_line(SimpleNamespace(compiled_for_target=False, compiled_step_time_s=None,
                                                              step_time_s=None), 0.4)
+
+
+def test_a_layout_that_cannot_exist_is_an_error_not_a_report(tmp_path):
+    """One layout asked for that the device count cannot hold: the report says NOT PLANNED and the
+    run ends with one error line, exit status 2 (it was exit 0)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "mlir_train.plan", "--model-name", "qwen3-moe-tiny", "--num-devices", "8",
+                           "--seq-length", "64", "--micro-batch-size", "1", "--tensor-model-parallel-size", "3",
+                           "--xla-cpu"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "NOT PLANNED" in proc.stdout and err[-1].startswith("mlir-train: error: no plan for"), err[-3:]
