@@ -44,7 +44,7 @@ class Files:
             full = os.path.join(path, file)
             if not os.path.exists(full):
                 raise CheckpointError(f"{index}: lists {file}, which does not exist in {path}")
-            handle = safe_open(full, framework="np")
+            handle = _open(safe_open, full)
             self.handles[file] = handle
             for name in handle.keys():
                 self.where[name] = file
@@ -72,9 +72,12 @@ class Files:
 
     def read(self, name: str, index: tuple[slice, ...] | int | None = None) -> np.ndarray:
         handle = self.handles[self.where[name]]
-        if index is None:
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[index]
+        try:
+            if index is None:
+                return handle.get_tensor(name)
+            return handle.get_slice(name)[index]
+        except Exception as e:  # noqa: BLE001 - safetensors' errors: a damaged file, named in one line
+            raise _damaged(self.location(name), e, f"tensor {name}") from None
 
     def location(self, name: str) -> str:
         return os.path.join(self.path, self.where[name])
@@ -87,6 +90,20 @@ class Files:
         with open(self.location(name), "rb") as f:
             f.seek(start + begin)
             return Raw(info["dtype"], tuple(info["shape"]), f.read(end - begin))
+
+
+def _damaged(file: str, e: Exception, what: str = "its header") -> CheckpointError:
+    return CheckpointError(f"{file}: cannot read {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}): "
+                           "the file is truncated or damaged; copy or download it again")
+
+
+def _open(safe_open, file: str):
+    """``safe_open`` of one safetensors file, or one error naming it (a truncated or damaged file:
+    safetensors raises its own SafetensorError, a traceback otherwise)."""
+    try:
+        return safe_open(file, framework="np")
+    except Exception as e:  # noqa: BLE001 - safetensors' errors are not one class across versions
+        raise _damaged(file, e) from None
 
 
 class Raw(NamedTuple):
