@@ -61,7 +61,6 @@ def pallas_mha_missing() -> str | None:
     return None
 
 
-
 def attention_mask(segment_ids_BT: jax.Array, order_T: jax.Array | None = None) -> jax.Array:
     """Causal mask restricted to equal segment ids: packed documents never see each other.
 

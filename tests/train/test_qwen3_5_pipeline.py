@@ -105,7 +105,8 @@ def _chunk_vjp(layers: int, schedule, per_segment: bool = False, remat: str = "n
     from mlir_train.families import build_model
     from mlir_train.model import ModelOptions
     from mlir_train.train.pipeline import program as program_module
-    from mlir_train.train.pipeline.one_f_one_b import _piece_weights, _Residuals, _with_weights
+    from mlir_train.train.pipeline.one_f_one_b import _piece_weights, _with_weights
+    from mlir_train.train.pipeline.residuals import Residuals
     from mlir_train.train.pipeline.stage import chunk_pieces, run_chunk
 
     model = build_model(_cfg("qwen3.5-moe-tiny", layers), ModelOptions(remat=remat))
@@ -128,7 +129,7 @@ def _chunk_vjp(layers: int, schedule, per_segment: bool = False, remat: str = "n
         weights = _piece_weights(pieces)
         y, pullback = jax.vjp(lambda w, x: run_chunk(graphs, program, _with_weights(pieces, w), x, context)[0],
                               weights, x)
-        kept.append(sum(a.size * a.dtype.itemsize for a in _Residuals.of(pullback, weights, context).kept))
+        kept.append(sum(a.size * a.dtype.itemsize for a in Residuals.of(pullback, weights, context).kept))
         return y
 
     jaxpr = jax.make_jaxpr(forward)(jnp.zeros((1, 8, model.cfg.hidden_size)))

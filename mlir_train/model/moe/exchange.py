@@ -271,9 +271,7 @@ def typed_alike(axis_name, *xs):
 def _varying_zeros(shape, dtype, *like):
     """Zeros typed varying over every manual axis any of ``like`` varies over: a receive buffer
     typed as the rows and offsets that fill it (``ragged_all_to_all_dense`` refuses less)."""
-    zeros = jnp.zeros(shape, dtype)
-    vma = tuple(sorted(set().union(*(varying_axes(x) for x in like))))
-    return jax.lax.pcast(zeros, vma, to="varying") if vma else zeros
+    return vary_over(jnp.zeros(shape, dtype), sorted(set().union(*(varying_axes(x) for x in like))))
 
 
 def _into_zeros_fwd(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes):

@@ -50,6 +50,7 @@ from mlir_train.config import policies
 from mlir_train.config.policies import RecomputePolicy
 from mlir_train.model import losses, tree
 from mlir_train.train.pipeline.program import to_segments
+from mlir_train.train.pipeline.residuals import Residuals
 from mlir_train.train.pipeline.schedule import Schedule
 from mlir_train.train.pipeline.stage import (StageSetup, add_sums, aux_out, chunk_pieces, grad_out_specs, merge, prepare,
                                              router_terms, run_chunk, seg_grad_zeros, stage_shard_map,
@@ -259,7 +260,7 @@ class _OneFOneB:
         per_rank = jax.tree.map(lambda x: x[None, None], (g_segs, g_rest))
         return per_rank + (jax.tree.map(lambda x: x[None], reduced_aux(acc)),)
 
-    def tick(self, local: _Local, scale, residuals: "_Residuals", forward: bool, backward: bool, carry, t):
+    def tick(self, local: _Local, scale, residuals: "Residuals", forward: bool, backward: bool, carry, t):
         """One tick of a phase: the forward half, the backward half, or both (the forward's
         first). ``residuals``: the structure of a forward's pullback, for a backward-only tick."""
         received, cotangent, saved, grads, acc = carry
@@ -328,7 +329,7 @@ class _OneFOneB:
         received = jax.lax.ppermute(x_out, self.stage_axes, self.permutes(backward=False))
         return received, fresh, ct_head, grads, acc
 
-    def backward_half(self, local: _Local, scale, residuals: "_Residuals", rest_b, segs_b, u, kept_b, ct_x, grads):
+    def backward_half(self, local: _Local, scale, residuals: "Residuals", rest_b, segs_b, u, kept_b, ct_x, grads):
         """Backward of item ``u``: the saved pullback (``residuals`` rebuilt over ``kept_b`` and
         the item's own weights and context) applied to ``ct_x``, the weight gradients added to
         the accumulators and the input cotangent sent back. ``(cotangent, grads)``."""
@@ -362,7 +363,7 @@ class _OneFOneB:
 
     def forward_vjp(self, local: _Local, t, x_in, acc):
         """The forward of this tick's item ``w = t - s`` under ``jax.vjp``: its output, its
-        :class:`_Residuals` and its terms (router objective and sums, running counts)."""
+        :class:`Residuals` and its terms (router objective and sums, running counts)."""
         w = t - local.stage
         chunk, mb_index, _ = self.item(w, backward=False)
         mb = _at(local.batch, mb_index)
@@ -391,7 +392,7 @@ class _OneFOneB:
             return (x_out, router_objective), (router_objective, sums, new_counts)
 
         (x_out, _), pullback, terms = jax.vjp(chunk_objective, trained, x_in, has_aux=True)
-        return x_out, _Residuals.of(pullback, weights, context), terms
+        return x_out, Residuals.of(pullback, weights, context), terms
 
     def head_grad(self, rest, x_out, mb, last, scale):
         """Final norm, LM head and weighted CE of the chunk's output, counted where ``last`` (the
@@ -420,45 +421,6 @@ class _OneFOneB:
         return (objective, ce_sum, count), g_trained, ct_x
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Residuals:
-    """A chunk forward's ``jax.vjp`` pullback split into what its backward must be given back:
-    ``kept``, the residuals that belong to the item (activations, its micro-batch's tensors),
-    which wait in the slot buffer, and those that are the chunk's weights or the micro-batch's
-    layer context, which the backward takes again from its own item (weights stay where they
-    are; the context is rebuilt from the ids) instead of storing a copy per slot."""
-    treedef: Any
-    sources: tuple  # per pullback leaf: ("kept", i) | ("weight", i) | ("context", i) | ("const", value)
-    kept: list
-
-    @classmethod
-    def of(cls, pullback, weights, context) -> "_Residuals":
-        leaves, treedef = jax.tree.flatten(pullback)
-        given = {}
-        for name, part in (("weight", weights), ("context", context)):
-            for i, leaf in enumerate(jax.tree.leaves(part)):
-                given.setdefault(id(leaf), (name, i))
-        sources, kept, kept_index = [], [], {}
-        for leaf in leaves:
-            if not isinstance(leaf, jax.Array):  # a constant of the trace (numpy, Python scalar): the same every tick
-                sources.append(("const", leaf))
-                continue
-            if id(leaf) in given:
-                sources.append(given[id(leaf)])
-                continue
-            if id(leaf) not in kept_index:
-                kept_index[id(leaf)] = len(kept)
-                kept.append(leaf)
-            sources.append(("kept", kept_index[id(leaf)]))
-        return cls(treedef, tuple(sources), kept)
-
-    def rebuild(self, kept, weights, context):
-        """The pullback over ``kept`` (read back from a slot) and the backward item's own
-        weights and context."""
-        pools = {"kept": kept, "weight": jax.tree.leaves(weights), "context": jax.tree.leaves(context)}
-        return jax.tree.unflatten(self.treedef, [i if name == "const" else pools[name][i] for name, i in self.sources])
-
-
 def _piece_weights(pieces_r):
     """The weights of :func:`chunk_pieces` (what the chunk is differentiated by)."""
     return [[state for state, _, _ in pieces] for pieces in pieces_r]
@@ -469,7 +431,11 @@ def _with_weights(pieces_r, weights_r):
 
 
 def _add_grads(grads, chunk, mb, g_states, g_embedded):
-    """The backward's gradients added to the float32 accumulators ``(per segment [R, S, ...], rest)``."""
+    """The backward's gradients added to the float32 accumulators ``(per segment [R, S, ...], rest)``.
+    Under CP the embedding gradient's rows come whole over the context ranks before its scatter-add
+    (an all-gather of this micro-batch's [B, T, D], cheaper than all-reducing partial [V, D] sums):
+    XLA 0.12.1's SPMD partitioner aborts (HandleScatter) on context-split rows into a tensor-split
+    vocabulary under CP x TP x PP."""
     g_segs = [jax.tree.map(lambda a, g: a.at[chunk].add(g.astype(jnp.float32)), acc_s, g_s)
               for acc_s, g_s in zip(grads[0], g_states)]
     # The lookup's gradient goes straight into the accumulator's rows (a scatter-add of
@@ -477,14 +443,8 @@ def _add_grads(grads, chunk, mb, g_states, g_embedded):
     if grads[1].get("embed") is None:  # a frozen embedding
         return (g_segs, grads[1])
     ids = mb["input_ids"]
-    if mesh_axes_of("act_seq")[1] > 1:
-        # Under context parallelism the rows' tokens come whole over the context ranks first (an
-        # all-gather of this micro-batch's [B, T, D] gradient, where XLA would otherwise all-reduce
-        # partial [V, D] sums over them): jax 0.12.1's SPMD partitioner aborts (a CHECK in
-        # AllReduceAlongShardingDims, from HandleScatter) on the scatter-add of context-split rows
-        # into the tensor-split vocabulary under CP x TP x PP.
-        ids = constrain(ids, ("act_batch", None))
-        g_embedded = constrain(g_embedded, ("act_batch", None, None))
+    if mesh_axes_of("act_seq")[1] > 1:  # CP: rows whole first (XLA 0.12.1 aborts on CP x TP x PP's scatter)
+        ids, g_embedded = constrain(ids, ("act_batch", None)), constrain(g_embedded, ("act_batch", None, None))
     g_embed = grads[1]["embed"].at[ids].add(g_embedded.astype(jnp.float32))
     return (g_segs, dict(grads[1], embed=g_embed))
 
