@@ -72,10 +72,11 @@ def convert(args) -> str:
     """One conversion: SRC detected once (:func:`mlir_train.checkpoint.sources.detect`), its
     weights read through a data-parallel trainer and written by the target format's source
     (:meth:`~mlir_train.checkpoint.sources.Source.write`). Returns what was written."""
-    from mlir_train.checkpoint import sources
+    from mlir_train.checkpoint import sources, whole
     from mlir_train.runtime.errors import CheckpointError
     from sharding.layout import Layout
 
+    whole.check_destinations({"DST": args.dst}, {"SRC": args.src})
     src = sources.detect(args.src, step=args.step, exit_on_missing=True, flag="SRC")
     _refuse_adapters(src)
     to = args.to or DEFAULT_TARGET[src.kind]

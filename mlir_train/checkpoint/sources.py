@@ -15,7 +15,7 @@ import os
 from typing import Any, ClassVar
 
 from mlir_train import families
-from mlir_train.checkpoint import orbax
+from mlir_train.checkpoint import orbax, whole
 from mlir_train.checkpoint.target import Target
 from mlir_train.config.arch_flags import check_architecture_flags
 from mlir_train.config.flags import RunConfig
@@ -115,8 +115,10 @@ class HFModel(Source):
 
         from mlir_train.checkpoint.hf import save_pretrained
 
-        save_pretrained(target.export_model(state), dst, dtype=None if dtype is None else jnp.dtype(dtype),
-                        carry_from=carry_from)
+        if carry_from and os.path.realpath(carry_from) == os.path.realpath(dst):
+            raise CheckpointError(f"{dst} is the HF directory the model was read from: export to another one")
+        model, dtype = target.export_model(state), None if dtype is None else jnp.dtype(dtype)
+        whole.write(dst, "HF model", lambda d: save_pretrained(model, d, dtype=dtype, carry_from=carry_from))
 
     def _weights(self, target: Target, options=None) -> dict[str, Any]:
         """The safetensors read shard by shard straight into the target's mesh and rules."""
@@ -185,7 +187,8 @@ class Ours(Source):
               hf_origin: str | None = None) -> None:
         """``state``'s weights alone as a checkpoint at iteration 0 (``--load`` then starts from
         them with a fresh optimizer); ``dst`` must hold no checkpoint yet."""
-        orbax.save_weights(dst, target.model_cfg, state["params"], converted_from=converted_from, hf_origin=hf_origin)
+        whole.write(dst, "mlir-train checkpoint", lambda d: orbax.save_weights(
+            d, target.model_cfg, state["params"], converted_from=converted_from, hf_origin=hf_origin))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,8 +261,9 @@ class Megatron(Source):
         :class:`sharding.layout.Layout`); returns the rank files written."""
         from mlir_train.checkpoint import megatron as mc
 
-        return mc.save_params(state["params"], target.model_cfg, dst, layout, iteration=iteration, dtype=dtype,
-                              make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        return whole.write(dst, "Megatron checkpoint", lambda d: mc.save_params(
+            state["params"], target.model_cfg, d, layout, iteration=iteration, dtype=dtype,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,9 +287,10 @@ class PeftAdapters(Source):
 
         cfg = target.model_cfg
         table = families.family_of(cfg).hf_params(cfg)
-        peft.save_adapters(dst, jax.device_get(state["params"]), policy=target.lora, table=table,
-                           stack_kinds=target.stack_kinds, num_experts=cfg.num_experts, base=base, layout=layout,
-                           weights=state["base"], mlp_only_layers=cfg.mlp_only_layers)
+        params, weights = jax.device_get(state["params"]), state["base"]
+        whole.write(dst, "PEFT adapters", lambda d: peft.save_adapters(
+            d, params, policy=target.lora, table=table, stack_kinds=target.stack_kinds, num_experts=cfg.num_experts,
+            base=base, layout=layout, weights=weights, mlp_only_layers=cfg.mlp_only_layers))
 
     def recorded_base(self) -> str | None:
         from mlir_train.checkpoint import peft

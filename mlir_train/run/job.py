@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from mlir_train.checkpoint import saver, sources
+from mlir_train.checkpoint import saver, sources, whole
 from mlir_train.config.flags import RunConfig
 from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokenizer
 from mlir_train.model import flops as flops_lib
@@ -68,6 +68,8 @@ def build_job(cfg: RunConfig, launched: float) -> Job:
     paths.check_output_dirs({"--save": ck.save, "--save-hf": ck.save_hf, "--save-peft": ck.save_peft,
                              "--tensorboard-dir": lg.tensorboard_dir, "--wandb-save-dir": lg.wandb_save_dir or None,
                              "--data-cache-path": cfg.data.data_cache_path})
+    whole.check_destinations({"--save-hf": ck.save_hf, "--save-peft": ck.save_peft},
+                             {"--save": ck.save, "--tensorboard-dir": lg.tensorboard_dir, "--load": ck.load})
     tokenizer = load_tokenizer(cfg.data.tokenizer_path)
     start = _starting_point(cfg, len(tokenizer))
     cfg, model_cfg = start.cfg, start.model

@@ -12,6 +12,7 @@ No jax here, so entry points can log before any backend starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -29,7 +30,7 @@ def _level_from_env() -> int:
     return LEVELS[name]
 
 
-_state = {"level": _level_from_env(), "process": 0}
+_state = {"level": _level_from_env(), "process": 0, "aliases": []}
 
 
 def set_level(name: str) -> None:
@@ -50,8 +51,20 @@ def is_printing_process() -> bool:
 def log(level: str, message: str, *, all_processes: bool = False) -> None:
     if LEVELS[level] < _state["level"] or not (all_processes or is_printing_process()):
         return
+    for hidden, shown in _state["aliases"]:
+        message = message.replace(hidden, shown)
     stream = sys.stderr if level == "error" else sys.stdout
     print(PREFIX + _MARKS[level] + message, file=stream, flush=True)
+
+
+@contextlib.contextmanager
+def shown_as(hidden: str, shown: str):
+    """Within this block, messages name ``hidden`` (a staging path) as ``shown``."""
+    _state["aliases"].append((hidden, shown))
+    try:
+        yield
+    finally:
+        _state["aliases"].remove((hidden, shown))
 
 
 def debug(message: str, **kw) -> None:

@@ -240,7 +240,8 @@ def test_convert_checkpoint_to_hf_and_back(saved, tmp_path):
     assert meta["iteration"] == 0 and int(state["iteration"]) == 0
     for a, b in zip(jax.tree.leaves(saved["state"]["params"]), jax.tree.leaves(state["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert convert.main([hf_dir, back]) == 2  # refuses to mix into an existing checkpoint directory
+    assert convert.main([hf_dir, back]) == 0  # our export again: replaced whole
+    assert convert.main([hf_dir, saved["path"]]) == 2  # a training checkpoint is not ours to replace
 
 
 def test_full_disk_gives_a_clear_error_and_keeps_the_state(tmp_path, monkeypatch):

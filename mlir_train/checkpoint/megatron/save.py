@@ -38,8 +38,6 @@ def save_params(params: dict, cfg: ModelConfig, dst: str, layout: Layout, *, mak
     expert) at a time; ``dtype``: torch's name of the files' dtype (default float32)."""
     import jax
 
-    if os.path.isdir(dst) and os.listdir(dst):
-        raise MegatronCheckpointError(f"{dst} is not empty; give an empty or new directory")
     stacks = layer_stacks(cfg)  # each kind's layers, as the model builds them
     flat = dict(leaves(params))
     for bound in families.family_of(cfg).params.bind(flat, stacks, f"{dst}: "):
