@@ -17,21 +17,16 @@ from typing import Any, ClassVar
 from mlir_train import families
 from mlir_train.checkpoint import orbax, whole
 from mlir_train.checkpoint.target import Target
-from mlir_train.config.arch_flags import check_architecture_flags
 from mlir_train.config.flags import RunConfig
 from mlir_train.config.models import ModelConfig
 from mlir_train.runtime import log
 from mlir_train.runtime.errors import CheckpointError, ConfigError
-
-SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k")
-
 
 @dataclasses.dataclass(frozen=True)
 class Source:
     """What a run starts from; this base is no checkpoint at all (:class:`Scratch`)."""
 
     kind: ClassVar[str] = "scratch"
-    shape_fields: ClassVar[tuple[str, ...]] = SHAPE_FIELDS  # what --model-name must agree with
     path: str | None = None
 
     @property
@@ -197,7 +192,6 @@ class Megatron(Source):
     :class:`~mlir_train.checkpoint.megatron.read.MegatronCheckpoint`)."""
 
     kind: ClassVar[str] = "megatron"
-    shape_fields: ClassVar[tuple[str, ...]] = SHAPE_FIELDS + ("head_dim", "intermediate_size", "moe_intermediate_size")
     checkpoint: Any = None
 
     @property
@@ -214,6 +208,7 @@ class Megatron(Source):
 
         m = cfg.model
         named = families.from_flags(m, None) if m.model_name else None
+        vocab_size = vocab_size or m.vocab_size  # --vocab-size: as Megatron pads from it
         if vocab_size is None:
             vocab_size = mc.unpadded_vocab(self.checkpoint, [named.vocab_size if named else None, tokenizer_size])
         name = named.name if named else os.path.basename(self.checkpoint.root.rstrip("/"))
@@ -360,42 +355,6 @@ def detect(load: str | None, *, step: int | None = None, exit_on_missing: bool =
     log.warning(f"{msg}; starting from random initialisation at iteration 0 "
                 "(--exit-on-missing-checkpoint makes this an error)")
     return Scratch()
-
-
-def run_model_config(cfg: RunConfig, source: Source, tokenizer_size: int) -> ModelConfig:
-    """The run's model: the source's own config (HF config.json, our checkpoint's, or a Megatron
-    checkpoint's args), which ``--model-name`` (if given) and the architecture overrides must
-    agree with; without a checkpoint, the named one with the vocabulary padded as Megatron pads it.
-    The hybrid-architecture flags (``--attention-output-gate``, ``--linear-*``, ...) must say what
-    the model is (:func:`~mlir_train.config.arch_flags.check_architecture_flags`)."""
-    model_cfg = _run_model_config(cfg, source, tokenizer_size)
-    check_architecture_flags(cfg.model, model_cfg)
-    return model_cfg
-
-
-def _run_model_config(cfg: RunConfig, source: Source, tokenizer_size: int) -> ModelConfig:
-    m = cfg.model
-    model_cfg = source.own_model_config(cfg, tokenizer_size)
-    if model_cfg is None:
-        return families.from_flags(m, m.padded_vocab_size(tokenizer_size, cfg.parallel.tensor_model_parallel_size))
-    saved_tokens = (source.meta or {}).get("tokenizer_size")  # ours records the tokenizer it trained with
-    if tokenizer_size > model_cfg.vocab_size or (not cfg.checkpoint.finetune
-                                                 and saved_tokens not in (None, tokenizer_size)):
-        trained = f" (trained with a {saved_tokens}-token tokenizer)" if saved_tokens else ""
-        raise ConfigError(f"tokenizer {cfg.data.tokenizer_path} has {tokenizer_size} tokens but the checkpoint "
-                          f"{source.describe()} has a vocab of {model_cfg.vocab_size}{trained}")
-    # Named: --model-name must be the checkpoint's model; not named: the flags' overrides must agree.
-    named = families.from_flags(m, model_cfg.vocab_size, base=None if m.model_name else model_cfg)
-    who = f"--model-name {m.model_name} (with overrides)" if m.model_name else "a model flag"
-    for field in source.shape_fields:
-        if getattr(named, field) != getattr(model_cfg, field):
-            raise ConfigError(f"{who} has {field}={getattr(named, field)} but the checkpoint {source.describe()} "
-                              f"has {getattr(model_cfg, field)}")
-    if m.moe_layer_freq is not None and model_cfg.is_moe and \
-            m.moe_layer_pattern(model_cfg.num_layers) != model_cfg.moe_layers():
-        raise ConfigError(f"--moe-layer-freq {m.moe_layer_freq} differs from the checkpoint {source.describe()}'s "
-                          f"MoE layers {[int(k) for k in model_cfg.moe_layers()]}")
-    return model_cfg
 
 
 # ----- LoRA: adapters on a base ------------------------------------------------------------------

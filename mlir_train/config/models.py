@@ -66,6 +66,21 @@ class ModelConfig:
         RoPE rotates fewer)."""
         return self.head_dim
 
+    def structure(self) -> dict[str, Any]:
+        """What makes two configs the same network, whatever their name, vocabulary padding,
+        context length or init: a model named with ``--model-name`` must agree with the
+        checkpoint ``--load`` reads on every entry. Sizes no layer uses are left out."""
+        kinds = self.layer_kinds()
+        found = dict(family=self.family, hidden_size=self.hidden_size, num_layers=self.num_layers,
+                     num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                     tie_word_embeddings=self.tie_word_embeddings, layer_kinds=kinds)
+        if any(not k.moe for k in kinds):
+            found["intermediate_size"] = self.intermediate_size
+        if self.is_moe:
+            found.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                         top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+        return found
+
     def layout_dims(self) -> dict[str, int]:
         """The sizes a parallel layout must divide, by the names :func:`sharding.mesh.validate`
         and :func:`sharding.rules.rules_for` read (a family adds its own)."""

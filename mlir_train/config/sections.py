@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from mlir_train.config.fields import flag, switch
 from mlir_train.config.moe_flags import MoEFlags
@@ -27,11 +27,14 @@ class ModelFlags:
     GROUP: ClassVar[str] = "model"
     model_name: str | None = flag("--model-name",
                                   help="registry name (qwen3-30b-a3b, qwen3-moe-tiny, ...) or a path to an HF "
-                                       "config.json / model directory (default: the --load checkpoint's own model)")
-    rotary_base: int | None = flag("--rotary-base", type=int, help="RoPE theta (default: from --model-name)")
+                                       "config.json / model directory (default: the --load checkpoint's own model; with --load, it must "
+                                       "name that model's network)")
+    rotary_base: int | None = flag("--rotary-base", type=int, help="RoPE theta (default: from --model-name; with --load, "
+                                   "the checkpoint's unless --finetune)")
     rotary_seq_len_interpolation_factor: int | None = flag(
         "--rotary-seq-len-interpolation-factor", type=int,
-        help="linear RoPE position interpolation factor (default: from --model-name)")
+        help="linear RoPE position interpolation factor (default: from --model-name; with --load, the "
+             "checkpoint's unless --finetune)")
     num_layers: int | None = flag("--num-layers", type=int, help="default: from --model-name")
     hidden_size: int | None = flag("--hidden-size", type=int, help="default: from --model-name")
     ffn_hidden_size: int | None = flag("--ffn-hidden-size", type=int,
@@ -46,14 +49,17 @@ class ModelFlags:
     untie_embeddings_and_output_weights: bool = switch(
         "--untie-embeddings-and-output-weights",
         help="a separate LM head even where --model-name ties it to the embedding")
-    vocab_size: int | None = flag("--vocab-size", type=int, help="unpadded vocab size (default: the tokenizer's)")
+    vocab_size: int | None = flag("--vocab-size", type=int, help="unpadded vocab size (default: the tokenizer's; at most a --load "
+                                  "checkpoint's rows; a Megatron checkpoint is unpadded to it)")
     make_vocab_size_divisible_by: int = flag(
         "--make-vocab-size-divisible-by", default=128, type=int,
         help="pad the vocab to a multiple of this (times the TP size, as Megatron)")
     max_position_embeddings: int | None = flag("--max-position-embeddings", type=int, group="training",
-                                               help="default: from --model-name")
+                                               help="default: from --model-name (a fresh model's; a --load "
+                                                    "checkpoint keeps its own, said if the flag differs)")
     init_method_std: float | None = flag("--init-method-std", type=float, group="training",
-                                         help="init std for fresh weights (default: from --model-name, 0.02)")
+                                         help="init std for fresh weights (default: from --model-name, 0.02; a "
+                                              "--load checkpoint keeps its own, said if the flag differs)")
     norm_epsilon: float | None = flag("--norm-epsilon", type=float, group="training",
                                       help="RMSNorm eps (default: from --model-name)")
     moe_router_topk: int | None = flag("--moe-router-topk", type=int, group="moe", help="default: from --model-name")
@@ -96,18 +102,24 @@ class ModelFlags:
 
     DEFAULT_MODEL: ClassVar[str] = "qwen3-moe-tiny"  # --model-name when neither it nor a --load model names one
 
+    # The architecture flags (by attribute) and the ModelConfig field each sets; each flag is
+    # spelled "--" + the attribute with dashes.
+    OVERRIDES: ClassVar[dict[str, str]] = dict(
+        num_layers="num_layers", hidden_size="hidden_size", num_attention_heads="num_heads",
+        num_query_groups="num_kv_heads", ffn_hidden_size="intermediate_size", num_experts="num_experts",
+        moe_ffn_hidden_size="moe_intermediate_size", moe_router_topk="top_k", rotary_base="rope_theta",
+        rotary_seq_len_interpolation_factor="rope_scaling_factor", norm_epsilon="rms_norm_eps",
+        max_position_embeddings="max_position_embeddings", init_method_std="init_std", kv_channels="head_dim")
+
     def overrides(self) -> dict:
         """The architecture fields these flags set (None: keep the model's), by ModelConfig field name;
         :func:`mlir_train.families.from_flags` applies them to ``--model-name``'s config."""
-        return dict(
-            num_layers=self.num_layers, hidden_size=self.hidden_size,
-            num_heads=self.num_attention_heads, num_kv_heads=self.num_query_groups,
-            intermediate_size=self.ffn_hidden_size, num_experts=self.num_experts,
-            moe_intermediate_size=self.moe_ffn_hidden_size, top_k=self.moe_router_topk,
-            rope_theta=self.rotary_base, rope_scaling_factor=self.rotary_seq_len_interpolation_factor,
-            rms_norm_eps=self.norm_epsilon, max_position_embeddings=self.max_position_embeddings,
-            init_std=self.init_method_std, head_dim=self.kv_channels,
-        )
+        return {field: getattr(self, attr) for attr, field in self.OVERRIDES.items()}
+
+    def given_overrides(self) -> dict[str, tuple[str, Any]]:
+        """``{ModelConfig field: (flag, value)}`` for the architecture flags given."""
+        return {field: ("--" + attr.replace("_", "-"), getattr(self, attr)) for attr, field in self.OVERRIDES.items()
+                if getattr(self, attr) is not None}
 
     def moe_layer_pattern(self, num_layers: int) -> tuple[bool, ...]:
         """``--moe-layer-freq`` read as megatron-core reads it: MoE or not, per layer."""

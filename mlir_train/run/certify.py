@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import optax
 
-from mlir_train.checkpoint import sources
+from mlir_train.checkpoint import agree, sources
 from mlir_train.config.flags import RunConfig
 from mlir_train.config.sections import section_fields
 from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokenizer
@@ -109,7 +109,7 @@ def model_config(cfg: RunConfig, tokenizer_size: int):
     """The run's model: ``--load``'s (read for its shape, never its weights) or ``--model-name``'s."""
     source = sources.detect(cfg.checkpoint.load, step=cfg.checkpoint.ckpt_step)
     base = sources.lora_sources(cfg, source)[0] if cfg.training.lora is not None else source
-    return sources.run_model_config(cfg, base, tokenizer_size)
+    return agree.run_model_config(cfg, base, tokenizer_size)
 
 
 def reference_config(cfg: RunConfig) -> RunConfig:

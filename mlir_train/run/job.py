@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from mlir_train.checkpoint import saver, sources, whole
+from mlir_train.checkpoint import agree, saver, sources, whole
 from mlir_train.config.flags import RunConfig
 from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokenizer
 from mlir_train.model import flops as flops_lib
@@ -140,7 +140,7 @@ def _starting_point(cfg: RunConfig, tokenizer_size: int) -> Start:
     sources.check_lora_resume(cfg, source)
     # LoRA: the model is its base's; --load may hold only adapters (sources.lora_sources).
     base, adapters = sources.lora_sources(cfg, source) if cfg.training.lora is not None else (source, None)
-    model_cfg = sources.run_model_config(cfg, base, tokenizer_size)
+    model_cfg = agree.run_model_config(cfg, base, tokenizer_size)
     if ck.save_hf and base.hf_origin and os.path.realpath(ck.save_hf) == os.path.realpath(base.hf_origin):
         raise ConfigError(f"--save-hf {ck.save_hf} is the HF directory the model is read from, whose files the "
                           "export copies: give another directory")

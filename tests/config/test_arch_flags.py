@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from mlir_train.checkpoint.sources import Scratch, run_model_config
+from mlir_train.checkpoint.agree import run_model_config
+from mlir_train.checkpoint.sources import Scratch
 from mlir_train.config import cli
 from mlir_train.config.arch_flags import (architecture, check_architecture_flags,
                                           linear_attention_pattern)

@@ -87,6 +87,17 @@ class Qwen35Config(ModelConfig):
     def mixer_fields(self, mixers: tuple[str, ...]) -> dict[str, Any]:
         return {"layer_types": tuple(FULL if m == ATTENTION else LINEAR for m in mixers)}
 
+    def structure(self) -> dict[str, Any]:
+        found = super().structure() | dict(partial_rotary_factor=self.partial_rotary_factor,
+                                           hf_text_type=TEXT_TYPES.get(self.hf_model_type, self.hf_model_type))
+        if LINEAR in self.mixers():
+            found.update(linear_num_key_heads=self.linear_num_key_heads, linear_num_value_heads=self.linear_num_value_heads,
+                         linear_key_head_dim=self.linear_key_head_dim, linear_value_head_dim=self.linear_value_head_dim,
+                         linear_conv_kernel_dim=self.linear_conv_kernel_dim)
+        if self.is_moe:
+            found["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        return found
+
     def layout_dims(self) -> dict[str, int]:
         return super().layout_dims() | dict(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                                             gdn_key_heads=self.linear_num_key_heads,
