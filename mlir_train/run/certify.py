@@ -37,7 +37,7 @@ from mlir_train.config.flags import RunConfig
 from mlir_train.config.sections import section_fields
 from mlir_train.data import BatchLoader, DataConfig, build_datasets, load_tokenizer
 from mlir_train.planner.code_paths import PATH_ROWS, CodePaths
-from mlir_train.run.shrink import Shrunk, shrink
+from mlir_train.run.shrink import Shrunk, cut_rows, shrink
 from mlir_train.runtime.errors import ConfigError, user_errors
 from mlir_train.train.build import Run, resolve
 
@@ -178,9 +178,9 @@ def certify(cfg: RunConfig, *, num_devices: int, iters: int = 3, precision: str 
     # The router is the layout's: device-limited routing groups the experts by the layout's EP.
     ref_run = dataclasses.replace(ref_run, options=ref_run.options.replace(router=layout.run.options.router))
     reference = Side("one device", ref_run)
-    batches = _batches(cfg, tokenizer, layout.run.global_batch_size, iters, small.fold_vocab)
+    batches, cut_notes = _batches(cfg, tokenizer, layout.run.global_batch_size, iters, small)
     dtype = cfg.training.compute_dtype
-    c = Certificate(small, layout, reference, dtype, notes, TOLERANCES[dtype])
+    c = Certificate(small, layout, reference, dtype, notes + cut_notes, TOLERANCES[dtype])
     steps, side = [], layout
     try:
         for side in (layout, reference):
@@ -196,13 +196,26 @@ def certify(cfg: RunConfig, *, num_devices: int, iters: int = 3, precision: str 
     return _compare(c)
 
 
-def _batches(cfg: RunConfig, tokenizer, global_batch_size: int, iters: int, fold: int | None) -> list[dict]:
-    data = build_datasets(DataConfig.from_flags(cfg.data, cfg.training.seed), tokenizer)
+def _batches(cfg: RunConfig, tokenizer, global_batch_size: int, iters: int, small: Shrunk) -> tuple[list[dict], list]:
+    """The check's batches: the user's data at the user's ``--seq-length``, rows cut to the shrunk
+    length (:func:`~mlir_train.run.shrink.cut_rows`, said in the returned notes), token ids folded
+    into a shrunk vocabulary."""
+    built = cfg.replace(data={"seq_length": small.data_seq_length}) if small.data_seq_length else cfg
+    data = build_datasets(DataConfig.from_flags(built.data, cfg.training.seed), tokenizer)
     loader = BatchLoader(data.train, global_batch_size, seed=cfg.training.seed)
-    batches = [next(loader) for _ in range(iters)]
-    if fold:  # the shrunk vocabulary: the same rows, token ids folded into it
-        batches = [dict(b, input_ids=b["input_ids"] % fold, labels=b["labels"] % fold) for b in batches]
-    return batches
+    batches, notes = [next(loader) for _ in range(iters)], []
+    if small.data_seq_length:
+        width, kept, total = cfg.data.seq_length, 0, 0
+        for i, b in enumerate(batches):
+            batches[i], k, t = cut_rows(b, width)
+            kept, total = kept + k, total + t
+        notes.append(f"rows: built at --seq-length {small.data_seq_length} from your records, each cut to its "
+                     f"{width}-token window with the most supervised tokens ({kept} of {total} supervised tokens "
+                     "kept)")
+    if small.fold_vocab:  # the shrunk vocabulary: the same rows, token ids folded into it
+        batches = [dict(b, input_ids=b["input_ids"] % small.fold_vocab, labels=b["labels"] % small.fold_vocab)
+                   for b in batches]
+    return batches, notes
 
 
 def _compile(side: Side, rows: dict, log) -> tuple:

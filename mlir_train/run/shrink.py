@@ -11,7 +11,9 @@ router, balancing and LoRA flags untouched; head dim kept (the kernels' tiles de
 A vocabulary above :data:`VOCAB_LIMIT` shrinks too, and the batches' token ids are folded into
 it (the check compares layouts, which the words do not change). The batch keeps its
 micro-batch size and data-parallel split, with at most ``max(2, 2 x PP)`` micro-batches, and rows
-of at most :data:`SEQ` tokens (still divisible as CP, TP and SP need). Under ``--code-paths gpu``,
+of at most :data:`SEQ` tokens (still divisible as CP, TP and SP need): the data is built at the
+user's ``--seq-length`` and each row cut to its window with the most supervised tokens
+(:func:`cut_rows`), so no record the run keeps is lost to the shorter rows. Under ``--code-paths gpu``,
 whose MoE kernels are interpreted call by call, smaller still: top-k at most :data:`GPU_TOP_K`, 1 layer
 a stage for a model of one layer kind, rows of :data:`GPU_SEQ` tokens and PP micro-batches (1 without a
 pipeline); and, shrunk or not, each rank's expert width a whole Mosaic-GPU weight-gradient tile
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import numpy as np
 
 from mlir_train.config.flags import RunConfig
 from mlir_train.config.models import LayerKind, ModelConfig
@@ -55,6 +59,23 @@ class Shrunk:
     batch_changes: tuple[str, ...] = ()
     fold_vocab: int | None = None
     model_why: str = ""
+    data_seq_length: int | None = None  # rows shortened: the user's --seq-length, at which the data is built
+
+
+def cut_rows(batch: dict[str, np.ndarray], width: int) -> tuple[dict[str, np.ndarray], int, int]:
+    """Each row of ``batch`` (built at the user's ``--seq-length``) cut to the ``width`` tokens
+    holding the most supervised ones (the earliest such window), so that the check's short rows
+    still train on the user's records, whatever their length. Positions and segments are kept as
+    the row had them. Returns the batch and (supervised tokens kept, supervised tokens in all)."""
+    supervised = batch["loss_mask"] > 0
+    rows, length = supervised.shape
+    if length <= width:
+        return batch, int(supervised.sum()), int(supervised.sum())
+    ends = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(supervised, axis=1)], axis=1)
+    start = (ends[:, width:] - ends[:, :length - width + 1]).argmax(axis=1)
+    take = start[:, None] + np.arange(width)[None, :]
+    cut = {k: np.take_along_axis(v, take, axis=1) if v.shape[:2] == (rows, length) else v for k, v in batch.items()}
+    return cut, int((cut["loss_mask"] > 0).sum()), int(supervised.sum())
 
 
 def shrink(cfg: RunConfig, model: ModelConfig, num_devices: int, *, keep_size: bool = False) -> Shrunk:
@@ -80,8 +101,10 @@ def shrink(cfg: RunConfig, model: ModelConfig, num_devices: int, *, keep_size: b
     for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "num_experts",
                   "top_k", "moe_intermediate_size", "vocab_size"):
         _change(model_changes, field, getattr(model, field), getattr(small, field))
+    seq = cfg.data.seq_length
     cfg, batch_changes = _shrink_batch(cfg, num_devices)
-    return Shrunk(cfg, small, tuple(model_changes + pattern_changes), tuple(batch_changes), fold, why)
+    return Shrunk(cfg, small, tuple(model_changes + pattern_changes), tuple(batch_changes), fold, why,
+                  seq if seq != cfg.data.seq_length else None)
 
 
 def _kernel_widths(cfg: RunConfig, model: ModelConfig) -> ModelConfig:

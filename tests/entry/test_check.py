@@ -297,8 +297,46 @@ NEWEST_LANE = ("cp2-ep2", "pp2-interleaved-ep2")
 @pytest.mark.parametrize("name", [n if n in DEFAULT_SUITE else pytest.param(
     n, marks=[pytest.mark.slow] + ([pytest.mark.newest_lane] if n in NEWEST_LANE else [])) for n in GPU_PATH_LAYOUTS])
 def test_layouts_pass_on_the_gpu_code_paths(name, tmp_path):
-    out = run_check_on_gpu_paths(tmp_path, GPU_PATH_LAYOUTS[name])
+    flags = GPU_PATH_LAYOUTS[name]
+    if name == "folding":  # the user's own records, each longer than the check's rows (issue 48)
+        flags = [*flags, "--data-path", long_records(tmp_path), "--chat-template", "alpaca", "--seq-length", "1024"]
+    out = run_check_on_gpu_paths(tmp_path, flags)
     assert_gpu_paths_ran(out, overflow=name == "ep8-overflow", flash=name not in NO_FLASH)
+    if name == "folding":
+        note = next(line for line in out if line.startswith("note: rows: built at --seq-length 1024"))
+        kept, total = map(int, re.search(r"\((\d+) of (\d+) supervised tokens kept\)", note).groups())
+        assert 0 < kept <= total, note
+
+
+def long_records(tmp_path) -> str:
+    """An alpaca file of 64 records of about 700 tokens (a long instruction, a 30-word answer)."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over lazy dog while seven wizards judge boxing matches near old banks".split()
+    say = lambda n: " ".join(rng.choice(words) for _ in range(n))
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps([{"instruction": say(220), "input": "", "output": say(30)} for _ in range(64)]))
+    return str(path)
+
+
+def test_rows_cut_to_the_window_with_the_most_supervised_tokens():
+    """The check's short rows come from the user's long ones: each row's window holding the most
+    supervised tokens (the earliest of equals), every row-shaped field cut alike, counted."""
+    from mlir_train.run.shrink import cut_rows
+
+    mask = np.zeros((3, 12), np.float32)
+    mask[0, 8:12] = 1  # the answer at the end
+    mask[1, 1:3] = mask[1, 5:9] = 1  # two answers: the window with more of them
+    batch = {"loss_mask": mask, "input_ids": np.arange(36).reshape(3, 12), "positions": np.tile(np.arange(12), (3, 1)),
+             "segment_ids": np.ones((3, 12), np.int32), "scalar": np.float32(1)}
+    cut, kept, total = cut_rows(batch, 4)
+    assert cut["input_ids"].tolist() == [[8, 9, 10, 11], [17, 18, 19, 20], [24, 25, 26, 27]]
+    assert cut["positions"].tolist()[0] == [8, 9, 10, 11] and cut["segment_ids"].shape == (3, 4)
+    assert (kept, total) == (8, 10) and cut["scalar"] == 1
+    same, kept, total = cut_rows(batch, 12)
+    assert same is batch and kept == total == 10
 
 
 def test_every_iteration_starts_both_runs_from_the_one_devices_state():
