@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from mlir_train.checkpoint import complete
-from mlir_train.runtime.errors import CheckpointError
+from mlir_train.runtime.errors import CheckpointError, read_text
 
 
 class Files:
@@ -28,11 +28,16 @@ class Files:
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
             try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-            files = sorted(set(weight_map.values()))
+                weight_map = json.loads(read_text(index, CheckpointError))["weight_map"]
+                files = sorted(set(weight_map.values()))
+                if not all(isinstance(f, str) for f in files):
+                    raise TypeError("file names that are not strings")
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                if isinstance(e, CheckpointError):
+                    raise
+                why = "empty" if os.path.getsize(index) == 0 else f"{type(e).__name__}: {e}"
+                raise CheckpointError(f"{index}: not a safetensors index ({why}; expected a JSON object with a "
+                                      "weight_map); the file is damaged") from None
         else:
             files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             if not files:

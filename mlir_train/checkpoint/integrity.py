@@ -245,6 +245,8 @@ def _check_share(step_dir: str, index: int, count: int) -> tuple[int, StepCheck]
             return 1, StepCheck(step_dir, "corrupt", f"{size} bytes where {files[rel]['size']} were written "
                                 f"({'truncated' if size < files[rel]['size'] else 'grown'})", rel)
     extra = sorted(on_disk - set(files) - set(COMMIT_FILES))
+    if (why := commit_metadata_problem(step_dir)) is not None:  # written after the manifest: not hashed
+        return 2, StepCheck(step_dir, "corrupt", why, COMMIT_FILES[1])
     if extra:
         return 2, StepCheck(step_dir, "corrupt", "not written by the save (absent from checksums.json)"
                             + (f"; and {len(extra) - 1} more" if len(extra) > 1 else ""), extra[0])
@@ -254,6 +256,22 @@ def _check_share(step_dir: str, index: int, count: int) -> tuple[int, StepCheck]
         if digests[rel] != files[rel]["blake2b"]:
             return 3, StepCheck(step_dir, "corrupt", "checksum mismatch (its bytes changed since the save)", rel)
     return 4, StepCheck(step_dir, "ok")
+
+
+def commit_metadata_problem(step_dir: str) -> str | None:
+    """Why Orbax's ``_CHECKPOINT_METADATA`` (written after the checksums) is unreadable, or None
+    (absent, or a JSON object). Orbax itself logs a parse error and goes on; we stop. Its other
+    commit mark, ``commit_success.txt``, commits by being there: its bytes are never read."""
+    path = os.path.join(step_dir, COMMIT_FILES[1])
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            if isinstance(json.load(f), dict):
+                return None
+        return "not a JSON object (damaged)"
+    except (OSError, ValueError) as e:
+        return f"unreadable ({type(e).__name__}: {str(e)[:80]}; damaged)"
 
 
 def _without_manifest(step_dir: str) -> StepCheck:

@@ -184,6 +184,18 @@ def _quiet_read_only():
         absl_logger.removeFilter(notice)
 
 
+def _check_commit_metadata(directory: str) -> None:
+    """Every step's Orbax commit metadata readable, or a CheckpointError naming it: Orbax's
+    manager reads them all as it opens, and a damaged one escapes from it as a ValueError."""
+    if not os.path.isdir(directory):
+        return
+    for name in sorted(os.listdir(directory)):
+        step = os.path.join(directory, name)
+        if integrity.is_step_name(name) and (why := integrity.commit_metadata_problem(step)) is not None:
+            raise CheckpointError(f"{os.path.join(step, integrity.COMMIT_FILES[1])}: {why}; the step cannot be "
+                                  "read (restore the file, or move the step away)")
+
+
 class CheckpointManager:
     """A thin wrapper over ``orbax.checkpoint.CheckpointManager`` for the trainer's state dict.
 
@@ -205,6 +217,7 @@ class CheckpointManager:
         if not read_only and jax.process_index() == 0 and os.path.isdir(self.directory):
             self._set_aside_partial()
         self._hashes = None if read_only else _SaveHashes()
+        _check_commit_metadata(self.directory)
         arrays = (ocp.StandardCheckpointHandler if read_only else lambda k: _HashingHandler(k, self._hashes))
         handlers = ({k: arrays() if read_only else arrays(k) for k in ARRAY_ITEMS}
                     | {"meta": ocp.JsonCheckpointHandler()})

@@ -196,10 +196,9 @@ def is_step_dir(path: str) -> bool:
 
 def has_checkpoint(path: str) -> bool:
     """Whether ``path`` holds at least one complete checkpoint of ours."""
-    try:
-        return CheckpointManager(path, read_only=True).latest_step() is not None
-    except CheckpointError:  # no such directory
+    if not os.path.isdir(path):
         return False
+    return CheckpointManager(path, read_only=True).latest_step() is not None  # a damaged step: its error
 
 
 def verified_step(load: str, step: int | None) -> int:

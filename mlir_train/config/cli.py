@@ -36,7 +36,7 @@ from mlir_train.config.flag_table import (ARCH_IMPLIED_FLAGS, FP8_WHY, NOOP_FLAG
                                           is_low_precision_flag)
 from mlir_train.config.flags import REQUIRED, RunConfig, build
 from mlir_train.config.sections import section_fields
-from mlir_train.runtime.errors import ConfigError
+from mlir_train.runtime.errors import ConfigError, read_text
 
 __all__ = ["parse", "build_parser", "flag_value", "FLAG_GROUPS", "ALL_FLAGS", "SEED_GROUPS", "GROUP_TITLES"]
 
@@ -237,11 +237,9 @@ def _unknown_flag_message(flag: str, known: Iterable[str], where: str = "") -> s
 
 
 def _load_config_file(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    text = read_text(path, ConfigError, f"--config {path}")
+    if not text.strip():
+        raise ConfigError(f"--config {path}: the file is empty; expected a mapping of flag: value")
     try:
         if path.endswith(".json"):
             data = json.loads(text)

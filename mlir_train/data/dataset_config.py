@@ -17,6 +17,7 @@ import dataclasses
 import os
 
 from mlir_train.data.records import FORMATS, DataError, DatasetFormat
+from mlir_train.runtime.errors import read_text
 
 ENTRY_KEYS = ("format", "formatting", "columns", "tags", "file_name")
 _NOT_COLUMNS = {"formatting", "name", "unsupported", "unread_keys", "file_name"}  # DatasetFormat's own fields
@@ -29,8 +30,10 @@ def _column_names() -> set[str]:
 def _read(path: str):
     import json
 
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = read_text(path, DataError, f"--sft-dataset-config {path}")
+    if not text.strip():
+        raise DataError(f"--sft-dataset-config {path}: the file is empty; expected a mapping of dataset name to "
+                        "its columns")
     try:
         if path.endswith((".yaml", ".yml")):
             import yaml

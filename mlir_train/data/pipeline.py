@@ -47,7 +47,7 @@ def cache_key(cfg: DataConfig, sources, formats: list[DatasetFormat], spec: Temp
         with open(source.path, "rb") as f:
             add([hashlib.file_digest(f, "sha256").hexdigest(), source.weight,
                  dataclasses.asdict(fmt)])
-    add(dataclasses.asdict(spec))
+    add({k: v for k, v in dataclasses.asdict(spec).items() if k != "origin"})
     add(tokenizer_fingerprint(tokenizer))
     add([cfg.seq_length, cfg.packing, cfg.drop_long, cfg.train_on_prompt, cfg.skip_bad_records,
          parse_split(cfg.split), cfg.seed, cfg.eod_mask_loss, cfg.mix_strategy,

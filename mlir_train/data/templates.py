@@ -45,6 +45,7 @@ from mlir_train.data.qwen3_5 import add_user_or_tool, render_qwen3_5
 from mlir_train.data.qwen3_next import KWARGS as QWEN3_NEXT_KWARGS
 from mlir_train.data.qwen3_next import qwen3_system, render_qwen3_next, with_tool_calls
 from mlir_train.data.records import DataError, Message, Sample
+from mlir_train.runtime.errors import read_text
 
 TEMPLATES = ("alpaca", "qwen", "chatml", "qwen3", "qwen3_5", "qwen3_6", "qwen3_next", "qwen3_next_thinking",
              "hf", "auto")
@@ -79,6 +80,7 @@ class TemplateSpec:
     history_mask: bool = False  # loss on the last assistant turn only
     reasoning_loss: str = "nonempty"  # qwen3: which think blocks get loss
     kwargs: tuple[tuple[str, object], ...] = ()  # run-wide chat template kwargs, sorted items
+    origin: str = ""  # hf only: the file the template came from, for messages (not in the data cache's key)
 
 
 def parse_template_kwargs(text: str | dict | None, what: str = "--chat-template-kwargs") -> dict:
@@ -92,8 +94,7 @@ def parse_template_kwargs(text: str | dict | None, what: str = "--chat-template-
         if not os.path.isfile(text):
             raise DataError(f"{where}: no such file, nor a JSON object; expected a file holding one, or the object "
                             "itself, e.g. '{\"enable_thinking\": false}'")
-        with open(text, encoding="utf-8") as f:
-            raw, where = f.read(), f"{what} {text}"
+        raw, where = read_text(text, DataError, f"{what} {text}"), f"{what} {text}"
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -145,16 +146,30 @@ def make_spec(name: str, tokenizer, *, history_mask: bool = False,
         raise DataError(f"--chat-template {name}: tokenizer {tokenizer.name_or_path} has no "
                         f"{IM_START}/{IM_END} tokens; expected a ChatML (Qwen) tokenizer")
     if name == "hf":
-        jinja = tokenizer.chat_template
-        if not isinstance(jinja, str) or not jinja:
-            raise DataError(f"--chat-template hf: tokenizer {tokenizer.name_or_path} has no "
-                            f"chat_template in its config; expected a jinja chat template")
+        jinja, origin = tokenizer.chat_template, template_origin(tokenizer)
+        if not isinstance(jinja, str) or not jinja.strip():
+            raise DataError(f"--chat-template hf: tokenizer {tokenizer.name_or_path} has no chat_template"
+                            + (f" ({origin} is empty)" if origin.endswith(".jinja") else " in its config")
+                            + "; expected a jinja chat template")
+        try:
+            _compiled(jinja)
+        except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError and kin: a damaged template
+            raise DataError(f"--chat-template hf: {origin}: not a jinja template ({type(e).__name__}: "
+                            f"{str(e)[:100]}); the file is damaged") from None
         ends = tuple(t for t in (*END_OF_TURN_TOKENS, eos) if t in vocab)
         return TemplateSpec(name, eos, tokenizer.bos_token, jinja, tuple(dict.fromkeys(ends)),
-                            **options)
+                            **options, origin=origin)
     # Qwen3's and Qwen3.5's templates write no bos token (Qwen tokenizers have none).
     bos = None if name in QWEN3_TEMPLATES else tokenizer.bos_token
     return TemplateSpec(name, eos, bos, **options)
+
+
+def template_origin(tokenizer) -> str:
+    """The file ``tokenizer``'s chat template came from: its directory's chat_template.jinja, or
+    its tokenizer_config.json."""
+    path = str(tokenizer.name_or_path)
+    jinja = os.path.join(path, "chat_template.jinja")
+    return jinja if os.path.isfile(jinja) else os.path.join(path, "tokenizer_config.json")
 
 
 def detect_template(tokenizer) -> str:
@@ -433,7 +448,7 @@ def _render_hf(sample: Sample, spec: TemplateSpec, where: str, kwargs: dict) -> 
             continue
         start = text.find(content, cursor)
         if start < 0:
-            raise DataError(f"{where}: the tokenizer's chat template does not render message {i} "
+            raise DataError(f"{where}: the tokenizer's chat template ({spec.origin}) does not render message {i} "
                             f"({message['role']}) verbatim, so its loss span cannot be found; "
                             f"use --chat-template qwen3, qwen or alpaca", reason="template failed")
         end = start + len(content)

@@ -8,9 +8,12 @@ import logging
 import os
 
 from mlir_train.data.records import DataError
+from mlir_train.runtime.errors import read_text
 
 TOKENIZER_TYPES = ("HFTokenizer",)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+# The JSON files transformers reads from a tokenizer directory, each an object.
+_JSON_FILES = (*_TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "chat_template.json")
 
 
 class _NoTorchNotice(logging.Filter):
@@ -46,6 +49,14 @@ def load_tokenizer(cfg_or_path, tokenizer_type: str = "HFTokenizer"):
     if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
         raise DataError(f"--hf-tokenizer-path {path}: no tokenizer files; expected one of "
                         f"{_TOKENIZER_FILES}")
+    for name in _JSON_FILES:  # transformers' own errors do not say which file
+        file = os.path.join(path, name)
+        if os.path.isfile(file) and (why := _json_object_problem(file)):
+            raise DataError(f"--hf-tokenizer-path {path}: {file}: {why}; the file is damaged (restore it from the "
+                            "tokenizer's source)")
+    for name in ("chat_template.jinja", "merges.txt"):
+        if os.path.isfile(os.path.join(path, name)):
+            read_text(os.path.join(path, name), DataError, f"--hf-tokenizer-path {path}: {os.path.join(path, name)}")
     quiet_transformers_import()
     from transformers import AutoTokenizer
 
@@ -57,6 +68,15 @@ def load_tokenizer(cfg_or_path, tokenizer_type: str = "HFTokenizer"):
         raise DataError(f"--hf-tokenizer-path {path}: expected a fast (tokenizers-backed) "
                         f"tokenizer with a tokenizer.json")
     return tokenizer
+
+
+def _json_object_problem(file: str) -> str | None:
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        return "empty" if os.path.getsize(file) == 0 else f"not JSON ({type(e).__name__}: {str(e)[:80]})"
+    return None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

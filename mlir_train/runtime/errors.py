@@ -61,6 +61,20 @@ class NonFiniteLoss(UserError, RuntimeError):
     exit_status = 1
 
 
+def read_text(path: str, error: type[UserError], where: str | None = None) -> str:
+    """A user's text file (UTF-8), or ``error`` in one line naming it (``where``: how, e.g.
+    "--config run.yaml"): unreadable, or bytes that are no text (a damaged or binary file)."""
+    where = where or path
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise error(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); the file is damaged or of another "
+                    "kind") from None
+    except OSError as e:
+        raise error(f"{where}: {e.strerror or e}") from None
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions an entry point reports as one line: ours, and the mesh's layout errors."""
     import sys

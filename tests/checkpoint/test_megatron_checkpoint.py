@@ -410,6 +410,28 @@ def test_unreadable_load_directories_are_errors(tmp_path, capsys):
     assert mc.identify(str(tmp_path / "interrupted")) is None  # a first save killed mid-write: no checkpoint yet
 
 
+def test_damaged_torch_dist_files_are_one_line_naming_them(mcore_small, tmp_path, capsys):
+    """Issue 48's matrix for megatron-core's ``torch_dist`` files (the other kinds:
+    tests/entry/test_damaged_files.py): each file of the iteration directory cut short, emptied,
+    its first bytes overwritten or (JSON) valid JSON of the wrong shape is one line naming it."""
+    from tests.entry.test_damaged_files import DAMAGES, damage
+    from tests.entry.test_input_errors import _run_in_process
+
+    src = os.path.join(mcore_small, "torch_dist")
+    it = next(n for n in os.listdir(src) if n.startswith("iter_"))
+    failures = []
+    for name in sorted(os.listdir(os.path.join(src, it))):
+        for how in DAMAGES:
+            copy = tmp_path / f"{name}-{how}"
+            shutil.copytree(src, copy)
+            damage(str(copy / it / name), how)
+            code, err = _run_in_process(_tp1(tmp_path, "--load", str(copy), "--train-iters", "1"), capsys)
+            lines = [line for line in err.splitlines() if "error:" in line]
+            if code != 2 or len(lines) != 1 or name not in lines[0] or "Traceback" in err:
+                failures.append(f"{name} {how}: exit {code}, {lines or err[-300:]}")
+    assert not failures, "\n".join(failures)
+
+
 # ----- 8 ranks: TP2 x PP2 x EP2 with a virtual pipeline -------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])

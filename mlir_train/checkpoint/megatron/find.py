@@ -20,7 +20,7 @@ from mlir_train.checkpoint.megatron.read import (
 from mlir_train.config.sections import padded_vocab_size
 from mlir_train.config.models import ModelConfig
 from mlir_train.families.table import VOCAB
-from mlir_train.runtime.errors import CheckpointError
+from mlir_train.runtime.errors import CheckpointError, read_text
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SUPPORTED_DIST_BACKENDS = {("torch_dist", 1)}
@@ -56,8 +56,7 @@ def find(path: str, *, iteration: int | None = None) -> MegatronCheckpoint | Non
     if iteration is not None:
         sub, release = f"iter_{iteration:07d}", False
     elif TRACKER in names:
-        with open(os.path.join(path, TRACKER)) as f:
-            tag = f.read().strip()
+        tag = read_text(os.path.join(path, TRACKER), MegatronCheckpointError).strip()
         if tag == "release":
             sub, release, iteration = "release", True, 0
         elif tag.isdigit():
@@ -98,8 +97,17 @@ def _read_iteration_dir(path: str, directory: str, iteration: int, release: bool
     if "metadata.json" in inside:
         import json
 
-        with open(os.path.join(directory, "metadata.json")) as f:
-            meta = json.load(f)
+        path = os.path.join(directory, "metadata.json")
+        try:
+            meta = json.loads(read_text(path, MegatronCheckpointError))
+            if not isinstance(meta, dict):
+                raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+        except ValueError as e:
+            if isinstance(e, MegatronCheckpointError):
+                raise
+            why = "empty" if os.path.getsize(path) == 0 else str(e)[:100]
+            raise MegatronCheckpointError(f"{path}: not Megatron's checkpoint metadata ({why}); the file is "
+                                          "damaged") from None
         backend = (meta.get("sharded_backend"), meta.get("sharded_backend_version"))
         if backend not in SUPPORTED_DIST_BACKENDS or meta.get("common_backend", "torch") != "torch":
             raise MegatronCheckpointError(

@@ -209,6 +209,28 @@ class DistReader:
                 raise
             raise MegatronCheckpointError(f"{directory}/.metadata: cannot read it ({type(e).__name__}: {e})") from e
         self.reader.set_up_storage_reader(self.metadata, True)
+        self._check_storage()
+
+    def _check_storage(self) -> None:
+        """Every stored item inside its file and starting as ``torch.save`` starts (a zip, or a
+        pickle): a cut-short or overwritten data file is named here, before any tensor is read."""
+        by_file: dict[str, list] = {}
+        for item in self.metadata.storage_data.values():
+            by_file.setdefault(os.path.join(self.directory, item.relative_path), []).append(item)
+        for path, items in sorted(by_file.items()):
+            if not os.path.isfile(path):
+                raise MegatronCheckpointError(f"{path}: missing (.metadata lists it)")
+            size, end = os.path.getsize(path), max(it.offset + it.length for it in items)
+            if end > size:
+                raise MegatronCheckpointError(f"{path}: {size} bytes, but .metadata has data up to byte {end}; "
+                                              "the file is truncated")
+            with open(path, "rb") as f:
+                for item in sorted(items, key=lambda it: it.offset):
+                    f.seek(item.offset)
+                    head = f.read(2)
+                    if head != b"PK" and head[:1] != b"\x80":
+                        raise MegatronCheckpointError(f"{path}: the item at byte {item.offset} is no torch-saved "
+                                                      "data (its first bytes are overwritten); the file is damaged")
 
     def keys(self) -> list[str]:
         return list(self.metadata.state_dict_metadata)
@@ -247,7 +269,16 @@ class DistReader:
         planner = Planner()
         planner.set_up_planner({}, self.metadata, True)
         plan = self.reader.prepare_local_plan(LoadPlan(items))
-        self.reader.read_data(plan, planner).wait()
+        try:
+            self.reader.read_data(plan, planner).wait()
+        except Exception as e:  # noqa: BLE001 - torch's errors on a damaged data file: name the file
+            if isinstance(e, UnsafePickleError):
+                raise
+            files = sorted({os.path.join(self.directory, self.metadata.storage_data[it.storage_index].relative_path)
+                            for it in plan.items if it.storage_index in self.metadata.storage_data})
+            raise MegatronCheckpointError(f"{', '.join(files) or self.directory}: cannot read {key} "
+                                          f"({type(e).__name__}: {str(e)[:100]}); the file is truncated or "
+                                          "damaged") from None
         out = dest.numpy() if dest.dtype in (torch.float32, torch.float64) else dest.float().numpy()
         return out
 
