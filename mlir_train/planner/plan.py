@@ -42,6 +42,10 @@ and with the MoE implementation the mesh's platform selects. Per device it repor
   says fit (the ``--search-top K`` best of them), drops those the compiled step says do not, and
   ranks the rest by the compiled figures (compiled step time, then compiled memory).
 
+Exit status: 0 when the layout fits (with ``--search``: when some layout does), 3
+(:data:`EXIT_DOES_NOT_FIT`) when it does not, 2 with one error line when the layout cannot exist
+on the devices or a flag is bad: scripts can branch on it.
+
 Without the GPU compiler installed the planner says so, compiles for XLA:CPU instead and
 decides from the analytic estimate (labelled): XLA:CPU's temporaries are no GPU budget (below).
 The Kunlun P800 has no XLA:GPU target: it is planned by memory only (CPU compile for the exact
@@ -181,6 +185,7 @@ def plan_layout(cfg: RunConfig, c: Candidate, num_devices: int, *, memory_gb: fl
     except Exception as e:  # an invalid layout for this model / device count
         plan.error = str(e).splitlines()[0]
         return plan
+    cfg = cfg.replace(training=dict(global_batch_size=gbs))  # resolved (Megatron's default: micro x DP)
     plan.moe_impl = trainer.options.moe_impl if model_cfg.is_moe else None
     state, batch = _estimate(plan, cfg, trainer, model_cfg, gbs, num_micro, peak_tflops, assumed_mfu)
     if compile_step:
@@ -484,8 +489,21 @@ def choose_compiler(kind: DeviceKind, *, force_cpu: bool = False) -> tuple[str |
     return kind.name, None
 
 
-if __name__ == "__main__":
+EXIT_DOES_NOT_FIT = 3  # the layout asked for (with --search: every layout) does not fit the devices
+
+
+def exit_status(argv: list[str] | None = None) -> int:
+    """``python -m mlir_train.plan``'s status: 0 when the layout fits (with ``--search``: some
+    layout does), :data:`EXIT_DOES_NOT_FIT` when it does not, 2 (one error line) when it cannot
+    exist or a flag is bad."""
     from mlir_train.runtime.errors import exit_on_user_error
 
     with exit_on_user_error():
-        main()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        plans = main(argv)
+        asked_help = "-h" in argv or "--help" in argv
+        return 0 if asked_help or any(p.error is None and p.fits for p in plans) else EXIT_DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(exit_status())

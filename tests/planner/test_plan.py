@@ -208,3 +208,19 @@ def test_a_layout_that_cannot_exist_is_an_error_not_a_report(tmp_path):
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "NOT PLANNED" in proc.stdout and err[-1].startswith("mlir-train: error: no plan for"), err[-3:]
+
+
+@pytest.mark.parametrize("memory_gb, status", [(1e-4, 3), (1000.0, 0)])
+def test_the_exit_status_says_whether_it_fits(memory_gb, status):
+    """A scripts' branch: 3 (EXIT_DOES_NOT_FIT) when the layout asked for does not fit the
+    device memory, 0 when it does."""
+    from mlir_train.planner.plan import EXIT_DOES_NOT_FIT
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "mlir_train.plan", "--model-name", "qwen3-moe-tiny", "--num-devices", "2",
+                           "--seq-length", "64", "--micro-batch-size", "1", "--expert-model-parallel-size", "2",
+                           "--device-memory-gb", str(memory_gb), "--xla-cpu"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == status, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert EXIT_DOES_NOT_FIT == 3 and ("does not fit" in proc.stdout.lower() or "FITS" in proc.stdout), proc.stdout[-800:]
