@@ -120,10 +120,21 @@ class Stats:
     ragged_traffic_bytes: int = 0
 
     def traffic(self) -> dict[str, dict[str, int]]:
-        """:attr:`collectives` with ragged all-to-alls at their traffic, not their buffers."""
+        """:attr:`collectives` with ragged all-to-alls at their traffic, not their buffers, and
+        collective-permutes at what the busiest device sends: every device runs each permute,
+        but only its pairs' sources send (a pipeline's forward permute is sent by every stage
+        but the last, its backward one by every stage but the first), as Megatron's send/recv
+        volumes count a device's sends."""
         out = {k: {"count": c.count, "bytes": c.bytes} for k, c in self.collectives.items()}
         if "ragged-all-to-all" in out:
             out["ragged-all-to-all"]["bytes"] = self.ragged_traffic_bytes
+        if "collective-permute" in out:
+            sent: dict[int, int] = {}
+            for g, c in self.collective_groups.items():
+                if g.kind == "collective-permute":
+                    for source in {a for a, b in g.pairs if a != b}:
+                        sent[source] = sent.get(source, 0) + c.bytes
+            out["collective-permute"]["bytes"] = max(sent.values(), default=0)
         return out
 
     def overlap(self) -> dict[str, dict[str, int]]:

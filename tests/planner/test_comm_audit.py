@@ -248,6 +248,23 @@ ENTRY %main (x: bf16[16,8], o: s64[2]) -> bf16[64,8] {
     assert st.traffic()["ragged-all-to-all"]["bytes"] == 16 * 8 * 2
 
 
+def test_permute_traffic_is_what_the_busiest_device_sends():
+    """A pipeline's two permutes per tick: every device runs both, each sends in one (the
+    forward's sources are stage 0's devices, the backward's stage 1's), so each device sends
+    one operand's bytes per tick, what Megatron's send/recv counts."""
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[16,8]) -> bf16[16,8] {
+  %x = bf16[16,8]{1,0} parameter(0)
+  %f = bf16[16,8]{1,0} collective-permute(%x), source_target_pairs={{0,2},{1,3}}
+  ROOT %b = bf16[16,8]{1,0} collective-permute(%f), source_target_pairs={{2,0},{3,1}}
+}
+"""
+    st = hlo.analyze(text)
+    assert st.collectives["collective-permute"].bytes == 2 * 16 * 8 * 2  # both run on every device
+    assert st.traffic()["collective-permute"] == {"count": 2, "bytes": 16 * 8 * 2}  # each device sends one
+
+
 def test_replica_group_forms():
     assert hlo_text.replica_groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1), x") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert hlo_text.replica_groups("replica_groups=mesh['a'=2,'b'=1,'c'=4] {'a'}, x") == [[0, 4], [1, 5], [2, 6], [3, 7]]
