@@ -54,6 +54,8 @@ PARAM_AXES = (
     "token_ranks",    # a leading rank axis of a weight whose gradient each token rank forms from
                       # its own tokens (the router's): the MoE's token ranks that are not data
                       # ranks (mlir_train.train.reduction.token_partial)
+    "seq_ranks",      # the same for a weight each sequence rank uses on its own rows (the
+                      # residual stream's norms under --sequence-parallel / context parallelism)
 )
 ACTIVATION_AXES = (
     "act_batch",
@@ -202,7 +204,7 @@ def rules_for(cfg: Layout, model_dims: Mapping[str, int] | None = None) -> Rules
     seq = cfg.role_axes("context") if cfg.context > 1 else ()
     res_seq = seq + (cfg.role_axes("tensor") if cfg.tensor > 1 and cfg.sequence_parallel else ())
     if seq or res_seq:
-        overlays.append({"act_seq": _entry(seq), "act_res_seq": _entry(res_seq)})
+        overlays.append({"act_seq": _entry(seq), "act_res_seq": _entry(res_seq), "seq_ranks": _entry(res_seq)})
     if cfg.expert > 1:
         overlays.append(_on_roles(EXPERT_PARALLEL_OVERRIDES, cfg))
     if cfg.pipeline > 1:

@@ -53,9 +53,27 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        scale = self.scale[...]
+        if scale.ndim == 2:  # [R, D]: one row per sequence rank (mlir_train.train.reduction.token_partial)
+            return _per_rank(x32, scale, x.dtype, self.zero_centred)
         if self.zero_centred:
-            return (x32 * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
-        return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+        return scale.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _per_rank(x32: jax.Array, scale_RD: jax.Array, dtype, zero_centred: bool) -> jax.Array:
+    """The scale of a residual-stream norm broadcast over its ``R`` sequence ranks: each rank's
+    rows (``x``'s sequence split ``[R, T/R]``, as ``"act_res_seq"`` splits it) meet their own
+    row, so the scale's gradient stays per rank, summed once per step by the trainer (the
+    router's way, :func:`mlir_train.model.moe.router.router_logits`). The same values."""
+    *lead, t, d = x32.shape
+    r = scale_RD.shape[0]
+    names = ("act_batch",) * min(len(lead), 1) + (None,) * (len(lead) - 1) + ("seq_ranks", None, "act_embed")
+    x_R = constrain(x32.reshape(*lead, r, t // r, d), names)
+    w_R = constrain(scale_RD, ("seq_ranks", None))[:, None, :]
+    if zero_centred:
+        return (x_R * (1.0 + w_R.astype(jnp.float32))).astype(dtype).reshape(x32.shape)
+    return (w_R.astype(dtype) * x_R.astype(dtype)).reshape(x32.shape)
 
 
 def rope_tables(positions_BT: jax.Array, head_dim: int, theta: float, scaling_factor: float) -> tuple[jax.Array, jax.Array]:

@@ -61,9 +61,14 @@ from sharding.logical import axes_tuple
 
 BATCH = "act_batch"
 TOKEN_RANKS = "token_ranks"
+SEQ_RANKS = "seq_ranks"
+RANK_AXES = (TOKEN_RANKS, SEQ_RANKS)
 # The weights' own logical axes of the replicated weights whose gradient each MoE token rank
 # forms from its own tokens: the router's (Megatron's sequence_parallel-marked router weight).
-TOKEN_PARTIAL = (("embed", "router_exp"),)
+# And the residual stream's RMSNorm scales under --sequence-parallel / context parallelism:
+# each sequence rank normalises its own rows (Megatron all-reduces these "sequence_parallel"
+# weights' gradients over TP once per step, as the router's). Each pattern's rank axis:
+TOKEN_PARTIAL = {("embed", "router_exp"): TOKEN_RANKS, ("norm",): SEQ_RANKS}
 # The step's sums over rows (a rank's share adds up to the step's) and the router's per-layer
 # values: the mean over balancing groups (a rank's mean over its groups; the step's is the mean
 # over ranks), but global_aux_loss, which is a sum over them.
@@ -113,37 +118,58 @@ def is_names(x: Any) -> bool:
 
 
 def token_axis(names: tuple) -> int | None:
-    """Where :func:`token_partial` puts a weight's token-rank axis (before its own axes, after
-    any stacking ones), or None for a weight it leaves alone."""
-    for own in TOKEN_PARTIAL:
+    """Where :func:`token_partial` puts a weight's rank axis (before its own axes, after any
+    stacking ones), or None for a weight it leaves alone."""
+    found = _pattern(names)
+    return None if found is None else found[0]
+
+
+def _pattern(names: tuple) -> tuple[int, str] | None:
+    for own, rank in TOKEN_PARTIAL.items():
         if len(names) >= len(own) and tuple(names[len(names) - len(own):]) == own:
-            return len(names) - len(own)
+            return len(names) - len(own), rank
     return None
 
 
+def rank_axis(names: tuple) -> int | None:
+    """The position of :func:`token_partial`'s rank axis in expanded ``names``, or None."""
+    return next((names.index(r) for r in RANK_AXES if r in names), None)
+
+
 def token_partial(weights: Any, names: Any, manual: tuple[str, ...]) -> tuple[Any, Any]:
-    """``(weights, names)`` with each :data:`TOKEN_PARTIAL` weight broadcast over a new
-    ``"token_ranks"`` axis, one row per MoE token rank that is not a data rank (module
-    docstring), for a region manual over ``manual`` (:func:`data_manual_names`). Unchanged where
-    there are no such ranks, or where the MoE's tokens are also split over data ranks the region
-    leaves automatic (each token rank's rows would not be one block of them). Call it outside
-    the loops that form the gradients: the broadcast's transpose is the once-per-step sum
+    """``(weights, names)`` with each :data:`TOKEN_PARTIAL` weight broadcast over a new rank
+    axis: ``"token_ranks"`` (the router's: one row per MoE token rank that is not a data rank,
+    module docstring), ``"seq_ranks"`` (a residual-stream norm's: one row per sequence rank),
+    for a region manual over ``manual`` (:func:`data_manual_names`). Unchanged where there are
+    no such ranks, or where the MoE's tokens are also split over data ranks the region leaves
+    automatic (each token rank's rows would not be one block of them). Call it outside the
+    loops that form the gradients: the broadcast's transpose is the once-per-step sum
     (:func:`summed`)."""
-    try:
-        axes, ranks = mesh_axes_of(TOKEN_RANKS)
-    except KeyError:  # a table without the name splits nothing over it
-        axes, ranks = (), 1
-    region = set(mesh_axes_of(BATCH)[0]) if manual else set()
-    if ranks == 1 or set(mesh_axes_of("act_tokens")[0]) - set(axes) - region:
-        return weights, names
+    def ranks_of(rank: str) -> int:
+        try:
+            axes, ranks = mesh_axes_of(rank)
+        except KeyError:  # a table without the name splits nothing over it
+            return 1
+        region = set(mesh_axes_of(BATCH)[0]) if manual else set()
+        rows = mesh_axes_of("act_tokens" if rank == TOKEN_RANKS else "act_res_seq")[0]
+        return 1 if ranks == 1 or set(rows) - set(axes) - region else ranks
+
+    counts = {r: ranks_of(r) for r in RANK_AXES}
+
+    def expand(n):
+        found = _pattern(n)
+        return None if found is None or counts[found[1]] == 1 else found
 
     def weight(n, w):
-        at = token_axis(n)
-        return w if at is None else jnp.broadcast_to(jnp.expand_dims(w, at), w.shape[:at] + (ranks,) + w.shape[at:])
+        found = expand(n)
+        if found is None:
+            return w
+        at, rank = found
+        return jnp.broadcast_to(jnp.expand_dims(w, at), w.shape[:at] + (counts[rank],) + w.shape[at:])
 
     def name(n):
-        at = token_axis(n)
-        return n if at is None else n[:at] + (TOKEN_RANKS,) + n[at:]
+        found = expand(n)
+        return n if found is None else n[:found[0]] + (found[1],) + n[found[0]:]
 
     return jax.tree.map(weight, names, weights, is_leaf=is_names), jax.tree.map(name, names, is_leaf=is_names)
 

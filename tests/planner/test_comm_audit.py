@@ -393,6 +393,31 @@ def test_seed_router_gradient_is_reduced_over_the_tensor_ranks_once_per_step(see
     assert not in_loop, in_loop
 
 
+@pytest.mark.skipif(__import__("tests.helpers", fromlist=["GPU_MISSING"]).GPU_MISSING is not None,
+                    reason="needs the deviceless XLA:GPU compiler")
+def test_seed_norm_gradients_are_reduced_over_the_tensor_ranks_once_per_step(seed_quick):
+    """Issue 49 item 2 on the seed layout at toy widths (hidden 256, head dim 64): under SP each
+    tensor rank normalises its own rows, so the residual-stream norms' scale gradients are
+    partial over the tensor ranks; they were all-reduced per layer and 1F1B tick (in-loop
+    ``bf16[640]``: two 256-wide norms and the 64-wide q/k norms; 12 of the seed's 40 MiB of
+    all-reduce at full size, 1.54x Megatron's). Now each rank accumulates its own
+    (``reduction.token_partial``'s ``"seq_ranks"``) and the sum is taken once, after the ticks:
+    what stays in the loops over the tensor ranks is narrower than one hidden-wide norm."""
+    import math
+    import re
+
+    comps, _ = seed_quick
+    lay = sharding.Layout(**_audit_layouts()["seed"], sequence_parallel=True, distributed_optimizer=True, num_devices=8)
+    in_loop = []
+    for name in _loop_computations(comps):
+        for i in comps[name]:
+            groups = hlo_text.replica_groups(i.attrs) if i.opcode.removesuffix("-start") == "all-reduce" else None
+            if groups and comm.group_axes(tuple(groups[0]), lay.mesh_shape()) == "tensor":
+                sizes = [math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"bf16\[([\d,]*)\]", i.result_type)]
+                in_loop += [(name, i.result_type) for n in sizes if n >= 256]
+    assert not in_loop, in_loop
+
+
 @pytest.fixture(scope="module")
 def seed_quick(tmp_path_factory):
     """The seed layout's ``comm_audit.py --quick`` module, compiled once for the tests below."""

@@ -19,7 +19,7 @@ from mlir_train.model import logical_axes, losses
 from mlir_train.model.moe.dispatch import COUNTS as DISPATCH_COUNTS
 from mlir_train.model.transformer import run_pieces, stack_pieces
 from mlir_train.train.pipeline.program import Segment, layer_order, stage_program, to_segments
-from mlir_train.train.reduction import TOKEN_RANKS, is_names, partial_specs, row_names, token_partial
+from mlir_train.train.reduction import is_names, partial_specs, rank_axis, row_names, token_partial
 from sharding import constrain, logical_shard_map, mesh_axes_of
 
 
@@ -228,7 +228,7 @@ def seg_grad_zeros(segs_RS: list, seg_masks: list, setup: StageSetup) -> list:
     over its ranks (left to XLA, the tick loop gathered each tick's router gradient instead)."""
     def one(names, x, keep):
         zeros = jnp.zeros(x.shape, jnp.float32) if keep else None
-        return constrain(zeros, names[1:]) if keep and TOKEN_RANKS in names else zeros
+        return constrain(zeros, names[1:]) if keep and rank_axis(names) is not None else zeros
 
     return [jax.tree.map(one, n, s, m, is_leaf=is_names) for n, s, m in zip(setup.seg_names, segs_RS, seg_masks)]
 
@@ -239,7 +239,7 @@ def token_ranks_summed(g_segs: list, setup: StageSetup) -> list:
     def one(names, g):
         if g is None:
             return None
-        at = names.index(TOKEN_RANKS) + 1 if TOKEN_RANKS in names else None
+        at = None if rank_axis(names) is None else rank_axis(names) + 1
         return jnp.sum(g, axis=1 if at is None else (1, at))
 
     return [jax.tree.map(one, names, g, is_leaf=is_names) for names, g in zip(setup.seg_names, g_segs)]
