@@ -110,7 +110,7 @@ from mlir_train.planner.candidates import Candidate, candidate, candidate_layout
 from mlir_train.planner.estimate import activation_bytes
 from mlir_train.planner import predict
 from mlir_train.planner.report import Plan, format_collectives, format_plan, write_json  # noqa: F401 (the planner's API)
-from mlir_train.planner.targets import DEVICE_KINDS, GIB, USABLE_FRACTION, DeviceKind
+from mlir_train.planner.targets import DEVICE_KINDS, GIB, USABLE_FRACTION, DeviceKind, choose_compiler  # noqa: F401
 
 
 def _preset_devices(argv: list[str]) -> None:
@@ -472,21 +472,6 @@ def search(cfg: RunConfig, num_devices: int, common: dict, *, device_kind: str, 
         print(f"  {i:2d}. {p.name:<48s} {p.needed_bytes / GIB:7.1f} GiB  "
               + (f"{speed:,.0f} tokens/s" if speed else "speed unknown") + ratio)
     return ranked
-
-
-def choose_compiler(kind: DeviceKind, *, force_cpu: bool = False) -> tuple[str | None, str | None]:
-    """(XLA:GPU target kind or None for XLA:CPU, the note saying why not XLA:GPU)."""
-    from mlir_train.planner.targets import gpu_compiler_missing
-
-    if not kind.compiles_for_gpu:
-        return None, (f"{kind.description} has no XLA:GPU target: planned by memory only (exact state bytes from an "
-                      "XLA:CPU compile, the analytic estimate for the verdict)")
-    if force_cpu:
-        return None, "--xla-cpu: XLA:CPU compile, verdict from the analytic estimate"
-    missing = gpu_compiler_missing()
-    if missing:
-        return None, f"the XLA:GPU compiler is not available ({missing}): XLA:CPU compile, verdict from the analytic estimate"
-    return kind.name, None
 
 
 EXIT_DOES_NOT_FIT = 3  # the layout asked for (with --search: every layout) does not fit the devices

@@ -198,3 +198,16 @@ def compile_only_devices(kind: str, num_devices: int) -> tuple:
     if len(devices) != num_devices:
         raise RuntimeError(f"asked XLA for {num_devices} {kind} devices and got {len(devices)}")
     return devices
+
+
+def choose_compiler(kind: DeviceKind, *, force_cpu: bool = False) -> tuple[str | None, str | None]:
+    """(XLA:GPU target kind or None for XLA:CPU, the note saying why not XLA:GPU)."""
+    if not kind.compiles_for_gpu:
+        return None, (f"{kind.description} has no XLA:GPU target: planned by memory only (exact state bytes from an "
+                      "XLA:CPU compile, the analytic estimate for the verdict)")
+    if force_cpu:
+        return None, "--xla-cpu: XLA:CPU compile, verdict from the analytic estimate"
+    missing = gpu_compiler_missing()
+    if missing:
+        return None, f"the XLA:GPU compiler is not available ({missing}): XLA:CPU compile, verdict from the analytic estimate"
+    return kind.name, None
