@@ -23,6 +23,8 @@ the run, one line naming the flag, its value and the checkpoint's:
 
 from __future__ import annotations
 
+import collections
+
 from mlir_train import families
 from mlir_train.config.arch_flags import check_architecture_flags
 from mlir_train.config.flags import RunConfig
@@ -31,6 +33,7 @@ from mlir_train.runtime import log
 from mlir_train.runtime.errors import ConfigError
 
 ROPE = ("rope_theta", "rope_scaling_factor")  # the checkpoint's unless --finetune
+FUNCTION = (*ROPE, "rms_norm_eps")  # not sizes (no layer's structure), but what every layer computes
 FRESH_ONLY = ("max_position_embeddings", "init_std")  # what a fresh model takes; a checkpoint keeps its own
 
 
@@ -78,9 +81,7 @@ def _check_name(cfg: RunConfig, model_cfg: ModelConfig, where: str) -> None:
 
 def _short(value) -> str:
     if isinstance(value, tuple) and value and isinstance(value[0], LayerKind):  # layers counted by kind
-        counts = {}
-        for k in value:
-            counts[k] = counts.get(k, 0) + 1
+        counts = collections.Counter(value)
         return "[" + ", ".join(f"{n} {k.mixer}{' MoE' if k.moe else ''}" for k, n in counts.items()) + "]"
     return "absent" if value is None else str(value)
 
@@ -99,7 +100,7 @@ def _check_flags(cfg: RunConfig, model_cfg: ModelConfig, where: str) -> ModelCon
             log.warning(f"{flag} {value} replaces {where}'s {theirs} (--finetune: a new training phase, e.g. a context "
                         "extension)")
             model_cfg = model_cfg.replace(**{field: type(theirs)(value)})
-        elif field not in used and field not in ROPE and field != "rms_norm_eps":
+        elif field not in used and field not in FUNCTION:
             log.info(f"{flag} {value}: {where}'s model ({model_cfg.name}) has no layer that uses it; nothing changes")
         else:
             extra = " (--finetune lets a new training phase move RoPE)" if field in ROPE else ""

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from mlir_train.checkpoint import complete
-from mlir_train.runtime.errors import CheckpointError, read_text
+from mlir_train.runtime.errors import CheckpointError, read_json_object
 
 
 class Files:
@@ -27,17 +27,11 @@ class Files:
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
-            try:
-                weight_map = json.loads(read_text(index, CheckpointError))["weight_map"]
-                files = sorted(set(weight_map.values()))
-                if not all(isinstance(f, str) for f in files):
-                    raise TypeError("file names that are not strings")
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                if isinstance(e, CheckpointError):
-                    raise
-                why = "empty" if os.path.getsize(index) == 0 else f"{type(e).__name__}: {e}"
-                raise CheckpointError(f"{index}: not a safetensors index ({why}; expected a JSON object with a "
-                                      "weight_map); the file is damaged") from None
+            weight_map = read_json_object(index, CheckpointError, "a safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index}: not a safetensors index (no weight_map of tensor names to file "
+                                      "names); the file is damaged")
+            files = sorted(set(weight_map.values()))
         else:
             files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             if not files:

@@ -43,7 +43,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from mlir_train.runtime import log
-from mlir_train.runtime.errors import SaveLockError
+from mlir_train.runtime.errors import SaveLockError, json_object_problem
 
 MANIFEST = "checksums.json"
 MANIFEST_SINCE_FORMAT = 2  # checkpoint.FORMAT_VERSION from which every step carries a manifest
@@ -263,15 +263,8 @@ def commit_metadata_problem(step_dir: str) -> str | None:
     (absent, or a JSON object). Orbax itself logs a parse error and goes on; we stop. Its other
     commit mark, ``commit_success.txt``, commits by being there: its bytes are never read."""
     path = os.path.join(step_dir, COMMIT_FILES[1])
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            if isinstance(json.load(f), dict):
-                return None
-        return "not a JSON object (damaged)"
-    except (OSError, ValueError) as e:
-        return f"unreadable ({type(e).__name__}: {str(e)[:80]}; damaged)"
+    why = json_object_problem(path) if os.path.exists(path) else None
+    return None if why is None else f"{why}; the file is damaged"
 
 
 def _without_manifest(step_dir: str) -> StepCheck:

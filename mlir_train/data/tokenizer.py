@@ -8,7 +8,7 @@ import logging
 import os
 
 from mlir_train.data.records import DataError
-from mlir_train.runtime.errors import read_text
+from mlir_train.runtime.errors import json_object_problem, read_text
 
 TOKENIZER_TYPES = ("HFTokenizer",)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -49,20 +49,13 @@ def load_tokenizer(cfg_or_path, tokenizer_type: str = "HFTokenizer"):
     if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
         raise DataError(f"--hf-tokenizer-path {path}: no tokenizer files; expected one of "
                         f"{_TOKENIZER_FILES}")
-    for name in _JSON_FILES:  # transformers' own errors do not say which file
-        file = os.path.join(path, name)
-        if os.path.isfile(file) and (why := _json_object_problem(file)):
-            raise DataError(f"--hf-tokenizer-path {path}: {file}: {why}; the file is damaged (restore it from the "
-                            "tokenizer's source)")
-    for name in ("chat_template.jinja", "merges.txt"):
-        if os.path.isfile(os.path.join(path, name)):
-            read_text(os.path.join(path, name), DataError, f"--hf-tokenizer-path {path}: {os.path.join(path, name)}")
     quiet_transformers_import()
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - whatever transformers raises, the user error is the dir
+        _name_the_damaged_file(path)  # transformers' own errors do not say which file
         raise DataError(f"--hf-tokenizer-path {path}: cannot load the tokenizer: {e}") from None
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise DataError(f"--hf-tokenizer-path {path}: expected a fast (tokenizers-backed) "
@@ -70,13 +63,17 @@ def load_tokenizer(cfg_or_path, tokenizer_type: str = "HFTokenizer"):
     return tokenizer
 
 
-def _json_object_problem(file: str) -> str | None:
-    try:
-        with open(file, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        return "empty" if os.path.getsize(file) == 0 else f"not JSON ({type(e).__name__}: {str(e)[:80]})"
-    return None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
+def _name_the_damaged_file(path: str) -> None:
+    """After transformers failed to load ``path``: a DataError naming the first of its files that
+    is damaged (a JSON file that is no JSON object, a text file that is no UTF-8 text), if any."""
+    for name in _JSON_FILES:
+        file = os.path.join(path, name)
+        if os.path.isfile(file) and (why := json_object_problem(file)):
+            raise DataError(f"--hf-tokenizer-path {path}: {file}: {why}; the file is damaged (restore it from the "
+                            "tokenizer's source)")
+    for name in ("chat_template.jinja", "merges.txt"):
+        if os.path.isfile(os.path.join(path, name)):
+            read_text(os.path.join(path, name), DataError, f"--hf-tokenizer-path {path}: {os.path.join(path, name)}")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -13,6 +13,7 @@ No jax here.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 from mlir_train.runtime import log
@@ -73,6 +74,31 @@ def read_text(path: str, error: type[UserError], where: str | None = None) -> st
                     "kind") from None
     except OSError as e:
         raise error(f"{where}: {e.strerror or e}") from None
+
+
+def json_object_problem(path: str) -> str | None:
+    """Why the file at ``path`` is no JSON object (empty, not UTF-8, not JSON, another JSON
+    value), or None."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return "empty" if os.path.isfile(path) and os.path.getsize(path) == 0 else \
+            f"not JSON ({type(e).__name__}: {str(e)[:80]})"
+    return None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
+
+
+def read_json_object(path: str, error: type[UserError], what: str) -> dict:
+    """A user's JSON file holding an object, or ``error`` in one line naming it and saying it is
+    damaged (``what``: what the file should be, e.g. "a safetensors index")."""
+    import json
+
+    if (why := json_object_problem(path)) is not None:
+        raise error(f"{path}: not {what} ({why}); the file is damaged")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

@@ -20,7 +20,7 @@ from mlir_train.checkpoint.megatron.read import (
 from mlir_train.config.sections import padded_vocab_size
 from mlir_train.config.models import ModelConfig
 from mlir_train.families.table import VOCAB
-from mlir_train.runtime.errors import CheckpointError, read_text
+from mlir_train.runtime.errors import CheckpointError, read_json_object, read_text
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SUPPORTED_DIST_BACKENDS = {("torch_dist", 1)}
@@ -95,19 +95,8 @@ def _read_iteration_dir(path: str, directory: str, iteration: int, release: bool
         if not check.usable:
             raise MegatronCheckpointError(f"Megatron checkpoint {check.describe()}")
     if "metadata.json" in inside:
-        import json
-
-        path = os.path.join(directory, "metadata.json")
-        try:
-            meta = json.loads(read_text(path, MegatronCheckpointError))
-            if not isinstance(meta, dict):
-                raise ValueError(f"a JSON {type(meta).__name__}, not an object")
-        except ValueError as e:
-            if isinstance(e, MegatronCheckpointError):
-                raise
-            why = "empty" if os.path.getsize(path) == 0 else str(e)[:100]
-            raise MegatronCheckpointError(f"{path}: not Megatron's checkpoint metadata ({why}); the file is "
-                                          "damaged") from None
+        meta = read_json_object(os.path.join(directory, "metadata.json"), MegatronCheckpointError,
+                                "Megatron's checkpoint metadata")
         backend = (meta.get("sharded_backend"), meta.get("sharded_backend_version"))
         if backend not in SUPPORTED_DIST_BACKENDS or meta.get("common_backend", "torch") != "torch":
             raise MegatronCheckpointError(
