@@ -295,6 +295,12 @@ def context_parallel_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, order_T):
         q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, order_T)
 
 
+def _not_the_repeat(prim, *_, **__) -> bool:
+    """A ``jax.checkpoint`` policy keeping every value but a repeat's (``jnp.repeat``: a
+    broadcast and a reshape), which the backward recomputes from its input."""
+    return prim.name not in ("broadcast_in_dim", "reshape")
+
+
 def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool = False,
                     compute_capability: str | None = None):
     """Causal GQA attention within packed documents (equal segment ids; padding, segment 0,
@@ -326,6 +332,10 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, interpret: bool =
         raise ValueError(f"flash attention needs a sequence length (--seq-length) that is a multiple of 16, got {t}")
     num_warps = flash_num_warps(block, h)
 
+    # The kernel takes one k/v head per query head: the GQA repeat is recomputed in the backward
+    # (_not_the_repeat), so the kernel's residuals hold the K k/v heads, not N (the seed: 16 MiB
+    # per layer and micro-batch on a device). Its output and row sums are kept: no kernel reruns.
+    @functools.partial(jax.checkpoint, policy=_not_the_repeat)
     def run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
         k_BSNH, v_BSNH = (jnp.repeat(a, g, axis=2) for a in (k_BSKH, v_BSKH))
         return pallas_attention.mha(

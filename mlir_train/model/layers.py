@@ -51,14 +51,24 @@ class RMSNorm(nnx.Module):
         self.zero_centred = zero_centred
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...]
-        if scale.ndim == 2:  # [R, D]: one row per sequence rank (mlir_train.train.reduction.token_partial)
-            return _per_rank(x32, scale, x.dtype, self.zero_centred)
-        if self.zero_centred:
-            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
-        return scale.astype(x.dtype) * x32.astype(x.dtype)
+        # One checkpoint around the norm: its backward reruns it from the input it keeps (``x``,
+        # in its own dtype) instead of keeping the float32 upcast and the unscaled normalised
+        # rows (the seed, per layer and micro-batch on a device: 16 MiB for the q norm, 8 for each
+        # residual-stream norm). The same values; Megatron's fused RMSNorm keeps its input and the
+        # reciprocal alone.
+        return checkpointed(functools.partial(_rms_norm, eps=self.eps, zero_centred=self.zero_centred), True)(
+            x, self.scale[...])
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, *, eps: float, zero_centred: bool) -> jax.Array:
+    """:class:`RMSNorm`'s values: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if scale.ndim == 2:  # [R, D]: one row per sequence rank (mlir_train.train.reduction.token_partial)
+        return _per_rank(x32, scale, x.dtype, zero_centred)
+    if zero_centred:
+        return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+    return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
 def _per_rank(x32: jax.Array, scale_RD: jax.Array, dtype, zero_centred: bool) -> jax.Array:
@@ -180,7 +190,14 @@ class Attention(nnx.Module):
                     constrain(k_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")),
                     constrain(v_BTKH, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")))
 
-        q_BTNH, k_BTKH, v_BTKH = checkpointed(project, recompute_norm)(x_BTD)
+        # Under sequence parallelism the projections read the input gathered over the sequence.
+        # As Megatron's column-parallel linears keep their sequence-split input and gather it
+        # again in the backward, the gather is recomputed there, and the norm before it with it
+        # (a norm costs nothing next to the gather): neither the gathered nor the normed rows are
+        # kept (the seed: 12 MiB per layer and micro-batch on a device), for one more all-gather
+        # per layer in the backward, which Megatron's volume counts too.
+        regather = norm is not None and mesh_axes_of("act_res_seq")[1] > 1
+        q_BTNH, k_BTKH, v_BTKH = checkpointed(project, recompute_norm or regather)(x_BTD)
         if self.output_gate:
             q_BTNH, gate_BTNH = q_BTNH[..., :self.head_dim], q_BTNH[..., self.head_dim:]
         q_BTNH = apply_rope(self.q_norm(q_BTNH), cos_BTH, sin_BTH)

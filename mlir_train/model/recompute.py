@@ -20,7 +20,10 @@ what the compiled step saves for its backward (``tests/model/test_recompute.py``
   matmul's output is not needed to differentiate it), so the module's output is not kept for
   those matmuls' weight gradients: the norms keep only the residual stream they read (in MoE
   layers the dropless experts still keep the normed tokens), the expert activation only its
-  two fc1 outputs. (A name-based ``jax.checkpoint`` policy cannot do this: a value not saved
+  two fc1 outputs. (Under sequence parallelism the attention's is what the step does anyway:
+  its projections' gathered input is gathered again in the backward, as Megatron's
+  column-parallel linears do, and the input norm reruns with it; every RMSNorm reruns from its
+  input rather than keep its float32 upcast.) (A name-based ``jax.checkpoint`` policy cannot do this: a value not saved
   under its name is saved as its producer's output, and a checkpoint nested in one with a
   policy takes the outer policy.)
 

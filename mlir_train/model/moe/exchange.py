@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from mlir_train.model.moe.dispatch import (ExpertsPlan, block_grouping, dispatcher_scope, further_rounds, in_rounds,
                                            round_up, sort_assignments)
-from mlir_train.model.moe.experts import grouped_experts, swiglu_down
+from mlir_train.model.moe.experts import grouped_experts, placed_grouped_experts, swiglu_down
 from sharding import varying_axes, vary_over
 
 
@@ -86,8 +86,13 @@ def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 
     rows, max_rounds = exchange_capacity(plan, s, k, ep, align, factor)
     ex, received = _exchange(expert_A, e, ep, ep_axes)
 
-    def one_round(r, args, ex):
-        x_AD, *weights = args
+    def one_round(r, args, ints):
+        # The rows are gathered inside the round: the rounds' custom VJP keeps its arguments for
+        # the overflow rounds' backward, and the token rows are S x D where their S*K copies are
+        # K times that (the seed: 28 MiB per layer and micro-batch on a device).
+        x_SD, *weights = args
+        ex, token_A = ints
+        x_AD = x_SD[token_A]
 
         def a2a(v):
             return jax.lax.all_to_all(v, ep_axes, 0, 0, tiled=True)
@@ -103,7 +108,7 @@ def _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 
                                  ep_axes)
 
     n_rounds = -(-agree(received) // rows)
-    y_AD = in_rounds(one_round, (x_SD[token_A], *weights), ex, n_rounds, max_rounds)
+    y_AD = in_rounds(one_round, (x_SD, *weights), (ex, token_A), n_rounds, max_rounds)
     overflow = jnp.maximum(received - rows, 0).astype(jnp.float32)
     y_SD = jnp.zeros_like(x_SD).at[token_A].add(y_AD * weight_A[:, None])
     return y_SD, jnp.stack([jnp.zeros((), jnp.float32), overflow, further_rounds(n_rounds)])
@@ -200,9 +205,7 @@ def ep_grouped_gathered(plan: ExpertsPlan, x_SD, weights_SK, experts_SK, weights
         count_GL = jax.lax.all_gather(count_L[None], gather_axes, tiled=True)
         pos, grouping = gathered_positions(count_GL, rows, b)
         # Padding and spare rows are zero and stay zero through the kernels (grouped_experts).
-        x_RD = _varying_zeros((grouping[0].shape[0] * b, x_GMD.shape[-1]), x_GMD.dtype, x_GMD).at[pos].set(
-            x_GMD, unique_indices=True)
-        y_RD = grouped_experts(plan.block_kernels, x_RD, jnp.ones_like(x_RD[:, 0]), *weights, *grouping)
+        y_RD = placed_grouped_experts(plan.block_kernels, x_GMD, pos, grouping[0].shape[0] * b, *weights, *grouping)
         return jax.lax.psum_scatter(y_RD[pos], gather_axes, scatter_dimension=0, tiled=True)
 
     return _ep_rounds(plan, x_SD, weights_SK, experts_SK, weights, ep_axes, ep, agree, 8, layout, experts, factor)

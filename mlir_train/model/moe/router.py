@@ -70,6 +70,7 @@ import jax
 import jax.numpy as jnp
 
 from mlir_train.config.policies import SCORE_FUNCTIONS, RouterConfig, RouterConfigError
+from mlir_train.model.recompute import checkpointed
 from sharding import constrain, logical_shard_map, mesh_axes_of
 
 ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64}  # --moe-router-dtype names: config.policies.ROUTER_DTYPES
@@ -81,6 +82,13 @@ def router_logits(x_SD: jax.Array, w_DE: jax.Array, dtype=jnp.float32) -> jax.Ar
     broadcast over the ``R`` token ranks (``mlir_train.train.reduction.token_partial``): each
     rank's tokens (``x_SD``'s rows split ``[R, S/R]``, as ``"act_tokens"`` splits them) meet their
     own row, so the weight's gradient stays per rank, summed once per step by the trainer."""
+    # A checkpoint: the backward recomputes the upcast from the tokens it keeps (already kept by
+    # the experts) instead of keeping a float32 copy of them (the seed: 8 MiB per layer and
+    # micro-batch on a device). The same values.
+    return checkpointed(functools.partial(_logits, dtype=dtype), True)(x_SD, w_DE)
+
+
+def _logits(x_SD: jax.Array, w_DE: jax.Array, dtype) -> jax.Array:
     hi = jax.lax.Precision.HIGHEST
     if w_DE.ndim == 2:
         return jnp.einsum("sd,de->se", x_SD.astype(dtype), w_DE.astype(dtype), precision=hi)
