@@ -447,3 +447,25 @@ def test_moe_layer_freq_as_megatron_reads_it():
     for bad in ("[1,0]", "__import__('os')", "0"):
         with pytest.raises(ValueError, match="--moe-layer-freq"):
             moe_layer_pattern(bad, 4)
+
+
+def test_the_heads_gradient_shares_the_embeddings_accumulator_where_they_are_apart():
+    """1F1B's LM-head gradient accumulates in the embedding's float32 buffer, transposed, when two
+    or more stages keep them apart (the embedding's gradient on stage 0 alone, the head's on the
+    last stage alone) and both are trained and untied: the seed saves a [V, D] float32 buffer per
+    device. Its exactness is the pipelined cases above, whose model (PIPELINE_CFG) is untied."""
+    from mlir_train.train.pipeline.one_f_one_b import _OneFOneB
+
+    assert not PIPELINE_CFG.tie_word_embeddings
+    run = lambda p, mask: _OneFOneB(None, None, None, None, 1, "none", m=4, p=p, r=1, seg_masks=[], rest_mask=mask)
+    both = {"embed": True, "lm_head": True, "final_norm": {"scale": True}}
+    assert run(2, both).head_in_embed and run(4, both).head_in_embed
+    assert not run(1, both).head_in_embed
+    assert not run(2, dict(both, lm_head=False)).head_in_embed  # a frozen head (LoRA)
+    assert not run(2, {"embed": True, "final_norm": {"scale": True}}).head_in_embed  # tied
+    # The buffer is split back after the ticks: the head's gradient, exactly, on the last stage.
+    acc = {"embed": jnp.zeros((8, 4)), "lm_head": None, "final_norm": {"scale": jnp.zeros(4)}}
+    g = {"embed": jnp.zeros((8, 4)), "lm_head": jnp.arange(32.0).reshape(4, 8), "final_norm": {"scale": jnp.ones(4)}}
+    out = run(2, both).add_head(acc, g)
+    np.testing.assert_array_equal(out["embed"], g["lm_head"].T)
+    assert out["lm_head"] is None and float(out["final_norm"]["scale"].sum()) == 4.0

@@ -156,6 +156,26 @@ class _OneFOneB:
         parts = [[tree.split(w, m) for w in ws] for ws, m in zip(weights_r, self.seg_masks)]
         return [[t for t, _ in ps] for ps in parts], [[f for _, f in ps] for ps in parts]
 
+    @functools.cached_property
+    def head_in_embed(self) -> bool:
+        """Whether the LM head's float32 gradient accumulator is the embedding's, transposed: with
+        two or more stages the embedding's gradient is taken on stage 0 alone and the head's on the
+        last stage alone (each is exactly zero on the other stages: the head's loss is masked,
+        the embedding's rows selected), so one ``[V, D]`` buffer per stage holds whichever its
+        stage takes, split after the ticks (the seed: 594 MiB a device). Both trained, untied."""
+        m = self.rest_mask
+        return self.p > 1 and m.get("embed") is True and m.get("lm_head") is True
+
+    def add_head(self, acc, g):
+        """The head's weight gradients ``g`` added to the non-layer accumulators ``acc`` (the
+        head's into the embedding's, transposed, under :attr:`head_in_embed`)."""
+        add = lambda a, x: a + x.astype(jnp.float32)
+        if not self.head_in_embed:
+            return jax.tree.map(add, acc, g)
+        head = g["lm_head"]
+        acc = jax.tree.map(add, acc, dict(g, lm_head=None))
+        return dict(acc, embed=add(acc["embed"], head.T))
+
     @property
     def delay(self) -> int:
         """Ticks between an item's forward and its backward on the last stage."""
@@ -248,8 +268,10 @@ class _OneFOneB:
 
         kept = jax.eval_shape(trace, jax.ShapeDtypeStruct((), jnp.int32), zeros_x)
         saved = [jnp.zeros((self.slots,) + k.shape, k.dtype) for k in kept]
-        carry = (zeros_x, zeros_x, saved, (seg_grad_zeros(segs_RS, self.seg_masks, self.setup),
-                                           f32_zeros(tree.split(rest, self.rest_mask)[0])), acc)
+        g_rest = f32_zeros(tree.split(rest, self.rest_mask)[0])
+        if self.head_in_embed:
+            g_rest = dict(g_rest, lm_head=None)
+        carry = (zeros_x, zeros_x, saved, (seg_grad_zeros(segs_RS, self.seg_masks, self.setup), g_rest), acc)
         for first, end, forward, backward in self.phases:
             name = {(True, False): "pipeline_warmup", (True, True): "pipeline_steady",
                     (False, True): "pipeline_cooldown"}[forward, backward]
@@ -257,6 +279,10 @@ class _OneFOneB:
             with jax.named_scope(name):
                 carry, _ = jax.lax.scan(tick, carry, jnp.arange(first, end))
         _, _, _, (g_segs, g_rest), acc = carry
+        if self.head_in_embed:
+            both = g_rest["embed"]
+            g_rest = dict(g_rest, embed=jnp.where(stage == 0, both, jnp.zeros_like(both)),
+                          lm_head=jnp.where(stage == self.p - 1, both.T, jnp.zeros_like(both.T)))
         per_rank = jax.tree.map(lambda x: x[None, None], (g_segs, g_rest))
         return per_rank + (jax.tree.map(lambda x: x[None], reduced_aux(acc)),)
 
@@ -324,7 +350,7 @@ class _OneFOneB:
             # its accumulator, its data-parallel all-reduce is one XLA:GPU moves out of the loop
             # (while-loop-all-reduce-code-motion); through a barrier it ran on every tick.
             x_out, head_terms, ct_head = jax.lax.optimization_barrier((x_out, head_terms, ct_head))
-            grads = (grads[0], jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads[1], g_rest_head))
+            grads = (grads[0], self.add_head(grads[1], g_rest_head))
         acc = _add_terms(acc, chunk_f, valid_f, terms, head_terms)
         received = jax.lax.ppermute(x_out, self.stage_axes, self.permutes(backward=False))
         return received, fresh, ct_head, grads, acc
