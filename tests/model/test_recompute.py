@@ -128,10 +128,13 @@ def test_full_recompute_methods_order_the_compiled_memory():
 
 def test_selective_modules_lie_between_none_and_full():
     """Measured 2026-12-01 (MB): none 59.8, core_attn 58.9 (our attention keeps only its output
-    and log-sum-exp already), layernorm 55.2, moe_act 44.0, moe 26.8, full 16.2."""
+    and log-sum-exp already), layernorm 55.2, moe_act 44.0, moe 26.8, full 16.2. Since every
+    RMSNorm reruns from its input (issue 49) "layernorm" saves only the normed rows the matmuls
+    keep, about what "core_attn" saves: their order is XLA's (jax 0.12.1: 52.6 / 52.2 of 55.0)."""
     t = {m: _temp_bytes(MOE, selective(m)) for m in ("core_attn", "layernorm", "moe_act", "moe")}
     none, full = _temp_bytes(MOE, NONE), _temp_bytes(MOE, FULL)
-    assert full < t["moe"] < t["moe_act"] < t["layernorm"] < t["core_attn"] < none, (t, none, full)
+    assert full < t["moe"] < t["moe_act"] < min(t["layernorm"], t["core_attn"]), (t, none, full)
+    assert max(t["layernorm"], t["core_attn"]) < none, (t, none, full)
     assert _temp_bytes(DENSE, selective("mlp"), False) < _temp_bytes(DENSE, NONE, False)
 
 
