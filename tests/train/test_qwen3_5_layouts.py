@@ -135,6 +135,10 @@ def test_context_parallel_combines_with_tensor_and_pipeline_parallel(monkeypatch
     build.check_layout_for_model(Layout(context=2, tensor=2), CFGS["moe"])
 
 
+# Slow: a wall-clock bound, which the default lanes cannot hold under load (11.6x against its 10x in the
+# newest lane at load, 3.6x alone, 2026-12-07); the one-device Qwen3.5 step it runs is the DEFAULT
+# case's reference too. Speed is benchmarks' to report, against a peer measured in the same run.
+@pytest.mark.slow
 def test_a_step_costs_about_a_qwen3_moe_step():
     """Seconds of a compiled one-device step (compile and run), Qwen3-MoE of the same width for
     scale; printed for the report, bounded loosely (the DeltaNet's chunked scan is extra work)."""
