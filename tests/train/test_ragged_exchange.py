@@ -28,7 +28,7 @@ from sharding.mesh import make_mesh
 
 def _plant_plain_buffer(monkeypatch):
     """The old bug: the receive buffers are plain zeros, typed as the same on every rank."""
-    monkeypatch.setattr(exchange, "_varying_zeros", lambda shape, dtype, *like: jnp.zeros(shape, dtype))
+    monkeypatch.setattr(exchange, "varying_zeros", lambda shape, dtype, *like: jnp.zeros(shape, dtype))
 
 
 def _exchange(output_varying: bool):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from sharding import varying_axes
+from sharding import varying_axes, vary_over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,12 @@ def xla_block_kernels(block_rows: int) -> BlockKernels:
         )
 
     return BlockKernels("xla", block_rows, matmul, matmul_t)
+
+
+def varying_zeros(shape, dtype, *like):
+    """Zeros typed varying over every manual axis any of ``like`` varies over: a buffer typed as
+    the rows that fill it (a receive buffer, a block layout)."""
+    return vary_over(jnp.zeros(shape, dtype), sorted(set().union(*(varying_axes(x) for x in like))))
 
 
 def common_vma(*arrays):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from mlir_train.model.moe.dispatch import (ExpertsPlan, block_grouping, dispatcher_scope, further_rounds, in_rounds,
                                            round_up, sort_assignments)
+from mlir_train.model.kernels.blocks import varying_zeros
 from mlir_train.model.moe.experts import grouped_experts, placed_grouped_experts, swiglu_down
 from sharding import varying_axes, vary_over
 
@@ -258,7 +259,7 @@ def _into_zeros(ragged_a2a, shapes, axis_name, operand, input_offsets, send_size
     # jax 0.12's primitive wants all six typed alike, the operand varying over the exchange's axes
     # (its wrapper casts them while jax_auto_pcast is on, the default it plans to turn off): cast here.
     operand, *ints = typed_alike(axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes)
-    output = _varying_zeros((rows,) + tuple(shape[1:]), dtype, operand, *ints)
+    output = varying_zeros((rows,) + tuple(shape[1:]), dtype, operand, *ints)
     return ragged_a2a(operand, output, *ints, axis_name=axis_name)
 
 
@@ -269,12 +270,6 @@ def typed_alike(axis_name, *xs):
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     vma = tuple(sorted(set(axes).union(*(varying_axes(x) for x in xs))))
     return [vary_over(x, vma) for x in xs]
-
-
-def _varying_zeros(shape, dtype, *like):
-    """Zeros typed varying over every manual axis any of ``like`` varies over: a receive buffer
-    typed as the rows and offsets that fill it (``ragged_all_to_all_dense`` refuses less)."""
-    return vary_over(jnp.zeros(shape, dtype), sorted(set().union(*(varying_axes(x) for x in like))))
 
 
 def _into_zeros_fwd(ragged_a2a, shapes, axis_name, operand, input_offsets, send_sizes, output_offsets, recv_sizes):
@@ -292,7 +287,7 @@ def _into_zeros_bwd(ragged_a2a, shapes, axis_name, res, ct):
         return jax.lax.all_to_all(v, axis_name, 0, 0, tiled=True)
 
     ct, *ints = typed_alike(axis_name, ct, a2a(output_offsets), recv_sizes, a2a(input_offsets), send_sizes)
-    operand_ct = ragged_a2a(ct, _varying_zeros(shape, dtype, ct, *ints), *ints, axis_name=axis_name)
+    operand_ct = ragged_a2a(ct, varying_zeros(shape, dtype, ct, *ints), *ints, axis_name=axis_name)
     # The operand's cotangent has the operand's type: varying over the manual axes it varies over.
     # Axes the forward cast it to vary over (typed_alike) are summed back, as a cast's transpose is.
     extra = tuple(a for a in sorted(varying_axes(operand_ct)) if a not in vma)

@@ -21,9 +21,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from mlir_train.model.kernels.blocks import BlockKernels, common_vma
+from mlir_train.model.kernels.blocks import BlockKernels, common_vma, varying_zeros
 from mlir_train.model.recompute import checkpointed
-from sharding import varying_axes, vary_over
 
 
 def swiglu_down(g, u, down, recompute: bool = False):
@@ -249,8 +248,7 @@ def grouped_experts(kernels: BlockKernels, x_RD, weight_R, wg_EDF, wu_EDF, wd_EF
 # ----- the same on rows placed into the block layout ---------------------------------------------
 def _placed(x_GD, pos_G, rows: int):
     """``x_GD``'s rows at ``pos_G`` (each position once) of ``rows`` zero rows, typed as ``x_GD``."""
-    zeros = vary_over(jnp.zeros((rows, x_GD.shape[-1]), x_GD.dtype), sorted(varying_axes(x_GD)))
-    return zeros.at[pos_G].set(x_GD, unique_indices=True)
+    return varying_zeros((rows, x_GD.shape[-1]), x_GD.dtype, x_GD).at[pos_G].set(x_GD, unique_indices=True)
 
 
 def _placed_fwd(kernels, rows, x_GD, pos_G, wg_EDF, wu_EDF, wd_EFD, *layout):
