@@ -8,7 +8,7 @@ device of the Qwen3-30B-A3B step against Megatron's for the same flags (devicele
 Each layout is compiled by the planner's code path (``mlir_train.planner.plan.plan_layout``: the
 Trainer ``sft`` builds, the GPU runtime flags, the MoE path the GPU mesh selects) for 8
 compile-only GPUs, with the seed's flags (seq 2048, micro-batch 1, global batch 128, bf16,
-SP, distributed optimizer, top-8):
+SP, distributed optimizer, top-8, aux_loss 1e-2):
 
 * ``seed``     TP2 PP2 EP2 (ETP = TP), examples/qwen3_30b_a3b_sft.sh
 * ``folding``  TP2 PP2 EP4 ETP1 (MoE parallel folding)
@@ -111,7 +111,8 @@ def main(argv=None) -> int:
     seq, gbs = (256, 16) if a.quick else (2048, 128)
     gbs = a.global_batch_size or gbs
     args = cli.parse(model + ["--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", str(gbs),
-                              "--bf16", "--moe-router-topk", "8"])
+                              "--bf16", "--moe-router-topk", "8", "--moe-router-load-balancing-type", "aux_loss",
+                              "--moe-aux-loss-coeff", "1e-2"])
     print(f"Qwen3-30B-A3B{' (2 layers, toy widths)' if a.quick else ''}, seq {seq}, micro-batch 1, global batch {gbs}, "
           f"bf16, SP, distributed optimizer, recompute {a.recompute}; XLA:GPU for 8 x {kind.description}, deviceless; "
           f"jax {jax.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")

@@ -27,6 +27,12 @@ no collective), activations of ``a`` bytes:
   expert-tensor group after the dispatch (``R * ETP`` rows) and reduce-scattered before the
   combine, each forward and (as its transpose) backward. Megatron requires SP for MoE under
   TP > 1; without it the tokens are not split and ``R = T k``.
+* The router's load-balancing statistics (``TopKRouter._apply_*aux_loss``, router.py, and
+  ``get_tokens_per_expert_and_token_count``, moe_utils.py), per MoE layer and forward pass:
+  ``aux_loss`` all-reduces the ``E`` expert counts (int64, the sum of a boolean routing map) over
+  the TP x CP group, ``seq_aux_loss`` the ``mb x E`` per-sequence counts over the same group,
+  ``global_aux_loss`` the ``E`` counts over TP x DP x CP. Only the types whose coefficient is not
+  zero run (``balancing``; None: none counted).
 * Embedding (first stage), TP > 1: its vocab-parallel output is reduce-scattered (SP) or
   all-reduced once forward; the backward all-gathers the gradient (SP). LM head (last stage):
   the column linear as above (all-gather forward; backward all-gather and reduce-scatter with
@@ -47,7 +53,7 @@ every TP rank holds whole (norms, the router) have their gradients all-reduced o
 the first and last stage.
 
 Not counted (each under a KiB per step): scalar all-reduces (loss, token count, grad norm,
-found-inf), the tokens-per-expert count exchanges and the aux loss's statistics.
+found-inf) and the logged aux losses' per-step reductions.
 """
 
 from __future__ import annotations
@@ -170,10 +176,12 @@ class _Tally:
 
 def megatron_stage_volumes(cfg: ModelConfig, lay: CommLayout, *, seq: int, micro_batch: int, num_micro: int,
                            stage: int = 0, recompute_fraction: float = 0.0, act_bytes: int = 2, grad_bytes: int = 4,
-                           param_bytes: int = 2, probs_bytes: int = 4, layers: list[range] | None = None) -> list[Volume]:
+                           param_bytes: int = 2, probs_bytes: int = 4, layers: list[range] | None = None,
+                           balancing=None) -> list[Volume]:
     """Megatron's collectives for one device of pipeline stage ``stage`` (see the module
     docstring). ``recompute_fraction``: the share of the stage's layers whose forward full
-    recompute reruns (``RecomputePolicy.recomputed_fraction``)."""
+    recompute reruns (``RecomputePolicy.recomputed_fraction``). ``balancing``: the run's
+    ``mlir_train.config.policies.LoadBalancing`` (its aux losses' count reductions), or None."""
     layers = layers or stage_layers(cfg.num_layers, lay.pipeline)
     mine, pp = layers[stage], lay.pipeline
     first, last = stage == 0, stage == pp - 1
@@ -185,6 +193,8 @@ def megatron_stage_volumes(cfg: ModelConfig, lay: CommLayout, *, seq: int, micro
     tally = _Tally()
     _decoder_layer_volumes(tally, cfg, lay, mine, m, recompute_fraction, sp, local * cfg.top_k, act,
                            cfg.hidden_size * act_bytes, probs_bytes)
+    if balancing is not None and cfg.is_moe:
+        _router_statistics_volumes(tally, cfg, lay, mine, m, recompute_fraction, micro_batch, balancing)
     if tp > 1:
         _embedding_and_head_volumes(tally, tp, sp, first, last, m, act, tokens)
     if pp > 1:
@@ -226,6 +236,23 @@ def _decoder_layer_volumes(tally: _Tally, cfg: ModelConfig, lay: CommLayout, min
                   gathered * row_bytes)
         tally.add("reduce-scatter", "MoE ETP reduce-scatter of expert outputs", "etp", etp, f_moe + b_moe,
                   gathered * row_bytes)
+
+
+def _router_statistics_volumes(tally: _Tally, cfg: ModelConfig, lay: CommLayout, mine: range, m: int,
+                               recompute_fraction: float, micro_batch: int, balancing) -> None:
+    """Per MoE layer and forward pass (a full recompute reruns its share): the expert counts each
+    aux loss all-reduces (int64, 8 bytes each; see the module docstring)."""
+    n_moe = sum(cfg.layer_is_moe(i) for i in mine)
+    f_moe = m * (n_moe + recompute_fraction * n_moe)
+    tp_cp, counts = lay.tensor * lay.context, cfg.num_experts * 8
+    group = "tp+cp" if lay.context > 1 else "tp"
+    if balancing.coeff("aux_loss") > 0:
+        tally.add("all-reduce", "router aux_loss expert counts", group, tp_cp, f_moe, counts)
+    if balancing.coeff("seq_aux_loss") > 0:
+        tally.add("all-reduce", "router seq_aux_loss per-sequence expert counts", group, tp_cp, f_moe,
+                  micro_batch * counts)
+    if balancing.coeff("global_aux_loss") > 0:
+        tally.add("all-reduce", "router global_aux_loss expert counts", group + "+dp", tp_cp * lay.data, f_moe, counts)
 
 
 def _embedding_and_head_volumes(tally: _Tally, tp: int, sp: bool, first: bool, last: bool, m: int, act: int,

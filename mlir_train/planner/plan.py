@@ -293,7 +293,7 @@ def _audit_communication(plan: Plan, step, model_cfg, trainer, cfg: RunConfig, n
     per_stage = model_cfg.num_layers // c.layout.pipeline
     plan.megatron_stage, volumes = comm.megatron_volumes(
         model_cfg, lay, seq=cfg.data.seq_length, micro_batch=cfg.training.micro_batch_size, num_micro=num_micro,
-        recompute_fraction=c.recompute.recomputed_fraction(per_stage),
+        recompute_fraction=c.recompute.recomputed_fraction(per_stage), balancing=trainer.step_cfg.balancing,
         act_bytes=2 if trainer.step_cfg.compute_dtype in ("bf16", "bfloat16", "fp16", "float16") else 4)
     plan.megatron_volumes = [dataclasses.asdict(v) for v in volumes]
     # What a balanced routing moves: the overflow rounds' no-overflow branch (the costliest

@@ -63,6 +63,31 @@ def test_megatron_volumes_tp2_sp_ep2_distopt_by_hand():
     assert ("dense", "dp", 4) in groups and ("expert", "edp", 2) in groups
 
 
+def test_megatron_volumes_count_the_routers_expert_count_reductions():
+    """megatron-core's aux losses all-reduce the expert counts per MoE layer and forward pass
+    (``get_tokens_per_expert_and_token_count``: int64 sums of the routing map): ``aux_loss`` E
+    counts over TP x CP, ``seq_aux_loss`` micro-batch x E over the same group, ``global_aux_loss``
+    E over TP x DP x CP; a zero coefficient runs none, and a full recompute reruns them."""
+    from mlir_train.config.policies import LoadBalancing
+
+    cfg, seq, m, mb = TINY, 64, 3, 2
+    lay = comm.CommLayout(8, tensor=2, expert=2, sequence_parallel=True, distributed_optimizer=True)
+    e, L = cfg.num_experts, cfg.num_layers
+
+    def router(balancing, **kw):
+        _, vols = comm.megatron_volumes(cfg, lay, seq=seq, micro_batch=mb, num_micro=m, balancing=balancing, **kw)
+        return {(v.purpose.split()[1], v.group, v.group_size): (v.count, v.bytes) for v in vols
+                if v.purpose.startswith("router")}
+
+    assert router(None) == {} and router(LoadBalancing.from_flags("aux_loss", 0.0)) == {}
+    assert router(LoadBalancing.from_flags("aux_loss", 1e-2)) == {("aux_loss", "tp", 2): (m * L, m * L * e * 8)}
+    both = router(LoadBalancing.from_flags(["seq_aux_loss", "global_aux_loss"], [1e-3, 1e-3]))
+    assert both == {("seq_aux_loss", "tp", 2): (m * L, m * L * mb * e * 8),
+                    ("global_aux_loss", "tp+dp", 8): (m * L, m * L * e * 8)}
+    assert router(LoadBalancing.from_flags("aux_loss", 1e-2), recompute_fraction=1.0) == {
+        ("aux_loss", "tp", 2): (2 * m * L, 2 * m * L * e * 8)}
+
+
 def test_megatron_volumes_without_sp_or_distopt_are_all_reduces():
     cfg, seq, m = get_model_config("qwen3-tiny"), 32, 2
     lay = comm.CommLayout(4, tensor=2)
