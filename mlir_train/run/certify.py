@@ -60,10 +60,13 @@ class Tolerance:
 # float32: the programs sum the same terms in other orders (partial sums per rank, all-reduces);
 # unit roundoff 6e-8 over reductions thousands deep leaves ~1e-6 in a loss or a norm, and Adam's
 # normalised update turns gradients near the rounding noise into steps of any sign, a few
-# elements per tensor (a ~1e-4 share of a tensor's update norm). A wrong split is O(1).
+# elements per tensor (a ~1e-4 share of a tensor's update norm). A small tensor whose gradient
+# nearly cancels keeps that noise in its moments too: qwen3.5-tiny's per-head DeltaNet a_log
+# under CP2 EP2 differs by 1.1e-4 on one machine's XLA:CPU and less on another's, so the moments
+# allow 1e-3. A wrong split is O(1), a bfloat16 cast where float32 belongs 4e-3.
 # bfloat16: 8 mantissa bits, 4e-3 per rounding, and every matmul rounds its output.
 TOLERANCES = {
-    "float32": Tolerance(1e-4, 1e-4, 1e-4, 1e-2, "float32 compute: reordered sums of unit roundoff 6e-8"),
+    "float32": Tolerance(1e-4, 1e-4, 1e-3, 1e-2, "float32 compute: reordered sums of unit roundoff 6e-8"),
     "bfloat16": Tolerance(2e-2, 5e-2, 5e-2, 2.5e-1, "bfloat16 compute: 8 mantissa bits, 4e-3 per rounding"),
 }
 
