@@ -23,7 +23,7 @@ nothing, so the FLOPs of these calls are read from their operands, attributes an
   picks them per GPU): the forward does
   2 matmuls per visited (query tile, key tile) pair, the backward 7 (the dK/dV loop
   recomputes the scores and dP, then dV and dK; the dQ loop recomputes both again, then dQ);
-* our document-skipping Pallas-Triton attention (``docs_flash_{fwd,dq,dkv}_q<bq>_k<bk>``,
+* our document-skipping Pallas-Triton attention (``docs_flash_{fwd,dq,dkv,bwd}_q<bq>_k<bk>``,
   :mod:`mlir_train.model.kernels.docs_flash`, ``--attention-kernel mlir``) by the tiles it visits
   (:class:`DocsFlashCall`; one document per row, :meth:`DocsFlashCall.flops` for packed rows'
   document starts).
@@ -177,11 +177,12 @@ class AttentionCall:
 @dataclasses.dataclass(frozen=True)
 class DocsFlashCall:
     """One of our document-skipping Pallas-Triton attention kernels
-    (:mod:`mlir_train.model.kernels.docs_flash`, op_name ``docs_flash_{fwd,dq,dkv}_q<bq>_k<bk>``), with q's
-    ``[B, T, N, H]``. Forward and dQ visit, per query tile, the key tiles from the tile's first
-    document start to the causal diagonal (2 and 3 matmuls a tile pair); dK/dV, per key tile, the
-    query tiles from the diagonal to the tile's last document end (4 matmuls), for each query head."""
-    kind: str  # fwd | dq | dkv
+    (:mod:`mlir_train.model.kernels.docs_flash`, op_name ``docs_flash_{fwd,dq,dkv,bwd}_q<bq>_k<bk>``),
+    with q's ``[B, T, N, H]``. Forward and dQ visit, per query tile, the key tiles from the tile's
+    first document start to the causal diagonal (2 and 3 matmuls a tile pair); dK/dV, per key
+    tile, the query tiles from the diagonal to the tile's last document end (4 matmuls), for each
+    query head; the fused backward (``bwd``: dK, dV and dQ) the same tiles as dK/dV, 5 matmuls."""
+    kind: str  # fwd | dq | dkv | bwd
     b: int
     t: int
     n: int
@@ -194,7 +195,7 @@ class DocsFlashCall:
         position's first index of its run of equal segment ids; None: one document per row)."""
         t, tq, tk = self.t, self.tile_q, self.tile_k
         start = np.zeros(t, np.int64) if k_start_T is None else np.asarray(k_start_T, np.int64)
-        if self.kind == "dkv":
+        if self.kind in ("dkv", "bwd"):
             # a run's last index: the position before the next run's start
             nxt = np.append(np.nonzero(np.diff(start))[0], t - 1)  # last index of each run
             end = np.repeat(nxt, np.diff(np.concatenate([[-1], nxt])))
@@ -202,7 +203,7 @@ class DocsFlashCall:
         return int(sum(-(-((i + 1) * tq) // tk) - int(start[i * tq:(i + 1) * tq].min()) // tk for i in range(t // tq)))
 
     def flops(self, k_start_T=None) -> float:
-        matmuls = {"fwd": 2, "dq": 3, "dkv": 4}[self.kind]
+        matmuls = {"fwd": 2, "dq": 3, "dkv": 4, "bwd": 5}[self.kind]
         return matmuls * 2.0 * self.b * self.n * self.h * self.pairs(k_start_T) * self.tile_q * self.tile_k
 
 
@@ -211,7 +212,7 @@ def _docs_flash_call(rest: str) -> DocsFlashCall | None:
     layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", rest)
     if op_name is None or layouts is None:
         return None
-    kernel = re.search(r"(?:^|[/(])docs_flash_(fwd|dq|dkv)_q(\d+)_k(\d+)(?:[/)]|$)", op_name.group(1))
+    kernel = re.search(r"(?:^|[/(])docs_flash_(fwd|dq|dkv|bwd)_q(\d+)_k(\d+)(?:[/)]|$)", op_name.group(1))
     if kernel is None:
         return None
     b, t, n, h = _dims(re.findall(_SHAPE, layouts.group(1))[0])

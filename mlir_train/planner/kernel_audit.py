@@ -63,6 +63,7 @@ class KernelReport:
     loops: tuple[PtxLoop, ...]
     wgmma: int = 0     # wgmma.mma_async instructions (Hopper's asynchronous tensor-core matmul)
     mma_sync: int = 0  # mma.sync instructions (the pre-Hopper synchronous one)
+    float_atomic_adds: int = 0  # red/atom ... add ... f32 instructions (a kernel accumulating into global memory)
 
     @property
     def pipelined_loops(self) -> int:
@@ -140,7 +141,8 @@ def parse_ptx(ptx: str, ptxas: str = "") -> list[KernelReport]:
     for name, entry in _entries(ptx).items():
         regs, stores, loads = stats.get(name, (None, None, None))
         reports.append(KernelReport(name, regs, _register_limit(entry), stores, loads, _loops(entry.splitlines()),
-                                    entry.count("wgmma.mma_async"), len(re.findall(r"\bmma\.sync", entry))))
+                                    entry.count("wgmma.mma_async"), len(re.findall(r"\bmma\.sync", entry)),
+                                    len(re.findall(r"\b(?:red|atom)\.[\w.]*add[\w.]*\.f32\b", entry))))
     return reports
 
 

@@ -264,8 +264,8 @@ def assert_gpu_paths_ran(out: list[str], *, overflow: bool = False, flash: bool 
     for kernel in ("moe_block_matmul", "moe_block_matmul_t"):
         assert f"kernel {kernel} (Mosaic-GPU, interpreted, in a host callback) x" in rows["expert matmuls"], text
         assert f"Mosaic-GPU {kernel} (interpreted, in a host callback) x" in rows["kernels"], text
-    # The GPU attention default: our docs-flash kernels (forward, dQ, dK/dV), interpreted.
-    assert ("Triton docs_flash_fwd_q" in rows["kernels"] and "Triton docs_flash_dkv_q" in rows["kernels"]) == flash, text
+    # The GPU attention default: our docs-flash kernels (forward, fused backward), interpreted.
+    assert ("Triton docs_flash_fwd_q" in rows["kernels"] and "Triton docs_flash_bwd_q" in rows["kernels"]) == flash, text
     assert "xla_ffi_python_cpu_callback" in rows["collectives"], text
     if overflow:  # the program has overflow rounds, and some iteration's exchange took them
         assert "in the overflow rounds" in dispatch, text

@@ -4,6 +4,8 @@ Pallas' interpreter on packed rows; compiled deviceless for an H200 its HLO hold
 calls and no dense attention, the kernels issue wgmma without spills; the tiles it visits on
 packed rows count less attention work than Megatron's causal count."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +50,12 @@ def _check(g, dtype, atol, rtol, tiles=Tiles(16, 16, 16, 16)):
     np.testing.assert_allclose(f32(got_o), f32(ref_o), atol=atol, rtol=rtol)
     for name, a, r in zip(("dq", "dk", "dv"), got_g, ref_g):
         np.testing.assert_allclose(f32(a), f32(r), atol=atol, rtol=rtol, err_msg=name)
+
+
+def test_split_backward_equals_masked_attention():
+    """The split dQ and dK/dV kernels (``Tiles(fused_dq=False)``, summing dQ in a fixed order)
+    give the same values and gradients as the fused backward's reference."""
+    _check(2, jnp.float32, atol=2e-5, rtol=1e-5, tiles=Tiles(16, 16, 16, 16, fused_dq=False))
 
 
 def test_document_bounds():
@@ -144,25 +152,37 @@ def h200_mesh(h200_devices):
     return one_device_mesh(h200_devices)
 
 
-def test_h200_compile_holds_the_kernels_and_their_ptx_uses_wgmma_without_spills(h200_mesh, tmp_path):
-    """Forward and backward compiled deviceless for an H200 (bf16, T 2048, G 2, H 128): three
-    Triton kernel calls, no dot or GEMM (no dense attention fallback); each kernel's PTX issues
-    wgmma, no mma.sync, no spills, registers within the limit (about 20 s)."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_h200_compile_holds_the_kernels_and_their_ptx_uses_wgmma_without_spills(h200_mesh, tmp_path, fused):
+    """Forward and backward compiled deviceless for an H200 (bf16, T 2048, G 2, H 128): the
+    forward and the fused backward (or, split, the dQ and dK/dV kernels) as Triton kernel calls,
+    no dot or GEMM (no dense attention fallback); each kernel's PTX issues wgmma, no mma.sync, no
+    spills, registers within the limit; the fused backward adds dQ with float32 atomics, which no
+    other kernel does (about 20 s)."""
     from tests.helpers import compiled_attention_grads
     from mlir_train.planner.hlo import matmul_flops
     from mlir_train.planner.kernel_audit import audit_xla_dump
-    from mlir_train.model.attention import docs_flash_attention
+    from mlir_train.model.kernels import docs_flash
 
-    hlo = compiled_attention_grads(docs_flash_attention, h200_mesh, t=2048, dump_to=tmp_path).as_text()
+    tiles = Tiles(fused_dq=fused)
+    attend = lambda q, k, v, s: docs_flash.docs_flash_attention(q, k, v, s, tiles=tiles)
+    hlo = compiled_attention_grads(attend, h200_mesh, t=2048, dump_to=tmp_path).as_text()
     flops = matmul_flops(hlo)
-    assert sorted(c.kind for c in flops.attention_calls) == ["dkv", "dq", "fwd"], flops
+    kinds = ["bwd", "fwd"] if fused else ["dkv", "dq", "fwd"]
+    assert sorted(c.kind for c in flops.attention_calls) == kinds, flops
     assert flops.dot_flops == 0 and " dot(" not in hlo and "__cublas" not in hlo
+    # 5 matmuls a tile pair fused, 3 + 4 split; the forward's 2
+    calls = {c.kind: c for c in flops.attention_calls}
+    assert flops.attention_flops == pytest.approx(sum(c.flops() for c in calls.values()))
+    if fused:
+        assert calls["bwd"].flops() == pytest.approx(5 / 4 * dataclasses.replace(calls["bwd"], kind="dkv").flops())
     _require_ptx(tmp_path)
     reports = {r.name: r for r in audit_xla_dump(str(tmp_path))}
-    for name in ("docs_flash_fwd_q64_k64", "docs_flash_dq_q64_k64", "docs_flash_dkv_q64_k64"):
-        r = reports[name]
+    for kind in kinds:
+        r = reports[f"docs_flash_{kind}_q64_k64"]
         assert r.wgmma > 0 and r.mma_sync == 0, (r.row(), r.wgmma, r.mma_sync)
         assert r.spill_bytes == 0 and r.registers <= r.register_limit, r.row()
+        assert (r.float_atomic_adds > 0) == (kind == "bwd"), (r.row(), r.float_atomic_adds)
 
 
 def _require_ptx(dump_dir):
@@ -187,11 +207,10 @@ def test_h200_ptx_for_256_wide_heads_does_not_spill(h200_mesh, tmp_path, t):
     hlo = compiled_attention_grads(docs_flash_attention, h200_mesh, t=t, h=256, dump_to=tmp_path).as_text()
     calls = {c.kind: c for c in matmul_flops(hlo).attention_calls}
     tile = 64 if t % 64 == 0 else 32
-    assert (calls["dkv"].tile_q, calls["dkv"].tile_k) == (16, tile) and calls["fwd"].tile_q == tile
+    assert (calls["bwd"].tile_q, calls["bwd"].tile_k) == (16, tile) and calls["fwd"].tile_q == tile
     _require_ptx(tmp_path)
     reports = {r.name: r for r in audit_xla_dump(str(tmp_path)) if r.name.startswith("docs_flash_")}
-    assert sorted(reports) == sorted([f"docs_flash_fwd_q{tile}_k{tile}", f"docs_flash_dq_q{tile}_k{tile}",
-                                      f"docs_flash_dkv_q16_k{tile}"]), sorted(reports)
+    assert sorted(reports) == sorted([f"docs_flash_fwd_q{tile}_k{tile}", f"docs_flash_bwd_q16_k{tile}"]), sorted(reports)
     for r in reports.values():
         assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, r.row()
         assert r.registers <= r.register_limit, r.row()

@@ -1,5 +1,5 @@
 """Our Pallas (Triton) causal GQA flash attention for packed documents (``--attention-kernel mlir``,
-``attention_impl="docs-flash"``): forward, dQ and dK/dV kernels that visit only the tiles a
+``attention_impl="docs-flash"``): forward and backward kernels that visit only the tiles a
 tile's documents can see.
 
 Inputs ``q [B, T, N, H]``, ``k, v [B, S, K, H]`` (S = T; ``G = N / K`` query heads share a kv head,
@@ -20,8 +20,14 @@ assumption as tokamax's ``k_start``); the masking inside the tiles does not.
 
 A ``custom_vjp`` keeps only the output and the (base-2) log-sum-exp; accumulation is float32;
 bf16 and float32 inputs. ``interpret=True`` runs the kernels in Pallas' interpreter (CPU tests).
-The kernels are named ``docs_flash_{fwd,dq,dkv}_q<bq>_k<bk>`` (the op_name
-:mod:`mlir_train.planner.hlo_kernels` reads the tiles from)."""
+The kernels are named ``docs_flash_{fwd,dq,dkv,bwd}_q<bq>_k<bk>`` (the op_name
+:mod:`mlir_train.planner.hlo_kernels` reads the tiles from).
+
+The backward is by default one kernel (``bwd``, FlashAttention-2's): per key tile it forms dK and
+dV as the dK/dV kernel does and adds each visited tile's ``dS K`` into a float32 dQ with atomic
+adds, 5 matmuls a tile pair where the split dQ and dK/dV kernels (``Tiles(fused_dq=False)``) run
+3 + 4, each recomputing the scores. The atomics' order varies run to run on a GPU (dQ's last
+bits with it); the split kernels sum in a fixed order."""
 
 from __future__ import annotations
 
@@ -55,6 +61,14 @@ class Tiles:
     num_stages: int = 2
     dkv_q: int | None = None  # the dK/dV kernel's own query x key tiles; None: bwd_q x bwd_k
     dkv_k: int | None = None
+    # The backward as one kernel (dK, dV and an atomic float32 dQ: 5 matmuls a tile pair), or
+    # as the split dQ and dK/dV kernels (7, each recomputing the scores; dQ summed in registers,
+    # in a fixed order: bit-reproducible run to run, where float32 atomics are not).
+    fused_dq: bool = True
+    # The fused backward's software-pipeline stages: at 2 its dK, dV and dQ tiles spilled (ptxas
+    # for sm_90a: 356 bytes at H 128 on 64 x 64 tiles, 8 warps; 64 at H 256 on 16 x 64); at 1 it
+    # holds 206 / 228 registers, no spill (tests/model/test_docs_flash.py reads it).
+    fused_stages: int = 1
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "Tiles":
@@ -175,6 +189,41 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, end_re
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _dkv_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, end_ref, _dq_in_ref, dk_ref, dv_ref,
+                   dq_ref, *, scale, bq, bk, groups):
+    """:func:`_dkv_kernel` that also forms dQ (FlashAttention-2's backward): each visited tile's
+    ``dS K`` is added (an atomic float32 add) into the float32 dQ rows it belongs to, so the
+    backward runs 5 matmuls a tile pair, not the split kernels' 3 + 4. ``dq_ref`` is the zeroed
+    accumulator ``_dq_in_ref`` aliases (every key tile's program adds into it)."""
+    j = pl.program_id(0)
+    k, v = k_ref[...], v_ref[...]
+    k_pos = j * bk + jnp.arange(bk)
+    k_seg = seg_ref[pl.ds(j * bk, bk)]
+    lo = lax.div(j * bk, bq)
+    hi = lax.div(jnp.max(end_ref[pl.ds(j * bk, bk)]), bq) + 1
+
+    def group(g, carry):
+        def body(qt, carry):
+            dk, dv = carry
+            qs = pl.ds(qt * bq, bq)
+            q, do = q_ref[qs, g, :], do_ref[qs, g, :]
+            lse, delta = lse_ref[g, qs], delta_ref[g, qs]
+            p = jnp.exp2(_scores(q, k, seg_ref[qs], k_seg, qt * bq + jnp.arange(bq), k_pos, scale) - lse[:, None])
+            dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
+            ds = p * (plgpu.dot(do, v.T) - delta[:, None])
+            ds_in = ds.astype(q.dtype)
+            dk = dk + plgpu.dot(ds_in.T, q)
+            plgpu.atomic_add(dq_ref, (qs, g, slice(None)), plgpu.dot(ds_in, k) * scale)
+            return dk, dv
+
+        return lax.fori_loop(lo, hi, body, carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, groups, group, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
 def _params(warps, stages):
     return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
@@ -207,10 +256,12 @@ def _backward(q, k, v, seg, start, end, o, lse, do, tiles: Tiles, interpret: boo
     b, t, n, h = q.shape
     kv = k.shape[2]
     g = n // kv
-    bq, bk = tiles.bwd_q, tiles.bwd_k
     scale = 1.0 / math.sqrt(h)
     delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
     row = pl.BlockSpec((None, t), lambda i, bi, hi: (bi, 0))
+    if tiles.fused_dq:
+        return _fused_backward(q, k, v, seg, end, lse, do, delta, tiles, interpret)
+    bq, bk = tiles.bwd_q, tiles.bwd_k
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, bq=bq, bk=bk),
         grid=(t // bq, b, n),
@@ -245,6 +296,35 @@ def _backward(q, k, v, seg, start, end, o, lse, do, tiles: Tiles, interpret: boo
         name=f"docs_flash_dkv_q{bq}_k{bk}",
     )(q, k, v, do, lse, delta, seg, end)
     return dq, dk, dv
+
+
+def _fused_backward(q, k, v, seg, end, lse, do, delta, tiles: Tiles, interpret: bool):
+    """dQ, dK, dV from one kernel (:func:`_dkv_dq_kernel`), dQ accumulated in float32."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    g = n // kv
+    bq, bk = tiles.dkv
+    row = pl.BlockSpec((None, t), lambda j, bi, ki: (bi, 0))
+    heads = pl.BlockSpec((None, t, g, h), lambda j, bi, ki: (bi, 0, ki, 0))
+    dk, dv, dq = pl.pallas_call(
+        functools.partial(_dkv_dq_kernel, scale=1.0 / math.sqrt(h), bq=bq, bk=bk, groups=g),
+        grid=(t // bk, b, kv),
+        in_specs=[heads,
+                  pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),
+                  pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),
+                  heads,
+                  pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0)),
+                  pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0)),
+                  row, row, heads],
+        out_specs=[pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0))] * 2 + [heads],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                   jax.ShapeDtypeStruct(q.shape, jnp.float32)],
+        input_output_aliases={8: 2},
+        compiler_params=_params(tiles.dkv_warps, tiles.fused_stages),
+        interpret=interpret,
+        name=f"docs_flash_bwd_q{bq}_k{bk}",
+    )(q, k, v, do, lse, delta, seg, end, jnp.zeros(q.shape, jnp.float32))
+    return dq.astype(q.dtype), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
