@@ -160,8 +160,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, start_r
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, end_ref, dk_ref, dv_ref, *,
-                scale, bq, bk, groups):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, end_ref, *out_refs, scale, bq, bk, groups,
+                fused: bool = False):
+    """dK and dV of one key tile. ``fused`` (FlashAttention-2's backward): also each visited
+    tile's ``dS K`` added (an atomic float32 add) into the float32 dQ rows it belongs to, so the
+    backward runs 5 matmuls a tile pair, not the split kernels' 3 + 4; ``out_refs`` is then the
+    zeroed accumulator's input (aliased), dK, dV and the accumulator (every key tile's program
+    adds into it)."""
+    dk_ref, dv_ref = out_refs[1:3] if fused else out_refs
     j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
@@ -177,43 +183,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, end_re
             lse, delta = lse_ref[g, qs], delta_ref[g, qs]
             p = jnp.exp2(_scores(q, k, seg_ref[qs], k_seg, qt * bq + jnp.arange(bq), k_pos, scale) - lse[:, None])
             dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
-            ds = p * (plgpu.dot(do, v.T) - delta[:, None])
-            dk = dk + plgpu.dot(ds.astype(q.dtype).T, q)
-            return dk, dv
-
-        return lax.fori_loop(lo, hi, body, carry)
-
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, groups, group, (zeros, zeros))
-    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
-
-
-def _dkv_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, end_ref, _dq_in_ref, dk_ref, dv_ref,
-                   dq_ref, *, scale, bq, bk, groups):
-    """:func:`_dkv_kernel` that also forms dQ (FlashAttention-2's backward): each visited tile's
-    ``dS K`` is added (an atomic float32 add) into the float32 dQ rows it belongs to, so the
-    backward runs 5 matmuls a tile pair, not the split kernels' 3 + 4. ``dq_ref`` is the zeroed
-    accumulator ``_dq_in_ref`` aliases (every key tile's program adds into it)."""
-    j = pl.program_id(0)
-    k, v = k_ref[...], v_ref[...]
-    k_pos = j * bk + jnp.arange(bk)
-    k_seg = seg_ref[pl.ds(j * bk, bk)]
-    lo = lax.div(j * bk, bq)
-    hi = lax.div(jnp.max(end_ref[pl.ds(j * bk, bk)]), bq) + 1
-
-    def group(g, carry):
-        def body(qt, carry):
-            dk, dv = carry
-            qs = pl.ds(qt * bq, bq)
-            q, do = q_ref[qs, g, :], do_ref[qs, g, :]
-            lse, delta = lse_ref[g, qs], delta_ref[g, qs]
-            p = jnp.exp2(_scores(q, k, seg_ref[qs], k_seg, qt * bq + jnp.arange(bq), k_pos, scale) - lse[:, None])
-            dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
-            ds = p * (plgpu.dot(do, v.T) - delta[:, None])
-            ds_in = ds.astype(q.dtype)
-            dk = dk + plgpu.dot(ds_in.T, q)
-            plgpu.atomic_add(dq_ref, (qs, g, slice(None)), plgpu.dot(ds_in, k) * scale)
+            ds = (p * (plgpu.dot(do, v.T) - delta[:, None])).astype(q.dtype)
+            dk = dk + plgpu.dot(ds.T, q)
+            if fused:
+                plgpu.atomic_add(out_refs[3], (qs, g, slice(None)), plgpu.dot(ds, k) * scale)
             return dk, dv
 
         return lax.fori_loop(lo, hi, body, carry)
@@ -299,7 +272,7 @@ def _backward(q, k, v, seg, start, end, o, lse, do, tiles: Tiles, interpret: boo
 
 
 def _fused_backward(q, k, v, seg, end, lse, do, delta, tiles: Tiles, interpret: bool):
-    """dQ, dK, dV from one kernel (:func:`_dkv_dq_kernel`), dQ accumulated in float32."""
+    """dQ, dK, dV from one kernel (:func:`_dkv_kernel`, fused), dQ accumulated in float32."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     g = n // kv
@@ -307,7 +280,7 @@ def _fused_backward(q, k, v, seg, end, lse, do, delta, tiles: Tiles, interpret: 
     row = pl.BlockSpec((None, t), lambda j, bi, ki: (bi, 0))
     heads = pl.BlockSpec((None, t, g, h), lambda j, bi, ki: (bi, 0, ki, 0))
     dk, dv, dq = pl.pallas_call(
-        functools.partial(_dkv_dq_kernel, scale=1.0 / math.sqrt(h), bq=bq, bk=bk, groups=g),
+        functools.partial(_dkv_kernel, scale=1.0 / math.sqrt(h), bq=bq, bk=bk, groups=g, fused=True),
         grid=(t // bk, b, kv),
         in_specs=[heads,
                   pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),
