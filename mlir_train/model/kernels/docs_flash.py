@@ -233,7 +233,8 @@ def _backward(q, k, v, seg, start, end, o, lse, do, tiles: Tiles, interpret: boo
     delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
     row = pl.BlockSpec((None, t), lambda i, bi, hi: (bi, 0))
     if tiles.fused_dq:
-        return _fused_backward(q, k, v, seg, end, lse, do, delta, tiles, interpret)
+        dk, dv, dq = _dkv_call(q, k, v, seg, end, lse, do, delta, tiles, interpret, fused=True)
+        return dq.astype(q.dtype), dk, dv
     bq, bk = tiles.bwd_q, tiles.bwd_k
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, bq=bq, bk=bk),
@@ -251,53 +252,34 @@ def _backward(q, k, v, seg, start, end, o, lse, do, tiles: Tiles, interpret: boo
         interpret=interpret,
         name=f"docs_flash_dq_q{bq}_k{bk}",
     )(q, k, v, do, lse, delta, seg, start)
-    bq, bk = tiles.dkv
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, bq=bq, bk=bk, groups=g),
-        grid=(t // bk, b, kv),
-        in_specs=[pl.BlockSpec((None, t, g, h), lambda j, bi, ki: (bi, 0, ki, 0)),
-                  pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),
-                  pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),
-                  pl.BlockSpec((None, t, g, h), lambda j, bi, ki: (bi, 0, ki, 0)),
-                  pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0)),
-                  pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0)),
-                  row, row],
-        out_specs=[pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0))] * 2,
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_params(tiles.dkv_warps, tiles.num_stages),
-        interpret=interpret,
-        name=f"docs_flash_dkv_q{bq}_k{bk}",
-    )(q, k, v, do, lse, delta, seg, end)
+    dk, dv = _dkv_call(q, k, v, seg, end, lse, do, delta, tiles, interpret, fused=False)
     return dq, dk, dv
 
 
-def _fused_backward(q, k, v, seg, end, lse, do, delta, tiles: Tiles, interpret: bool):
-    """dQ, dK, dV from one kernel (:func:`_dkv_kernel`, fused), dQ accumulated in float32."""
+def _dkv_call(q, k, v, seg, end, lse, do, delta, tiles: Tiles, interpret: bool, fused: bool):
+    """The dK/dV kernel over every key tile: ``(dk, dv)``, or fused ``(dk, dv, dq)`` with dQ
+    accumulated in float32 into a zeroed buffer the call aliases."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     g = n // kv
     bq, bk = tiles.dkv
     row = pl.BlockSpec((None, t), lambda j, bi, ki: (bi, 0))
     heads = pl.BlockSpec((None, t, g, h), lambda j, bi, ki: (bi, 0, ki, 0))
-    dk, dv, dq = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=1.0 / math.sqrt(h), bq=bq, bk=bk, groups=g, fused=True),
+    key_tile = pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0))
+    per_head = pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0))
+    extra_in, extra_out = ([heads], [heads]) if fused else ([], [])
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, scale=1.0 / math.sqrt(h), bq=bq, bk=bk, groups=g, fused=fused),
         grid=(t // bk, b, kv),
-        in_specs=[heads,
-                  pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),
-                  pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),
-                  heads,
-                  pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0)),
-                  pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0)),
-                  row, row, heads],
-        out_specs=[pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0))] * 2 + [heads],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                   jax.ShapeDtypeStruct(q.shape, jnp.float32)],
-        input_output_aliases={8: 2},
-        compiler_params=_params(tiles.dkv_warps, tiles.fused_stages),
+        in_specs=[heads, key_tile, key_tile, heads, per_head, per_head, row, row] + extra_in,
+        out_specs=[key_tile, key_tile] + extra_out,
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+                  + ([jax.ShapeDtypeStruct(q.shape, jnp.float32)] if fused else []),
+        input_output_aliases={8: 2} if fused else {},
+        compiler_params=_params(tiles.dkv_warps, tiles.fused_stages if fused else tiles.num_stages),
         interpret=interpret,
-        name=f"docs_flash_bwd_q{bq}_k{bk}",
-    )(q, k, v, do, lse, delta, seg, end, jnp.zeros(q.shape, jnp.float32))
-    return dq.astype(q.dtype), dk, dv
+        name=f"docs_flash_{'bwd' if fused else 'dkv'}_q{bq}_k{bk}",
+    )(q, k, v, do, lse, delta, seg, end, *([jnp.zeros(q.shape, jnp.float32)] if fused else []))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
