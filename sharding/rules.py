@@ -39,6 +39,8 @@ from sharding.layout import ALL_MESH_AXES, DATA_AXES, Layout
 # Every logical axis name the model may put on a parameter or an activation.
 PARAM_AXES = (
     "layers",     # stacked decoder layers (-> stage under pipeline parallelism)
+    "mtp_layers", # a multi-token-prediction depth's one-layer stack (whole on every stage)
+    "mtp_concat", # the MTP projection's input: embedding and hidden state side by side
     "vocab",      # embedding rows / LM-head columns
     "embed",      # hidden size of weights
     "norm",       # RMSNorm scale vectors over the hidden size

@@ -71,7 +71,7 @@ class _Tensors:
     layers: tuple[tuple[Ext, Shapes], ...] = ()
 
     def name(self, ext: Ext, l: int | None, e: int | None = None) -> str:
-        return ext.name if l is None else (self.table.hf_layers + ext.name).format(l=l, e=e)
+        return ext.name if l is None else ((self.bound.hf_layers or self.table.hf_layers) + ext.name).format(l=l, e=e)
 
     def names(self, layer: int | None, ext: Ext, experts: int) -> list[str]:
         """The file's tensors the parameter reads in ``layer``."""
@@ -93,7 +93,7 @@ class _Tensors:
 def _part_shapes(table: Table, bound: Bound, ext: Ext, shapes: dict) -> Shapes:
     """Our shapes (one layer, one expert) of the parameters ``ext`` holds."""
     lead = 0 if bound.first is None else 2 if bound.row.stacked == EXPERT else 1
-    root = () if bound.first is None else bound.path[:2]
+    root = bound.root
     return tuple(tuple(shapes[root + r.path][lead:]) for r in table.parts(bound.row, ext, bound.kind, "hf"))
 
 
@@ -128,7 +128,7 @@ def _plan(files: Files, table: Table, abstract: CausalLM, flat: dict,
     family spells as its own."""
     shapes = {path: tuple(var.shape) for path, var in flat.items()}
     plan, read = [], set()
-    for bound in table.bind(flat, abstract.stack_kinds, f"{files.path}: "):
+    for bound in table.bind(flat, abstract.stack_kinds, f"{files.path}: ", cfg.mtp_kinds()):
         if not bound.row.hf:
             if not bound.row.state:
                 complete.check(files.path, unwritten=[bound.name], hint=" (its table row names no HF tensor)")
@@ -188,6 +188,10 @@ def load_pretrained(path: str, *, dtype=jnp.bfloat16, mesh: jax.sharding.Mesh | 
     sharding_for = _sharding_for(mesh, rules)
     # Every tensor located and checked before any is read: a bad checkpoint fails fast and clearly.
     table = families.family_of(cfg).hf_params(cfg)
+    if cfg.mtp_num_layers and not any(name.startswith("mtp.") for name in files.names()):
+        raise CheckpointError(f"{path}: --mtp-num-layers {cfg.mtp_num_layers} trains the checkpoint's multi-token-"
+                              "prediction head, and it has none (no mtp.* tensors); load one that has it, or drop "
+                              "the flag")
     plan, carried = _plan(files, table, abstract, flat, cfg)
     carry.say(path, table, carried, "read past; HF exports of this model copy them untouched")
     new_flat = {}
@@ -234,7 +238,7 @@ def save_pretrained(model: CausalLM, path: str, *, dtype=None, max_shard_bytes: 
     host = lambda x: to_numpy(x) if out_dtype is None else to_numpy(x).astype(out_dtype)
     writer = ShardWriter(path, max_shard_bytes, save_file, enabled=jax.process_index() == 0)
     written: set[tuple] = set()
-    for bound in table.bind(flat, model.stack_kinds, f"{path}: "):
+    for bound in table.bind(flat, model.stack_kinds, f"{path}: ", cfg.mtp_kinds()):
         if not bound.row.hf:
             complete.drop(path, bound.name, bound.row.state, to_numpy(flat[bound.path].get_value()), "HF")
             written.add(bound.path)
@@ -280,7 +284,7 @@ def _write(writer: ShardWriter, table: Table, bound: Bound, flat: dict, host) ->
     """Write the tensor of ``bound``'s first HF spelling, joined from every parameter it holds,
     one layer (one expert) at a time; returns those parameters' paths."""
     ext = bound.row.hf[0]
-    root = () if bound.first is None else bound.path[:2]
+    root = bound.root
     paths = [root + r.path for r in table.parts(bound.row, ext, bound.kind, "hf")]
     values = [flat[p].get_value() for p in paths]
     tensors = _Tensors(table, bound)

@@ -85,7 +85,6 @@ NOOP_FLAGS: dict[str, tuple[int, str]] = {
     "--moe-router-padding-for-quantization": (0, "FP8/FP4 is not used here"),
     "--inference-fuse-tp-communication": (0, "inference only"),
     "--moe-pad-experts-for-cuda-graph-inference": (0, "inference (CUDA graphs) only"),
-    "--mtp-loss-scaling-factor": (1, "only with --mtp-num-layers, which is refused (MTP is not trained)"),
     "--moe-shared-expert-overlap": (0, "Megatron overlaps the shared expert with the token dispatch on its own "
                                        "streams; XLA schedules the shared expert's matmuls alongside the "
                                        "collectives itself"),
@@ -155,9 +154,8 @@ NOT_IMPLEMENTED_FLAGS: dict[str, tuple[int | str, str]] = {
                                              "implemented"),
     "--moe-use-upcycling": (0, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
     "--moe-upcycling-granularity": (1, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
-    "--mtp-num-layers": (1, "multi-token prediction is not trained (a checkpoint's MTP head is carried through "
-                            "untouched to --save-hf): drop the flag"),
-    "--mtp-standalone": (0, "multi-token prediction is not trained: drop the flag"),
+    "--mtp-standalone": (0, "the MTP depths run on the last pipeline stage here (megatron-core's standalone MTP "
+                            "stage is not built): drop the flag"),
     "--config-file": (1, "LoongForge's model YAML is not read: name the model with --model-name (a registry name "
                          "such as qwen3.5-35b-a3b, or the HF directory's config.json)"),
     "--add-question-in-pretrain": (0, "LoongForge's pretraining data option: mlir-train trains on SFT records "

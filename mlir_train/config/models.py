@@ -54,6 +54,9 @@ class ModelConfig:
     max_position_embeddings: int = 40960
     init_std: float = 0.02
     router_aux_loss_coef: float = 0.001  # carried only for HF export of MoE configs
+    # Megatron's --mtp-num-layers: multi-token-prediction depths trained after the decoder (0: none;
+    # a checkpoint's MTP head is then carried untouched). Not part of structure(): a run chooses it.
+    mtp_num_layers: int = 0
     family: ClassVar[str] = "qwen3"
 
     @property
@@ -109,6 +112,18 @@ class ModelConfig:
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    def mtp_kinds(self) -> tuple[LayerKind, ...]:
+        """The layer kind of each multi-token-prediction depth (a family with an MTP head says)."""
+        if self.mtp_num_layers:
+            raise ValueError(f"{self.name}: --mtp-num-layers {self.mtp_num_layers}: the {self.family} family has no "
+                             "multi-token-prediction head (Qwen3.5, Qwen3.6 and Qwen3-Next have one)")
+        return ()
+
+    def router_layers(self) -> int:
+        """How many MoE routers a forward runs: the decoder's MoE layers, then the MTP depths' (the
+        leading axis of the router stats and of the aux losses, as megatron-core counts them)."""
+        return sum(self.moe_layers()) + sum(k.moe for k in self.mtp_kinds())
 
     def moe_layers(self) -> tuple[bool, ...]:
         """Whether each decoder layer is MoE, in order."""

@@ -63,6 +63,14 @@ class ModelFlags:
     norm_epsilon: float | None = flag("--norm-epsilon", type=float, group="training",
                                       help="RMSNorm eps (default: from --model-name)")
     moe_router_topk: int | None = flag("--moe-router-topk", type=int, group="moe", help="default: from --model-name")
+    mtp_num_layers: int | None = flag(
+        "--mtp-num-layers", type=int,
+        help="train N multi-token-prediction depths after the decoder, as megatron-core's MTP block (Qwen3.5 / "
+             "Qwen3.6 / Qwen3-Next: an HF checkpoint's mtp.* head is depth 1; default: none, the head is carried "
+             "untouched)")
+    mtp_loss_scaling_factor: float = flag(
+        "--mtp-loss-scaling-factor", default=0.1, type=float, group="training",
+        help="with --mtp-num-layers: the MTP losses' weight in the objective, split evenly over the depths")
     moe_layer_freq: str | None = flag(
         "--moe-layer-freq", group="moe", metavar="N|LIST",
         help="which decoder layers are MoE: every N-th from layer 0, or a 0/1 list expression such as "
@@ -109,7 +117,8 @@ class ModelFlags:
         num_query_groups="num_kv_heads", ffn_hidden_size="intermediate_size", num_experts="num_experts",
         moe_ffn_hidden_size="moe_intermediate_size", moe_router_topk="top_k", rotary_base="rope_theta",
         rotary_seq_len_interpolation_factor="rope_scaling_factor", norm_epsilon="rms_norm_eps",
-        max_position_embeddings="max_position_embeddings", init_method_std="init_std", kv_channels="head_dim")
+        max_position_embeddings="max_position_embeddings", init_method_std="init_std", kv_channels="head_dim",
+        mtp_num_layers="mtp_num_layers")
 
     def overrides(self) -> dict:
         """The architecture fields these flags set (None: keep the model's), by ModelConfig field name;

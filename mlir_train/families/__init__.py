@@ -155,6 +155,13 @@ def from_flags(flags, vocab_size: int | None, base: ModelConfig | None = None) -
                            vocab_size=vocab_size, **flags.overrides())
     if flags.moe_layer_freq is not None:
         cfg = cfg.with_moe_layers(flags.moe_layer_pattern(cfg.num_layers))
+    if cfg.mtp_num_layers:
+        if cfg.mtp_num_layers < 0:
+            raise ConfigError(f"--mtp-num-layers {cfg.mtp_num_layers}: the number of MTP depths is at least 1")
+        try:
+            cfg.mtp_kinds()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return cfg.replace(tie_word_embeddings=False) if flags.untie_embeddings_and_output_weights else cfg
 
 

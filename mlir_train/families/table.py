@@ -231,6 +231,8 @@ class Bound:
     path: tuple
     layers: tuple[int, ...] | None = None
     kind: LayerKind | None = None
+    root: tuple = ()              # the path of the module the row's path is under (a stack's, an MTP depth's)
+    hf_layers: str | None = None  # the HF layer prefix when not the table's (an MTP depth's layer)
 
     @property
     def first(self) -> int | None:
@@ -266,6 +268,8 @@ class Table:
     carried: tuple[str, ...] = ()
     megatron_formats: tuple[str, ...] = ("torch", "torch_dist")
     megatron_refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    mtp_rows: tuple[Param, ...] = ()  # an MTP depth's own parameters (GLOBAL rows under ("mtp", d))
+    mtp_layers: str = ""              # the HF prefix of an MTP depth's layer ({l}: the depth); "": no MTP head
 
     def with_hf_prefix(self, old: str, new: str) -> "Table":
         """This table with every HF name (the layer prefix and the global tensors) that starts
@@ -281,20 +285,38 @@ class Table:
     def row(self, path: tuple, kind: LayerKind | None) -> Param | None:
         return next((r for r in self.layer_rows(kind) if r.path == tuple(path)), None)
 
-    def bind(self, paths: Iterable[tuple], stack_kinds: Sequence[Any], what: str = "") -> list[Bound]:
-        """Each parameter path (nnx's flat paths, ``("layers", i, ...)`` in a stack) bound to its
+    def bind(self, paths: Iterable[tuple], stack_kinds: Sequence[Any], what: str = "",
+             mtp_kinds: Sequence[LayerKind] = ()) -> list[Bound]:
+        """Each parameter path (nnx's flat paths, ``("layers", i, ...)`` in a stack, ``("mtp", d,
+        ...)`` in multi-token-prediction depth ``d``, whose layers are ``mtp_kinds``) bound to its
         row; a parameter without one is an error naming it (every parameter has a row)."""
         out = []
         for path in paths:
             path = tuple(path)
-            stack = stack_kinds[int(path[1])] if path[0] == "layers" else None
-            rest = path[2:] if stack is not None else path
-            row = self.row(tuple(map(str, rest)), stack.kind if stack is not None else None)
-            if row is None:
+            if path[0] == "mtp":
+                bound = self._bind_mtp(path, mtp_kinds)
+            else:
+                stack = stack_kinds[int(path[1])] if path[0] == "layers" else None
+                rest = path[2:] if stack is not None else path
+                row = self.row(tuple(map(str, rest)), stack.kind if stack is not None else None)
+                bound = row and Bound(row, path, *((stack.layers, stack.kind, path[:2]) if stack is not None else ()))
+            if bound is None:
                 raise CheckpointError(f"{what}parameter {'/'.join(map(str, path))} of the model has no row in the "
                                       f"{self.family} parameter table")
-            out.append(Bound(row, path, *((stack.layers, stack.kind) if stack is not None else ())))
+            out.append(bound)
         return out
+
+    def _bind_mtp(self, path: tuple, kinds: Sequence[LayerKind]) -> Bound | None:
+        """An MTP depth's parameter: its layer's (the decoder's rows, layer ``d`` under
+        :attr:`mtp_layers`) or its own (:attr:`mtp_rows`)."""
+        d = int(path[1])
+        if d >= len(kinds) or not self.mtp_layers:
+            return None
+        if path[2] == "layer":
+            row = self.row(tuple(map(str, path[3:])), kinds[d])
+            return row and Bound(row, path, (d,), kinds[d], path[:3], self.mtp_layers)
+        row = next((r for r in self.mtp_rows if r.path == tuple(map(str, path[2:]))), None)
+        return row and Bound(row, path, root=path[:2])
 
     def parts(self, row: Param, ext: Ext | Megatron, kind: LayerKind | None, fmt: str) -> tuple[Param, ...]:
         """The rows whose parameters are the parts of ``ext`` (``fmt``: "hf" or "megatron"), in
@@ -314,6 +336,9 @@ class Table:
     @functools.cached_property
     def _hf_spellings(self) -> re.Pattern:
         names = [x.name if r.stacked == GLOBAL else self.hf_layers + x.name for r in self.rows for x in r.hf]
+        if self.mtp_layers:  # a table of a model that trains its MTP head reads those tensors too
+            names += [x.name for r in self.mtp_rows for x in r.hf]
+            names += [self.mtp_layers + x.name for r in self.rows if r.stacked != GLOBAL for x in r.hf]
         return re.compile("|".join(re.escape(n).replace(r"\{l\}", r"\d+").replace(r"\{e\}", r"\d+") for n in names))
 
     def spells(self, name: str) -> bool:

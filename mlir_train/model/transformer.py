@@ -74,8 +74,9 @@ def call_checkpointed(module: nnx.Module, recompute: bool, *args):
     return checkpointed(run, True)(state, *(args[i] for i in arrays))
 
 
-def stacked(make, n: int, rngs: nnx.Rngs):
-    """Build ``n`` layers as one module whose params have a leading "layers" axis."""
+def stacked(make, n: int, rngs: nnx.Rngs, axis: str = "layers"):
+    """Build ``n`` layers as one module whose params have a leading ``axis`` (logical axis name:
+    "layers" for the decoder's, which pipeline stages split)."""
 
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -85,7 +86,7 @@ def stacked(make, n: int, rngs: nnx.Rngs):
     stack = build(rngs)
     for _, var in nnx.iter_graph(stack):
         if isinstance(var, nnx.Param):
-            var.set_metadata("logical_axes", ("layers",) + tuple(var.get_metadata()["logical_axes"]))
+            var.set_metadata("logical_axes", (axis,) + tuple(var.get_metadata()["logical_axes"]))
     return stack
 
 
@@ -107,6 +108,8 @@ class CausalLM(nnx.Module):
                                 for s in self.stack_kinds])
         self.final_norm = self.make_norm(d)
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg.init_std, dtype)
+        # Megatron's --mtp-num-layers: one MultiTokenPredictionLayer per depth (mlir_train.model.mtp).
+        self.mtp = nnx.List([MTPDepth(self, kind, rngs) for kind in cfg.mtp_kinds()]) if cfg.mtp_num_layers else None
 
     def make_layer(self, kind: LayerKind, rngs: nnx.Rngs) -> nnx.Module:
         """One decoder layer of ``kind``: ``layer(x_BTD, *self.layer_context(...)) -> (x_BTD, stats)``."""
@@ -179,10 +182,62 @@ class CausalLM(nnx.Module):
         x_BTD, router_stats = run_layers(list(self.layers), self.stack_kinds, x_BTD, context, self.remat)
         return self.final_norm(x_BTD), router_stats
 
+    def mtp_hidden_states(self, h_BTD, mtp_ids, *, segment_ids, positions) -> tuple[list[jax.Array], dict[str, Any]]:
+        """Each multi-token-prediction depth's final-normed hidden states (``[B, T, D]`` each, in
+        depth order; the shared LM head turns them into logits), from the decoder's final-normed
+        ``h`` and each depth's input ids (``mtp_ids[k]``: the ids ``k + 1`` ahead in the same
+        document, :func:`mlir_train.model.mtp.shifted`); and the depths' router stats, stacked
+        on the leading MoE-layer axis after the decoder's ({} without MoE)."""
+        context = self.layer_context(segment_ids, positions)
+        out, parts = [], []
+        for depth, ids in zip(self.mtp, mtp_ids):
+            h_BTD, stats = depth(h_BTD, self.embed_tokens(ids), context, self.remat)
+            out.append(h_BTD)
+            if stats:
+                parts.append(stats)
+        return out, (jax.tree.map(lambda *a: jnp.concatenate(a), *parts) if parts else {})
+
     def __call__(self, input_ids_BT, *, segment_ids=None, positions=None, return_router_stats: bool = False):
         h_BTD, stats = self.hidden_states(input_ids_BT, segment_ids=segment_ids, positions=positions)
         logits_BTV = self.logits(h_BTD)
         return (logits_BTV, stats) if return_router_stats else logits_BTV
+
+
+class MTPDepth(nnx.Module):
+    """One multi-token-prediction depth, megatron-core's ``MultiTokenPredictionLayer`` (HF's
+    ``mtp.*``, which vLLM's ``Qwen3NextMultiTokenPredictor`` reads):
+
+        x = fc([embed_norm(embed(ids shifted k + 1)); hidden_norm(h)])   the embedding first
+        h' = norm(layer(x))                                              one decoder layer of ``kind``
+
+    ``h`` is the decoder's final-normed output for the first depth, the previous depth's ``h'``
+    after it. Its layer is a one-layer stack on its own leading axis ("mtp_layers", never split
+    over pipeline stages), so it runs and loads as a decoder layer does."""
+
+    def __init__(self, model: CausalLM, kind, rngs: nnx.Rngs):
+        cfg, dtype, d = model.cfg, model.options.param_dtype, model.cfg.hidden_size
+        self.embed_norm = model.make_norm(d)    # Megatron's enorm, HF's pre_fc_norm_embedding
+        self.hidden_norm = model.make_norm(d)   # hnorm, pre_fc_norm_hidden
+        self.fc = param(rngs, (2 * d, d), ("mtp_concat", "embed"), cfg.init_std, dtype)  # eh_proj, fc
+        self.layer = stacked(lambda r: model.make_layer(kind, r), 1, rngs, axis="mtp_layers")
+        self.norm = model.make_norm(d)          # final_layernorm, norm
+
+    def __call__(self, h_BTD, emb_BTD, context: tuple, remat: RecomputePolicy | str = "none"):
+        x_BTC = jnp.concatenate([self.embed_norm(emb_BTD), self.hidden_norm(h_BTD)], axis=-1)
+        x_BTD = constrain(jnp.einsum("btc,cd->btd", x_BTC, self.fc[...].astype(x_BTC.dtype)),
+                          ("act_batch", "act_res_seq", "act_embed"))
+        x_BTD, stats = run_stack(self.layer, x_BTD, context, mtp_recompute(remat))
+        return self.norm(x_BTD), stats
+
+
+def mtp_recompute(remat: RecomputePolicy | str) -> RecomputePolicy:
+    """What megatron-core recomputes of an MTP depth's layer: the layer under full recompute
+    (its ``uniform`` method; ``block`` is skipped there, with a warning); selective recompute's
+    submodules are inside the layer already."""
+    policy = RecomputePolicy.of(remat)
+    if policy.granularity == "full" and policy.method != "block":
+        return RecomputePolicy("full")
+    return RecomputePolicy()
 
 
 def _constrain_logits(logits_BTV: jax.Array) -> jax.Array:

@@ -110,6 +110,10 @@ def check_layout_for_model(layout: Layout, model_cfg: ModelConfig) -> None:
     for fields, why in family_of(model_cfg).refused_layouts.items():
         if all(getattr(layout, f) > 1 for f in ((fields,) if isinstance(fields, str) else fields)):
             raise ConfigError(why)
+    if model_cfg.mtp_num_layers and layout.pipeline > 1:
+        raise ConfigError(f"--mtp-num-layers {model_cfg.mtp_num_layers} with --pipeline-model-parallel-size "
+                          f"{layout.pipeline}: the MTP depths do not run in the pipeline schedules yet; train them "
+                          "without pipeline parallelism (tensor, expert, context and data parallelism run them)")
 
 
 def _mesh_of(layout: Layout) -> jax.sharding.Mesh:
@@ -264,6 +268,9 @@ def _model_options(cfg: RunConfig, model_cfg: ModelConfig, parallel: Layout, sch
     EP buffers. Refuses a kernel choice this platform or layout cannot run."""
     _check_recompute(cfg.training.recompute, model_cfg, schedule)
     lora = cfg.training.lora
+    if lora is not None and model_cfg.mtp_num_layers:
+        raise ConfigError(f"--mtp-num-layers {model_cfg.mtp_num_layers} with LoRA: adapters on the MTP head are not "
+                          "built yet; train the head with full fine-tuning, or leave it carried under LoRA")
     if lora is not None:  # the patterns against the model's own modules (its family's parameter table)
         problem = family_of(model_cfg).params.check_lora_targets(lora.patterns())
         if problem:
@@ -306,5 +313,5 @@ def _step_config(cfg: RunConfig, num_micro: int) -> StepConfig:
     t, m = cfg.training, cfg.moe
     return StepConfig(num_micro_batches=num_micro, compute_dtype=t.compute_dtype, balancing=m.load_balancing(),
                       expert_bias_update_rate=m.moe_router_bias_update_rate, micro_batch_size=t.micro_batch_size,
-                      per_token_loss=t.calculate_per_token_loss,
+                      per_token_loss=t.calculate_per_token_loss, mtp_loss_scaling_factor=cfg.model.mtp_loss_scaling_factor,
                       lm_loss_report="objective" if t.training_phase == "sft" else "token-mean")

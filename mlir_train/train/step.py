@@ -46,7 +46,7 @@ from flax import nnx
 
 from mlir_train.config import policies
 from mlir_train.config.models import ModelConfig
-from mlir_train.model import losses, tree
+from mlir_train.model import losses, mtp, tree
 from mlir_train.model.moe.dispatch import COUNTS as DISPATCH_COUNTS
 from mlir_train.model.moe.router import updated_expert_bias
 from mlir_train.train import pipeline, reduction
@@ -70,6 +70,7 @@ class StepConfig:
     # logged "lm loss": "objective" (AIAK's SFT phase: the normalised LM objective) or
     # "token-mean" (Megatron-LM: global CE sum / global loss tokens, whatever the normalisation)
     lm_loss_report: str = "objective"
+    mtp_loss_scaling_factor: float = 0.1  # --mtp-loss-scaling-factor (with --mtp-num-layers)
 
     def __post_init__(self):
         if self.lm_loss_report not in ("objective", "token-mean"):
@@ -137,6 +138,14 @@ class Step:
         h, stats = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"], positions=mb["positions"])
         objective, ce_sum, count = model.weighted_loss_sums(h, mb["labels"], mb["loss_mask"], mb["loss_weight"])
         aux = {"ce_sum": ce_sum, "loss_tokens": count, "lm_objective": objective}
+        if self.model_cfg.mtp_num_layers:  # the MTP depths after the decoder, their routers after its
+            h_mtp, mtp_stats = model.mtp_hidden_states(
+                h, [mb[mtp.key("mtp_input_ids", k)] for k in range(1, self.model_cfg.mtp_num_layers + 1)],
+                segment_ids=mb["segment_ids"], positions=mb["positions"])
+            mtp_objective, aux["mtp_losses"] = mtp.depth_loss(model, h_mtp, mb)
+            objective = objective + mtp_objective
+            if mtp_stats:
+                stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats)
         if stats:
             router_objective, per_layer, counts = losses.router_losses(
                 stats, self.cfg.balancing, self.model_cfg.top_k, global_counts, micro_index,
@@ -233,7 +242,7 @@ class Step:
 
         counts = None
         if self.model_cfg.is_moe and self.cfg.balancing.uses_global:
-            counts = jnp.zeros((sum(self.model_cfg.moe_layers()), self.model_cfg.num_experts), jnp.float32)
+            counts = jnp.zeros((self.model_cfg.router_layers(), self.model_cfg.num_experts), jnp.float32)
         m = batch["input_ids"].shape[0]
         zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights)
         (grads, _), aux = jax.lax.scan(micro, (zeros, counts), (batch, jnp.arange(m)))
@@ -261,6 +270,9 @@ class Step:
             batch["loss_mask"], micro_batch_size=self.cfg.micro_batch_size, per_token=self.cfg.per_token_loss))
         if self.cfg.per_token_loss and self.model_cfg.is_moe:  # the router losses weigh by it (losses.router_losses)
             batch[losses.ROUTER_LOSS_TOKENS] = jnp.broadcast_to(n_loss_tokens, batch["loss_mask"].shape[:1])
+        if self.model_cfg.mtp_num_layers:
+            batch.update(mtp.depth_inputs(batch, self.model_cfg.mtp_num_layers, self.cfg.mtp_loss_scaling_factor,
+                                          micro_batch_size=self.cfg.micro_batch_size, per_token=self.cfg.per_token_loss))
         aux, grads = self.gradients(state["params"], state.get("base"), batch, scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
         grad_norm = global_norm(grads)
@@ -292,15 +304,26 @@ class Step:
         """``params`` with every MoE stack's ``expert_bias`` moved by Megatron's
         ``get_updated_expert_bias`` from ``tokens_LE`` (the step's routed load, MoE layers in order)."""
         layers = dict(params["layers"])
-        moe_index = np.cumsum([k.moe for k in self.model_cfg.layer_kinds()]) - 1  # each layer's MoE row
+        kinds = self.model_cfg.layer_kinds() + self.model_cfg.mtp_kinds()
+        moe_index = np.cumsum([k.moe for k in kinds]) - 1  # each layer's MoE row (the MTP depths' last)
+        moved = lambda mlp, rows: {**mlp, "expert_bias": updated_expert_bias(mlp["expert_bias"], tokens_LE[rows],
+                                                                            self.cfg.expert_bias_update_rate)}
         for i, stack in enumerate(self.stack_kinds):
             if not stack.moe:
                 continue
             stack, rows = dict(layers[i]), moe_index[list(stack.layers)]
-            mlp = dict(stack["mlp"])
-            mlp["expert_bias"] = updated_expert_bias(mlp["expert_bias"], tokens_LE[rows], self.cfg.expert_bias_update_rate)
-            stack["mlp"], layers[i] = mlp, stack
-        return {**params, "layers": layers}
+            stack["mlp"], layers[i] = moved(stack["mlp"], rows), stack
+        params = {**params, "layers": layers}
+        if params.get("mtp"):
+            first = self.model_cfg.num_layers
+            depths = dict(params["mtp"])
+            for d, kind in enumerate(self.model_cfg.mtp_kinds()):
+                if kind.moe:
+                    depth = dict(depths[d])
+                    depth["layer"] = {**depth["layer"], "mlp": moved(depth["layer"]["mlp"], moe_index[[first + d]])}
+                    depths[d] = depth
+            params["mtp"] = depths
+        return params
 
     def metrics(self, aux, grad_norm, finite, scale, n_loss_tokens):
         """The step's logged values (:class:`~mlir_train.train.metrics.StepLogger` reads them)."""
@@ -312,6 +335,8 @@ class Step:
             "skipped": (~finite).astype(jnp.int32) if self.loss_scaler is not None else jnp.int32(0),
             "loss-scale": scale,
         }
+        if "mtp_losses" in aux:  # megatron-core's "mtp_k loss": summed over the micro-batches' weighted means
+            metrics |= {f"mtp_{k + 1} loss": v for k, v in enumerate(jnp.sum(aux["mtp_losses"], axis=0))}
         if "router_layers" in aux:
             metrics.update(self.router_metrics(aux))
         return metrics

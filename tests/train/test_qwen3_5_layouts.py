@@ -50,6 +50,9 @@ MIXED = ("linear_attention", "full_attention")
 CFGS = {
     "moe": get_model_config("qwen3.5-moe-tiny", vocab_size=512, num_layers=2, layer_types=MIXED),
     "next": get_model_config("qwen3-next-tiny", vocab_size=512, num_layers=2, layer_types=MIXED),
+    # --mtp-num-layers 2: two MTP depths (MoE, their routers in the aux loss) after the decoder
+    "moe-mtp": get_model_config("qwen3.5-moe-tiny", vocab_size=512, num_layers=2, layer_types=MIXED, mtp_num_layers=2),
+    "next-mtp": get_model_config("qwen3-next-tiny", vocab_size=512, num_layers=2, layer_types=MIXED, mtp_num_layers=1),
 }
 LORA = LoRAPolicy(dim=4, alpha=128)
 CASES = {
@@ -68,6 +71,11 @@ CASES = {
     "next-CP2xTP2+SP": ("next", Layout(context=2, tensor=2, sequence_parallel=True), None),
     "moe-CP2xPP2": ("moe", Layout(context=2, pipeline=2), None),
     "next-CP2xPP2": ("next", Layout(context=2, pipeline=2), None),
+    # multi-token prediction: the depths' shifted ids in the load-balanced order, their layers split as the decoder's
+    "moe-mtp-CP2xTP2xEP2+SP+distopt": ("moe-mtp", Layout(context=2, tensor=2, expert=2, sequence_parallel=True,
+                                                         distributed_optimizer=True), None),
+    "moe-mtp-EP4xTP2": ("moe-mtp", Layout(tensor=2, expert=4), None),
+    "next-mtp-DP8": ("next-mtp", Layout(), None),
 }
 
 
@@ -94,11 +102,11 @@ def _largest_differences(got, ref) -> str:
 # each other case took 45-100 s cold (7-9 s with JAX's compilation cache warm) and is slow; the CP x TP
 # layouts took 90-180 s, CP x PP 280-370 s (benchmarks/float64_reference.py, load 7). CP x TP's default
 # check is the DeltaNet layer's, in float64 (tests/model/test_gdn_context.py).
-DEFAULT = "moe-TP2xDP4+SP"
+DEFAULT = ("moe-TP2xDP4+SP", "moe-mtp-CP2xTP2xEP2+SP+distopt")
 
 
 def _marks(name):
-    return () if name == DEFAULT else (pytest.mark.slow,)
+    return () if name in DEFAULT else (pytest.mark.slow,)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CASES])
@@ -114,6 +122,9 @@ def test_step_matches_single_device(name):
     print(f"{name}: {seconds:.0f} s; " + _largest_differences(got, ref))
     paths = [p for p, _ in named_leaves(got.params)]
     assert any("linear_attn" in p for p in paths) and any("shared_expert" in p for p in paths), paths[:8]
+    if CFGS[model].mtp_num_layers:  # the head trained, its losses logged
+        assert any(p.startswith("mtp/") for p in paths)
+        assert all(0 < got.metrics[f"mtp_{k} loss"] < 10 for k in range(1, CFGS[model].mtp_num_layers + 1))
     if lora:  # only adapters train, the DeltaNet's projections among them
         assert all("lora" in p for p in paths)
         assert any("linear_attn" in p and "wq_DGK_lora" in p for p in paths), paths

@@ -99,6 +99,10 @@ def load_params(ckpt: MegatronCheckpoint, cfg: ModelConfig, param_shapes: dict, 
     import jax
 
     table = families.family_of(cfg).params
+    if cfg.mtp_num_layers:
+        raise MegatronCheckpointError(
+            f"{ckpt.describe()}: --mtp-num-layers {cfg.mtp_num_layers}: a Megatron checkpoint's MTP layers are not read "
+            "here; convert it to HF (the head is mtp.* there) and --load that")
     if ckpt.format not in table.megatron_formats:
         raise MegatronCheckpointError(
             f"{ckpt.describe()}: the {ckpt.format} format is not read for {table.family} models ({cfg.name}), only "
@@ -142,7 +146,7 @@ def _check(arr: np.ndarray, want: tuple[int, ...], what: str, ckpt_dir: str) -> 
 def _callback(source: Source, table: Table, bound: Bound, shapes: dict, vocab: int, dtype) -> shards.Callback:
     mt = bound.row.megatron
     lead = 0 if bound.first is None else 2 if bound.row.stacked == EXPERT else 1
-    root = () if bound.first is None else bound.path[:2]
+    root = bound.root
     part_shapes = tuple(shapes[root + r.path][lead:] for r in table.parts(bound.row, mt, bound.kind, "megatron"))
     per = shapes[bound.path][lead:]
     directory = source.ckpt.directory

@@ -84,6 +84,11 @@ class Qwen35Config(ModelConfig):
         return tuple(LayerKind(moe=moe, mixer=ATTENTION if t == FULL else GATED_DELTANET)
                      for moe, t in zip(self.moe_layers(), self.mixers()))
 
+    def mtp_kinds(self) -> tuple[LayerKind, ...]:
+        """Each MTP depth's layer: gated full attention, MoE as vLLM decides for ``mtp.layers.{d}``
+        (the decoder's rule at index ``d``: every depth of the MoE releases)."""
+        return tuple(LayerKind(moe=self.layer_is_moe(d), mixer=ATTENTION) for d in range(self.mtp_num_layers))
+
     def mixer_fields(self, mixers: tuple[str, ...]) -> dict[str, Any]:
         return {"layer_types": tuple(FULL if m == ATTENTION else LINEAR for m in mixers)}
 
@@ -220,6 +225,8 @@ def to_hf(cfg: Qwen35Config) -> dict[str, Any]:
     }
     if cfg.intermediate_size:
         text["intermediate_size"] = cfg.intermediate_size
+    if cfg.mtp_num_layers:  # the trained head is written (a carried one keeps the field it came with)
+        text["mtp_num_hidden_layers"] = cfg.mtp_num_layers
     if cfg.is_moe:
         text.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
                     num_experts_per_tok=cfg.top_k, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,

@@ -26,6 +26,7 @@ import numpy as np
 from mlir_train.families.qwen3_5.config import ATTENTION, GATED_DELTANET, Qwen35Config
 from mlir_train.families.qwen3_5.megatron import with_megatron
 from mlir_train.families.table import EXPERT, GLOBAL, Ext, GateUp, Linear, LoRATarget, Param, Table
+from mlir_train.runtime.errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,14 +172,33 @@ def _table(rows: tuple[Param, ...]) -> Table:
 
 TABLE = _table(_rows(None))  # Qwen3.5's split projections, the text model's names
 
+# The multi-token-prediction head as the releases store it and vLLM's Qwen3NextMultiTokenPredictor /
+# Qwen3.5's MTP read it (megatron-core's enorm, hnorm, eh_proj, final_layernorm): one depth, its
+# decoder layer under mtp.layers.0 with the decoder's own names. fc's input is [embedding; hidden].
+MTP_ROWS = (Param(("fc",), GLOBAL, hf=(Ext("mtp.fc.weight", Linear()),)),
+            Param(("embed_norm", "scale"), GLOBAL, hf=(Ext("mtp.pre_fc_norm_embedding.weight"),)),
+            Param(("hidden_norm", "scale"), GLOBAL, hf=(Ext("mtp.pre_fc_norm_hidden.weight"),)),
+            Param(("norm", "scale"), GLOBAL, hf=(Ext("mtp.norm.weight"),)))
+MTP_LAYERS = "mtp.layers.{l}."
+
 
 @functools.cache
-def _layout(fused_groups: int | None, root: str) -> Table:
+def _layout(fused_groups: int | None, root: str, mtp: bool) -> Table:
     table = TABLE if fused_groups is None else _table(_rows(fused_groups))
-    return table if root == "model." else table.with_hf_prefix("model.", root)
+    table = table if root == "model." else table.with_hf_prefix("model.", root)
+    if mtp:  # the head is trained: read and written, no longer carried
+        table = dataclasses.replace(table, mtp_rows=MTP_ROWS, mtp_layers=MTP_LAYERS,
+                                    carried=tuple(p for p in table.carried if p != "mtp.*"))
+    return table
 
 
 def hf_table(cfg: Qwen35Config) -> Table:
     """The table with the HF names of ``cfg``'s class: Qwen3-Next's fused projections or
-    Qwen3.5's split ones, under ``model.`` or a vision-language model's ``model.language_model.``."""
-    return _layout(cfg.linear_num_key_heads if cfg.fused_projections else None, cfg.hf_root)
+    Qwen3.5's split ones, under ``model.`` or a vision-language model's ``model.language_model.``;
+    with the MTP head's (``mtp.*``) when ``cfg`` trains it (``--mtp-num-layers 1``: the HF
+    layout holds one depth)."""
+    if cfg.mtp_num_layers > 1:
+        raise CheckpointError(f"--mtp-num-layers {cfg.mtp_num_layers}: an HF checkpoint holds one multi-token-"
+                              "prediction depth (mtp.*, which vLLM and SGLang draft with repeatedly); train 1 "
+                              "depth to read or write HF")
+    return _layout(cfg.linear_num_key_heads if cfg.fused_projections else None, cfg.hf_root, cfg.mtp_num_layers > 0)
