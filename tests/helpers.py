@@ -192,8 +192,8 @@ def train_one_step(cfg, layout: Layout | None, options: ModelOptions | None = No
         mesh = make_mesh(parallel)
     schedule = megatron_lr_schedule(lr=LR, min_lr=LR / 10, train_iters=10, lr_decay_style="cosine", lr_warmup_iters=0)
     optimizer = make_optimizer(lr_schedule=schedule, weight_decay=0.1, beta1=BETA1, beta2=0.95, clip_grad=1.0)
-    step_cfg = StepConfig(num_micro_batches=MICRO, balancing=AUX_LOSS, micro_batch_size=MICRO_BATCH_SIZE,
-                          per_token_loss=per_token, **(step or {}))
+    step_cfg = StepConfig(**dict(num_micro_batches=MICRO, balancing=AUX_LOSS, micro_batch_size=MICRO_BATCH_SIZE,
+                                 per_token_loss=per_token) | (step or {}))
     trainer = build_trainer(cfg, step_cfg, optimizer, parallel, mesh, options=options or ModelOptions(),
                             schedule=pipeline_schedule(cfg, parallel, MICRO, **(pipeline or {})))
     state = trainer.init_state(SEED)

@@ -154,8 +154,8 @@ NOT_IMPLEMENTED_FLAGS: dict[str, tuple[int | str, str]] = {
                                              "implemented"),
     "--moe-use-upcycling": (0, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
     "--moe-upcycling-granularity": (1, "dense-to-MoE upcycling is not implemented: start from an MoE checkpoint"),
-    "--mtp-standalone": (0, "the MTP depths run on the last pipeline stage here (megatron-core's standalone MTP "
-                            "stage is not built): drop the flag"),
+    "--mtp-standalone": (0, "megatron-core's standalone MTP pipeline stage is not built (the MTP depths do not "
+                            "run under pipeline parallelism yet): drop the flag"),
     "--config-file": (1, "LoongForge's model YAML is not read: name the model with --model-name (a registry name "
                          "such as qwen3.5-35b-a3b, or the HF directory's config.json)"),
     "--add-question-in-pretrain": (0, "LoongForge's pretraining data option: mlir-train trains on SFT records "

@@ -159,6 +159,7 @@ def _random_kills(tmp_path, n: int, seed: int) -> None:
     assert resumed == sorted(resumed)  # never back to an older step, nor to scratch after a save
 
 
+@pytest.mark.slow  # 2026-12-08, CI time: the commit-boundary kills above run by default
 def test_a_few_random_kills(tmp_path):
     _random_kills(tmp_path, 3, seed=1)
 

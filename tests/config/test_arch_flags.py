@@ -95,7 +95,7 @@ def test_qwen3_runs_keep_their_restating_flags():
 
 @pytest.mark.parametrize("flag, value, why", [
     ("--config-file", "x.yaml", "LoongForge's model YAML is not read"),
-    ("--mtp-standalone", None, "standalone MTP stage is not built"),
+    ("--mtp-standalone", None, "standalone MTP pipeline stage is not built"),
     ("--add-question-in-pretrain", None, "LoongForge's pretraining data option")])
 def test_loongforge_qwen3_5_script_flags_we_do_not_implement_stop_naming_themselves(flag, value, why,
                                                                                    capsys):

@@ -285,13 +285,13 @@ def assert_gpu_paths_ran(out: list[str], *, overflow: bool = False, flash: bool 
 # compiles dominate, so ~60-75 s unloaded, over the default suite's budget), qwen3.5-tiny-ep2 403 s (1.4e-4),
 # qwen3.5-tiny-pp2-ep2 680 s (1.4e-4), qwen3.5-tiny-tp2-ep2-sp 460 s (3.9e-4); folding rerun 85 s;
 # qwen3.5-tiny-cp2-ep2 153 s at load ~2 (1.2e-3; a_log_H's update explained, 288 kernel calls).
-DEFAULT_SUITE = ("seed", "folding", "ep8-overflow", "lora")
+DEFAULT_SUITE = ("seed", "ep8-overflow")  # folding and lora slow since 2026-12-08: the default lanes' time (CI)
 
 
 # On jax 0.12.1 (the newest lane) the reworked Mosaic-GPU interpreter runs these in a minute or less
 # (cp2-ep2 24 s, pp2-interleaved-ep2 53 s; every slow layout above passed there, 559 s in all, 2026-12-07):
 # that lane runs these two as well (marker newest_lane, scripts/test_newest_jax.sh).
-NEWEST_LANE = ("cp2-ep2", "pp2-interleaved-ep2")
+NEWEST_LANE = ()  # was ("cp2-ep2", "pp2-interleaved-ep2"): both lanes' time (CI, 2026-12-08); run them with -m slow
 
 
 @pytest.mark.parametrize("name", [n if n in DEFAULT_SUITE else pytest.param(

@@ -55,7 +55,7 @@ def from_zigzag_jnp(y, order):
 # float32: 14 s (compile cache warm) to ~40 s cold at -O0 on 2 shared cores (load 8); float64: 80 s cold at
 # load 7, over the ~30 s budget, but the default suite's only test of CP with TP (a whole step takes longer).
 @pytest.mark.parametrize("layout, bits", [
-    (Layout(context=4), 32),
+    pytest.param(Layout(context=4), 32, marks=pytest.mark.slow),
     pytest.param(Layout(context=2, tensor=2), 32, marks=pytest.mark.slow),
     (Layout(context=2, tensor=2), 64),
 ], ids=["CP4xDP2", "CP2xTP2xDP2", "CP2xTP2xDP2-float64"])

@@ -195,3 +195,22 @@ def test_hf_head_is_read_and_written_back_trained(tmp_path):
              for k, v in load_file(str(tmp_path / "b" / f)).items() if k.startswith("mtp.")}
     assert before.keys() == after.keys() and len(before) > 20
     assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_the_depths_routers_balance_with_the_decoders():
+    """An MoE depth's router is one more MoE layer of megatron-core's count: its aux losses
+    (global_aux_loss's running counts included) are formed with the decoder's, and aux-loss-free
+    balancing moves its expert bias by its own routed load."""
+    from mlir_train.config import policies
+    from mlir_train.config.policies import RouterConfig
+    from mlir_train.model import ModelOptions
+    from tests.helpers import train_one_step
+
+    cfg = families.get_model_config("qwen3.5-moe-tiny", vocab_size=256, num_layers=2,
+                                    layer_types=("linear_attention", "full_attention"), mtp_num_layers=1)
+    balancing = policies.LoadBalancing(coeffs=(("aux_loss", 1e-2), ("global_aux_loss", 1e-2)))
+    got = train_one_step(cfg, None, ModelOptions(router=RouterConfig(score_function="sigmoid", enable_expert_bias=True)),
+                         step=dict(balancing=balancing, expert_bias_update_rate=1e-2))
+    bias = np.asarray(got.params["mtp"][0]["layer"]["mlp"]["expert_bias"])
+    assert bias.shape == (1, cfg.num_experts) and np.abs(bias).sum() > 0  # moved from zero by its own load
+    assert np.isfinite(got.metrics["mtp_1 loss"]) and got.metrics["global_load_balancing_loss"] > 0

@@ -121,7 +121,9 @@ def _probe_loss(h, stats):
             + jnp.sum(p * jnp.sin(jnp.arange(p.size).reshape(p.shape))))
 
 
-@pytest.mark.parametrize("remat", ["full", pytest.param("none", marks=pytest.mark.slow)])
+# Slow (60 s each): the pipeline's period scan against one device (tests/train/test_pipeline.py) runs by default.
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "none"])
 def test_the_period_scan_equals_the_per_run_scans(remat):
     cfg = _cfg(8)  # two periods (10 layers, with a remainder, is the same code and twice the compile)
     model = build_model(cfg, ModelOptions(remat=remat))

@@ -64,7 +64,7 @@ STEP_CASES = {
 }
 # Left to the slow run (~30 s each on 2 busy cores); the block tests below cover their paths
 # (no SP, capacity, ragged, ETP > TP > 1) at a fraction of the cost.
-SLOW_STEP_CASES = {"TP4xEP2xETP1+SP+distopt", "TP1xEP1xETP2", "TP2xEP4xETP1+distopt", "TP2xEP4xETP1+SP+fsdp", "TP1xEP2xETP2-capacity", "TP1xEP1xETP2-ragged", "TP2xEP2xETP4+SP"}
+SLOW_STEP_CASES = {"TP1xEP2xETP2+distopt", "TP4xEP2xETP1+SP+distopt", "TP1xEP1xETP2", "TP2xEP4xETP1+distopt", "TP2xEP4xETP1+SP+fsdp", "TP1xEP2xETP2-capacity", "TP1xEP1xETP2-ragged", "TP2xEP2xETP4+SP"}
 
 
 @functools.cache

@@ -40,9 +40,9 @@ CFGS = {"moe": MODELS["moe"], "dense": MODELS["dense"], "deep": DEEP}
 FAST = {
     "moe-TP2xEP2-SP-distopt": ("moe", PER_EXPERT, Layout(tensor=2, expert=2, sequence_parallel=True,
                                                           distributed_optimizer=True), {}),
-    "dense-TP2-SP": ("dense", PER_EXPERT, Layout(tensor=2, sequence_parallel=True), {}),
 }
 SLOW = {
+    "dense-TP2-SP": ("dense", PER_EXPERT, Layout(tensor=2, sequence_parallel=True), {}),
     "moe-DP8-shared": ("moe", SHARED, Layout(), {}),
     "moe-EP4xTP2-shared": ("moe", SHARED, Layout(tensor=2, expert=4), {}),
     "moe-FSDP8": ("moe", PER_EXPERT, Layout(fsdp=True), {}),

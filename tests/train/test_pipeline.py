@@ -77,7 +77,8 @@ def test_pipelined_step_equals_one_device_per_token_loss():
 MIXED = PIPELINE_CFG.replace(mlp_only_layers=(0,))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 55 s; even stages with 1F1B run by default (test_pipelined_step_equals_one_device)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_uneven_mixed_pipeline_equals_one_device(schedule):
     ref = pipeline_step(Layout(num_devices=1), jax.devices()[:1], cfg=MIXED)
     out = pipeline_step(Layout(pipeline=2, num_devices=8), jax.devices()[:8], None, schedule, cfg=MIXED,
@@ -199,7 +200,7 @@ def _compiled_temp_bytes(pp: int, micro: int, schedule: str) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("pp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_1f1b_memory_is_bounded_by_stages_not_micro_batches(pp):
     """The compiled step's temporaries (XLA:CPU buffer assignment) at 64 micro-batches stay within
     15% of those at 4: 1F1B keeps the residuals of at most 2P - 1 items (2P - 2 slots), where

@@ -10,7 +10,7 @@ under LoRA its projections carry adapters (their B drawn at random, so that A ha
 the first step). Under CP the rows arrive in the load-balanced order and the DeltaNet's conv
 windows and state pass between the context ranks (``mlir_train.model.gdn_context``); pipeline
 stages are ``tests/train/test_qwen3_5_pipeline.py``'s.
-The default suite runs one layout (TP2 x DP4 + SP); the others are ``slow``. The seconds of a step against a Qwen3-MoE step of the same width are
+The default suite runs one layout (CP2 x TP2 x EP2 + SP + distributed optimizer, with two MTP depths); the others are ``slow``. The seconds of a step against a Qwen3-MoE step of the same width are
 printed (``-s``).
 
 Float32 noise against a bug (``benchmarks/float64_reference.py``: the same steps in float64 from
@@ -102,7 +102,8 @@ def _largest_differences(got, ref) -> str:
 # each other case took 45-100 s cold (7-9 s with JAX's compilation cache warm) and is slow; the CP x TP
 # layouts took 90-180 s, CP x PP 280-370 s (benchmarks/float64_reference.py, load 7). CP x TP's default
 # check is the DeltaNet layer's, in float64 (tests/model/test_gdn_context.py).
-DEFAULT = ("moe-TP2xDP4+SP", "moe-mtp-CP2xTP2xEP2+SP+distopt")
+# One layout by default (CP, TP + SP, EP and the distributed optimizer together, with the MTP depths); the rest slow.
+DEFAULT = ("moe-mtp-CP2xTP2xEP2+SP+distopt",)
 
 
 def _marks(name):

@@ -154,6 +154,7 @@ def test_whole_periods_are_one_period_scan_in_the_program(layers, schedule, peri
     assert program[0].scan == program[1].scan == 0
 
 
+@pytest.mark.slow  # 60 s; the single-period chunk below runs the same scan machinery by default
 def test_a_chunk_of_whole_periods_is_one_scan_over_them():
     """16 layers PP2: the chunk's forward (what 1F1B differentiates) is one ``lax.scan`` over its
     2 periods whose body scans the DeltaNet run (3 layers) and the attention layer; the 1F1B

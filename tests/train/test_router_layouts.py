@@ -43,7 +43,7 @@ LAYOUTS = {
 }
 PIPELINE_SCHEDULE = {"PP2xEP2xDP2-gpipe": "gpipe"}  # else Megatron's default (1f1b)
 # Pure DP is also inside PP2xEP2xDP2 (two data ranks); its own 8-rank run is the slow one.
-SLOW = {"DP8", "PP2xEP2xDP2-gpipe"}  # GPipe itself is tested in tests/train/test_pipeline.py
+SLOW = {"DP8", "PP2xEP2xDP2", "PP2xEP2xDP2-gpipe"}  # GPipe itself is tested in tests/train/test_pipeline.py
 SINGLE = "1 device"
 
 
