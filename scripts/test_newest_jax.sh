@@ -4,7 +4,7 @@
 # running the default suite there (README, "Supported versions"). The default lane
 # (README's test command, jax 0.10.2 on Python 3.11) is the other end of the supported range.
 #
-#   bash scripts/test_newest_jax.sh            # the lane: every test not marked slow (about 20 minutes on 2 cores)
+#   bash scripts/test_newest_jax.sh            # the lane: every test not marked slow (about 16 minutes on 2 cores, cold)
 #   bash scripts/test_newest_jax.sh tests/X.py # pytest arguments added (a file, -k ...)
 #
 # The interpreter: $PY313 if set, else a Python 3.13 on this machine (pyenv's, or one built before), else
@@ -38,7 +38,7 @@ from importlib import metadata
 print("newest-jax lane:", ", ".join(f"{p} {metadata.version(p)}" for p in ("jax", "jaxlib", "flax", "tokamax", "jax-cuda13-plugin")))
 EOF
 
-# The lane's tests: the whole default suite on this stack (about 20 minutes on 2 cores), and the slow tests
+# The lane's tests: the whole default suite on this stack (about 16 minutes on 2 cores, cold), and the slow tests
 # marked newest_lane (GPU-path layouts the reworked Mosaic-GPU interpreter runs fast here). Tests that need
 # torch (HF / megatron-core / peft references) skip here: the default lane runs them.
 exec python -m pytest -q -m "not slow or newest_lane" "$@"
