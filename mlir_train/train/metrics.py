@@ -158,6 +158,7 @@ def console_line(iteration: int, train_iters: int, m: dict[str, float], eta_s: f
         f"global batch size: {int(m['batch-size']):5d}",
         f"lm loss: {m['lm loss']:.6E}",
     ]
+    parts += [f"{name}: {m[name]:.6E}" for name in sorted(m) if name.startswith("mtp_") and name.endswith(" loss")]
     if "load_balancing_loss" in m:
         parts.append(f"load_balancing_loss: {m['load_balancing_loss']:.6E}")
     for name in ("seq_load_balancing_loss", "global_load_balancing_loss"):
@@ -296,6 +297,7 @@ class StepLogger:
             "loss tokens": float(m["loss tokens"]),
             "predicted-iteration-time": self.predicted_step_s,
         }
+        scalars |= {k: float(v) for k, v in m.items() if k.startswith("mtp_") and k.endswith(" loss")}  # --mtp-num-layers
         arrays = {}
         if "load_balancing_loss" in m:
             scalars |= router_scalars(m, self.model_cfg, per_layer=self.per_layer_router)

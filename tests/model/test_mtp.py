@@ -214,3 +214,15 @@ def test_the_depths_routers_balance_with_the_decoders():
     bias = np.asarray(got.params["mtp"][0]["layer"]["mlp"]["expert_bias"])
     assert bias.shape == (1, cfg.num_experts) and np.abs(bias).sum() > 0  # moved from zero by its own load
     assert np.isfinite(got.metrics["mtp_1 loss"]) and got.metrics["global_load_balancing_loss"] > 0
+
+
+def test_depth_losses_are_on_the_console_line_next_to_lm_loss():
+    """Logged as megatron-core names them, right after lm loss (metrics.jsonl and TensorBoard take
+    every scalar the logger forms, these included)."""
+    from mlir_train.train.metrics import console_line
+
+    step = {"consumed samples": 8, "iteration-time": 0.1, "learning-rate": 1e-4, "batch-size": 8, "lm loss": 2.0,
+            "mtp_1 loss": 2.5, "mtp_2 loss": 3.0, "loss-scale": 1.0, "grad-norm": 1.0, "skipped iterations": 0,
+            "supervised-tokens-per-sec": 1.0, "supervised-tokens-per-sec-per-device": 1.0, "slot-tokens-per-sec": 1.0,
+            "throughput": 1.0}
+    assert "lm loss: 2.000000E+00 | mtp_1 loss: 2.500000E+00 | mtp_2 loss: 3.000000E+00 |" in console_line(1, 10, step, None)
